@@ -1,0 +1,350 @@
+"""Configuration: one dataclass tree = one YAML tree = one dotted CLI path.
+
+    python -m mx_jax.train --config configs/llama3_debug.yaml optim.lr_peak=1e-3 mesh.fsdp=4 run_dir=/tmp/r1
+
+Precedence is defaults < YAML < `dotted.key=value` overrides. Every key is checked: an unknown key is an error that
+names it and the closest valid key; a value that does not parse as the field's type, or is outside its allowed
+choices, is an error naming the key. Cross-field rules (heads divide the model width, the batch divides the mesh,
+...) are checked by `validate()`. Nothing is written before the whole config is valid.
+
+Each module takes its own section (ModelConfig, MeshConfig, ...), never the whole TrainConfig.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import pathlib
+import typing
+from typing import Any, Literal
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A config key or value is wrong; the message names the key."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RopeScaling:
+    """Llama 3.1 frequency scaling of RoPE (factor 1.0 = off). See layers.rope_inv_freq."""
+
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_len: int = 8192
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MoEConfig:
+    """Sparse mixture-of-experts feed-forward (n_experts 0 = dense model). See moe.py."""
+
+    n_experts: int = 0
+    top_k: int = 2
+    d_expert: int = 0  # hidden width of one routed expert; 0 = model.d_ff
+    n_shared: int = 0  # DeepSeek-style always-on shared experts (each d_expert wide)
+    every_n_layers: int = 1  # MoE in layers l with (l + 1) % every_n_layers == 0, dense elsewhere
+    n_dense_first: int = 0  # DeepSeek keeps its first layers dense
+    score: Literal["softmax", "sigmoid"] = "softmax"
+    normalize_top_k: bool = True
+    aux_loss_coef: float = 0.01  # Switch/Mixtral load-balancing loss
+    bias_update_rate: float = 0.0  # DeepSeek-V3 auxiliary-loss-free balancing (0 = off)
+    z_loss_coef: float = 0.0  # router z-loss (ST-MoE)
+    capacity_factor: float = 0.0  # 0 = dropless
+    dispatch: Literal["flat", "hierarchical"] = "flat"
+    gpus_per_node: int = 8  # for hierarchical dispatch: the expert axis is (node, local)
+    impl: Literal["auto", "pallas", "xla", "reference"] = "auto"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    vocab_size: int = 256
+    d_model: int = 256
+    n_layers: int = 4
+    n_heads: int = 8
+    n_kv_heads: int = 4
+    head_dim: int = 0  # 0 = d_model // n_heads
+    d_ff: int = 768
+    rope_theta: float = 500_000.0
+    rope_scaling: RopeScaling = RopeScaling()
+    norm_eps: float = 1e-5
+    init_std: float = 0.02
+    compute_dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    param_dtype: Literal["float32", "bfloat16"] = "float32"
+    remat: Literal["none", "full", "save_matmuls"] = "none"
+    attention: Literal["auto", "cudnn", "xla"] = "auto"
+    moe: MoEConfig = MoEConfig()
+
+    @property
+    def d_head(self) -> int:
+        return self.head_dim or self.d_model // self.n_heads
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MeshConfig:
+    """Device mesh shape. One axis may be -1: it takes the devices the others leave."""
+
+    data: int = 1  # replicated data parallel (across hosts in HSDP)
+    fsdp: int = -1  # parameters, gradients and optimizer state sharded; batch split
+    expert: int = 1  # MoE experts sharded; dense layers treat it as more data parallelism
+    context: int = 1  # the sequence is split; attention all-gathers K and V
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DataConfig:
+    source: Literal["embedded", "bin"] = "embedded"
+    path: str = ""  # directory of token shards (source=bin), as written by `python -m mx_jax.data convert`
+    seq_len: int = 256
+    batch_size: int = 32  # global sequences per optimizer step (all hosts, all microbatches)
+    grad_accum_steps: int = 1
+    eval_batches: int = 8
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class OptimConfig:
+    lr_peak: float = 3e-3
+    lr_final_ratio: float = 0.1  # the cosine decays to lr_peak * lr_final_ratio
+    warmup_steps: int = 50
+    decay_steps: int = 0  # 0 = the run's `steps`
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.1  # not applied to norms and embeddings
+    grad_clip_norm: float = 1.0  # 0 = off
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class QuantConfig:
+    """Low-precision recipe for the block linears. See quant.py for what each recipe does."""
+
+    recipe: str = "bf16"
+    # Which linears convert: any of attn (q/k/v/o), mlp (gate/up/down), experts (MoE), head (the output head).
+    modules: tuple[str, ...] = ("attn", "mlp", "experts")
+    impl: Literal["auto", "pallas", "xla", "reference"] = "auto"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CkptConfig:
+    every_steps: int = 200  # 0 = only at the end
+    keep: int = 3
+    async_save: bool = True
+    resume: str = "latest"  # "latest" (resume when the run dir has a checkpoint), "never", or a step number
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LogConfig:
+    every_steps: int = 10
+    eval_every_steps: int = 100  # 0 = only at the end
+    peak_tflops: float = 0.0  # per device, for MFU; 0 = known value for the device kind (none on CPU)
+    tensorboard: bool = True
+    progress: bool = True
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    run_dir: str = ""  # "" = runs/<config file stem>
+    steps: int = 600
+    seed: int = 0
+    model: ModelConfig = ModelConfig()
+    mesh: MeshConfig = MeshConfig()
+    data: DataConfig = DataConfig()
+    optim: OptimConfig = OptimConfig()
+    quant: QuantConfig = QuantConfig()
+    ckpt: CkptConfig = CkptConfig()
+    log: LogConfig = LogConfig()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Loading, overrides, validation.
+
+
+def _fields(cls) -> dict[str, dataclasses.Field]:
+    return {f.name: f for f in dataclasses.fields(cls)}
+
+
+def _hint(cls, name: str):
+    return typing.get_type_hints(cls)[name]
+
+
+def _unknown_key(path: str, key: str, cls) -> ConfigError:
+    valid = list(_fields(cls))
+    close = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
+    where = f"{path}.{key}" if path else key
+    msg = f"unknown config key '{where}'"
+    if close:
+        msg += f"; did you mean '{(path + '.') if path else ''}{close[0]}'?"
+    msg += f" (valid keys{' in ' + path if path else ''}: {', '.join(valid)})"
+    return ConfigError(msg)
+
+
+def _coerce(key: str, hint, value: Any) -> Any:
+    """Convert a YAML or CLI value to the field's type, or raise an error naming the key."""
+    origin = typing.get_origin(hint)
+    if origin is Literal:
+        choices = typing.get_args(hint)
+        if value not in choices:
+            raise ConfigError(f"config key '{key}' must be one of {list(choices)}, got {value!r}")
+        return value
+    if origin is tuple:
+        if isinstance(value, str):
+            value = [v.strip() for v in value.split(",") if v.strip()]
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"config key '{key}' must be a list, got {value!r}")
+        return tuple(str(v) for v in value)
+    try:
+        if hint is bool:
+            if isinstance(value, str):
+                low = value.lower()
+                if low in ("true", "1", "yes", "on"):
+                    return True
+                if low in ("false", "0", "no", "off"):
+                    return False
+                raise ValueError
+            if isinstance(value, bool):
+                return value
+            raise ValueError
+        if hint is int:
+            if isinstance(value, bool):
+                raise ValueError
+            if isinstance(value, float) and not value.is_integer():
+                raise ValueError
+            return int(float(value)) if isinstance(value, str) and any(c in value for c in ".eE") else int(value)
+        if hint is float:
+            if isinstance(value, bool):
+                raise ValueError
+            return float(value)
+        if hint is str:
+            return "" if value is None else str(value)
+    except (TypeError, ValueError):
+        pass
+    else:
+        raise ConfigError(f"config key '{key}' has unsupported type {hint}")
+    name = getattr(hint, "__name__", str(hint))
+    raise ConfigError(f"config key '{key}' expects {name}, got {value!r}")
+
+
+def _merge(cls, base, updates: dict, path: str = ""):
+    """Return a copy of dataclass `base` with `updates` (a nested dict) applied, checking every key."""
+    if not isinstance(updates, dict):
+        raise ConfigError(f"config section '{path or '<root>'}' must be a mapping, got {updates!r}")
+    fields = _fields(cls)
+    changes = {}
+    for key, value in updates.items():
+        if key not in fields:
+            raise _unknown_key(path, str(key), cls)
+        hint = _hint(cls, key)
+        full = f"{path}.{key}" if path else key
+        if dataclasses.is_dataclass(hint):
+            changes[key] = _merge(hint, getattr(base, key), value if value is not None else {}, full)
+        else:
+            changes[key] = _coerce(full, hint, value)
+    return dataclasses.replace(base, **changes)
+
+
+def _dotted_to_nested(overrides: list[str]) -> list[dict]:
+    out = []
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override '{item}' is not of the form dotted.key=value")
+        key, raw = item.split("=", 1)
+        if not key:
+            raise ConfigError(f"override '{item}' has an empty key")
+        # YAML gives lists and null; scalars stay strings and are coerced by the field's type.
+        value: Any = raw
+        if raw.startswith("[") or raw in ("null", "~"):
+            value = yaml.safe_load(raw)
+        nested: dict = {}
+        cur = nested
+        parts = key.split(".")
+        for p in parts[:-1]:
+            cur = cur.setdefault(p, {})
+        cur[parts[-1]] = value
+        out.append(nested)
+    return out
+
+
+def load_config(path: str | None = None, overrides: list[str] = ()) -> TrainConfig:
+    """Defaults < YAML file < dotted overrides; validated. `run_dir` defaults to runs/<yaml stem>."""
+    cfg = TrainConfig()
+    if path is not None:
+        p = pathlib.Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file '{path}' does not exist")
+        try:
+            raw = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file '{path}' is not valid YAML: {e}") from None
+        cfg = _merge(TrainConfig, cfg, raw)
+    for nested in _dotted_to_nested(list(overrides)):
+        cfg = _merge(TrainConfig, cfg, nested)
+    if not cfg.run_dir:
+        stem = pathlib.Path(path).stem if path else "default"
+        cfg = dataclasses.replace(cfg, run_dir=str(pathlib.Path("runs") / stem))
+    validate(cfg)
+    return cfg
+
+
+def to_dict(cfg) -> dict:
+    def conv(v):
+        if dataclasses.is_dataclass(v):
+            return {f.name: conv(getattr(v, f.name)) for f in dataclasses.fields(v)}
+        if isinstance(v, tuple):
+            return [conv(x) for x in v]
+        return v
+
+    return conv(cfg)
+
+
+def to_yaml(cfg) -> str:
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False)
+
+
+def _check(cond: bool, key: str, msg: str) -> None:
+    if not cond:
+        raise ConfigError(f"config key '{key}': {msg}")
+
+
+def validate(cfg: TrainConfig) -> None:
+    """Cross-field checks that need no devices. Mesh-vs-device checks happen in sharding.make_mesh."""
+    m, d, o, c, lg = cfg.model, cfg.data, cfg.optim, cfg.ckpt, cfg.log
+    _check(cfg.steps > 0, "steps", f"must be positive, got {cfg.steps}")
+    for k in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff"):
+        _check(getattr(m, k) > 0, f"model.{k}", f"must be positive, got {getattr(m, k)}")
+    _check(m.n_heads % m.n_kv_heads == 0, "model.n_kv_heads",
+           f"must divide model.n_heads ({m.n_heads}), got {m.n_kv_heads}")
+    _check(m.head_dim > 0 or m.d_model % m.n_heads == 0, "model.n_heads",
+           f"must divide model.d_model ({m.d_model}) when model.head_dim is 0, got {m.n_heads}")
+    _check(m.d_head % 2 == 0, "model.head_dim", f"the head dimension must be even for RoPE, got {m.d_head}")
+    _check(m.rope_scaling.factor >= 1.0, "model.rope_scaling.factor", f"must be >= 1, got {m.rope_scaling.factor}")
+    _check(m.rope_theta > 0, "model.rope_theta", f"must be positive, got {m.rope_theta}")
+    e = m.moe
+    if e.n_experts:
+        _check(1 <= e.top_k <= e.n_experts, "model.moe.top_k", f"must be in [1, n_experts={e.n_experts}], got {e.top_k}")
+        _check(e.every_n_layers >= 1, "model.moe.every_n_layers", f"must be >= 1, got {e.every_n_layers}")
+        _check(e.capacity_factor == 0 or e.capacity_factor >= 1, "model.moe.capacity_factor",
+               f"must be 0 (dropless) or >= 1, got {e.capacity_factor}")
+    _check(d.seq_len > 0, "data.seq_len", f"must be positive, got {d.seq_len}")
+    _check(d.batch_size > 0, "data.batch_size", f"must be positive, got {d.batch_size}")
+    _check(d.grad_accum_steps > 0 and d.batch_size % d.grad_accum_steps == 0, "data.grad_accum_steps",
+           f"must divide data.batch_size ({d.batch_size}), got {d.grad_accum_steps}")
+    _check(d.source != "bin" or bool(d.path), "data.path", "must name a token-shard directory when data.source=bin")
+    _check(o.lr_peak > 0, "optim.lr_peak", f"must be positive, got {o.lr_peak}")
+    _check(0 <= o.lr_final_ratio <= 1, "optim.lr_final_ratio", f"must be in [0, 1], got {o.lr_final_ratio}")
+    _check(o.warmup_steps >= 0, "optim.warmup_steps", f"must be >= 0, got {o.warmup_steps}")
+    _check(0 <= o.b1 < 1 and 0 <= o.b2 < 1, "optim.b1", "b1 and b2 must be in [0, 1)")
+    _check(o.grad_clip_norm >= 0, "optim.grad_clip_norm", f"must be >= 0, got {o.grad_clip_norm}")
+    _check(c.every_steps >= 0, "ckpt.every_steps", f"must be >= 0, got {c.every_steps}")
+    _check(c.keep >= 1, "ckpt.keep", f"must be >= 1, got {c.keep}")
+    _check(c.resume in ("latest", "never") or c.resume.isdigit(), "ckpt.resume",
+           f"must be 'latest', 'never' or a step number, got {c.resume!r}")
+    _check(lg.every_steps > 0, "log.every_steps", f"must be positive, got {lg.every_steps}")
+    _check(lg.eval_every_steps >= 0, "log.eval_every_steps", f"must be >= 0, got {lg.eval_every_steps}")
+    for k in ("data", "fsdp", "expert", "context"):
+        v = getattr(cfg.mesh, k)
+        _check(v == -1 or v >= 1, f"mesh.{k}", f"must be -1 or >= 1, got {v}")
+    _check([getattr(cfg.mesh, k) for k in ("data", "fsdp", "expert", "context")].count(-1) <= 1, "mesh",
+           "at most one axis may be -1")
+    _check(cfg.mesh.expert == 1 or e.n_experts > 0, "mesh.expert", "needs a MoE model (model.moe.n_experts > 0)")
+    allowed = {"attn", "mlp", "experts", "head"}
+    bad = [x for x in cfg.quant.modules if x not in allowed]
+    _check(not bad, "quant.modules", f"unknown module kind(s) {bad}; choose from {sorted(allowed)}")

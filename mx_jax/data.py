@@ -1,0 +1,292 @@
+"""Training data: the embedded corpus, token shards, and a deterministic, resumable, per-host batch iterator.
+
+Embedded corpus (no download, real text): the `.py` files of the running Python's standard library, excluding
+test packages and site-packages, in sorted path order, each followed by a NUL byte (which never occurs in Python
+source) as document separator. A file goes to the held-out split when sha1(relative path) mod 20 == 0 (5%).
+Tokens are raw bytes (vocabulary 256), so the loss reads directly as nats per byte; ln 256 = 5.55 at init.
+
+Token shards: a directory of flat little-endian `train_*.bin` / `val_*.bin` token arrays (nanoGPT / Megatron
+style, no header) plus `meta.json` with `{"dtype": "uint16"|"uint32", "vocab_size": V, "tokenizer": ...}`.
+Write them with
+    python -m mx_jax.data convert --out DIR [--tokenizer byte|path/to/tokenizer.json] FILE_OR_DIR ...
+(a HF `tokenizer.json` needs the `tokenizers` package). Shards are memory-mapped: a host touches only the windows
+its devices need.
+
+Sampling: a split is cut into n = floor((len - 1) / T) windows of T+1 tokens. Global sequence i (counting from
+the start of training) is window perm_e[i mod n] of epoch e = i // n, with perm_e a permutation seeded by
+(seed, e). The iterator's whole state is the number of sequences consumed, which the checkpoint stores, so a
+resumed run sees exactly the batches an uninterrupted run would. Each process materializes only the rows (and
+sequence slice) of the global batch that its addressable devices hold (jax.make_array_from_callback).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import hashlib
+import json
+import pathlib
+import sys
+import sysconfig
+from typing import Callable, Sequence
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+
+from mx_jax.config import ConfigError, DataConfig
+
+SEPARATOR = 0  # NUL byte between documents of the embedded corpus
+_EXCLUDED_PARTS = {"test", "tests", "site-packages", "dist-packages", "idle_test"}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Sources
+
+
+def stdlib_files() -> list[tuple[str, pathlib.Path]]:
+    root = pathlib.Path(sysconfig.get_paths()["stdlib"])
+    out = []
+    for f in sorted(root.rglob("*.py")):
+        rel = f.relative_to(root)
+        if _EXCLUDED_PARTS.intersection(rel.parts):
+            continue
+        out.append((rel.as_posix(), f))
+    if not out:
+        raise RuntimeError(f"no Python standard library sources found under {root}")
+    return out
+
+
+def is_heldout(rel_path: str) -> bool:
+    return int(hashlib.sha1(rel_path.encode()).hexdigest(), 16) % 20 == 0
+
+
+@functools.lru_cache(maxsize=1)
+def embedded_corpus() -> dict[str, np.ndarray]:
+    """{"train": uint8 tokens, "val": uint8 tokens} from the standard library sources (read once per process)."""
+    parts: dict[str, list[bytes]] = {"train": [], "val": []}
+    for rel, f in stdlib_files():
+        parts["val" if is_heldout(rel) else "train"].append(f.read_bytes() + bytes([SEPARATOR]))
+    return {k: np.frombuffer(b"".join(v), dtype=np.uint8) for k, v in parts.items()}
+
+
+def load_shards(path: str, split: str) -> tuple[list[np.ndarray], int]:
+    """Memory-map `<path>/<split>_*.bin`; returns (arrays, vocab_size)."""
+    d = pathlib.Path(path)
+    meta_file = d / "meta.json"
+    if not meta_file.is_file():
+        raise ConfigError(f"config key 'data.path': {meta_file} not found (write shards with "
+                          f"`python -m mx_jax.data convert`)")
+    meta = json.loads(meta_file.read_text())
+    dtype = np.dtype(meta.get("dtype", ""))
+    if dtype not in (np.uint16, np.uint32):
+        raise ConfigError(f"{meta_file}: dtype must be uint16 or uint32, got {meta.get('dtype')!r}")
+    files = sorted(d.glob(f"{split}_*.bin"))
+    if not files:
+        raise ConfigError(f"config key 'data.path': no {split}_*.bin shards in {d}")
+    arrays = []
+    for f in files:
+        if f.stat().st_size % dtype.itemsize:
+            raise ConfigError(f"token shard {f} has {f.stat().st_size} bytes, not a multiple of {dtype} size")
+        arrays.append(np.memmap(f, dtype=dtype, mode="r"))
+    return arrays, int(meta["vocab_size"])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Windows and batches
+
+
+class Windows:
+    """Non-overlapping windows of T+1 tokens over a list of token arrays; window w -> (array, offset)."""
+
+    def __init__(self, arrays: Sequence[np.ndarray], seq_len: int, name: str):
+        self.arrays, self.seq_len = list(arrays), seq_len
+        counts = np.array([max(0, (len(a) - 1) // seq_len) for a in self.arrays], dtype=np.int64)
+        self.starts = np.concatenate([[0], np.cumsum(counts)])
+        self.n = int(self.starts[-1])
+        if self.n == 0:
+            total = sum(len(a) for a in self.arrays)
+            raise ConfigError(f"config key 'data.seq_len': the {name} split has {total} tokens, too few for one "
+                              f"window of {seq_len + 1}")
+
+    def get(self, w: int, t0: int = 0, t1: int | None = None) -> np.ndarray:
+        """Tokens [t0, t1) of window w's T+1 tokens."""
+        a = int(np.searchsorted(self.starts, w, side="right") - 1)
+        off = int(w - self.starts[a]) * self.seq_len
+        t1 = self.seq_len + 1 if t1 is None else t1
+        return np.asarray(self.arrays[a][off + t0: off + t1])
+
+
+class Batches:
+    """Deterministic, resumable batches of the global batch; `position` (sequences consumed) is the whole state."""
+
+    def __init__(self, windows: Windows, global_batch: int, seed: int, shuffle: bool = True, position: int = 0):
+        self.windows, self.global_batch, self.seed, self.shuffle = windows, global_batch, seed, shuffle
+        self.position = position
+        self._perm_epoch, self._perm = -1, None
+
+    def _window(self, i: int) -> int:
+        n = self.windows.n
+        epoch, j = divmod(i, n)
+        if not self.shuffle:
+            return j
+        if epoch != self._perm_epoch:
+            self._perm = np.random.default_rng([self.seed, epoch]).permutation(n)
+            self._perm_epoch = epoch
+        return int(self._perm[j])
+
+    def rows(self, first_seq: int, r0: int, r1: int, t0: int, t1: int) -> tuple[np.ndarray, np.ndarray]:
+        """inputs, targets (r1-r0, t1-t0) int32 for rows [r0,r1) of the batch starting at global sequence first_seq."""
+        inputs = np.empty((r1 - r0, t1 - t0), np.int32)
+        targets = np.empty_like(inputs)
+        for r in range(r0, r1):
+            win = self.windows.get(self._window(first_seq + r), t0, t1 + 1)
+            inputs[r - r0] = win[:-1]
+            targets[r - r0] = win[1:]
+        return inputs, targets
+
+    def next_global(self, shardings: dict[str, NamedSharding], accum: int) -> dict[str, jax.Array]:
+        """The next global batch as {"inputs","targets"}: (accum, batch/accum, T) arrays, built per addressable shard."""
+        first = self.position
+        b = self.global_batch // accum
+        t = self.windows.seq_len
+        shape = (accum, b, t)
+        cache: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
+
+        def fetch(index) -> tuple[np.ndarray, np.ndarray]:
+            ia, ib, it = (s.indices(n) for s, n in zip(index, shape))
+            key = (ia[:2], ib[:2], it[:2])
+            if key not in cache:
+                xs, ys = [], []
+                for a in range(*ia):
+                    x, y = self.rows(first + a * b, ib[0], ib[1], it[0], it[1])
+                    xs.append(x)
+                    ys.append(y)
+                cache[key] = (np.stack(xs), np.stack(ys))
+            return cache[key]
+
+        out = {
+            "inputs": jax.make_array_from_callback(shape, shardings["inputs"], lambda idx: fetch(idx)[0]),
+            "targets": jax.make_array_from_callback(shape, shardings["targets"], lambda idx: fetch(idx)[1]),
+        }
+        self.position += self.global_batch
+        return out
+
+
+@dataclasses.dataclass
+class Dataset:
+    train: Windows
+    val: Windows
+    vocab_size: int
+    description: str
+
+
+def open_dataset(cfg: DataConfig) -> Dataset:
+    if cfg.source == "embedded":
+        splits = embedded_corpus()
+        desc = (f"embedded corpus: Python {sys.version_info.major}.{sys.version_info.minor} standard library, "
+                f"{len(splits['train']) / 1e6:.1f} M train / {len(splits['val']) / 1e6:.2f} M held-out bytes")
+        return Dataset(Windows([splits["train"]], cfg.seq_len, "train"),
+                       Windows([splits["val"]], cfg.seq_len, "held-out"), 256, desc)
+    train, vocab = load_shards(cfg.path, "train")
+    val, _ = load_shards(cfg.path, "val")
+    n_train = sum(len(a) for a in train)
+    desc = f"token shards {cfg.path}: {n_train / 1e6:.1f} M train tokens, vocab {vocab}"
+    return Dataset(Windows(train, cfg.seq_len, "train"), Windows(val, cfg.seq_len, "held-out"), vocab, desc)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Converter: text files -> token shards
+
+
+def _tokenizer(spec: str) -> tuple[Callable[[bytes], list[int]], int, str]:
+    if spec == "byte":
+        return (lambda b: list(b)), 256, "byte"
+    path = pathlib.Path(spec)
+    if not path.is_file():
+        raise SystemExit(f"--tokenizer: {spec} is neither 'byte' nor an existing tokenizer.json")
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        raise SystemExit("--tokenizer: a tokenizer.json needs the `tokenizers` package (pip install tokenizers)")
+    tok = Tokenizer.from_file(str(path))
+    return (lambda b: tok.encode(b.decode("utf-8", errors="replace"), add_special_tokens=False).ids,
+            tok.get_vocab_size(), str(path.resolve()))
+
+
+def convert(inputs: Sequence[str], out: str, tokenizer: str = "byte", shard_tokens: int = 100_000_000,
+            val_fraction: float = 0.05, pattern: str = "*") -> dict:
+    """Tokenize text files into train/val shards; a file goes to val by the same path hash as the corpus."""
+    encode, vocab, tok_name = _tokenizer(tokenizer)
+    dtype = np.uint16 if vocab <= 65536 else np.uint32
+    files: list[pathlib.Path] = []
+    for item in inputs:
+        p = pathlib.Path(item)
+        if p.is_dir():
+            files.extend(sorted(f for f in p.rglob(pattern) if f.is_file()))
+        elif p.is_file():
+            files.append(p)
+        else:
+            raise SystemExit(f"input {item} does not exist")
+    if not files:
+        raise SystemExit("no input files")
+    out_dir = pathlib.Path(out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stride = max(1, round(1 / val_fraction)) if val_fraction > 0 else 0
+    buffers: dict[str, list[np.ndarray]] = {"train": [], "val": []}
+    counts = {"train": 0, "val": 0}
+    shard_idx = {"train": 0, "val": 0}
+    eos = SEPARATOR if tok_name == "byte" else None
+
+    def flush(split: str, force: bool = False) -> None:
+        total = sum(len(b) for b in buffers[split])
+        if total == 0 or (total < shard_tokens and not force):
+            return
+        arr = np.concatenate(buffers[split]).astype(dtype)
+        target = out_dir / f"{split}_{shard_idx[split]:05d}.bin"
+        tmp = target.with_suffix(".bin.tmp")
+        arr.tofile(tmp)
+        tmp.replace(target)  # a shard is either whole or absent
+        shard_idx[split] += 1
+        buffers[split] = []
+
+    for f in files:
+        ids = encode(f.read_bytes())
+        if eos is not None:
+            ids = list(ids) + [eos]
+        digest = int(hashlib.sha1(str(f).encode()).hexdigest(), 16)
+        split = "val" if stride and digest % stride == 0 else "train"
+        buffers[split].append(np.asarray(ids, dtype=np.int64))
+        counts[split] += len(ids)
+        flush(split)
+    if counts["val"] == 0 and buffers["train"]:  # tiny inputs: make sure a held-out split exists
+        last = buffers["train"].pop()
+        counts["train"] -= len(last)
+        buffers["val"].append(last)
+        counts["val"] += len(last)
+    flush("train", force=True)
+    flush("val", force=True)
+    meta = {"dtype": np.dtype(dtype).name, "vocab_size": vocab, "tokenizer": tok_name,
+            "train_tokens": counts["train"], "val_tokens": counts["val"], "files": len(files)}
+    (out_dir / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+    return meta
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m mx_jax.data", description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    c = sub.add_parser("convert", help="tokenize text files into train/val token shards")
+    c.add_argument("inputs", nargs="+", help="files or directories")
+    c.add_argument("--out", required=True)
+    c.add_argument("--tokenizer", default="byte", help="'byte' or a HF tokenizer.json")
+    c.add_argument("--pattern", default="*", help="glob for files inside input directories")
+    c.add_argument("--shard-tokens", type=int, default=100_000_000)
+    c.add_argument("--val-fraction", type=float, default=0.05)
+    args = ap.parse_args(argv)
+    meta = convert(args.inputs, args.out, args.tokenizer, args.shard_tokens, args.val_fraction, args.pattern)
+    print(json.dumps(meta))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,148 @@
+"""Llama 3 building blocks (Flax NNX): RMSNorm, RoPE, grouped-query attention, SwiGLU.
+
+Dimension letters, used in every comment and einsum of the model:
+    B batch, T sequence, D model width, H query heads, G key/value heads, K head dim, F feed-forward width,
+    E experts, V vocabulary, L layers.
+
+Parameters are float32 masters; each layer casts to the compute dtype at the point of use, so gradients and the
+optimizer stay in float32. Every weight is a 2-D (in, out) matrix that goes through `quant.linear`, which applies
+the model's low-precision recipe (bf16, fp8 rowwise/tensorwise, MX) to that linear.
+
+RMSNorm:   y = x / sqrt(mean(x^2) + eps) * scale                       (Zhang & Sennrich 2019), in float32.
+RoPE:      (x1, x2) -> (x1 cos(p w) - x2 sin(p w), x2 cos(p w) + x1 sin(p w)), w_i = theta^(-2i/K), with x1 and x2
+           the two halves of the head dimension (the Hugging Face layout, so HF weights load unpermuted).
+           Llama 3.1 scaling divides w_i by `factor` for wavelengths longer than original_max_len/low_freq_factor,
+           keeps those shorter than original_max_len/high_freq_factor, and interpolates smoothly in between.
+Attention: softmax(q k^T / sqrt(K) + causal mask) v with G key/value heads shared by H/G query heads each.
+           cuDNN flash attention on GPU (jax.nn.dot_product_attention(implementation="cudnn")), XLA elsewhere.
+           With a `context` mesh axis the sequence is split; each shard all-gathers K and V over the axis and
+           masks by global position, which is exact (ring attention would trade the gather for overlap).
+SwiGLU:    y = (silu(x W_gate) * (x W_up)) W_down                     (Shazeer 2020).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import PartitionSpec as P
+
+from mx_jax import quant, sharding
+from mx_jax.config import ModelConfig, RopeScaling
+
+
+def _param(rngs: nnx.Rngs, shape: tuple[int, ...], std: float, axes: tuple[str, ...], dtype) -> nnx.Param:
+    value = (std * jax.random.truncated_normal(rngs.params(), -3.0, 3.0, shape, jnp.float32)).astype(dtype)
+    return nnx.Param(value, logical_axes=axes)
+
+
+def linear(x: jax.Array, w: nnx.Param, recipe: str, impl: str) -> jax.Array:
+    """x (..., in) @ w (in, out) through the quantization recipe; the output is tagged for remat policies."""
+    return checkpoint_name(quant.linear(x, w[...], recipe=recipe, impl=impl), "matmul")
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, d: int, eps: float, param_dtype):
+        self.eps = eps
+        self.scale = nnx.Param(jnp.ones((d,), param_dtype), logical_axes=("norm",))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (y * self.scale[...].astype(jnp.float32)).astype(x.dtype)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling) -> jax.Array:
+    """(K/2,) inverse frequencies, with Llama 3.1 scaling when scaling.factor > 1."""
+    inv = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+    if scaling.factor <= 1.0:
+        return inv
+    wavelen = 2 * math.pi / inv
+    low_wavelen = scaling.original_max_len / scaling.low_freq_factor
+    high_wavelen = scaling.original_max_len / scaling.high_freq_factor
+    scaled = jnp.where(wavelen > low_wavelen, inv / scaling.factor, inv)
+    smooth = (scaling.original_max_len / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return jnp.where(medium, smoothed, scaled)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
+    """x (B,T,N,K), positions (T,) -> x rotated, half-split layout."""
+    angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # (T, K/2)
+    cos, sin = jnp.cos(angles)[None, :, None, :], jnp.sin(angles)[None, :, None, :]
+    x32 = x.astype(jnp.float32)
+    x1, x2 = jnp.split(x32, 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+def attention_impl(requested: str, dtype, head_dim: int) -> str:
+    """cuDNN flash attention on GPU for bf16/fp16 with a head dim it takes (<= 256, multiple of 8), else XLA."""
+    if requested != "auto":
+        return requested
+    ok = (jax.default_backend() == "gpu" and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)
+          and head_dim <= 256 and head_dim % 8 == 0)
+    return "cudnn" if ok else "xla"
+
+
+def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, impl: str) -> jax.Array:
+    """q (B,T,H,K), k and v (B,T,G,K) -> (B,T,H,K). Exact under a `context` mesh axis (see module docstring)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or mesh.shape.get("context", 1) == 1:
+        return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=impl)
+
+    batch = tuple(a for a in sharding.batch_axes() if mesh.shape.get(a, 1) > 1) or None
+    qkv_spec = P(batch, "context", None, None)
+
+    def local(q, k, v):
+        t_local = q.shape[1]
+        k = jax.lax.all_gather(k, "context", axis=1, tiled=True)  # (b, T, G, K)
+        v = jax.lax.all_gather(v, "context", axis=1, tiled=True)
+        q_pos = jax.lax.axis_index("context") * t_local + jnp.arange(t_local)
+        mask = jnp.arange(k.shape[1])[None, :] <= q_pos[:, None]  # (T_local, T)
+        return jax.nn.dot_product_attention(q, k, v, mask=mask[None, None], implementation=impl)
+
+    return jax.shard_map(local, mesh=mesh, in_specs=(qkv_spec,) * 3, out_specs=qkv_spec, check_vma=False)(q, k, v)
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: ModelConfig, recipes: dict[str, str], impl: str, *, rngs: nnx.Rngs):
+        d, h, g, k = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.d_head
+        pd = jnp.dtype(cfg.param_dtype)
+        out_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
+        self.wq = _param(rngs, (d, h * k), cfg.init_std, ("embed", "q_heads"), pd)
+        self.wk = _param(rngs, (d, g * k), cfg.init_std, ("embed", "kv_heads"), pd)
+        self.wv = _param(rngs, (d, g * k), cfg.init_std, ("embed", "kv_heads"), pd)
+        self.wo = _param(rngs, (h * k, d), out_std, ("q_heads", "embed"), pd)
+        self.n_heads, self.n_kv_heads, self.head_dim = h, g, k
+        self.recipes, self.impl = recipes, impl
+        self.attention = attention_impl(cfg.attention, cfg.compute_dtype, k)
+
+    def __call__(self, x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
+        b, t, _ = x.shape
+        r = self.recipes
+        q = linear(x, self.wq, r["wq"], self.impl).reshape(b, t, self.n_heads, self.head_dim)
+        k = linear(x, self.wk, r["wk"], self.impl).reshape(b, t, self.n_kv_heads, self.head_dim)
+        v = linear(x, self.wv, r["wv"], self.impl).reshape(b, t, self.n_kv_heads, self.head_dim)
+        q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+        o = checkpoint_name(causal_attention(q, k, v, self.attention), "attention")  # (B,T,H,K)
+        return linear(o.reshape(b, t, self.n_heads * self.head_dim), self.wo, r["wo"], self.impl)
+
+
+class SwiGLU(nnx.Module):
+    def __init__(self, cfg: ModelConfig, d_ff: int, recipes: dict[str, str], impl: str, *, rngs: nnx.Rngs):
+        d, pd = cfg.d_model, jnp.dtype(cfg.param_dtype)
+        out_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
+        self.w_gate = _param(rngs, (d, d_ff), cfg.init_std, ("embed", "mlp"), pd)
+        self.w_up = _param(rngs, (d, d_ff), cfg.init_std, ("embed", "mlp"), pd)
+        self.w_down = _param(rngs, (d_ff, d), out_std, ("mlp", "embed"), pd)
+        self.recipes, self.impl = recipes, impl
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        r = self.recipes
+        h = jax.nn.silu(linear(x, self.w_gate, r["w_gate"], self.impl)) * linear(x, self.w_up, r["w_up"], self.impl)
+        return linear(h, self.w_down, r["w_down"], self.impl)

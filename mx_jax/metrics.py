@@ -1,0 +1,132 @@
+"""Throughput, MFU and memory, written to the console, `<run_dir>/metrics.jsonl` and TensorBoard (`<run_dir>/tb/`).
+
+    tokens/s        = tokens per step / wall time per step (all devices)
+    TFLOP/s/device  = llama.flops_per_token * tokens/s / n_devices / 1e12
+    MFU             = TFLOP/s/device / peak dense bf16 TFLOP/s of the device
+
+The peak is `log.peak_tflops` when set, else the datasheet dense (no sparsity) bf16 figure for the device kind
+below; on a device not in the table (the CPU, say) MFU is left out and the log says why. fp8 recipes are still
+measured against the bf16 peak, as TorchTitan does, so MFU stays comparable across recipes.
+Memory is the device allocator's `bytes_in_use` / `peak_bytes_in_use` of the first local device, where the
+backend reports it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import pathlib
+import time
+from typing import Any
+
+import jax
+
+# Dense bf16 tensor-core peaks in TFLOP/s from NVIDIA datasheets; the first key found in device_kind wins.
+PEAK_BF16_TFLOPS = (
+    ("H100 PCIe", 756.0),
+    ("H100 NVL", 835.0),
+    ("H100", 989.4),
+    ("H200", 989.4),
+    ("H800", 989.4),
+    ("B200", 2250.0),
+    ("A100", 312.0),
+)
+
+
+def device_peak_tflops(configured: float) -> tuple[float | None, str]:
+    """(peak TFLOP/s per device or None, where the number came from)."""
+    if configured > 0:
+        return configured, "log.peak_tflops"
+    kind = jax.devices()[0].device_kind
+    for key, peak in PEAK_BF16_TFLOPS:
+        if key in kind:
+            return peak, f"datasheet dense bf16 peak of {kind}"
+    return None, f"no known peak for device kind '{kind}' (set log.peak_tflops to get MFU)"
+
+
+def memory_in_use() -> dict[str, float]:
+    stats = jax.local_devices()[0].memory_stats() or {}
+    out = {}
+    if "bytes_in_use" in stats:
+        out["mem_gib"] = stats["bytes_in_use"] / 2**30
+    if "peak_bytes_in_use" in stats:
+        out["peak_mem_gib"] = stats["peak_bytes_in_use"] / 2**30
+    return out
+
+
+class TensorBoard:
+    """Scalars to TensorBoard event files through tensorboard's own writer (no TensorFlow needed)."""
+
+    def __init__(self, logdir: pathlib.Path):
+        from tensorboard.compat.proto import event_pb2, summary_pb2
+        from tensorboard.summary.writer.event_file_writer import EventFileWriter
+
+        self._event_pb2, self._summary_pb2 = event_pb2, summary_pb2
+        self._writer = EventFileWriter(str(logdir))
+
+    def scalars(self, step: int, values: dict[str, float]) -> None:
+        s = self._summary_pb2
+        summary = s.Summary(value=[s.Summary.Value(tag=k, simple_value=float(v)) for k, v in values.items()
+                                   if isinstance(v, (int, float)) and math.isfinite(v)])
+        self._writer.add_event(self._event_pb2.Event(wall_time=time.time(), step=step, summary=summary))
+
+    def flush(self) -> None:
+        self._writer.flush()
+
+    def close(self) -> None:
+        self._writer.close()
+
+
+class MetricsWriter:
+    """One JSON object per logged step in metrics.jsonl, the same scalars to TensorBoard. Only process 0 writes."""
+
+    def __init__(self, run_dir: pathlib.Path, tensorboard: bool):
+        self.enabled = jax.process_index() == 0
+        self._jsonl = None
+        self._tb = None
+        if not self.enabled:
+            return
+        self._jsonl = open(run_dir / "metrics.jsonl", "a", buffering=1)
+        if tensorboard:
+            self._tb = TensorBoard(run_dir / "tb")
+
+    def write(self, step: int, values: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        record = {"step": step, **values}  # None (e.g. mfu without a known peak) is written as null
+        self._jsonl.write(json.dumps(record) + "\n")
+        if self._tb is not None:
+            self._tb.scalars(step, {k: v for k, v in values.items() if k != "step" and v is not None})
+            self._tb.flush()
+
+    def close(self) -> None:
+        if self._jsonl:
+            self._jsonl.close()
+        if self._tb:
+            self._tb.close()
+
+
+class Throughput:
+    """Wall-clock rate over the steps since the last report (device work is synchronized by reading the loss)."""
+
+    def __init__(self, tokens_per_step: int, flops_per_token: float, n_devices: int, peak_tflops: float | None):
+        self.tokens_per_step, self.flops_per_token = tokens_per_step, flops_per_token
+        self.n_devices, self.peak = n_devices, peak_tflops
+        self._t0, self._steps = time.perf_counter(), 0
+
+    def reset(self) -> None:
+        self._t0, self._steps = time.perf_counter(), 0
+
+    def step(self) -> None:
+        self._steps += 1
+
+    def report(self) -> dict[str, float]:
+        dt = time.perf_counter() - self._t0
+        if self._steps == 0 or dt <= 0:
+            return {}
+        tps = self.tokens_per_step * self._steps / dt
+        tflops = self.flops_per_token * tps / self.n_devices / 1e12
+        out = {"tokens_per_sec": tps, "tflops_per_device": tflops, "step_time_s": dt / self._steps,
+               "mfu": tflops / self.peak if self.peak else None}
+        self.reset()
+        return out

@@ -1,0 +1,129 @@
+"""The device mesh and the one table that maps logical array axes to mesh axes.
+
+Mesh axes (outermost first):
+    data     replicated data parallelism; in HSDP it spans hosts while fsdp stays inside a host
+    fsdp     ZeRO-3: parameters, gradients and optimizer state sharded, batch split
+    expert   MoE experts sharded; for everything else it is one more batch axis
+    context  the sequence is split; attention all-gathers K and V over it (layers.attention)
+
+Parameters carry logical axis names (layers.py); activations are constrained at block boundaries only. `RULES` is
+the only place mesh axis names meet logical names: change the parallelism by changing this table or the mesh
+shape, never the model. Parameters are sharded over every non-replicated axis (fsdp, expert, context), so that a
+context or expert axis never duplicates parameter memory. Changing the mesh never changes the math: GSPMD inserts
+the collectives, and the two manual regions (context attention, expert dispatch) are written to be exact.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+
+from mx_jax.config import ConfigError, MeshConfig
+
+MESH_AXES = ("data", "fsdp", "expert", "context")
+
+# logical axis -> mesh axis, tuple of mesh axes, or None (replicated).
+RULES: dict[str, str | tuple[str, ...] | None] = {
+    # activations
+    "batch": ("data", "fsdp", "expert"),
+    "seq": "context",
+    "act_embed": None,
+    "act_heads": None,
+    "act_kv": None,
+    "act_vocab": None,
+    # parameters
+    "embed": ("fsdp", "context"),  # the d_model dimension of every weight
+    "vocab": None,
+    "q_heads": None,  # H*K of the query / output projections
+    "kv_heads": None,  # G*K of the key / value projections
+    "mlp": None,
+    "expert": "expert",
+    "expert_mlp": ("fsdp", "context"),  # an expert weight's hidden dim (its embed dim stays whole for the GEMM)
+    "router": None,
+    "norm": None,
+    "layers": None,
+}
+
+
+def make_mesh(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """Build the mesh; a -1 axis takes what the others leave. Errors name the mesh key and the device count."""
+    devices = list(jax.devices() if devices is None else devices)
+    n = len(devices)
+    shape = {k: getattr(cfg, k) for k in MESH_AXES}
+    fixed = math.prod(v for v in shape.values() if v != -1)
+    free = [k for k, v in shape.items() if v == -1]
+    if free:
+        if n % fixed:
+            raise ConfigError(
+                f"config key 'mesh.{free[0]}': the other axes use {fixed} devices, which does not divide the "
+                f"{n} available")
+        shape[free[0]] = n // fixed
+    total = math.prod(shape.values())
+    if total != n:
+        desc = " x ".join(f"{k}={v}" for k, v in shape.items())
+        raise ConfigError(f"config key 'mesh': {desc} = {total} devices, but {n} are available "
+                          f"(set one axis to -1 to fill)")
+    dims = tuple(shape[k] for k in MESH_AXES)
+    return jax.make_mesh(dims, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES), devices=devices)
+
+
+def spec(logical: Sequence[str | None] | None) -> P:
+    """PartitionSpec for a tuple of logical axis names. A mesh axis is used at most once (first wins)."""
+    if logical is None:
+        return P()
+    used: set[str] = set()
+    out = []
+    for name in logical:
+        axes = RULES[name] if name is not None else None
+        if axes is None:
+            out.append(None)
+            continue
+        axes = (axes,) if isinstance(axes, str) else axes
+        axes = tuple(a for a in axes if a not in used)
+        used.update(axes)
+        out.append(axes if len(axes) > 1 else (axes[0] if axes else None))
+    return P(*out)
+
+
+def fit_spec(pspec: P, shape: Sequence[int], mesh: Mesh) -> P:
+    """Drop mesh axes from a dimension they do not divide (small models on big meshes stay correct)."""
+    out = []
+    for dim, entry in zip(shape, tuple(pspec) + (None,) * (len(shape) - len(pspec))):
+        if entry is None:
+            out.append(None)
+            continue
+        axes = (entry,) if isinstance(entry, str) else tuple(entry)
+        kept = []
+        size = 1
+        for a in axes:
+            if dim % (size * mesh.shape[a]) == 0:
+                kept.append(a)
+                size *= mesh.shape[a]
+        out.append(tuple(kept) if len(kept) > 1 else (kept[0] if kept else None))
+    return P(*out)
+
+
+def named(mesh: Mesh, logical: Sequence[str | None] | None, shape: Sequence[int]) -> NamedSharding:
+    return NamedSharding(mesh, fit_spec(spec(logical), shape, mesh))
+
+
+def constrain(x: jax.Array, logical: Sequence[str | None]) -> jax.Array:
+    """with_sharding_constraint by logical names, under the mesh set with jax.set_mesh; a no-op without one."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return x
+    return jax.lax.with_sharding_constraint(x, fit_spec(spec(logical), x.shape, mesh))
+
+
+def batch_axes() -> tuple[str, ...]:
+    axes = RULES["batch"]
+    return (axes,) if isinstance(axes, str) else tuple(axes)
+
+
+def batch_size_divisor(mesh: Mesh) -> int:
+    """The global batch must be a multiple of this (the product of the mesh axes the batch is split over)."""
+    return int(np.prod([mesh.shape[a] for a in batch_axes()]))

@@ -1,0 +1,378 @@
+"""`python -m mx_jax.train --config configs/X.yaml [--dry-run] [key=value ...]`: train a Llama on a device mesh.
+
+The loop, per step: fetch this host's slice of the global batch -> one jitted, donated `train_step` (gradient
+accumulation is a scan inside it) -> read the previous step's metrics (one step behind, so the host never stalls
+the device) -> log / evaluate / checkpoint on schedule. A NaN or Inf loss stops the run and names the step; no
+checkpoint of a diverged state is written.
+
+Train state: {"step": int32, "params": nested dict of float32 arrays, "opt_state": optax state}, sharded by
+`sharding.RULES` (the optimizer moments take their parameter's sharding).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import pathlib
+import sys
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from mx_jax import checkpoint, metrics, sharding
+from mx_jax.config import ConfigError, TrainConfig, load_config, to_yaml
+from mx_jax.data import Batches, Dataset, open_dataset
+from mx_jax.llama import Llama, cross_entropy, flops_per_token, param_axes, params_of
+from mx_jax.optim import make_optimizer, schedule
+
+
+def log(msg: str) -> None:
+    if jax.process_index() == 0:
+        try:
+            from tqdm import tqdm
+            tqdm.write(msg, file=sys.stdout)
+        except ImportError:
+            print(msg, flush=True)
+        sys.stdout.flush()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Model, state and shardings
+
+
+@dataclasses.dataclass
+class Setup:
+    """Everything derived from the config and the mesh, before any array is allocated."""
+
+    cfg: TrainConfig
+    mesh: jax.sharding.Mesh
+    graphdef: Any
+    abstract_params: Any  # nested dict of ShapeDtypeStruct
+    param_shardings: Any
+    optimizer: optax.GradientTransformation
+    state_shardings: Any
+    batch_shardings: dict[str, NamedSharding]
+    notes: tuple[str, ...]
+
+
+def _opt_shardings(abstract_opt, param_shardings: dict, mesh) -> Any:
+    """Each optimizer leaf takes the sharding of the parameter whose path it ends with (same shape), else replicated."""
+    flat = {tuple(_key(k) for k in path): s for path, s in jax.tree_util.tree_flatten_with_path(param_shardings)[0]}
+    replicated = NamedSharding(mesh, P())
+
+    def pick(path, leaf):
+        keys = tuple(_key(k) for k in path)
+        for i in range(len(keys)):
+            s = flat.get(keys[i:])
+            if s is not None and len(s.spec) <= leaf.ndim:
+                return s
+        return replicated
+
+    return jax.tree_util.tree_map_with_path(pick, abstract_opt)
+
+
+def _key(k) -> Any:
+    return getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))
+
+
+def build(cfg: TrainConfig, mesh: jax.sharding.Mesh) -> Setup:
+    abstract_model = nnx.eval_shape(lambda: Llama(cfg.model, cfg.quant, rngs=nnx.Rngs(cfg.seed)))
+    graphdef, abstract_state = nnx.split(abstract_model)
+    abstract_params = jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype), params_of(abstract_model))
+    logical = param_axes(abstract_model)
+    param_shardings = jax.tree.map(lambda ax, v: sharding.named(mesh, ax, v.shape), logical, abstract_params,
+                                   is_leaf=lambda x: isinstance(x, tuple))
+    optimizer = make_optimizer(cfg.optim, cfg.steps)
+    abstract_opt = jax.eval_shape(optimizer.init, abstract_params)
+    state_shardings = {
+        "step": NamedSharding(mesh, P()),
+        "params": param_shardings,
+        "opt_state": _opt_shardings(abstract_opt, param_shardings, mesh),
+    }
+    bspec = P(None, sharding.batch_axes(), sharding.RULES["seq"])
+    batch_shardings = {k: NamedSharding(mesh, bspec) for k in ("inputs", "targets")}
+    return Setup(cfg, mesh, graphdef, abstract_params, param_shardings, optimizer, state_shardings,
+                 batch_shardings, abstract_model.plan.notes)
+
+
+def abstract_state(setup: Setup) -> dict:
+    """The train state as ShapeDtypeStructs carrying their shardings (restore target, dry-run input)."""
+    shapes = {
+        "step": jax.ShapeDtypeStruct((), jnp.int32),
+        "params": setup.abstract_params,
+        "opt_state": jax.eval_shape(setup.optimizer.init, setup.abstract_params),
+    }
+    return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes,
+                        setup.state_shardings)
+
+
+def init_state(setup: Setup) -> dict:
+    cfg = setup.cfg
+
+    def init():
+        model = Llama(cfg.model, cfg.quant, rngs=nnx.Rngs(cfg.seed))
+        params = params_of(model)
+        return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": setup.optimizer.init(params)}
+
+    return jax.jit(init, out_shardings=setup.state_shardings)()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Steps
+
+
+def make_loss_fn(setup: Setup):
+    graphdef = setup.graphdef
+
+    def loss_fn(params, inputs, targets):
+        logits = nnx.merge(graphdef, params)(inputs)
+        return cross_entropy(logits, targets)
+
+    return loss_fn
+
+
+def make_train_step(setup: Setup):
+    cfg = setup.cfg
+    loss_fn = make_loss_fn(setup)
+    lr_at = schedule(cfg.optim, cfg.steps)
+    accum = cfg.data.grad_accum_steps
+
+    def train_step(state, batch):
+        params = state["params"]
+        grad_fn = jax.value_and_grad(loss_fn)
+        if accum == 1:
+            loss, grads = grad_fn(params, batch["inputs"][0], batch["targets"][0])
+        else:
+            def micro(carry, mb):
+                loss_sum, grad_sum = carry
+                loss, grads = grad_fn(params, mb[0], mb[1])
+                return (loss_sum + loss, jax.tree.map(jnp.add, grad_sum, grads)), None
+
+            zeros = jax.tree.map(jnp.zeros_like, params)
+            (loss, grads), _ = jax.lax.scan(micro, (jnp.zeros((), jnp.float32), zeros),
+                                            (batch["inputs"], batch["targets"]))
+            loss, grads = loss / accum, jax.tree.map(lambda g: g / accum, grads)
+        updates, opt_state = setup.optimizer.update(grads, state["opt_state"], params)
+        new_state = {"step": state["step"] + 1, "params": optax.apply_updates(params, updates),
+                     "opt_state": opt_state}
+        return new_state, {"loss": loss, "grad_norm": optax.tree.norm(grads), "lr": lr_at(state["step"])}
+
+    return jax.jit(train_step, in_shardings=(setup.state_shardings, setup.batch_shardings),
+                   out_shardings=(setup.state_shardings, None), donate_argnums=(0,))
+
+
+def make_eval_step(setup: Setup):
+    loss_fn = make_loss_fn(setup)
+
+    def eval_step(params, batch):
+        return loss_fn(params, batch["inputs"][0], batch["targets"][0])
+
+    return jax.jit(eval_step, in_shardings=(setup.param_shardings, setup.batch_shardings))
+
+
+def evaluate(eval_step, params, dataset: Dataset, setup: Setup) -> float:
+    cfg = setup.cfg
+    batches = Batches(dataset.val, cfg.data.batch_size, cfg.seed, shuffle=False)
+    n = min(cfg.data.eval_batches, max(1, dataset.val.n // cfg.data.batch_size))
+    losses = [eval_step(params, batches.next_global(setup.batch_shardings, 1)) for _ in range(n)]
+    return float(np.mean([float(x) for x in losses]))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Entry points
+
+
+def check_batch(cfg: TrainConfig, mesh) -> None:
+    div = sharding.batch_size_divisor(mesh) * cfg.data.grad_accum_steps
+    if cfg.data.batch_size % div:
+        raise ConfigError(
+            f"config key 'data.batch_size': {cfg.data.batch_size} must be a multiple of the batch mesh axes "
+            f"({sharding.batch_size_divisor(mesh)}) x data.grad_accum_steps ({cfg.data.grad_accum_steps})")
+    if cfg.data.seq_len % mesh.shape["context"]:
+        raise ConfigError(f"config key 'data.seq_len': {cfg.data.seq_len} must be a multiple of mesh.context "
+                          f"({mesh.shape['context']})")
+
+
+def _write_atomic(path: pathlib.Path, text: str) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
+def _fmt_log(step: int, m: dict) -> str:
+    parts = [f"step {step:>6}", f"loss {m['loss']:.4f}"]
+    if "eval_loss" in m:
+        parts.append(f"eval {m['eval_loss']:.4f}")
+    parts += [f"gnorm {m['grad_norm']:.3f}", f"lr {m['lr']:.2e}"]
+    if "tokens_per_sec" in m:
+        parts += [f"{m['tokens_per_sec']:,.0f} tok/s", f"{m['tflops_per_device']:.1f} TFLOP/s/dev"]
+    if m.get("mfu") is not None:
+        parts.append(f"MFU {100 * m['mfu']:.1f}%")
+    if "peak_mem_gib" in m:
+        parts.append(f"mem {m.get('mem_gib', 0):.1f}/{m['peak_mem_gib']:.1f} GiB")
+    return " | ".join(parts)
+
+
+@dataclasses.dataclass
+class TrainResult:
+    state: dict  # the final train state (sharded device arrays)
+    metrics: dict  # the last logged metrics
+
+
+def train(cfg: TrainConfig, devices: list[jax.Device] | None = None) -> TrainResult:
+    """Run (or resume) training on `devices` (default: all)."""
+    mesh = sharding.make_mesh(cfg.mesh, devices)
+    check_batch(cfg, mesh)
+    dataset = open_dataset(cfg.data)
+    if dataset.vocab_size > cfg.model.vocab_size:
+        raise ConfigError(f"config key 'model.vocab_size': {cfg.model.vocab_size} is smaller than the data's "
+                          f"vocabulary ({dataset.vocab_size})")
+    run_dir = pathlib.Path(cfg.run_dir)
+    ckpt = None
+    with jax.set_mesh(mesh):
+        setup = build(cfg, mesh)
+        ckpt = checkpoint.Checkpointer(run_dir, cfg.ckpt)
+        start = ckpt.resume_step()  # may raise before anything is written
+        if jax.process_index() == 0:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            _write_atomic(run_dir / "config.yaml", to_yaml(cfg))
+        log(f"mx_jax | {jax.device_count()} x {jax.devices()[0].device_kind} ({jax.process_count()} process(es)) | "
+            f"mesh {dict(mesh.shape)} | jax {jax.__version__}")
+        log(f"data   | {dataset.description}")
+        n_params = sum(x.size for x in jax.tree.leaves(setup.abstract_params))
+        log(f"model  | {n_params / 1e6:,.1f} M parameters | quant recipe {cfg.quant.recipe} | remat {cfg.model.remat}")
+        for note in setup.notes:
+            log(f"quant  | {note}")
+
+        train_batches = Batches(dataset.train, cfg.data.batch_size, cfg.seed)
+        if start is None:
+            state = init_state(setup)
+            step = 0
+        else:
+            state, data_state = ckpt.restore(start, abstract_state(setup))
+            train_batches.position = int(data_state["position"])
+            step = int(state["step"])
+            log(f"resume | from step {step} ({ckpt.dir / str(start)}), data position {train_batches.position}")
+        state, last = _loop(cfg, setup, state, step, dataset, train_batches, ckpt, run_dir)
+    return TrainResult(state, last)
+
+
+def _loop(cfg, setup, state, step, dataset, train_batches, ckpt, run_dir) -> tuple[dict, dict]:
+    train_step = make_train_step(setup)
+    eval_step = make_eval_step(setup)
+    tokens_per_step = cfg.data.batch_size * cfg.data.seq_len
+    peak, peak_src = metrics.device_peak_tflops(cfg.log.peak_tflops)
+    log(f"mfu    | {peak_src}")
+    rate = metrics.Throughput(tokens_per_step, flops_per_token(cfg.model, cfg.data.seq_len), jax.device_count(), peak)
+    writer = metrics.MetricsWriter(run_dir, cfg.log.tensorboard)
+    bar = None
+    if cfg.log.progress and jax.process_index() == 0:
+        from tqdm import tqdm
+        bar = tqdm(total=cfg.steps, initial=step, unit="step", dynamic_ncols=True, file=sys.stdout,
+                   mininterval=1.0)
+    last: dict = {}
+    pending = None  # (step number, device metrics) of the step dispatched last
+    t_start = time.perf_counter()
+    compiled_at = None
+
+    def finish(step_no: int, dev_metrics, with_eval: bool = False) -> None:
+        """Read one step's metrics (blocks until it is done); log, and evaluate the *current* params if asked."""
+        nonlocal last, compiled_at
+        m = {k: float(v) for k, v in dev_metrics.items()}
+        if not math.isfinite(m["loss"]):
+            raise FloatingPointError(f"loss is {m['loss']} at step {step_no}: stopping (no checkpoint written "
+                                     f"for this step; the last committed one is {ckpt.latest_step()})")
+        if compiled_at is None:
+            compiled_at = time.perf_counter() - t_start
+            log(f"step   | first step (compile included) took {compiled_at:.1f} s")
+            rate.reset()
+        else:
+            rate.step()
+        if bar is not None:
+            bar.update(1)
+        if step_no % cfg.log.every_steps == 0 or with_eval:
+            m.update(rate.report())
+            m.update(metrics.memory_in_use())
+            if with_eval:
+                m["eval_loss"] = evaluate(eval_step, state["params"], dataset, setup)
+            writer.write(step_no, m)
+            log(_fmt_log(step_no, m))
+            if bar is not None:
+                bar.set_postfix(loss=f"{m['loss']:.3f}", tok_s=f"{m.get('tokens_per_sec', 0):,.0f}", refresh=False)
+            last = {"step": step_no, **m}
+            rate.reset()
+
+    try:
+        while step < cfg.steps:
+            batch = train_batches.next_global(setup.batch_shardings, cfg.data.grad_accum_steps)
+            state, dev_metrics = train_step(state, batch)
+            step += 1
+            if pending is not None:
+                finish(*pending)  # the previous step: the device is already busy with this one
+            pending = (step, dev_metrics)
+            last_step = step == cfg.steps
+            eval_now = last_step or bool(cfg.log.eval_every_steps and step % cfg.log.eval_every_steps == 0)
+            save_now = last_step or bool(cfg.ckpt.every_steps and step % cfg.ckpt.every_steps == 0)
+            if eval_now or save_now:
+                finish(*pending, with_eval=eval_now)  # `state` is this step's: never save an unchecked loss
+                pending = None
+            if save_now:
+                blocked = ckpt.save(step, state, {"position": train_batches.position, "seed": cfg.seed})
+                log(f"ckpt   | step {step}: save started, blocked the loop {1000 * blocked:.0f} ms")
+            for s, blocked, background in ckpt.finished_saves():
+                log(f"ckpt   | step {s} committed: blocked {1000 * blocked:.0f} ms, background "
+                    f"{1000 * background:.0f} ms")
+        if pending is not None:
+            finish(*pending)
+    finally:
+        if bar is not None:
+            bar.close()
+        ckpt.close()
+        for s, blocked, background in ckpt.finished_saves():
+            log(f"ckpt   | step {s} committed: blocked {1000 * blocked:.0f} ms, background {1000 * background:.0f} ms")
+        writer.close()
+    return state, last
+
+
+def dry_run(cfg: TrainConfig) -> dict:
+    """Parameter count and per-device memory from shapes alone; allocates nothing."""
+    from mx_jax import memory_estimate
+
+    report = memory_estimate.estimate(cfg)
+    print(memory_estimate.format_report(report))
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m mx_jax.train", description="Train a Llama with mx_jax.")
+    ap.add_argument("--config", help="YAML config (defaults < YAML < key=value overrides)")
+    ap.add_argument("--dry-run", action="store_true",
+                    help="print parameter count and per-device memory estimate; allocate nothing")
+    ap.add_argument("overrides", nargs="*", help="dotted.key=value overrides, e.g. optim.lr_peak=1e-3")
+    args = ap.parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.overrides)
+        if args.dry_run:
+            dry_run(cfg)
+            return 0
+        train(cfg)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except FloatingPointError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 3
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,45 @@
+"""`python -m mx_jax.train` as a user runs it: outputs on disk, progress, NaN stop."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+from tests.helpers import TINY
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _run(args, devices=2, timeout=300):
+    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
+           "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
+    return subprocess.run([sys.executable, "-m", "mx_jax.train", *args], capture_output=True, text=True,
+                          env=env, cwd=ROOT, timeout=timeout)
+
+
+def test_train_writes_run_directory(tmp_path):
+    args = [a for a in TINY if not a.startswith(("log.tensorboard", "log.progress"))]
+    p = _run([*args, f"run_dir={tmp_path}", "steps=4", "log.every_steps=2", "log.eval_every_steps=4",
+              "ckpt.every_steps=2"])
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert (tmp_path / "config.yaml").is_file()
+    records = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [2, 4]
+    for key in ("step", "loss", "tokens_per_sec", "tflops_per_device", "mfu", "grad_norm", "lr"):
+        assert key in records[-1], key
+    assert "eval_loss" in records[-1] and "eval_loss" not in records[0]
+    assert list((tmp_path / "tb").glob("events.out.tfevents.*"))
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["2", "4"]
+    out = p.stdout
+    assert "first step (compile included)" in out and "committed: blocked" in out
+    assert "step/s" in p.stderr + out or "it/s" in p.stderr + out or "s/step" in p.stderr + out  # tqdm bar
+
+
+def test_nan_loss_stops_and_names_the_step(tmp_path):
+    p = _run([*TINY, f"run_dir={tmp_path}", "steps=30", "optim.lr_peak=1e6", "optim.warmup_steps=0",
+              "optim.grad_clip_norm=0", "ckpt.every_steps=0"])
+    assert p.returncode == 3, p.stdout[-2000:] + p.stderr[-2000:]
+    assert "at step" in p.stderr and ("nan" in p.stderr.lower() or "inf" in p.stderr.lower())
+    assert not (tmp_path / "checkpoints").exists() or not any(
+        n.isdigit() for n in os.listdir(tmp_path / "checkpoints"))

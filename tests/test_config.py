@@ -1,0 +1,70 @@
+"""Config: YAML tree = dataclass tree = dotted overrides; errors name the key; nothing written on error."""
+
+import pathlib
+
+import pytest
+import yaml
+
+from mx_jax import train
+from mx_jax.config import ConfigError, load_config, to_yaml
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def test_defaults_yaml_overrides_precedence(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("steps: 7\noptim:\n  lr_peak: 1.0e-3\nmodel:\n  n_layers: 3\n")
+    cfg = load_config(str(f), ["optim.lr_peak=2e-3", "mesh.fsdp=4", "quant.modules=attn,head"])
+    assert cfg.steps == 7 and cfg.model.n_layers == 3  # YAML over defaults
+    assert cfg.optim.lr_peak == 2e-3 and cfg.mesh.fsdp == 4  # CLI over YAML; "2e-3" parsed as a float
+    assert cfg.quant.modules == ("attn", "head")
+    assert cfg.run_dir == "runs/c"
+
+
+def test_unknown_key_names_it_and_suggests(tmp_path):
+    with pytest.raises(ConfigError, match=r"unknown config key 'optim.lr_pek'; did you mean 'optim.lr_peak'"):
+        load_config(None, ["optim.lr_pek=1"])
+    f = tmp_path / "c.yaml"
+    f.write_text("modle:\n  d_model: 8\n")
+    with pytest.raises(ConfigError, match=r"'modle'; did you mean 'model'"):
+        load_config(str(f))
+
+
+@pytest.mark.parametrize("override, key", [
+    ("steps=ten", "steps"),
+    ("model.remat=sometimes", "model.remat"),
+    ("optim.lr_peak=fast", "optim.lr_peak"),
+    ("log.tensorboard=maybe", "log.tensorboard"),
+    ("model.n_kv_heads=3", "model.n_kv_heads"),  # does not divide n_heads=8
+    ("data.grad_accum_steps=5", "data.grad_accum_steps"),  # does not divide batch 32
+    ("ckpt.resume=yesterday", "ckpt.resume"),
+])
+def test_bad_values_name_the_key(override, key):
+    with pytest.raises(ConfigError, match=f"'{key}'"):
+        load_config(None, [override])
+
+
+def test_bad_input_writes_nothing(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    assert train.main([f"run_dir={run_dir}", "optim.lr_pek=1"]) == 2
+    assert "optim.lr_peak" in capsys.readouterr().err
+    assert not run_dir.exists()
+    # a mesh that does not fit the 8 devices fails before anything is written too
+    assert train.main([f"run_dir={run_dir}", "mesh.fsdp=3"]) == 2
+    assert "mesh" in capsys.readouterr().err
+    assert not run_dir.exists()
+
+
+def test_resolved_config_round_trips(tmp_path):
+    cfg = load_config(str(ROOT / "configs/llama3_8b.yaml"), ["optim.lr_peak=1e-4"])
+    f = tmp_path / "resolved.yaml"
+    f.write_text(to_yaml(cfg))
+    assert load_config(str(f)) == cfg
+    assert yaml.safe_load(f.read_text())["model"]["rope_scaling"]["factor"] == 8.0
+
+
+@pytest.mark.parametrize("name", ["llama3_debug", "llama3_1b", "llama3_8b", "llama3_70b"])
+def test_shipped_configs_load(name):
+    cfg = load_config(str(ROOT / f"configs/{name}.yaml"))
+    if name != "llama3_debug":
+        assert cfg.model.vocab_size == 128256 and cfg.model.rope_theta == 500000.0 and cfg.model.n_kv_heads == 8
