@@ -321,6 +321,11 @@ def validate(cfg: TrainConfig) -> None:
     if e.n_experts:
         _check(1 <= e.top_k <= e.n_experts, "model.moe.top_k", f"must be in [1, n_experts={e.n_experts}], got {e.top_k}")
         _check(e.every_n_layers >= 1, "model.moe.every_n_layers", f"must be >= 1, got {e.every_n_layers}")
+        _check(0 <= e.n_dense_first < m.n_layers, "model.moe.n_dense_first",
+               f"must be in [0, n_layers={m.n_layers}), got {e.n_dense_first}")
+        _check((m.n_layers - e.n_dense_first) % e.every_n_layers == 0, "model.moe.every_n_layers",
+               f"must divide the {m.n_layers - e.n_dense_first} layers after model.moe.n_dense_first")
+        _check(e.gpus_per_node >= 1, "model.moe.gpus_per_node", f"must be >= 1, got {e.gpus_per_node}")
         _check(e.capacity_factor == 0 or e.capacity_factor >= 1, "model.moe.capacity_factor",
                f"must be 0 (dropless) or >= 1, got {e.capacity_factor}")
     _check(d.seq_len > 0, "data.seq_len", f"must be positive, got {d.seq_len}")

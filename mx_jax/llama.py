@@ -20,9 +20,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from mx_jax import quant, sharding
+from mx_jax import grouped_linear, quant, sharding
 from mx_jax.config import ModelConfig, QuantConfig
 from mx_jax.layers import Attention, RMSNorm, SwiGLU, _param, linear, rope_inv_freq
+from mx_jax.moe import MoE, RouterBias, update_bias
 
 ATTN_LINEARS = ("wq", "wk", "wv", "wo")
 MLP_LINEARS = ("w_gate", "w_up", "w_down")
@@ -37,38 +38,76 @@ class LinearPlan:
 
 
 def plan_linears(cfg: ModelConfig, qcfg: QuantConfig) -> LinearPlan:
-    """Pick each linear's recipe from quant.modules; linears the kernels cannot take stay bf16, with a note."""
+    """Pick each linear's recipe from quant.modules; linears the kernels cannot take stay bf16, with a note.
+
+    Keys: the attention and MLP weight names, "shared.<name>" for MoE shared experts, "head", and "experts" (the
+    grouped GEMMs of the routed experts, which take the recipes in grouped_linear.RECIPES).
+    """
     d, f, hk, gk = cfg.d_model, cfg.d_ff, cfg.n_heads * cfg.d_head, cfg.n_kv_heads * cfg.d_head
+    fs = cfg.moe.n_shared * (cfg.moe.d_expert or cfg.d_ff)
     shapes = {"wq": (d, hk), "wk": (d, gk), "wv": (d, gk), "wo": (hk, d),
-              "w_gate": (d, f), "w_up": (d, f), "w_down": (f, d), "head": (d, cfg.vocab_size)}
-    kinds = {**{n: "attn" for n in ATTN_LINEARS}, **{n: "mlp" for n in MLP_LINEARS}, "head": "head"}
+              "w_gate": (d, f), "w_up": (d, f), "w_down": (f, d),
+              "shared.w_gate": (d, fs), "shared.w_up": (d, fs), "shared.w_down": (fs, d),
+              "head": (d, cfg.vocab_size)}
+    kinds = {**{n: "attn" for n in ATTN_LINEARS}, "head": "head"}
     recipes, notes = {}, []
     for name, (k, n) in shapes.items():
-        recipe = qcfg.recipe if kinds[name] in qcfg.modules else "bf16"
+        if name.startswith("shared.") and not fs:
+            continue
+        recipe = qcfg.recipe if kinds.get(name, "mlp") in qcfg.modules else "bf16"
         if recipe != "bf16":
             reason = quant.kernel_support(recipe, k, n)
             if reason:
                 notes.append(f"{name} ({k}x{n}) stays bf16: {reason}")
                 recipe = "bf16"
         recipes[name] = recipe
+    recipes["experts"] = "bf16"
+    if cfg.moe.n_experts and "experts" in qcfg.modules and qcfg.recipe != "bf16":
+        grouped = grouped_linear.recipe_for(qcfg.recipe)
+        if grouped is None:
+            notes.append(f"routed experts stay bf16: no grouped-GEMM kernel for recipe {qcfg.recipe}")
+        else:
+            recipes["experts"] = grouped
     return LinearPlan(recipes, tuple(notes))
 
 
 class Block(nnx.Module):
-    """x + Attn(RMSNorm(x)), then x + SwiGLU(RMSNorm(x)). x (B,T,D)."""
+    """x + Attn(RMSNorm(x)), then x + FFN(RMSNorm(x)); FFN is SwiGLU or, with moe=True, a MoE layer. x (B,T,D)."""
 
-    def __init__(self, cfg: ModelConfig, plan: LinearPlan, impl: str, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, plan: LinearPlan, impl: str, moe: bool = False, *, rngs: nnx.Rngs):
         pd = jnp.dtype(cfg.param_dtype)
         r = plan.recipes
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, pd)
         self.attn = Attention(cfg, {n: r[n] for n in ATTN_LINEARS}, impl, rngs=rngs)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, pd)
-        self.mlp = SwiGLU(cfg, cfg.d_ff, {n: r[n] for n in MLP_LINEARS}, impl, rngs=rngs)
+        if moe:
+            shared = {n: r[f"shared.{n}"] for n in MLP_LINEARS} if cfg.moe.n_shared else {}
+            self.moe = MoE(cfg, r["experts"], impl, shared, rngs=rngs)
+        else:
+            self.mlp = SwiGLU(cfg, cfg.d_ff, {n: r[n] for n in MLP_LINEARS}, impl, rngs=rngs)
 
-    def __call__(self, x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> tuple[jax.Array, dict]:
         x = x + self.attn(self.attn_norm(x), positions, inv_freq)
-        x = x + self.mlp(self.mlp_norm(x))
-        return sharding.constrain(x, ("batch", "seq", "act_embed"))
+        stats = {}
+        if hasattr(self, "moe"):
+            y, stats = self.moe(self.mlp_norm(x))
+        else:
+            y = self.mlp(self.mlp_norm(x))
+        x = sharding.constrain(x + y, ("batch", "seq", "act_embed"))
+        return x, stats
+
+
+class MoEGroup(nnx.Module):
+    """every_n_layers > 1: (n - 1) dense blocks, then one MoE block; the model scans over these groups."""
+
+    def __init__(self, cfg: ModelConfig, plan: LinearPlan, impl: str, *, rngs: nnx.Rngs):
+        n = cfg.moe.every_n_layers
+        self.dense = _stack(n - 1, lambda r: Block(cfg, plan, impl, rngs=r), rngs)
+        self.moe_block = Block(cfg, plan, impl, moe=True, rngs=rngs)
+
+    def __call__(self, x, positions, inv_freq):
+        x, _ = _scan(self.dense, x, positions, inv_freq, "none")
+        return self.moe_block(x, positions, inv_freq)
 
 
 _REMAT_POLICIES = {
@@ -77,43 +116,96 @@ _REMAT_POLICIES = {
 }
 
 
+def _stack(n: int, make, rngs: nnx.Rngs) -> nnx.Module:
+    """n copies of a module with parameters stacked on a leading axis (independent initializations)."""
+
+    @nnx.split_rngs(splits=n)
+    @nnx.vmap(in_axes=(0,), out_axes=0, axis_size=n)
+    def make_stack(r: nnx.Rngs):
+        return make(r)
+
+    return make_stack(rngs)
+
+
+def _scan(stack: nnx.Module, x, positions, inv_freq, remat: str):
+    """Run a stacked module layer by layer with lax.scan; returns (x, per-layer stats stacked)."""
+    graphdef, state = nnx.split(stack)
+
+    def body(x, layer_state):
+        return nnx.merge(graphdef, layer_state)(x, positions, inv_freq)
+
+    if remat != "none":
+        body = jax.checkpoint(body, policy=_REMAT_POLICIES[remat], prevent_cse=False)
+    return jax.lax.scan(body, x, state)
+
+
+def layer_kinds(cfg: ModelConfig) -> tuple[int, int, int]:
+    """(dense layers first, groups in the main stack, layers per group)."""
+    m = cfg.moe
+    if not m.n_experts:
+        return 0, cfg.n_layers, 1
+    return m.n_dense_first, (cfg.n_layers - m.n_dense_first) // m.every_n_layers, m.every_n_layers
+
+
 class Llama(nnx.Module):
     def __init__(self, cfg: ModelConfig, qcfg: QuantConfig = QuantConfig(), *, rngs: nnx.Rngs):
         self.cfg = cfg
         self.plan = plan_linears(cfg, qcfg)
         pd = jnp.dtype(cfg.param_dtype)
+        impl = qcfg.impl
         self.embed = _param(rngs, (cfg.vocab_size, cfg.d_model), cfg.init_std, ("vocab", "embed"), pd)
-
-        @nnx.split_rngs(splits=cfg.n_layers)
-        @nnx.vmap(in_axes=(0,), out_axes=0, axis_size=cfg.n_layers)
-        def make_blocks(r: nnx.Rngs) -> Block:
-            return Block(cfg, self.plan, qcfg.impl, rngs=r)
-
-        self.blocks = make_blocks(rngs)  # every parameter has a leading (L,) axis
+        n_first, n_groups, per_group = layer_kinds(cfg)
+        moe = cfg.moe.n_experts > 0
+        if n_first:
+            self.dense_blocks = _stack(n_first, lambda r: Block(cfg, self.plan, impl, rngs=r), rngs)
+        if per_group > 1:
+            self.blocks = _stack(n_groups, lambda r: MoEGroup(cfg, self.plan, impl, rngs=r), rngs)
+        else:
+            self.blocks = _stack(n_groups, lambda r: Block(cfg, self.plan, impl, moe=moe, rngs=r), rngs)
         self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, pd)
         self.head = _param(rngs, (cfg.d_model, cfg.vocab_size), cfg.init_std, ("embed", "vocab"), pd)
-        self.head_recipe, self.quant_impl = self.plan.recipes["head"], qcfg.impl
+        self.head_recipe, self.quant_impl = self.plan.recipes["head"], impl
 
-    def __call__(self, tokens: jax.Array) -> jax.Array:
-        """tokens (B,T) int32 -> logits (B,T,V) float32."""
+    def __call__(self, tokens: jax.Array) -> tuple[jax.Array, dict]:
+        """tokens (B,T) int32 -> (logits (B,T,V) float32, MoE statistics per MoE layer; {} for a dense model)."""
         cfg = self.cfg
         cdt = jnp.dtype(cfg.compute_dtype)
         x = jnp.take(self.embed[...].astype(cdt), tokens, axis=0)  # (B,T,D)
         x = sharding.constrain(x, ("batch", "seq", "act_embed"))
         positions = jnp.arange(tokens.shape[1])
         inv_freq = rope_inv_freq(cfg.d_head, cfg.rope_theta, cfg.rope_scaling)
-
-        graphdef, stacked = nnx.split(self.blocks)
-
-        def body(x, layer_params):
-            return nnx.merge(graphdef, layer_params)(x, positions, inv_freq), None
-
-        if cfg.remat != "none":
-            body = jax.checkpoint(body, policy=_REMAT_POLICIES[cfg.remat], prevent_cse=False)
-        x, _ = jax.lax.scan(body, x, stacked)
+        if hasattr(self, "dense_blocks"):
+            x, _ = _scan(self.dense_blocks, x, positions, inv_freq, cfg.remat)
+        x, stats = _scan(self.blocks, x, positions, inv_freq, cfg.remat)  # stats: leaves (n_groups, ...)
         x = self.final_norm(x)
         logits = linear(x, self.head, self.head_recipe, self.quant_impl)
-        return logits.astype(jnp.float32)
+        return logits.astype(jnp.float32), stats
+
+
+def moe_loss(cfg: ModelConfig, stats: dict) -> jax.Array:
+    """The balancing terms added to the cross-entropy: sum over MoE layers of aux and z-loss with their coefficients."""
+    if not stats:
+        return jnp.zeros((), jnp.float32)
+    m = cfg.moe
+    return m.aux_loss_coef * jnp.sum(stats["aux_loss"]) + m.z_loss_coef * jnp.sum(stats["z_loss"])
+
+
+def buffers_of(model: nnx.Module) -> dict:
+    """Non-trainable state (the MoE router biases), as a nested dict; {} for a dense model."""
+    return nnx.to_pure_dict(nnx.state(model, RouterBias))
+
+
+def update_buffers(cfg: ModelConfig, buffers: dict, stats: dict) -> dict:
+    """Auxiliary-loss-free balancing: nudge each MoE layer's router bias by the sign of its load error."""
+    rate = cfg.moe.bias_update_rate
+    if not buffers or rate == 0:
+        return buffers
+    blocks = buffers["blocks"]
+    if "moe_block" in blocks:  # grouped layers
+        bias = blocks["moe_block"]["moe"]["bias"]
+        return {**buffers, "blocks": {**blocks, "moe_block": {"moe": {"bias": update_bias(bias, stats["load"], rate)}}}}
+    bias = blocks["moe"]["bias"]
+    return {**buffers, "blocks": {**blocks, "moe": {"bias": update_bias(bias, stats["load"], rate)}}}
 
 
 def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
@@ -128,18 +220,16 @@ def params_of(model: nnx.Module) -> dict:
     return nnx.to_pure_dict(nnx.state(model, nnx.Param))
 
 
-def param_axes(model: nnx.Module) -> dict:
-    """Nested dict of logical axis names per parameter; stacked layer parameters get a leading 'layers' axis."""
+def param_axes(model: nnx.Module, variables=nnx.Param) -> dict:
+    """Nested dict of logical axis names per parameter; stacked layer parameters get leading 'layers' axes."""
 
     def axes(v: nnx.Variable) -> tuple[str, ...]:
         names = tuple(v.get_metadata().get("logical_axes", ()))
-        if len(names) == v.ndim - 1:
-            names = ("layers",) + names
-        if len(names) != v.ndim:
+        if len(names) > v.ndim:
             raise ValueError(f"parameter of shape {v.shape} has logical axes {names}")
-        return names
+        return ("layers",) * (v.ndim - len(names)) + names  # one leading axis per level of layer stacking
 
-    state = jax.tree.map(axes, nnx.state(model, nnx.Param), is_leaf=lambda x: isinstance(x, nnx.Variable))
+    state = jax.tree.map(axes, nnx.state(model, variables), is_leaf=lambda x: isinstance(x, nnx.Variable))
     return nnx.to_pure_dict(state)
 
 
@@ -150,14 +240,24 @@ def param_count(cfg: ModelConfig) -> int:
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
-    """Training FLOPs per token: 6 x (matmul parameters) + causal attention, 6 L T D' (fwd + bwd).
+    """Training FLOPs per token: 6 x (matmul parameters a token touches) + causal attention, 6 L T H K (fwd + bwd).
 
     6N counts the forward (2N) and backward (4N) multiply-adds of every weight matrix except the embedding lookup;
-    attention scores and values add 4 T K H per layer forward, halved by the causal mask, times 3 for fwd+bwd.
+    a MoE layer counts its router, its top-k routed experts and its shared experts (the active parameters).
+    Attention scores and values add 4 T H K per layer forward, halved by the causal mask, times 3 for fwd+bwd.
     This is the PaLM/Chinchilla convention with the causal half, as TorchTitan reports it.
     """
     d, f, hk, gk = cfg.d_model, cfg.d_ff, cfg.n_heads * cfg.d_head, cfg.n_kv_heads * cfg.d_head
-    per_layer = d * hk * 2 + d * gk * 2 + 3 * d * f
-    matmul_params = cfg.n_layers * per_layer + d * cfg.vocab_size
-    attn = 6 * cfg.n_layers * seq_len * hk  # 3 (fwd+bwd) x 4 T HK / 2 (causal)
-    return 6.0 * matmul_params + attn
+    attn = d * hk * 2 + d * gk * 2
+    dense_ffn = 3 * d * f
+    n_first, n_groups, per_group = layer_kinds(cfg)
+    if cfg.moe.n_experts:
+        m = cfg.moe
+        fe = m.d_expert or f
+        moe_ffn = d * m.n_experts + 3 * d * fe * (m.top_k + m.n_shared)
+        n_moe = n_groups
+        n_dense = cfg.n_layers - n_moe
+    else:
+        moe_ffn, n_moe, n_dense = 0, 0, cfg.n_layers
+    matmul_params = cfg.n_layers * attn + n_dense * dense_ffn + n_moe * moe_ffn + d * cfg.vocab_size
+    return 6.0 * matmul_params + 6 * cfg.n_layers * seq_len * hk

@@ -96,7 +96,13 @@ class MetricsWriter:
         record = {"step": step, **values}  # None (e.g. mfu without a known peak) is written as null
         self._jsonl.write(json.dumps(record) + "\n")
         if self._tb is not None:
-            self._tb.scalars(step, {k: v for k, v in values.items() if k != "step" and v is not None})
+            flat = {}
+            for k, v in values.items():
+                if isinstance(v, list):  # a vector (per-expert load): one scalar per entry
+                    flat.update({f"{k}/{i}": x for i, x in enumerate(v)})
+                elif v is not None:
+                    flat[k] = v
+            self._tb.scalars(step, flat)
             self._tb.flush()
 
     def close(self) -> None:

@@ -31,7 +31,9 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from mx_jax import checkpoint, metrics, sharding
 from mx_jax.config import ConfigError, TrainConfig, load_config, to_yaml
 from mx_jax.data import Batches, Dataset, open_dataset
-from mx_jax.llama import Llama, cross_entropy, flops_per_token, param_axes, params_of
+from mx_jax.llama import (Llama, buffers_of, cross_entropy, flops_per_token, moe_loss, param_axes, params_of,
+                          update_buffers)
+from mx_jax.moe import RouterBias
 from mx_jax.optim import make_optimizer, schedule
 
 
@@ -56,7 +58,7 @@ class Setup:
     cfg: TrainConfig
     mesh: jax.sharding.Mesh
     graphdef: Any
-    abstract_params: Any  # nested dict of ShapeDtypeStruct
+    abstract: dict  # the train state as ShapeDtypeStructs (no shardings)
     param_shardings: Any
     optimizer: optax.GradientTransformation
     state_shardings: Any
@@ -84,34 +86,40 @@ def _key(k) -> Any:
     return getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))
 
 
+def _shardings_for(mesh, logical: dict, abstract: dict) -> dict:
+    return jax.tree.map(lambda ax, v: sharding.named(mesh, ax, v.shape), logical, abstract,
+                        is_leaf=lambda x: isinstance(x, tuple))
+
+
+def _abstract(tree) -> dict:
+    return jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype), tree)
+
+
 def build(cfg: TrainConfig, mesh: jax.sharding.Mesh) -> Setup:
     abstract_model = nnx.eval_shape(lambda: Llama(cfg.model, cfg.quant, rngs=nnx.Rngs(cfg.seed)))
-    graphdef, abstract_state = nnx.split(abstract_model)
-    abstract_params = jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype), params_of(abstract_model))
-    logical = param_axes(abstract_model)
-    param_shardings = jax.tree.map(lambda ax, v: sharding.named(mesh, ax, v.shape), logical, abstract_params,
-                                   is_leaf=lambda x: isinstance(x, tuple))
+    graphdef, _, _ = nnx.split(abstract_model, nnx.Param, ...)
+    abstract_params = _abstract(params_of(abstract_model))
+    abstract_buffers = _abstract(buffers_of(abstract_model))
+    param_shardings = _shardings_for(mesh, param_axes(abstract_model), abstract_params)
     optimizer = make_optimizer(cfg.optim, cfg.steps)
     abstract_opt = jax.eval_shape(optimizer.init, abstract_params)
     state_shardings = {
         "step": NamedSharding(mesh, P()),
         "params": param_shardings,
+        "buffers": _shardings_for(mesh, param_axes(abstract_model, RouterBias), abstract_buffers),
         "opt_state": _opt_shardings(abstract_opt, param_shardings, mesh),
     }
     bspec = P(None, sharding.batch_axes(), sharding.RULES["seq"])
     batch_shardings = {k: NamedSharding(mesh, bspec) for k in ("inputs", "targets")}
-    return Setup(cfg, mesh, graphdef, abstract_params, param_shardings, optimizer, state_shardings,
-                 batch_shardings, abstract_model.plan.notes)
+    abstract = {"step": jax.ShapeDtypeStruct((), jnp.int32), "params": abstract_params,
+                "buffers": abstract_buffers, "opt_state": abstract_opt}
+    return Setup(cfg, mesh, graphdef, abstract, param_shardings, optimizer, state_shardings, batch_shardings,
+                 abstract_model.plan.notes)
 
 
 def abstract_state(setup: Setup) -> dict:
     """The train state as ShapeDtypeStructs carrying their shardings (restore target, dry-run input)."""
-    shapes = {
-        "step": jax.ShapeDtypeStruct((), jnp.int32),
-        "params": setup.abstract_params,
-        "opt_state": jax.eval_shape(setup.optimizer.init, setup.abstract_params),
-    }
-    return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes,
+    return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), setup.abstract,
                         setup.state_shardings)
 
 
@@ -121,7 +129,8 @@ def init_state(setup: Setup) -> dict:
     def init():
         model = Llama(cfg.model, cfg.quant, rngs=nnx.Rngs(cfg.seed))
         params = params_of(model)
-        return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": setup.optimizer.init(params)}
+        return {"step": jnp.zeros((), jnp.int32), "params": params, "buffers": buffers_of(model),
+                "opt_state": setup.optimizer.init(params)}
 
     return jax.jit(init, out_shardings=setup.state_shardings)()
 
@@ -131,13 +140,30 @@ def init_state(setup: Setup) -> dict:
 
 
 def make_loss_fn(setup: Setup):
-    graphdef = setup.graphdef
+    """loss_fn(params, buffers, inputs, targets) -> (cross-entropy + MoE balancing terms, (cross-entropy, stats))."""
+    graphdef, model_cfg = setup.graphdef, setup.cfg.model
 
-    def loss_fn(params, inputs, targets):
-        logits = nnx.merge(graphdef, params)(inputs)
-        return cross_entropy(logits, targets)
+    def loss_fn(params, buffers, inputs, targets):
+        logits, stats = nnx.merge(graphdef, params, buffers)(inputs)
+        ce = cross_entropy(logits, targets)
+        return ce + moe_loss(model_cfg, stats), (ce, stats)
 
     return loss_fn
+
+
+def _moe_metrics(stats: dict) -> dict:
+    """Scalars for the log from per-layer MoE statistics (load: (layers, E) assignment counts)."""
+    if not stats:
+        return {}
+    load = stats["load"]
+    share = load / jnp.sum(load, axis=-1, keepdims=True)  # (layers, E), rows sum to 1
+    return {
+        "moe_aux_loss": jnp.mean(stats["aux_loss"]),
+        "moe_z_loss": jnp.mean(stats["z_loss"]),
+        "moe_dropped_frac": jnp.mean(stats["dropped"]),
+        "moe_max_over_mean_load": jnp.mean(jnp.max(share, axis=-1) * share.shape[-1]),
+        "expert_load": jnp.mean(share, axis=0),  # (E,): share of assignments per expert, averaged over layers
+    }
 
 
 def make_train_step(setup: Setup):
@@ -147,24 +173,30 @@ def make_train_step(setup: Setup):
     accum = cfg.data.grad_accum_steps
 
     def train_step(state, batch):
-        params = state["params"]
-        grad_fn = jax.value_and_grad(loss_fn)
+        params, buffers = state["params"], state["buffers"]
+        grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+
+        def one(inputs, targets):
+            (_, (ce, stats)), grads = grad_fn(params, buffers, inputs, targets)
+            return ce, stats, grads
+
         if accum == 1:
-            loss, grads = grad_fn(params, batch["inputs"][0], batch["targets"][0])
+            ce, stats, grads = one(batch["inputs"][0], batch["targets"][0])
         else:
             def micro(carry, mb):
-                loss_sum, grad_sum = carry
-                loss, grads = grad_fn(params, mb[0], mb[1])
-                return (loss_sum + loss, jax.tree.map(jnp.add, grad_sum, grads)), None
+                ce, stats, grads = one(*mb)
+                return jax.tree.map(jnp.add, carry, (ce, stats, grads)), None
 
-            zeros = jax.tree.map(jnp.zeros_like, params)
-            (loss, grads), _ = jax.lax.scan(micro, (jnp.zeros((), jnp.float32), zeros),
-                                            (batch["inputs"], batch["targets"]))
-            loss, grads = loss / accum, jax.tree.map(lambda g: g / accum, grads)
+            zeros = jax.tree.map(jnp.zeros_like, jax.eval_shape(one, batch["inputs"][0], batch["targets"][0]))
+            (ce, stats, grads), _ = jax.lax.scan(micro, zeros, (batch["inputs"], batch["targets"]))
+            # Means over microbatches; the expert loads stay summed (counts).
+            ce, grads = ce / accum, jax.tree.map(lambda g: g / accum, grads)
+            stats = {k: (v if k == "load" else v / accum) for k, v in stats.items()}
         updates, opt_state = setup.optimizer.update(grads, state["opt_state"], params)
         new_state = {"step": state["step"] + 1, "params": optax.apply_updates(params, updates),
-                     "opt_state": opt_state}
-        return new_state, {"loss": loss, "grad_norm": optax.tree.norm(grads), "lr": lr_at(state["step"])}
+                     "buffers": update_buffers(cfg.model, buffers, stats), "opt_state": opt_state}
+        out = {"loss": ce, "grad_norm": optax.tree.norm(grads), "lr": lr_at(state["step"]), **_moe_metrics(stats)}
+        return new_state, out
 
     return jax.jit(train_step, in_shardings=(setup.state_shardings, setup.batch_shardings),
                    out_shardings=(setup.state_shardings, None), donate_argnums=(0,))
@@ -173,17 +205,20 @@ def make_train_step(setup: Setup):
 def make_eval_step(setup: Setup):
     loss_fn = make_loss_fn(setup)
 
-    def eval_step(params, batch):
-        return loss_fn(params, batch["inputs"][0], batch["targets"][0])
+    def eval_step(params, buffers, batch):
+        return loss_fn(params, buffers, batch["inputs"][0], batch["targets"][0])[1][0]
 
-    return jax.jit(eval_step, in_shardings=(setup.param_shardings, setup.batch_shardings))
+    return jax.jit(eval_step, in_shardings=(setup.param_shardings, setup.state_shardings["buffers"],
+                                            setup.batch_shardings))
 
 
-def evaluate(eval_step, params, dataset: Dataset, setup: Setup) -> float:
+def evaluate(eval_step, state, dataset: Dataset, setup: Setup) -> float:
+    """Mean held-out cross-entropy over the first data.eval_batches batches of the held-out split (fixed order)."""
     cfg = setup.cfg
     batches = Batches(dataset.val, cfg.data.batch_size, cfg.seed, shuffle=False)
     n = min(cfg.data.eval_batches, max(1, dataset.val.n // cfg.data.batch_size))
-    losses = [eval_step(params, batches.next_global(setup.batch_shardings, 1)) for _ in range(n)]
+    losses = [eval_step(state["params"], state["buffers"], batches.next_global(setup.batch_shardings, 1))
+              for _ in range(n)]
     return float(np.mean([float(x) for x in losses]))
 
 
@@ -248,7 +283,7 @@ def train(cfg: TrainConfig, devices: list[jax.Device] | None = None) -> TrainRes
         log(f"mx_jax | {jax.device_count()} x {jax.devices()[0].device_kind} ({jax.process_count()} process(es)) | "
             f"mesh {dict(mesh.shape)} | jax {jax.__version__}")
         log(f"data   | {dataset.description}")
-        n_params = sum(x.size for x in jax.tree.leaves(setup.abstract_params))
+        n_params = sum(x.size for x in jax.tree.leaves(setup.abstract["params"]))
         log(f"model  | {n_params / 1e6:,.1f} M parameters | quant recipe {cfg.quant.recipe} | remat {cfg.model.remat}")
         for note in setup.notes:
             log(f"quant  | {note}")
@@ -287,7 +322,8 @@ def _loop(cfg, setup, state, step, dataset, train_batches, ckpt, run_dir) -> tup
     def finish(step_no: int, dev_metrics, with_eval: bool = False) -> None:
         """Read one step's metrics (blocks until it is done); log, and evaluate the *current* params if asked."""
         nonlocal last, compiled_at
-        m = {k: float(v) for k, v in dev_metrics.items()}
+        m = {k: (float(v) if np.ndim(v) == 0 else [round(float(x), 5) for x in np.asarray(v)])
+             for k, v in dev_metrics.items()}
         if not math.isfinite(m["loss"]):
             raise FloatingPointError(f"loss is {m['loss']} at step {step_no}: stopping (no checkpoint written "
                                      f"for this step; the last committed one is {ckpt.latest_step()})")
@@ -303,7 +339,7 @@ def _loop(cfg, setup, state, step, dataset, train_batches, ckpt, run_dir) -> tup
             m.update(rate.report())
             m.update(metrics.memory_in_use())
             if with_eval:
-                m["eval_loss"] = evaluate(eval_step, state["params"], dataset, setup)
+                m["eval_loss"] = evaluate(eval_step, state, dataset, setup)
             writer.write(step_no, m)
             log(_fmt_log(step_no, m))
             if bar is not None:

@@ -1,0 +1,238 @@
+"""Expert-parallel dispatch and combine for MoE: flat, and rail-aligned hierarchical (the idea of PXN / DeepEP).
+
+Called per device inside `shard_map` (moe.MoE). A device holds n tokens x (n,D) with top-k choices idx (n,k),
+weights g (n,k) and a keep mask (capacity). The `expert` mesh axis has P devices; device p owns experts
+[p E_l, (p+1) E_l), E_l = E/P. For the hierarchical path the axis is read as (node, local) with L = gpus_per_node
+devices per node: p = node L + local, and GPU `local` of every node hangs off rail `local`.
+
+Flat (one stage): every (token, expert) assignment is a row sent straight to the expert's device; the expert
+device sorts its rows by local expert, runs the grouped-GEMM SwiGLU, and the reverse exchange brings each row's
+output home, where y_t = sum_j g_tj out_tj.
+
+Hierarchical (two stages, as DeepEP's normal kernels):
+    1. rail stage: each token goes ONCE to every node that holds at least one of its experts, to the GPU with the
+       same local index there (same rail: one hop, no spine), carrying its k expert ids and weights;
+    2. node stage: that GPU forwards one row per (token, expert on this node) over NVLink to the expert's GPU;
+    combine: the node-stage outputs return to the rail GPU, which forms the weighted partial sum over the token's
+       experts on its node; one partial row per (token, node) travels back over the rail, and the source adds them.
+    Cross-node rows per token = distinct destination nodes, against flat's expert copies on other nodes.
+
+Exchanges move rows to peers inside a group of the expert axis (all of it, a rail, or a node):
+    "ragged" (GPU): jax.lax.ragged_all_to_all moves only real rows; the receive buffer holds the worst case (every
+                    peer sends every row it has), so nothing is ever dropped.
+    "dense"  (CPU, where XLA has no ragged all-to-all; a GPU candidate too): each peer's chunk is padded to the
+                    same worst-case bound and moved with lax.all_to_all; padding rows are masked.
+Both have the same semantics; tests/test_moe.py checks flat == hierarchical == single device (outputs, gradients).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+from mx_jax import grouped_linear
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertFFN:
+    """SwiGLU experts as grouped GEMMs. w_gate, w_up (E_l,D,F), w_down (E_l,F,D): this device's experts."""
+
+    w_gate: jax.Array
+    w_up: jax.Array
+    w_down: jax.Array
+    recipe: str
+    impl: str
+
+    @property
+    def n_local(self) -> int:
+        return self.w_gate.shape[0]
+
+    def __call__(self, rows: jax.Array, local_expert: jax.Array) -> jax.Array:
+        """rows (R,D) with local expert ids (R,) in [0, E_l]; id E_l marks padding (output zero) -> (R,D)."""
+        e = self.n_local
+        order = jnp.argsort(local_expert, stable=True)  # padding (id E_l) sorts last
+        sizes = jnp.bincount(local_expert, length=e + 1)[:e].astype(jnp.int32)
+        xs = rows[order]
+
+        def gl(a, w):
+            return grouped_linear.grouped_linear(a, w, sizes, recipe=self.recipe, impl=self.impl)
+
+        h = jax.nn.silu(gl(xs, self.w_gate)) * gl(xs, self.w_up)
+        ys = gl(h.astype(rows.dtype), self.w_down)
+        valid = (jnp.arange(rows.shape[0]) < jnp.sum(sizes))[:, None]
+        ys = jnp.where(valid, ys, 0).astype(rows.dtype)
+        return jnp.zeros_like(ys).at[order].set(ys, unique_indices=True)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# One exchange: rows to peers of a group, and the way back
+
+
+@dataclasses.dataclass(frozen=True)
+class Group:
+    """Peers of one exchange inside the expert axis: `size` peers; `groups` as lax axis_index_groups (None = all)."""
+
+    axis: str
+    size: int
+    groups: list[list[int]] | None = None
+
+
+def exchange(payload: dict[str, jax.Array], dest: jax.Array, group: Group, method: str, bound: int | None = None
+             ) -> tuple[dict[str, jax.Array], jax.Array, Callable[[jax.Array], jax.Array]]:
+    """Send row i of every payload array to peer dest[i] (dest == group.size: not sent).
+
+    `bound` is the most rows any one peer can be sent (default: all of them, the worst case), so no row drops.
+    Returns (received payloads (group.size * bound, ...), valid mask (group.size * bound,), back) where
+    back(out (group.size * bound, D)) returns each received row's output to its sender, as (rows, D) in the
+    original row order (zeros for rows that were not sent).
+    """
+    n = group.size
+    rows_in = dest.shape[0]
+    a = rows_in if bound is None else bound
+    order = jnp.argsort(dest, stable=True)
+    dest_s = dest[order]
+    sizes = jnp.bincount(dest, length=n + 1)[:n].astype(jnp.int32)
+    starts = jnp.cumsum(sizes) - sizes
+    pos = jnp.arange(rows_in) - starts[jnp.minimum(dest_s, n - 1)]
+    sent = dest_s < n
+    sorted_payload = {k: v[order] for k, v in payload.items()}
+
+    def a2a(x, split_axis=0, concat_axis=0, tiled=False):
+        return jax.lax.all_to_all(x, group.axis, split_axis, concat_axis, tiled=tiled,
+                                  axis_index_groups=group.groups)
+
+    if method == "dense":
+        def pack(v, fill):
+            buf = jnp.full((n, a) + v.shape[1:], fill, v.dtype)
+            return buf.at[dest_s, pos].set(v, mode="drop")  # unsent rows (dest_s == n) fall outside and drop
+
+        recv = {k: a2a(pack(v, 0)).reshape((n * a,) + v.shape[1:]) for k, v in sorted_payload.items()}
+        valid = a2a(pack(sent, False)).reshape(n * a)
+
+        def back(out):
+            ret = a2a(out.reshape((n, a) + out.shape[1:]))
+            rows = ret.at[dest_s, pos].get(mode="fill", fill_value=0)
+            return jnp.zeros_like(rows).at[order].set(rows, unique_indices=True)
+
+        return recv, valid, back
+
+    # ragged: offsets of my chunk in each peer's receive buffer come from an exchange of the sizes.
+    recv_sizes = a2a(sizes, tiled=True)
+    recv_off = (jnp.cumsum(recv_sizes) - recv_sizes).astype(jnp.int32)
+    out_off = a2a(recv_off, tiled=True)
+    in_off = starts.astype(jnp.int32)
+
+    def ragged(x, out_buf, in_o, send, out_o, recv):
+        return jax.lax.ragged_all_to_all(x, out_buf, in_o, send, out_o, recv, axis_name=group.axis,
+                                         axis_index_groups=group.groups)
+
+    recv = {k: ragged(v, jnp.zeros((n * a,) + v.shape[1:], v.dtype), in_off, sizes, out_off, recv_sizes)
+            for k, v in sorted_payload.items()}
+    valid = jnp.arange(n * a) < jnp.sum(recv_sizes)
+    peer_in_off = a2a(in_off, tiled=True)  # where each sender's chunk for me sat in its send buffer
+
+    def back(out):
+        rows = ragged(out, jnp.zeros((rows_in,) + out.shape[1:], out.dtype), recv_off, recv_sizes, peer_in_off,
+                      sizes)
+        rows = jnp.where(sent[:, None], rows, 0)
+        return jnp.zeros_like(rows).at[order].set(rows, unique_indices=True)
+
+    return recv, valid, back
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Flat and hierarchical dispatch + combine
+
+
+def pick_exchange(method: str = "auto") -> str:
+    if method != "auto":
+        return method
+    return "ragged" if jax.default_backend() == "gpu" else "dense"
+
+
+def dispatch_combine(x: jax.Array, idx: jax.Array, g: jax.Array, keep: jax.Array, ffn: ExpertFFN, *,
+                     axis: str | None, method: str = "flat", gpus_per_node: int = 8, exchange_method: str = "auto",
+                     ) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """y (n,D) = sum_j g[:, j] * Expert_{idx[:, j]}(x) with experts spread over mesh axis `axis` (None: all local).
+
+    Also returns the rows this device sent for dispatch to devices on other nodes and to other devices of its own
+    node (the combine sends the same numbers back).
+    """
+    n, k = idx.shape
+    e_l = ffn.n_local
+    how = pick_exchange(exchange_method)
+    eid = jnp.where(keep, idx, -1)  # (n,k); -1: dropped by capacity
+    if axis is None:
+        out = ffn(jnp.repeat(x, k, axis=0), jnp.where(eid >= 0, eid, e_l).reshape(-1))
+        zero = jnp.zeros((), jnp.int32)
+        return _combine(out, g, x.dtype), {"rows_cross_node": zero, "rows_intra_node": zero}
+    if method == "flat":
+        out, traffic = _flat(x, eid, ffn, axis, gpus_per_node, how)
+        return _combine(out, g, x.dtype), traffic
+    return _hierarchical(x, eid, g, ffn, axis, gpus_per_node, how)
+
+
+def _combine(out: jax.Array, g: jax.Array, dtype) -> jax.Array:
+    """out (n k, D) expert outputs per assignment, g (n,k) -> sum_j g_j out_j (n,D), accumulated in float32."""
+    n, k = g.shape
+    y = out.reshape(n, k, -1).astype(jnp.float32) * g[..., None].astype(jnp.float32)
+    return jnp.sum(y, axis=1).astype(dtype)
+
+
+def _node_layout(axis: str, gpus_per_node: int) -> tuple[int, int, jax.Array]:
+    """(P devices on the expert axis, L of them per node, this device's node)."""
+    p = jax.lax.axis_size(axis)
+    l = min(gpus_per_node, p)
+    if p % l:
+        raise ValueError(f"mesh.expert={p} is not a multiple of model.moe.gpus_per_node={gpus_per_node}")
+    return p, l, jax.lax.axis_index(axis) // l
+
+
+def _flat(x, eid, ffn: ExpertFFN, axis: str, gpus_per_node: int, how: str):
+    n_dev, l, my_node = _node_layout(axis, gpus_per_node)
+    k = eid.shape[1]
+    e_l = ffn.n_local
+    flat_e = eid.reshape(-1)
+    rows = jnp.repeat(x, k, axis=0)  # (n k, D): assignment i = token i // k, choice i % k
+    dest = jnp.where(flat_e >= 0, flat_e // e_l, n_dev)
+    recv, valid, back = exchange({"x": rows, "e": flat_e % e_l}, dest, Group(axis, n_dev), how)
+    out = back(ffn(recv["x"], jnp.where(valid, recv["e"], e_l)))
+    off_dev = (dest < n_dev) & (dest != jax.lax.axis_index(axis))
+    cross = off_dev & (dest // l != my_node)
+    traffic = {"rows_cross_node": jnp.sum(cross).astype(jnp.int32),
+               "rows_intra_node": jnp.sum(off_dev & ~cross).astype(jnp.int32)}
+    return out, traffic
+
+
+def _hierarchical(x, eid, g, ffn: ExpertFFN, axis: str, gpus_per_node: int, how: str):
+    n_dev, l, my_node = _node_layout(axis, gpus_per_node)
+    n_nodes = n_dev // l
+    n, k = eid.shape
+    d = x.shape[1]
+    e_l = ffn.n_local
+    rail = Group(axis, n_nodes, [[nd * l + j for nd in range(n_nodes)] for j in range(l)])  # same local index
+    node = Group(axis, l, [[nd * l + j for j in range(l)] for nd in range(n_nodes)])  # same node
+    # Stage 1 (rail): one row per (token, destination node); rows to my own node stay on this device.
+    node_of = jnp.where(eid >= 0, (eid // e_l) // l, n_nodes)  # (n,k)
+    need = jnp.any(node_of[:, :, None] == jnp.arange(n_nodes)[None, None, :], axis=1)  # (n, N)
+    dest1 = jnp.where(need, jnp.arange(n_nodes)[None, :], n_nodes).reshape(-1)  # row i = token i // N, node i % N
+    payload1 = {"x": jnp.repeat(x, n_nodes, axis=0), "e": jnp.repeat(eid, n_nodes, axis=0),
+                "g": jnp.repeat(g.astype(jnp.float32), n_nodes, axis=0)}
+    recv1, valid1, back1 = exchange(payload1, dest1, rail, how, bound=n)  # (N n, ...): tokens that need my node
+    # Stage 2 (node): one row per (received token, its expert on this node) to the expert's GPU.
+    e2 = recv1["e"].reshape(-1)  # (N n k,)
+    mine = jnp.repeat(valid1, k) & (e2 >= 0) & ((e2 // e_l) // l == my_node)
+    dest2 = jnp.where(mine, (e2 // e_l) % l, l)
+    recv2, valid2, back2 = exchange({"x": jnp.repeat(recv1["x"], k, axis=0), "e": e2 % e_l}, dest2, node, how)
+    out2 = back2(ffn(recv2["x"], jnp.where(valid2, recv2["e"], e_l)))  # (N n k, D); zero where not mine
+    # Combine inside the node: the weighted partial sum over this token's experts here, then one row home.
+    partial = jnp.sum(out2.reshape(-1, k, d).astype(jnp.float32) * recv1["g"][..., None], axis=1)
+    parts = back1(partial)  # (n N, D) in row order
+    y = jnp.sum(parts.reshape(n, n_nodes, d), axis=1).astype(x.dtype)
+    me_local = jax.lax.axis_index(axis) % l
+    traffic = {"rows_cross_node": jnp.sum((dest1 < n_nodes) & (dest1 != my_node)).astype(jnp.int32),
+               "rows_intra_node": jnp.sum((dest2 < l) & (dest2 != me_local)).astype(jnp.int32)}
+    return y, traffic

@@ -1,0 +1,137 @@
+"""Sparse mixture-of-experts feed-forward: router, top-k, balancing, and SwiGLU experts on a grouped GEMM.
+
+For N tokens x (N,D), E routed experts of hidden width F, top-k:
+    logits = x W_r (N,E), in float32
+    s      = softmax(logits) or sigmoid(logits)                          (Mixtral / DeepSeek-V3)
+    idx    = top-k over (s + b) per token; b is the balancing bias, used for the choice only (DeepSeek-V3 §2.1.2)
+    g      = s[idx], divided by its row sum when normalize_top_k
+    y      = sum_j g_j Expert_{idx_j}(x) + sum_shared Expert_shared(x)  (DeepSeekMoE shared experts)
+    Expert(x) = (silu(x W_gate) * (x W_up)) W_down, run for all experts at once as a grouped GEMM over the tokens
+    sorted by expert (mx_jax.grouped_linear: Pallas on Hopper, jax.lax.ragged_dot elsewhere).
+
+Balancing, each optional:
+    aux loss   coef * E * sum_e f_e P_e,  f_e = share of the N k assignments that chose e, P_e = mean_n s[n,e]
+               (Switch Transformer eq. 4; Mixtral); f carries no gradient.
+    bias       after each step b_e += rate * sign(mean load - load_e)  (DeepSeek-V3 auxiliary-loss-free balancing),
+               applied by the train step outside the gradient; b is a RouterBias variable, not a parameter.
+    z-loss     coef * mean_n logsumexp(logits_n)^2                       (ST-MoE eq. 5)
+Capacity: dropless by default. With capacity_factor c > 0, each expert keeps at most ceil(c N k / E) of each
+device's assignments (in token order) and the rest are dropped (weight 0), as in GShard.
+
+Expert parallelism: the layer body runs per device inside `shard_map` over the whole mesh (routing and sorting
+are local), and the rows for experts on other devices travel through mx_jax.dispatch over the `expert` axis.
+Statistics (f, P, loads, z-loss) are summed over every mesh axis, so losses and gradients do not depend on the
+mesh.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from mx_jax import dispatch, sharding
+from mx_jax.config import ModelConfig
+from mx_jax.layers import SwiGLU, _param
+
+
+STATS = ("aux_loss", "z_loss", "load", "dropped", "rows_cross_node", "rows_intra_node")
+
+
+class RouterBias(nnx.Variable):
+    """The per-expert selection bias of auxiliary-loss-free balancing; updated by the train step, not the optimizer."""
+
+
+def route(logits: jax.Array, bias: jax.Array, top_k: int, score: str, normalize: bool):
+    """logits (N,E) f32 -> (scores (N,E), top-k expert ids (N,k) int32, top-k weights (N,k) f32)."""
+    s = jax.nn.softmax(logits, axis=-1) if score == "softmax" else jax.nn.sigmoid(logits)
+    _, idx = jax.lax.top_k(jax.lax.stop_gradient(s) + bias[None, :], top_k)
+    g = jnp.take_along_axis(s, idx, axis=-1)
+    if normalize:
+        g = g / jnp.sum(g, axis=-1, keepdims=True)
+    return s, idx.astype(jnp.int32), g
+
+
+def capacity_keep(idx: jax.Array, n_experts: int, capacity: int) -> jax.Array:
+    """(N,k) bool: assignment kept when fewer than `capacity` earlier assignments (token-major order) chose its expert."""
+    flat = idx.reshape(-1)
+    onehot = jax.nn.one_hot(flat, n_experts, dtype=jnp.int32)
+    rank = jnp.take_along_axis(jnp.cumsum(onehot, axis=0) - onehot, flat[:, None], axis=1)[:, 0]
+    return (rank < capacity).reshape(idx.shape)
+
+
+class MoE(nnx.Module):
+    def __init__(self, cfg: ModelConfig, recipe: str, impl: str, shared_recipes: dict[str, str], *,
+                 rngs: nnx.Rngs):
+        m = cfg.moe
+        d, e = cfg.d_model, m.n_experts
+        f = m.d_expert or cfg.d_ff
+        pd = jnp.dtype(cfg.param_dtype)
+        out_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
+        self.router = _param(rngs, (d, e), cfg.init_std, ("embed", "router"), pd)
+        self.w_gate = _param(rngs, (e, d, f), cfg.init_std, ("expert", None, "expert_mlp"), pd)
+        self.w_up = _param(rngs, (e, d, f), cfg.init_std, ("expert", None, "expert_mlp"), pd)
+        self.w_down = _param(rngs, (e, f, d), out_std, ("expert", "expert_mlp", None), pd)
+        self.bias = RouterBias(jnp.zeros((e,), jnp.float32), logical_axes=("router",))
+        self.shared = SwiGLU(cfg, m.n_shared * f, shared_recipes, impl, rngs=rngs) if m.n_shared else None
+        self.cfg, self.recipe, self.impl = m, recipe, impl
+
+    def __call__(self, x: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """x (B,T,D) -> (y (B,T,D), stats). stats: aux_loss, z_loss (scalars), load (E,) assignment counts, dropped."""
+        weights = (self.router[...], self.bias[...], self.w_gate[...], self.w_up[...], self.w_down[...])
+        mesh = jax.sharding.get_abstract_mesh()
+        if mesh.empty:
+            y, stats = self._local(x, *weights, axes=())
+        else:
+            batch = tuple(a for a in sharding.batch_axes() if a in mesh.axis_names)
+            x_spec = P(batch, "context", None)
+            w_spec = P("expert", None, None)
+            body = jax.shard_map(
+                lambda *args: self._local(*args, axes=tuple(mesh.axis_names)), mesh=mesh,
+                in_specs=(x_spec, P(), P(), w_spec, w_spec, w_spec),
+                out_specs=(x_spec, {k: P() for k in STATS}),
+                check_vma=False)
+            y, stats = body(x, *weights)
+        if self.shared is not None:
+            y = y + self.shared(x)
+        return y, stats
+
+    def _local(self, x, w_router, bias, w_gate, w_up, w_down, *, axes: tuple[str, ...]):
+        """One device's tokens. x (b,t,D); expert weights (E_local, ...). `axes`: mesh axes to reduce statistics over."""
+        m = self.cfg
+        b, t, d = x.shape
+        xt = x.reshape(b * t, d)
+        logits = jnp.dot(xt.astype(jnp.float32), w_router.astype(jnp.float32))  # (n,E)
+        s, idx, g = route(logits, bias, m.top_k, m.score, m.normalize_top_k)
+        n = xt.shape[0]
+        keep = jnp.ones(idx.shape, bool)
+        if m.capacity_factor > 0:
+            keep = capacity_keep(idx, m.n_experts, math.ceil(m.capacity_factor * n * m.top_k / m.n_experts))
+        g = jnp.where(keep, g, 0.0)
+
+        def psum(v):
+            return jax.lax.psum(v, axes) if axes else v
+
+        n_global = psum(jnp.float32(n))
+        load = psum(jnp.sum(jax.nn.one_hot(idx, m.n_experts, dtype=jnp.float32) * keep[..., None], axis=(0, 1)))
+        f = jax.lax.stop_gradient(load) / (n_global * m.top_k)
+        p_mean = psum(jnp.sum(s, axis=0)) / n_global
+        aux = m.n_experts * jnp.sum(f * p_mean)
+        z = psum(jnp.sum(jax.nn.logsumexp(logits, axis=-1) ** 2)) / n_global
+        dropped = psum(jnp.sum(~keep).astype(jnp.float32)) / (n_global * m.top_k)
+
+        ffn = dispatch.ExpertFFN(w_gate, w_up, w_down, self.recipe, self.impl)
+        y, traffic = dispatch.dispatch_combine(xt, idx, g, keep, ffn, axis="expert" if "expert" in axes else None,
+                                               method=m.dispatch, gpus_per_node=m.gpus_per_node)
+        stats = {"aux_loss": aux, "z_loss": z, "load": load, "dropped": dropped,
+                 "rows_cross_node": psum(traffic["rows_cross_node"]), "rows_intra_node": psum(traffic["rows_intra_node"])}
+        return y.reshape(b, t, d), stats
+
+
+def update_bias(bias: jax.Array, load: jax.Array, rate: float) -> jax.Array:
+    """DeepSeek-V3 auxiliary-loss-free balancing: b_e += rate * sign(mean load - load_e). bias, load (..., E)."""
+    err = jnp.mean(load, axis=-1, keepdims=True) - load
+    return bias + rate * jnp.sign(err)
