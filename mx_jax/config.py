@@ -125,7 +125,7 @@ class QuantConfig:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class CkptConfig:
-    every_steps: int = 200  # 0 = only at the end
+    every_steps: int = 200  # 0 = only at the end; -1 = never (benchmarks)
     keep: int = 3
     async_save: bool = True
     resume: str = "latest"  # "latest" (resume when the run dir has a checkpoint), "never", or a step number
@@ -134,7 +134,7 @@ class CkptConfig:
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class LogConfig:
     every_steps: int = 10
-    eval_every_steps: int = 100  # 0 = only at the end
+    eval_every_steps: int = 100  # 0 = only at the end; -1 = never (benchmarks)
     peak_tflops: float = 0.0  # per device, for MFU; 0 = known value for the device kind (none on CPU)
     tensorboard: bool = True
     progress: bool = True
@@ -338,12 +338,12 @@ def validate(cfg: TrainConfig) -> None:
     _check(o.warmup_steps >= 0, "optim.warmup_steps", f"must be >= 0, got {o.warmup_steps}")
     _check(0 <= o.b1 < 1 and 0 <= o.b2 < 1, "optim.b1", "b1 and b2 must be in [0, 1)")
     _check(o.grad_clip_norm >= 0, "optim.grad_clip_norm", f"must be >= 0, got {o.grad_clip_norm}")
-    _check(c.every_steps >= 0, "ckpt.every_steps", f"must be >= 0, got {c.every_steps}")
+    _check(c.every_steps >= -1, "ckpt.every_steps", f"must be >= -1, got {c.every_steps}")
     _check(c.keep >= 1, "ckpt.keep", f"must be >= 1, got {c.keep}")
     _check(c.resume in ("latest", "never") or c.resume.isdigit(), "ckpt.resume",
            f"must be 'latest', 'never' or a step number, got {c.resume!r}")
     _check(lg.every_steps > 0, "log.every_steps", f"must be positive, got {lg.every_steps}")
-    _check(lg.eval_every_steps >= 0, "log.eval_every_steps", f"must be >= 0, got {lg.eval_every_steps}")
+    _check(lg.eval_every_steps >= -1, "log.eval_every_steps", f"must be >= -1, got {lg.eval_every_steps}")
     for k in ("data", "fsdp", "expert", "context"):
         v = getattr(cfg.mesh, k)
         _check(v == -1 or v >= 1, f"mesh.{k}", f"must be -1 or >= 1, got {v}")

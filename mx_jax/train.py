@@ -301,6 +301,13 @@ def train(cfg: TrainConfig, devices: list[jax.Device] | None = None) -> TrainRes
     return TrainResult(state, last)
 
 
+def _due(step: int, every: int, last: int) -> bool:
+    """every > 0: each `every` steps and at the end; 0: only at the end; -1: never."""
+    if every < 0:
+        return False
+    return step == last or (every > 0 and step % every == 0)
+
+
 def _loop(cfg, setup, state, step, dataset, train_batches, ckpt, run_dir) -> tuple[dict, dict]:
     train_step = make_train_step(setup)
     eval_step = make_eval_step(setup)
@@ -355,9 +362,8 @@ def _loop(cfg, setup, state, step, dataset, train_batches, ckpt, run_dir) -> tup
             if pending is not None:
                 finish(*pending)  # the previous step: the device is already busy with this one
             pending = (step, dev_metrics)
-            last_step = step == cfg.steps
-            eval_now = last_step or bool(cfg.log.eval_every_steps and step % cfg.log.eval_every_steps == 0)
-            save_now = last_step or bool(cfg.ckpt.every_steps and step % cfg.ckpt.every_steps == 0)
+            eval_now = _due(step, cfg.log.eval_every_steps, cfg.steps)
+            save_now = _due(step, cfg.ckpt.every_steps, cfg.steps)
             if eval_now or save_now:
                 finish(*pending, with_eval=eval_now)  # `state` is this step's: never save an unchecked loss
                 pending = None
@@ -388,6 +394,22 @@ def dry_run(cfg: TrainConfig) -> dict:
     return report
 
 
+def init_distributed() -> None:
+    """Join a multi-process run when the launcher set MX_JAX_COORDINATOR (launch/local.sh, launch/slurm.sbatch).
+
+    MX_JAX_COORDINATOR=host:port, MX_JAX_NUM_PROCESSES, MX_JAX_PROCESS_ID; on CPU, MX_JAX_CPU_DEVICES sets the
+    devices per process. Must run before anything touches a jax backend.
+    """
+    coordinator = os.environ.get("MX_JAX_COORDINATOR")
+    if not coordinator:
+        return
+    if os.environ.get("MX_JAX_CPU_DEVICES"):
+        jax.config.update("jax_num_cpu_devices", int(os.environ["MX_JAX_CPU_DEVICES"]))
+    jax.distributed.initialize(coordinator_address=coordinator,
+                               num_processes=int(os.environ["MX_JAX_NUM_PROCESSES"]),
+                               process_id=int(os.environ["MX_JAX_PROCESS_ID"]))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m mx_jax.train", description="Train a Llama with mx_jax.")
     ap.add_argument("--config", help="YAML config (defaults < YAML < key=value overrides)")
@@ -397,6 +419,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)
+        init_distributed()
         if args.dry_run:
             dry_run(cfg)
             return 0

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Start N local processes of one mx_jax training run, joined by jax.distributed (coordinator on loopback).
+#
+#   launch/local.sh N [--cpu-devices K] --config configs/X.yaml [key=value ...]
+#
+# Each process runs `python -m mx_jax.train` with MX_JAX_COORDINATOR / MX_JAX_NUM_PROCESSES / MX_JAX_PROCESS_ID.
+# --cpu-devices K gives each process K fake CPU devices (testing multi-host logic on one machine); without it each
+# process sees the machine's accelerators (use CUDA_VISIBLE_DEVICES per process yourself to split GPUs).
+# Process 0's output goes to the terminal, process i's to <run_dir or /tmp>/proc<i>.log. Any failure stops all.
+set -euo pipefail
+if [[ $# -lt 1 || ! "$1" =~ ^[0-9]+$ ]]; then
+  echo "usage: $0 N [--cpu-devices K] --config configs/X.yaml [key=value ...]" >&2
+  exit 2
+fi
+n=$1; shift
+cpu_devices=""
+if [[ "${1:-}" == "--cpu-devices" ]]; then cpu_devices=$2; shift 2; fi
+port=${MX_JAX_PORT:-$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')}
+logdir=${MX_JAX_LOG_DIR:-$(mktemp -d /tmp/mx_jax_local.XXXX)}
+pids=()
+cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; }
+trap cleanup INT TERM
+for ((i = 0; i < n; i++)); do
+  env=(MX_JAX_COORDINATOR="127.0.0.1:$port" MX_JAX_NUM_PROCESSES="$n" MX_JAX_PROCESS_ID="$i")
+  if [[ -n "$cpu_devices" ]]; then env+=(MX_JAX_CPU_DEVICES="$cpu_devices" JAX_PLATFORMS=cpu); fi
+  if [[ $i -eq 0 ]]; then
+    env "${env[@]}" python -m mx_jax.train "$@" &
+  else
+    env "${env[@]}" python -m mx_jax.train "$@" > "$logdir/proc$i.log" 2>&1 &
+  fi
+  pids+=($!)
+done
+status=0
+for p in "${pids[@]}"; do
+  if ! wait "$p"; then status=1; cleanup; fi
+done
+[[ $status -eq 0 ]] || echo "a process failed; logs of processes 1..$((n - 1)) in $logdir" >&2
+exit $status

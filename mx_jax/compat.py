@@ -1,0 +1,56 @@
+"""Every jax / flax / orbax version shim in mx_jax lives here, and nowhere else.
+
+Supported range: jax 0.10.2 (CPU machines and CI, Python 3.11) to jax 0.11.2 (the GPU image, Python 3.12).
+Each shim names the versions that differ and what changed.
+"""
+
+import jax
+
+JAX_VERSION = tuple(int(p) for p in jax.__version__.split(".")[:3])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Pallas Mosaic-GPU: fp8 GEMM / quantize kernels (pallas_kernels/fp8_matmul.py, quantize.py)
+# ---------------------------------------------------------------------------------------------------------------
+# - InterpretGPUParams (run a Mosaic-GPU kernel on CPU): exported on `plgpu` from 0.11; in 0.10.2 it lives only in
+#   jax._src.pallas.mosaic_gpu.interpret.params.
+# - wgmma with one e4m3 and one e5m2 operand: accepted from 0.11 (0.10.2 requires equal dtypes).
+# - `pl.pallas_call(compiler_params=plgpu.CompilerParams())` fails on 0.11.2, so kernels use `plgpu.kernel`, whose
+#   signature (out_type=, scratch_types=, interpret=) is the same in both versions.
+try:
+    from jax.experimental.pallas.mosaic_gpu import InterpretGPUParams  # jax >= 0.11
+except ImportError:  # jax 0.10.2
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams  # noqa: F401
+
+MGPU_MIXED_FP8_WGMMA = JAX_VERSION >= (0, 11, 0)
+
+# Run every Mosaic-GPU kernel launched inside the context on CPU (0.11 exports it on `plgpu`; 0.10.2 does not).
+try:
+    from jax.experimental.pallas.mosaic_gpu import force_gpu_interpret_mode  # jax >= 0.11
+except ImportError:  # jax 0.10.2
+    from jax._src.pallas.mosaic_gpu.interpret.params import force_gpu_interpret_mode  # noqa: F401
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Pallas Mosaic-GPU interpret mode: MX cast kernels (pallas_kernels/mx_quantize.py)
+# ---------------------------------------------------------------------------------------------------------------
+# - `plgpu.layout_cast` in a kernel run by the GPU interpreter: 0.11 treats it as the identity; 0.10.2 has no CPU
+#   lowering for `layout_cast_p` ("MLIR translation rule ... not found for platform cpu"). A layout is meaningless
+#   to the interpreter, so `enable_mgpu_interpret_layout_cast()` registers the identity as that lowering on 0.10.2.
+# - Reading a transposed SMEM view (`ref.T[...]`): 0.11's interpreter reads it; 0.10.2's rejects the
+#   TransposeTransform ("Unsupported transform"). MGPU_INTERPRET_REF_TRANSPOSE says which; on 0.10.2 the cast
+#   kernels transpose the value instead when interpreted (the GPU path always reads the transposed view).
+MGPU_INTERPRET_REF_TRANSPOSE = JAX_VERSION >= (0, 11, 0)
+_mgpu_layout_cast_cpu_rule_registered = False
+
+
+def enable_mgpu_interpret_layout_cast() -> None:
+    """Make `plgpu.layout_cast` interpretable on CPU (a no-op on jax >= 0.11; idempotent)."""
+    global _mgpu_layout_cast_cpu_rule_registered
+    if JAX_VERSION >= (0, 11, 0) or _mgpu_layout_cast_cpu_rule_registered:
+        return
+    from jax._src.interpreters import mlir
+    from jax._src.pallas.mosaic_gpu import core as mgpu_core
+
+    mlir.register_lowering(mgpu_core.layout_cast_p, lambda ctx, x, *, new_layout: [x], platform="cpu")
+    _mgpu_layout_cast_cpu_rule_registered = True
