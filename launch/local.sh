@@ -17,6 +17,7 @@ cpu_devices=""
 if [[ "${1:-}" == "--cpu-devices" ]]; then cpu_devices=$2; shift 2; fi
 port=${MX_JAX_PORT:-$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')}
 logdir=${MX_JAX_LOG_DIR:-$(mktemp -d /tmp/mx_jax_local.XXXX)}
+mkdir -p "$logdir"
 pids=()
 cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; }
 trap cleanup INT TERM

@@ -10,6 +10,17 @@ JAX_VERSION = tuple(int(p) for p in jax.__version__.split(".")[:3])
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# GPU plugin detection (train.py --dry-run): the CUDA PJRT plugin is `jax_plugins.xla_cuda13` in the GPU image
+# (jax-cuda13-plugin 0.11.2) and `xla_cuda12` in CUDA-12 installs; finding it starts no backend.
+def cuda_plugin_available() -> bool:
+    import importlib.util
+
+    if importlib.util.find_spec("jax_plugins") is None:
+        return False
+    return any(importlib.util.find_spec(f"jax_plugins.{name}") is not None for name in ("xla_cuda13", "xla_cuda12"))
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # Pallas Mosaic-GPU: fp8 GEMM / quantize kernels (pallas_kernels/fp8_matmul.py, quantize.py)
 # ---------------------------------------------------------------------------------------------------------------
 # - InterpretGPUParams (run a Mosaic-GPU kernel on CPU): exported on `plgpu` from 0.11; in 0.10.2 it lives only in

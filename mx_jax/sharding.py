@@ -71,6 +71,21 @@ def make_mesh(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> M
     return jax.make_mesh(dims, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES), devices=devices)
 
 
+def describe(mesh: Mesh) -> str:
+    """Which mesh axes cross process (host) boundaries: HSDP wants `data` across hosts and `fsdp` inside one."""
+    devs = mesh.devices
+    parts = []
+    for i, name in enumerate(mesh.axis_names):
+        if mesh.shape[name] == 1:
+            continue
+        # an axis crosses processes if moving along it changes the process of some device
+        moved = np.moveaxis(devs, i, 0)
+        procs = np.vectorize(lambda d: d.process_index)(moved)
+        crosses = bool(np.any(procs != procs[:1]))
+        parts.append(f"{name}={mesh.shape[name]} ({'across processes' if crosses else 'within a process'})")
+    return ", ".join(parts) or "single device"
+
+
 def spec(logical: Sequence[str | None] | None) -> P:
     """PartitionSpec for a tuple of logical axis names. A mesh axis is used at most once (first wins)."""
     if logical is None:

@@ -28,7 +28,7 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from mx_jax import checkpoint, metrics, sharding
+from mx_jax import checkpoint, compat, metrics, sharding
 from mx_jax.config import ConfigError, TrainConfig, load_config, to_yaml
 from mx_jax.data import Batches, Dataset, open_dataset
 from mx_jax.llama import (Llama, buffers_of, cross_entropy, flops_per_token, moe_loss, param_axes, params_of,
@@ -282,6 +282,7 @@ def train(cfg: TrainConfig, devices: list[jax.Device] | None = None) -> TrainRes
             _write_atomic(run_dir / "config.yaml", to_yaml(cfg))
         log(f"mx_jax | {jax.device_count()} x {jax.devices()[0].device_kind} ({jax.process_count()} process(es)) | "
             f"mesh {dict(mesh.shape)} | jax {jax.__version__}")
+        log(f"mesh   | {sharding.describe(mesh)}")
         log(f"data   | {dataset.description}")
         n_params = sum(x.size for x in jax.tree.leaves(setup.abstract["params"]))
         log(f"model  | {n_params / 1e6:,.1f} M parameters | quant recipe {cfg.quant.recipe} | remat {cfg.model.remat}")
@@ -385,12 +386,64 @@ def _loop(cfg, setup, state, step, dataset, train_batches, ckpt, run_dir) -> tup
     return state, last
 
 
-def dry_run(cfg: TrainConfig) -> dict:
-    """Parameter count and per-device memory from shapes alone; allocates nothing."""
+def dry_run_devices(cfg: TrainConfig) -> int:
+    """Devices the dry run compiles for: the mesh product, a -1 axis counted as 1 (set it to plan for more)."""
+    return math.prod(max(1, getattr(cfg.mesh, k)) for k in sharding.MESH_AXES)
+
+
+def prepare_dry_run_backend(n_devices: int) -> str:
+    """Before any backend starts: fake the target device count. Returns a description of the compile target.
+
+    On a machine with the CUDA plugin, XLA's mock GPU topology gives a GPU compile (cuDNN attention, real GPU
+    memory analysis) for n devices on hosts of 8; elsewhere n fake CPU devices (XLA:CPU's attention keeps the
+    T x T scores, so its temporary memory overstates what flash attention needs on a GPU).
+    """
+    if compat.cuda_plugin_available() and os.environ.get("JAX_PLATFORMS", "") in ("", "cuda", "gpu"):
+        per_host = min(8, n_devices)
+        hosts = -(-n_devices // per_host)
+        jax.config.update("jax_mock_gpu_topology", f"1x{hosts}x{per_host}")
+        return f"mock GPU topology {hosts} host(s) x {per_host}"
+    jax.config.update("jax_platforms", "cpu")
+    jax.config.update("jax_num_cpu_devices", n_devices)
+    return f"{n_devices} fake CPU devices"
+
+
+def dry_run(cfg: TrainConfig, target: str) -> dict:
+    """Parameter count and per-device memory, from shapes and from an AOT compile on the target mesh; allocates
+    no model memory."""
     from mx_jax import memory_estimate
 
     report = memory_estimate.estimate(cfg)
-    print(memory_estimate.format_report(report))
+    print(memory_estimate.format_report(report), flush=True)
+    n = report["devices"]
+    devices = jax.devices()[:n]
+    if len(devices) < n:
+        print(f"compile: skipped ({len(jax.devices())} devices available, the mesh needs {n})")
+        return report
+    mesh = sharding.make_mesh(dataclasses.replace(cfg.mesh, **{k: max(1, getattr(cfg.mesh, k))
+                                                                for k in sharding.MESH_AXES}), devices)
+    t0 = time.perf_counter()
+    with jax.set_mesh(mesh):
+        check_batch(cfg, mesh)
+        setup = build(cfg, mesh)
+        shape = (cfg.data.grad_accum_steps, cfg.data.batch_size // cfg.data.grad_accum_steps, cfg.data.seq_len)
+        batch = {k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=s) for k, s in setup.batch_shardings.items()}
+        compiled = make_train_step(setup).lower(abstract_state(setup), batch).compile()
+    mem = compiled.memory_analysis()
+    gb = 1e9
+    args_gb = mem.argument_size_in_bytes / gb
+    temp_gb = mem.temp_size_in_bytes / gb
+    total = (mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
+             + mem.temp_size_in_bytes) / gb
+    report["compiled"] = {"target": target, "seconds": time.perf_counter() - t0, "arguments_gb": args_gb,
+                          "temp_gb": temp_gb, "total_gb": total}
+    print(f"compiled train step for {target} in {report['compiled']['seconds']:.1f} s; per device (XLA):\n"
+          f"  arguments     {args_gb:8.2f} GB (parameters + optimizer state + batch, donated)\n"
+          f"  temporaries   {temp_gb:8.2f} GB (activations, gradients, workspace)\n"
+          f"  total         {total:8.2f} GB")
+    if "CPU" in target:
+        print("  (XLA:CPU attention keeps T x T scores; on GPU cuDNN flash attention does not: for the GPU fit use "
+              "the shape estimate above, or run the dry run on a GPU machine for a GPU compile)")
     return report
 
 
@@ -414,15 +467,16 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m mx_jax.train", description="Train a Llama with mx_jax.")
     ap.add_argument("--config", help="YAML config (defaults < YAML < key=value overrides)")
     ap.add_argument("--dry-run", action="store_true",
-                    help="print parameter count and per-device memory estimate; allocate nothing")
+                    help="parameter count and per-device memory: a shape estimate, then an AOT compile of the train "
+                         "step for the configured mesh on faked devices; allocates no model memory")
     ap.add_argument("overrides", nargs="*", help="dotted.key=value overrides, e.g. optim.lr_peak=1e-3")
     args = ap.parse_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)
-        init_distributed()
         if args.dry_run:
-            dry_run(cfg)
+            dry_run(cfg, prepare_dry_run_backend(dry_run_devices(cfg)))
             return 0
+        init_distributed()
         train(cfg)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
