@@ -145,6 +145,7 @@ class TrainConfig:
     run_dir: str = ""  # "" = runs/<config file stem>
     steps: int = 600
     seed: int = 0
+    init_from: str = ""  # start a fresh run from HF safetensors or an mx_jax checkpoint (see mx_jax/hf.py)
     model: ModelConfig = ModelConfig()
     mesh: MeshConfig = MeshConfig()
     data: DataConfig = DataConfig()

@@ -293,6 +293,11 @@ def train(cfg: TrainConfig, devices: list[jax.Device] | None = None) -> TrainRes
         if start is None:
             state = init_state(setup)
             step = 0
+            if cfg.init_from:
+                from mx_jax import hf  # needs safetensors, only for this path
+
+                state["params"] = hf.init_from(cfg.init_from, cfg.model, setup.param_shardings)
+                log(f"init   | parameters from {cfg.init_from}")
         else:
             state, data_state = ckpt.restore(start, abstract_state(setup))
             train_batches.position = int(data_state["position"])

@@ -1,0 +1,83 @@
+"""Training throughput of `python -m mx_jax.train` variants, one subprocess each, as a table.
+
+    python benchmarks/bench_train.py --steps 20 \\
+        --base "--config configs/llama3_8b.yaml model.n_layers=8 data.seq_len=8192 data.batch_size=1" \\
+        --variant bf16: --variant fp8_rowwise:quant.recipe=fp8_rowwise \\
+        --variant bf16_no_triton_gemm:@--xla_gpu_enable_triton_gemm=false
+
+A variant is NAME:OVERRIDES, where OVERRIDES are space-separated key=value pairs for the trainer and items
+starting with @ are added to XLA_FLAGS for that run. Every run uses the embedded corpus unless the base says
+otherwise, no checkpoints, no evaluation, and reports the mean of the logged intervals after the first (compile)
+step: tokens/s, TFLOP/s per device, MFU, peak memory, and the first step's wall time (compile included).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def run_variant(name: str, base: list[str], overrides: str, steps: int, log_every: int, out_dir: pathlib.Path):
+    items = shlex.split(overrides)
+    xla = [i[1:] for i in items if i.startswith("@")]
+    keys = [i for i in items if not i.startswith("@")]
+    run_dir = pathlib.Path(tempfile.mkdtemp(prefix=f"bench_{name}_"))
+    cmd = [sys.executable, "-m", "mx_jax.train", *base, f"run_dir={run_dir}", f"steps={steps}",
+           "ckpt.every_steps=-1", "log.eval_every_steps=-1", f"log.every_steps={log_every}", "log.progress=false",
+           "log.tensorboard=false", *keys]
+    env = {**os.environ, "XLA_FLAGS": " ".join([os.environ.get("XLA_FLAGS", ""), *xla]).strip()}
+    t0 = time.time()
+    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    wall = time.time() - t0
+    (out_dir / f"{name}.log").write_text(" ".join(cmd) + "\n\n" + p.stdout + "\n" + p.stderr)
+    if p.returncode != 0:
+        return {"name": name, "error": (p.stderr.strip().splitlines() or ["?"])[-1][:160], "wall_s": wall}
+    records = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    timed = [r for r in records if r.get("tokens_per_sec")][1:] or [r for r in records if r.get("tokens_per_sec")]
+    first = next((l for l in p.stdout.splitlines() if "first step (compile included)" in l), "")
+    mean = lambda k: sum(r[k] for r in timed) / len(timed) if timed and timed[0].get(k) is not None else None
+    return {"name": name, "tokens_per_sec": mean("tokens_per_sec"), "tflops_per_device": mean("tflops_per_device"),
+            "mfu": mean("mfu"), "peak_mem_gib": max((r.get("peak_mem_gib") or 0) for r in records),
+            "first_step_s": float(first.split("took")[1].split("s")[0]) if first else None,
+            "loss": records[-1]["loss"], "wall_s": wall}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--base", required=True, help="trainer arguments shared by every variant")
+    ap.add_argument("--variant", action="append", required=True, help="NAME:OVERRIDES (see module docstring)")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--log-every", type=int, default=5)
+    ap.add_argument("--out", default=os.environ.get("OUT", "/tmp"), help="where each variant's log is written")
+    args = ap.parse_args()
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    base = shlex.split(args.base)
+    rows = []
+    for v in args.variant:
+        name, _, overrides = v.partition(":")
+        row = run_variant(name, base, overrides, args.steps, args.log_every, out)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    print(f"\nbase: {args.base}\n")
+    print(f"{'variant':<28}{'tok/s':>10}{'TFLOP/s/dev':>13}{'MFU':>7}{'peak GiB':>10}{'1st step s':>12}{'loss':>8}")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['name']:<28} FAILED: {r['error']}")
+            continue
+        mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "-"
+        print(f"{r['name']:<28}{r['tokens_per_sec']:>10,.0f}{r['tflops_per_device']:>13.1f}{mfu:>7}"
+              f"{r['peak_mem_gib']:>10.1f}{r['first_step_s'] or 0:>12.1f}{r['loss']:>8.3f}")
+
+
+if __name__ == "__main__":
+    main()

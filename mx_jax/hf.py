@@ -1,0 +1,622 @@
+"""Hugging Face Llama checkpoints in and out: safetensors + config.json <-> the mx_jax parameter tree.
+
+    python -m mx_jax.hf import HF_DIR OUT_DIR              # -> OUT_DIR/checkpoints/0/state + OUT_DIR/config.yaml
+    python -m mx_jax.hf export RUN_DIR HF_OUT [--step N]   # a trainer checkpoint -> config.json + safetensors
+
+Layout. HF stores every linear as a torch `nn.Linear` weight (out, in) and computes y = x W^T; mx_jax stores
+(in, out) and computes y = x W, so each linear is transposed once on the way in and once on the way out. The
+embedding is (V, D) in both. The L decoder layers are separate tensors `model.layers.{i}.*` in HF and one stacked
+array with a leading L axis in mx_jax (llama.py scans over it):
+
+    model.embed_tokens.weight                    (V, D)     embed                  (V, D)
+    model.layers.{i}.input_layernorm.weight      (D,)       blocks.attn_norm.scale (L, D)
+    model.layers.{i}.self_attn.q_proj.weight     (H*K, D)   blocks.attn.wq         (L, D, H*K)   transposed
+    model.layers.{i}.self_attn.k_proj.weight     (G*K, D)   blocks.attn.wk         (L, D, G*K)   transposed
+    model.layers.{i}.self_attn.v_proj.weight     (G*K, D)   blocks.attn.wv         (L, D, G*K)   transposed
+    model.layers.{i}.self_attn.o_proj.weight     (D, H*K)   blocks.attn.wo         (L, H*K, D)   transposed
+    model.layers.{i}.post_attention_layernorm.weight        blocks.mlp_norm.scale  (L, D)
+    model.layers.{i}.mlp.gate_proj.weight        (F, D)     blocks.mlp.w_gate      (L, D, F)     transposed
+    model.layers.{i}.mlp.up_proj.weight          (F, D)     blocks.mlp.w_up        (L, D, F)     transposed
+    model.layers.{i}.mlp.down_proj.weight        (D, F)     blocks.mlp.w_down      (L, F, D)     transposed
+    model.norm.weight                            (D,)       final_norm.scale       (D,)
+    lm_head.weight                               (V, D)     head                   (D, V)        transposed
+
+Why q and k need no permutation. Meta's original Llama checkpoints rotate *interleaved* pairs (x_{2i}, x_{2i+1});
+HF's conversion script (transformers/models/llama/convert_llama_weights_to_hf.py, `permute`) reorders the output
+rows of wq and wk inside every head so that HF's `apply_rotary_pos_emb` can rotate the two *halves* of the head
+instead: with cos = cat(cos(p w), cos(p w)) and rotate_half(x) = cat(-x2, x1) (modeling_llama.py),
+
+    q * cos + rotate_half(q) * sin = cat(x1 cos(p w) - x2 sin(p w),  x2 cos(p w) + x1 sin(p w)),
+
+with x1 = q[..., :K/2], x2 = q[..., K/2:], and w_i = theta^(-2i/K) for i < K/2 — exactly `layers.apply_rope`. So a
+checkpoint in HF layout is already in mx_jax's layout, and row j of HF's q_proj is column j of our wq, where the
+reshape (B, T, H*K) -> (B, T, H, K) puts head h at columns [h K, (h+1) K) in both. GQA matches too: HF's
+`repeat_kv` gives query head h the key/value head h // (H/G), as jax.nn.dot_product_attention does. Llama 3.1
+frequency scaling (HF `_compute_llama3_parameters`, rope_type "llama3", attention factor 1) is
+`layers.rope_inv_freq`. tests/test_hf.py checks logits against transformers' LlamaForCausalLM (when torch is
+installed); an interleaved q layout or a missing rope band there moves the logits by ~5, the match is ~1e-5.
+
+Trade-offs. Reading is lazy, one tensor at a time (safetensors `safe_open`, memory-mapped): the only full copy is
+the output tree, so an 8B checkpoint never sits in memory twice; the transposes are the price of keeping every
+weight (in, out) for quant.linear. Writing buffers one shard (`max_shard_bytes`, HF's default 5 GB) at a time.
+Tied embeddings (`tie_word_embeddings`) are untied on import by copying, as mx_jax trains an untied head; export
+always writes an untied `lm_head.weight`. Only the dense Llama architecture maps; MoE configs are refused.
+
+Trainer hook: `init_from(path, model_cfg, param_shardings)` returns parameters from an HF directory or an mx_jax
+checkpoint, placed on the mesh; see its docstring for the two lines the trainer needs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import math
+import pathlib
+import re
+import shutil
+import sys
+import warnings
+from typing import Any, Iterator
+
+import jax
+import numpy as np
+import yaml
+
+from mx_jax.config import ConfigError, ModelConfig, RopeScaling, load_config, to_dict
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # HF save_pretrained's default max_shard_size="5GB"
+EXPORT_DTYPES = ("bfloat16", "float32", "float16")
+
+
+class HFFormatError(ValueError):
+    """An HF checkpoint does not match the expected layout; the message names the file, key and shapes."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Tensor:
+    hf: str  # HF key; "{i}" stands for the layer index of per-layer tensors
+    path: tuple[str, ...]  # path in the mx_jax params dict
+    transpose: bool  # nn.Linear (out, in) <-> (in, out)
+
+    @property
+    def per_layer(self) -> bool:
+        return "{i}" in self.hf
+
+
+# In the order HF writes them (embedding, layers, final norm, head).
+LAYOUT: tuple[_Tensor, ...] = (
+    _Tensor("model.embed_tokens.weight", ("embed",), False),
+    _Tensor("model.layers.{i}.input_layernorm.weight", ("blocks", "attn_norm", "scale"), False),
+    _Tensor("model.layers.{i}.self_attn.q_proj.weight", ("blocks", "attn", "wq"), True),
+    _Tensor("model.layers.{i}.self_attn.k_proj.weight", ("blocks", "attn", "wk"), True),
+    _Tensor("model.layers.{i}.self_attn.v_proj.weight", ("blocks", "attn", "wv"), True),
+    _Tensor("model.layers.{i}.self_attn.o_proj.weight", ("blocks", "attn", "wo"), True),
+    _Tensor("model.layers.{i}.post_attention_layernorm.weight", ("blocks", "mlp_norm", "scale"), False),
+    _Tensor("model.layers.{i}.mlp.gate_proj.weight", ("blocks", "mlp", "w_gate"), True),
+    _Tensor("model.layers.{i}.mlp.up_proj.weight", ("blocks", "mlp", "w_up"), True),
+    _Tensor("model.layers.{i}.mlp.down_proj.weight", ("blocks", "mlp", "w_down"), True),
+    _Tensor("model.norm.weight", ("final_norm", "scale"), False),
+    _Tensor("lm_head.weight", ("head",), True),
+)
+# Buffers some older HF checkpoints saved; recomputed from the config, so they are skipped.
+_IGNORED_KEYS = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
+
+
+def _safetensors():
+    try:
+        import safetensors
+        import safetensors.numpy  # noqa: F401
+    except ImportError as e:
+        raise ImportError("mx_jax.hf needs the `safetensors` package: pip install 'mx_jax[hf]'") from e
+    return safetensors
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# config.json <-> ModelConfig
+
+# ModelConfig fields that set parameter shapes: a given cfg must agree with config.json on these.
+_SHAPE_FIELDS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_head", "d_ff")
+_NUMERIC_FIELDS = ("rope_theta", "rope_scaling", "norm_eps")
+# The ModelConfig keys config.json determines (what `import` writes into OUT/config.yaml).
+_ARCH_KEYS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff", *_NUMERIC_FIELDS)
+
+
+def config_from_hf(hf: dict, source: str = "config.json") -> ModelConfig:
+    """An HF LlamaConfig dict (config.json) -> ModelConfig; architecture fields only, the rest at their defaults."""
+
+    def get(key: str, default: Any = None) -> Any:
+        if hf.get(key) is None and default is None:
+            raise HFFormatError(f"{source}: missing key '{key}'")
+        return default if hf.get(key) is None else hf[key]
+
+    model_type = hf.get("model_type", "llama")
+    if model_type != "llama":
+        raise HFFormatError(f"{source}: model_type is {model_type!r}; only 'llama' (LlamaForCausalLM) maps to mx_jax")
+    for key, want in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False)):
+        if hf.get(key, want) != want:
+            raise HFFormatError(f"{source}: {key}={hf[key]!r} is not supported (mx_jax's Llama has {key}={want!r})")
+    rope = dict(hf.get("rope_scaling") or hf.get("rope_parameters") or {})  # transformers 4.x name, then 5.x name
+    if rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise HFFormatError(f"{source}: partial_rotary_factor != 1 is not supported")
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type == "llama3":
+        try:
+            scaling = RopeScaling(
+                factor=float(rope["factor"]), low_freq_factor=float(rope["low_freq_factor"]),
+                high_freq_factor=float(rope["high_freq_factor"]),
+                original_max_len=int(rope.get("original_max_position_embeddings") or hf["max_position_embeddings"]))
+        except KeyError as e:
+            raise HFFormatError(f"{source}: rope_scaling of type llama3 lacks {e}") from None
+    elif rope_type == "default":
+        scaling = RopeScaling()
+    else:
+        raise HFFormatError(f"{source}: rope_scaling type {rope_type!r} is not supported (only 'llama3' and none)")
+    d_model, n_heads = int(get("hidden_size")), int(get("num_attention_heads"))
+    head_dim = int(get("head_dim", d_model // n_heads))
+    return ModelConfig(
+        vocab_size=int(get("vocab_size")),
+        d_model=d_model,
+        n_layers=int(get("num_hidden_layers")),
+        n_heads=n_heads,
+        n_kv_heads=int(get("num_key_value_heads", n_heads)),
+        head_dim=0 if head_dim * n_heads == d_model else head_dim,
+        d_ff=int(get("intermediate_size")),
+        rope_theta=float(rope.get("rope_theta") or get("rope_theta", 10000.0)),  # HF LlamaConfig's default
+        rope_scaling=scaling,
+        norm_eps=float(get("rms_norm_eps", 1e-6)),  # HF LlamaConfig's default
+    )
+
+
+def config_to_hf(cfg: ModelConfig, dtype: str, base: dict | None = None) -> dict:
+    """ModelConfig -> config.json for LlamaForCausalLM. `base` (an imported config.json) keeps its other keys
+    (token ids, max_position_embeddings, ...); the architecture keys are overwritten."""
+    _check_dense(cfg)
+    sc = cfg.rope_scaling
+    scaled = sc.factor > 1.0
+    out = dict(base or {})
+    out.pop("rope_parameters", None)  # transformers 5 name; rope_scaling below is read by 4.x and 5.x alike
+    out.update({
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.d_model,
+        "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.n_kv_heads,
+        "head_dim": cfg.d_head,
+        "intermediate_size": cfg.d_ff,
+        "hidden_act": "silu",
+        "rms_norm_eps": cfg.norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "rope_scaling": {"rope_type": "llama3", "factor": sc.factor, "low_freq_factor": sc.low_freq_factor,
+                         "high_freq_factor": sc.high_freq_factor,
+                         "original_max_position_embeddings": sc.original_max_len} if scaled else None,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "tie_word_embeddings": False,
+        "torch_dtype": dtype,
+    })
+    out.setdefault("max_position_embeddings", int(sc.original_max_len * (sc.factor if scaled else 1)))
+    if "dtype" in out:  # transformers 5 writes `dtype` instead of `torch_dtype`
+        out["dtype"] = dtype
+    return out
+
+
+def _check_dense(cfg: ModelConfig) -> None:
+    if cfg.moe.n_experts:
+        raise ConfigError("config key 'model.moe.n_experts': HF Llama interop covers dense models only, got "
+                          f"{cfg.moe.n_experts} experts")
+
+
+def _merge_config(hf_cfg: ModelConfig, cfg: ModelConfig | None, source: str) -> ModelConfig:
+    """cfg's values win; shape fields must agree with the checkpoint, numeric ones may differ (with a warning)."""
+    if cfg is None:
+        return hf_cfg
+    _check_dense(cfg)
+    for f in _SHAPE_FIELDS:
+        if getattr(cfg, f) != getattr(hf_cfg, f):
+            raise ConfigError(f"config key 'model.{f}': {getattr(cfg, f)} does not match the checkpoint's "
+                              f"{getattr(hf_cfg, f)} ({source})")
+    for f in _NUMERIC_FIELDS:
+        if getattr(cfg, f) != getattr(hf_cfg, f):
+            warnings.warn(f"model.{f}={getattr(cfg, f)} differs from the checkpoint's {getattr(hf_cfg, f)} "
+                          f"({source}); using model.{f}={getattr(cfg, f)}", stacklevel=3)
+    return cfg
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Shapes
+
+
+def param_shapes(cfg: ModelConfig) -> dict:
+    """The mx_jax params tree of a dense Llama as nested dicts of shapes (what llama.params_of returns)."""
+    _check_dense(cfg)
+    L, D, V, F = cfg.n_layers, cfg.d_model, cfg.vocab_size, cfg.d_ff
+    HK, GK = cfg.n_heads * cfg.d_head, cfg.n_kv_heads * cfg.d_head
+    return {
+        "embed": (V, D),
+        "blocks": {"attn_norm": {"scale": (L, D)}, "mlp_norm": {"scale": (L, D)},
+                   "attn": {"wq": (L, D, HK), "wk": (L, D, GK), "wv": (L, D, GK), "wo": (L, HK, D)},
+                   "mlp": {"w_gate": (L, D, F), "w_up": (L, D, F), "w_down": (L, F, D)}},
+        "final_norm": {"scale": (D,)},
+        "head": (D, V),
+    }
+
+
+def _get(tree: dict, path: tuple[str, ...]) -> Any:
+    for p in path:
+        tree = tree[p]
+    return tree
+
+
+def _set(tree: dict, path: tuple[str, ...], value: Any) -> None:
+    for p in path[:-1]:
+        tree = tree.setdefault(p, {})
+    tree[path[-1]] = value
+
+
+def _hf_shape(t: _Tensor, shape: tuple[int, ...]) -> tuple[int, ...]:
+    one = shape[1:] if t.per_layer else shape
+    return tuple(reversed(one)) if t.transpose else tuple(one)
+
+
+def _hf_keys(cfg: ModelConfig) -> Iterator[tuple[str, _Tensor, int | None]]:
+    """(HF key, layout entry, layer index or None) in HF's order: embedding, layer 0's tensors, layer 1's, ..., head."""
+    per_layer = [t for t in LAYOUT if t.per_layer]
+    yield from ((t.hf, t, None) for t in LAYOUT[:1])
+    for i in range(cfg.n_layers):
+        yield from ((t.hf.format(i=i), t, i) for t in per_layer)
+    yield from ((t.hf, t, None) for t in LAYOUT[1:] if not t.per_layer)
+
+
+def check_params(params: dict, cfg: ModelConfig) -> None:
+    """Raise naming the path when params lack a leaf of a dense Llama of cfg, have an extra one, or a shape differs."""
+    want = param_shapes(cfg)
+    want_leaves = {"/".join(map(str, _path_keys(p))): s for p, s in
+                   jax.tree_util.tree_flatten_with_path(want, is_leaf=lambda x: isinstance(x, tuple))[0]}
+    have = {"/".join(map(str, _path_keys(p))): x for p, x in jax.tree_util.tree_flatten_with_path(params)[0]}
+    missing, extra = sorted(set(want_leaves) - set(have)), sorted(set(have) - set(want_leaves))
+    if missing or extra:
+        raise ValueError(f"params do not match a dense Llama of this config: missing {missing}, unexpected {extra}")
+    for k, shape in want_leaves.items():
+        if tuple(have[k].shape) != shape:
+            raise ValueError(f"params['{k}'] has shape {tuple(have[k].shape)} ({have[k].dtype}); the config wants "
+                             f"{shape}")
+
+
+def _path_keys(path) -> list:
+    return [getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))) for k in path]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Import
+
+
+def _weight_files(path: pathlib.Path) -> dict[str, pathlib.Path]:
+    """HF key -> the safetensors file holding it (single file, or sharded with an index)."""
+    st = _safetensors()
+    index = path / INDEX_FILE
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise HFFormatError(f"{index}: not a safetensors index (needs a 'weight_map'): {e}") from None
+        files = {k: path / v for k, v in weight_map.items()}
+        for f in sorted(set(files.values())):
+            if not f.is_file():
+                raise HFFormatError(f"{index} names {f.name}, which does not exist")
+        return files
+    single = path / SINGLE_FILE
+    if single.is_file():
+        with st.safe_open(str(single), framework="np") as f:
+            return {k: single for k in f.keys()}
+    found = sorted(p.name for p in path.iterdir()) if path.is_dir() else []
+    raise HFFormatError(f"{path}: no {SINGLE_FILE} and no {INDEX_FILE} (found {found[:10]}); only safetensors "
+                        "checkpoints are read")
+
+
+def read_hf_config(path: str | pathlib.Path) -> dict:
+    p = pathlib.Path(path) / "config.json"
+    if not p.is_file():
+        raise HFFormatError(f"{p} does not exist: an HF checkpoint directory has config.json and safetensors")
+    return json.loads(p.read_text())
+
+
+def load_hf_llama(path: str | pathlib.Path, cfg: ModelConfig | None = None) -> tuple[dict, ModelConfig]:
+    """Read an HF Llama directory (config.json + safetensors) -> (params as numpy arrays, ModelConfig).
+
+    cfg None: the architecture comes from config.json, every other field at its ModelConfig default. cfg given:
+    it is returned as is, after checking that its shape fields match config.json (ConfigError otherwise); a
+    different rope_theta / rope_scaling / norm_eps only warns (e.g. long-context fine-tuning). Arrays come out
+    in cfg.param_dtype, laid out as `llama.params_of` gives them.
+    """
+    st = _safetensors()
+    path = pathlib.Path(path)
+    hf = read_hf_config(path)
+    out_cfg = _merge_config(config_from_hf(hf, str(path / "config.json")), cfg, str(path / "config.json"))
+    tied = bool(hf.get("tie_word_embeddings", False))
+    files = _weight_files(path)
+    dtype = np.dtype(jax.numpy.dtype(out_cfg.param_dtype))
+    shapes = param_shapes(out_cfg)
+    params: dict = {}
+    for t in LAYOUT:
+        _set(params, t.path, np.empty(_get(shapes, t.path), dtype))
+    used = set()
+    with contextlib.ExitStack() as stack:
+        handles: dict[pathlib.Path, Any] = {}
+
+        def read(key: str, want: tuple[int, ...]) -> np.ndarray:
+            if key not in files:
+                raise HFFormatError(f"{path}: tensor '{key}' is missing (looked in "
+                                    f"{sorted({f.name for f in files.values()})})")
+            file = files[key]
+            if file not in handles:
+                handles[file] = stack.enter_context(st.safe_open(str(file), framework="np"))
+            f = handles[file]
+            if key not in f.keys():
+                raise HFFormatError(f"{file}: tensor '{key}' is missing (the index names this file)")
+            got = tuple(f.get_slice(key).get_shape())
+            if got != want:
+                raise HFFormatError(f"{file}: tensor '{key}' has shape {got}; config.json implies {want}")
+            used.add(key)
+            return f.get_tensor(key)
+
+        for key, t, i in _hf_keys(out_cfg):
+            if key == "lm_head.weight" and tied:
+                continue  # HF ignores a stored lm_head when tied
+            dst = _get(params, t.path)
+            dst = dst if i is None else dst[i]  # a view into the stacked (L, ...) array
+            x = read(key, _hf_shape(t, _get(shapes, t.path)))
+            dst[...] = x.T if t.transpose else x  # casts to param_dtype in place
+            del x
+    if tied:
+        params["head"][...] = params["embed"].T
+        used.add("lm_head.weight")
+    unused = sorted(k for k in set(files) - used if not _IGNORED_KEYS.fullmatch(k))
+    if unused:
+        raise HFFormatError(f"{path}: {len(unused)} tensor(s) have no place in a Llama of this config, e.g. "
+                            f"{unused[:5]}")
+    return params, out_cfg
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Export
+
+
+def _host(x: Any, dtype: np.dtype) -> np.ndarray:
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        raise ValueError("export_hf_llama: a parameter spans several processes; export from one process with "
+                         "`python -m mx_jax.hf export RUN_DIR OUT`, which reads the checkpoint")
+    return np.asarray(x).astype(dtype, copy=False)
+
+
+def export_hf_llama(params: dict, cfg: ModelConfig, path: str | pathlib.Path, *, dtype: str = "bfloat16",
+                    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, hf_config: dict | None = None,
+                    overwrite: bool = False) -> list[pathlib.Path]:
+    """Write params (numpy or addressable jax arrays) as an HF Llama directory; returns the files written.
+
+    One `model.safetensors` when the weights fit in max_shard_bytes, else `model-0000k-of-0000n.safetensors` shards
+    plus `model.safetensors.index.json`. dtype: "bfloat16" (HF's usual), "float32" or "float16". hf_config: a
+    config.json to start from (its architecture keys are overwritten). An existing checkpoint in `path` is an
+    error unless overwrite=True, which removes its safetensors files first.
+    """
+    _safetensors()
+    import safetensors.numpy as stnp
+
+    if dtype not in EXPORT_DTYPES:
+        raise ValueError(f"export_hf_llama: dtype must be one of {EXPORT_DTYPES}, got {dtype!r}")
+    if max_shard_bytes <= 0:
+        raise ValueError(f"export_hf_llama: max_shard_bytes must be positive, got {max_shard_bytes}")
+    check_params(params, cfg)
+    np_dtype = np.dtype(jax.numpy.dtype(dtype))
+    path = pathlib.Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    old = sorted(path.glob("model*.safetensors")) + sorted(path.glob(INDEX_FILE))
+    if old and not overwrite:
+        raise FileExistsError(f"{path} already holds {[p.name for p in old]}; pass overwrite=True (--overwrite)")
+    for p in old:
+        p.unlink()
+
+    # Plan shards from shapes alone, greedily in HF's key order; a tensor larger than the limit gets its own shard.
+    shapes = param_shapes(cfg)
+    shards: list[list[tuple[str, _Tensor, int | None]]] = [[]]
+    size = 0
+    total = 0
+    for key, t, i in _hf_keys(cfg):
+        nbytes = math.prod(_hf_shape(t, _get(shapes, t.path))) * np_dtype.itemsize
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append((key, t, i))
+        size += nbytes
+        total += nbytes
+    n = len(shards)
+    names = [SINGLE_FILE] if n == 1 else [f"model-{k + 1:05d}-of-{n:05d}.safetensors" for k in range(n)]
+    written = []
+    weight_map = {}
+    for name, shard in zip(names, shards):
+        tensors = {}
+        for key, t, i in shard:
+            leaf = _get(params, t.path)
+            x = _host(leaf if i is None else leaf[i], np_dtype)
+            tensors[key] = np.ascontiguousarray(x.T if t.transpose else x)
+            weight_map[key] = name
+        stnp.save_file(tensors, str(path / name), metadata={"format": "pt"})  # transformers checks "format"
+        del tensors
+        written.append(path / name)
+    if n > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+        (path / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+        written.append(path / INDEX_FILE)
+    (path / "config.json").write_text(json.dumps(config_to_hf(cfg, dtype, hf_config), indent=2) + "\n")
+    written.append(path / "config.json")
+    return written
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# mx_jax Orbax checkpoints of params: `<dir>/checkpoints/<step>/state` holding {"params": ...} (the trainer writes
+# the whole train state there; the "params" subtree is restored alone).
+
+
+def state_dir(path: str | pathlib.Path, step: int | None = None) -> pathlib.Path:
+    """The Orbax `state` directory for a run dir, its checkpoints dir, a step dir, or a state dir (latest step
+    unless `step`)."""
+    p = pathlib.Path(path).absolute()
+    if p.name == "state" and (p / "_METADATA").exists():
+        return p
+    if (p / "state").is_dir():
+        return p / "state"
+    root = p / "checkpoints" if (p / "checkpoints").is_dir() else p
+    steps = sorted(int(d.name) for d in root.iterdir() if d.name.isdigit() and (d / "state").is_dir()) \
+        if root.is_dir() else []
+    if not steps:
+        raise FileNotFoundError(f"{path}: no mx_jax checkpoint (expected <run_dir>/checkpoints/<step>/state)")
+    if step is None:
+        step = steps[-1]
+    if step not in steps:
+        raise FileNotFoundError(f"{root}: no checkpoint for step {step} (have {steps})")
+    return root / str(step) / "state"
+
+
+def save_params(params: dict, out_dir: str | pathlib.Path, step: int = 0) -> pathlib.Path:
+    """Write {"params": params} as `<out_dir>/checkpoints/<step>/state` (the trainer's layout); returns that dir."""
+    import orbax.checkpoint as ocp
+
+    target = pathlib.Path(out_dir).absolute() / "checkpoints" / str(step) / "state"
+    if target.exists():
+        raise FileExistsError(f"{target} already exists")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    ckpt = ocp.StandardCheckpointer()
+    ckpt.save(target, {"params": params})
+    ckpt.wait_until_finished()
+    ckpt.close()
+    return target
+
+
+def load_params(path: str | pathlib.Path, cfg: ModelConfig, *, step: int | None = None,
+                shardings: dict | None = None, dtype: str | None = None) -> dict:
+    """The "params" subtree of an mx_jax checkpoint (see state_dir for `path`), checked against cfg's shapes.
+
+    shardings: a params-shaped tree of jax.sharding.Sharding -> jax arrays placed so (any mesh: Orbax reshards);
+    None -> numpy arrays on the host. dtype: cast on read (default: cfg.param_dtype).
+    """
+    import orbax.checkpoint as ocp
+
+    sdir = state_dir(path, step)
+    on_disk = ocp.PyTreeCheckpointHandler().metadata(sdir)
+    on_disk = getattr(on_disk, "tree", on_disk)
+    if "params" not in on_disk:
+        raise HFFormatError(f"{sdir}: the checkpoint has no 'params' subtree (has {sorted(on_disk)})")
+    check_params(jax.tree.map(lambda m: jax.ShapeDtypeStruct(tuple(m.shape), m.dtype), on_disk["params"]), cfg)
+    dt = jax.numpy.dtype(dtype or cfg.param_dtype)
+    shapes = param_shapes(cfg)
+    is_shape = lambda x: isinstance(x, tuple)  # noqa: E731
+    if shardings is None:
+        item = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, dt), shapes, is_leaf=is_shape)
+        restore_args = jax.tree.map(lambda s: ocp.RestoreArgs(restore_type=np.ndarray, dtype=dt), item)
+    else:
+        item = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s, dt, sharding=sh), shapes, shardings,
+                            is_leaf=is_shape)
+        restore_args = ocp.checkpoint_utils.construct_restore_args(item)
+    with ocp.PyTreeCheckpointer() as ckpt:
+        out = ckpt.restore(sdir, args=ocp.args.PyTreeRestore(
+            item={"params": item}, restore_args={"params": restore_args}, partial_restore=True))
+    return out["params"]
+
+
+def is_hf_dir(path: str | pathlib.Path) -> bool:
+    p = pathlib.Path(path)
+    return (p / "config.json").is_file() and ((p / SINGLE_FILE).is_file() or (p / INDEX_FILE).is_file())
+
+
+def init_from(path: str | pathlib.Path, model_cfg: ModelConfig, param_shardings: dict | None = None) -> dict:
+    """Parameters to start a run from: an HF Llama directory, or an mx_jax checkpoint (run dir / step dir).
+
+    Shape fields of model_cfg must match the checkpoint. With param_shardings (`Setup.param_shardings`) the arrays
+    are placed on the mesh (each process reads the whole HF checkpoint into host memory and puts only its own
+    shards on its devices; Orbax checkpoints are read shard by shard and resharded to any mesh). The trainer calls
+    this for the config key `init_from` on a fresh start (never on resume, where the checkpoint holds the params).
+    The optimizer state stays as initialized (AdamW's moments start at zero whatever the parameters).
+    """
+    if is_hf_dir(path):
+        params, _ = load_hf_llama(path, model_cfg)
+        if param_shardings is None:
+            return params
+
+        def place(x: np.ndarray, sh) -> jax.Array:
+            return jax.make_array_from_callback(x.shape, sh, lambda idx: x[idx])
+
+        return jax.tree.map(place, params, param_shardings)
+    return load_params(path, model_cfg, shardings=param_shardings)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# CLI
+
+
+def _model_config_of(run_dir: pathlib.Path, override: str | None) -> ModelConfig:
+    cfg_file = pathlib.Path(override) if override else run_dir / "config.yaml"
+    if not cfg_file.is_file():
+        raise ConfigError(f"{cfg_file} does not exist: pass --config with the run's YAML (its model section is used)")
+    return load_config(str(cfg_file)).model
+
+
+def _run_dir_of(path: pathlib.Path) -> pathlib.Path:
+    """The run dir above a step / state / checkpoints dir, where config.yaml lives."""
+    for p in (path, *path.parents):
+        if (p / "checkpoints").is_dir():
+            return p
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m mx_jax.hf", description="Convert between HF Llama and mx_jax.")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    imp = sub.add_parser("import", help="HF directory -> OUT/checkpoints/<step>/state + OUT/config.yaml")
+    imp.add_argument("hf_dir")
+    imp.add_argument("out_dir")
+    imp.add_argument("--step", type=int, default=0)
+    exp = sub.add_parser("export", help="mx_jax checkpoint (run dir, step dir) -> HF directory")
+    exp.add_argument("checkpoint")
+    exp.add_argument("hf_dir")
+    exp.add_argument("--step", type=int, default=None, help="default: the latest")
+    exp.add_argument("--config", help="YAML whose model section describes the checkpoint (default: "
+                     "<run_dir>/config.yaml)")
+    exp.add_argument("--dtype", default="bfloat16", choices=EXPORT_DTYPES)
+    exp.add_argument("--max-shard-bytes", type=float, default=DEFAULT_MAX_SHARD_BYTES)
+    exp.add_argument("--hf-config", help="config.json to start from (default: <run_dir>/hf_config.json if present)")
+    exp.add_argument("--overwrite", action="store_true")
+    args = ap.parse_args(argv)
+    try:
+        if args.cmd == "import":
+            src, out = pathlib.Path(args.hf_dir), pathlib.Path(args.out_dir)
+            params, cfg = load_hf_llama(src)
+            target = save_params(params, out, args.step)
+            arch = {k: v for k, v in to_dict(cfg).items() if k in _ARCH_KEYS}
+            (out / "config.yaml").write_text(yaml.safe_dump({"model": arch}, sort_keys=False))
+            shutil.copyfile(src / "config.json", out / "hf_config.json")
+            n = sum(x.size for x in jax.tree.leaves(params))
+            print(f"imported {n / 1e6:,.1f} M parameters -> {target}; the model section is in {out / 'config.yaml'}")
+        else:
+            ckpt = pathlib.Path(args.checkpoint)
+            run_dir = _run_dir_of(ckpt.absolute())
+            cfg = _model_config_of(run_dir, args.config)
+            hf_base = pathlib.Path(args.hf_config) if args.hf_config else run_dir / "hf_config.json"
+            base = json.loads(hf_base.read_text()) if hf_base.is_file() else None
+            params = load_params(ckpt, cfg, step=args.step, dtype=args.dtype)
+            files = export_hf_llama(params, cfg, args.hf_dir, dtype=args.dtype,
+                                    max_shard_bytes=int(args.max_shard_bytes), hf_config=base,
+                                    overwrite=args.overwrite)
+            print(f"exported {state_dir(ckpt, args.step)} -> {', '.join(f.name for f in files)} in {args.hf_dir}")
+    except (ConfigError, HFFormatError, FileExistsError, FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

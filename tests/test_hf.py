@@ -1,0 +1,347 @@
+"""HF Llama interop: exact round trips of checkpoints the test writes in HF layout, the key/shape errors, Orbax
+import/export, and (when torch and transformers are installed) logits against transformers' LlamaForCausalLM."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+pytest.importorskip("safetensors")
+from safetensors import safe_open  # noqa: E402
+from safetensors.numpy import save_file  # noqa: E402
+
+from mx_jax import hf  # noqa: E402
+from mx_jax.config import ConfigError, ModelConfig, RopeScaling  # noqa: E402
+from mx_jax.llama import Llama, params_of  # noqa: E402
+from mx_jax.train import train  # noqa: E402
+from tests.helpers import tiny_config  # noqa: E402
+
+# Tiny Llama with GQA (4 query heads on 2 kv heads), head_dim 8 != hidden/heads, and llama3 rope scaling whose
+# original context (16) puts the K/2 = 4 frequencies in all three bands (kept, interpolated, divided by factor).
+HF_CONFIG = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 96, "hidden_size": 48,
+    "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
+    "intermediate_size": 80, "hidden_act": "silu", "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+    "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                     "original_max_position_embeddings": 16},
+    "max_position_embeddings": 128, "tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False,
+    "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "float32",
+}
+
+
+def _hf_tensors(c: dict, dtype, seed: int = 0, tied: bool = False) -> dict[str, np.ndarray]:
+    """Fresh random weights under HF's names and (out, in) shapes, norms included (never ones)."""
+    rng = np.random.default_rng(seed)
+    D, F, V, K = c["hidden_size"], c["intermediate_size"], c["vocab_size"], c["head_dim"]
+    HK, GK = c["num_attention_heads"] * K, c["num_key_value_heads"] * K
+
+    def r(*shape):
+        return rng.standard_normal(shape).astype(np.float32).astype(dtype)
+
+    out = {"model.embed_tokens.weight": r(V, D)}
+    for i in range(c["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        out.update({p + "input_layernorm.weight": r(D), p + "self_attn.q_proj.weight": r(HK, D),
+                    p + "self_attn.k_proj.weight": r(GK, D), p + "self_attn.v_proj.weight": r(GK, D),
+                    p + "self_attn.o_proj.weight": r(D, HK), p + "post_attention_layernorm.weight": r(D),
+                    p + "mlp.gate_proj.weight": r(F, D), p + "mlp.up_proj.weight": r(F, D),
+                    p + "mlp.down_proj.weight": r(D, F)})
+    out["model.norm.weight"] = r(D)
+    if not tied:
+        out["lm_head.weight"] = r(V, D)
+    return out
+
+
+def _write_hf(path: pathlib.Path, c: dict, tensors: dict, sharded: bool) -> None:
+    """config.json + one model.safetensors, or one shard per layer (embedding with layer 0, head with the last)."""
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(c, indent=2))
+    if not sharded:
+        save_file(tensors, str(path / hf.SINGLE_FILE), metadata={"format": "pt"})
+        return
+    n = c["num_hidden_layers"]
+    groups: list[dict] = [{} for _ in range(n)]
+    for k, v in tensors.items():
+        layer = int(k.split(".")[2]) if k.startswith("model.layers.") else (0 if "embed" in k else n - 1)
+        groups[layer][k] = v
+    weight_map = {}
+    for j, g in enumerate(groups):
+        name = f"model-{j + 1:05d}-of-{n:05d}.safetensors"
+        save_file(g, str(path / name), metadata={"format": "pt"})
+        weight_map.update({k: name for k in g})
+    total = sum(v.nbytes for v in tensors.values())
+    (path / hf.INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}))
+
+
+def _read_all(path: pathlib.Path) -> dict[str, np.ndarray]:
+    out = {}
+    for f in sorted(path.glob("*.safetensors")):
+        with safe_open(str(f), framework="np") as h:
+            out.update({k: h.get_tensor(k) for k in h.keys()})
+    return out
+
+
+def _assert_same_tensors(a: dict, b: dict) -> None:
+    assert sorted(a) == sorted(b)
+    for k in a:
+        assert a[k].dtype == b[k].dtype and a[k].shape == b[k].shape, k
+        np.testing.assert_array_equal(a[k].view(np.uint8), b[k].view(np.uint8), err_msg=k)  # bitwise
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Layout and exact round trips
+
+
+def test_config_maps_both_ways():
+    cfg = hf.config_from_hf(HF_CONFIG)
+    assert (cfg.vocab_size, cfg.d_model, cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.d_head, cfg.d_ff) == \
+        (96, 48, 3, 4, 2, 8, 80)
+    assert cfg.rope_scaling == RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_len=16)
+    assert (cfg.rope_theta, cfg.norm_eps) == (10000.0, 1e-5)
+    back = hf.config_to_hf(cfg, "float32", HF_CONFIG)
+    assert back == HF_CONFIG  # the base's other keys (token ids, max positions) survive
+    # transformers 5 spelling: rope_parameters with rope_theta inside, no head_dim (= hidden / heads).
+    v5 = {k: v for k, v in HF_CONFIG.items() if k not in ("rope_scaling", "rope_theta", "head_dim")}
+    v5["rope_parameters"] = {"rope_type": "default", "rope_theta": 500000.0}
+    cfg5 = hf.config_from_hf(v5)
+    assert (cfg5.head_dim, cfg5.d_head, cfg5.rope_theta, cfg5.rope_scaling) == (0, 12, 500000.0, RopeScaling())
+
+
+def test_param_shapes_pin_the_model():
+    cfg = hf.config_from_hf(HF_CONFIG)
+    abstract = nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0)))
+    got = jax.tree.map(lambda x: tuple(x.shape), params_of(abstract))
+    assert got == hf.param_shapes(cfg)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16], ids=["f32", "bf16"])
+def test_single_file_roundtrip_is_byte_exact(tmp_path, dtype):
+    c = {**HF_CONFIG, "torch_dtype": np.dtype(dtype).name}
+    tensors = _hf_tensors(c, dtype)
+    _write_hf(tmp_path / "src", c, tensors, sharded=False)
+    params, cfg = hf.load_hf_llama(tmp_path / "src")
+    assert all(x.dtype == np.float32 for x in jax.tree.leaves(params))  # ModelConfig.param_dtype
+    written = hf.export_hf_llama(params, cfg, tmp_path / "out", dtype=np.dtype(dtype).name,
+                                 hf_config=json.loads((tmp_path / "src" / "config.json").read_text()))
+    assert [p.name for p in written] == [hf.SINGLE_FILE, "config.json"]
+    assert (tmp_path / "out" / hf.SINGLE_FILE).read_bytes() == (tmp_path / "src" / hf.SINGLE_FILE).read_bytes()
+    assert json.loads((tmp_path / "out" / "config.json").read_text()) == c
+
+
+def test_sharded_roundtrip_maps_every_tensor(tmp_path):
+    c = HF_CONFIG
+    tensors = _hf_tensors(c, ml_dtypes.bfloat16, seed=1)
+    _write_hf(tmp_path / "src", c, tensors, sharded=True)
+    params, cfg = hf.load_hf_llama(tmp_path / "src")
+    # The mapping itself, written out independently of hf.LAYOUT.
+    f32 = lambda k: tensors[k].astype(np.float32)  # noqa: E731
+    np.testing.assert_array_equal(params["embed"], f32("model.embed_tokens.weight"))
+    np.testing.assert_array_equal(params["head"], f32("lm_head.weight").T)
+    np.testing.assert_array_equal(params["final_norm"]["scale"], f32("model.norm.weight"))
+    b = params["blocks"]
+    for i in range(c["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        np.testing.assert_array_equal(b["attn_norm"]["scale"][i], f32(p + "input_layernorm.weight"))
+        np.testing.assert_array_equal(b["mlp_norm"]["scale"][i], f32(p + "post_attention_layernorm.weight"))
+        for ours, theirs in (("wq", "q"), ("wk", "k"), ("wv", "v"), ("wo", "o")):
+            np.testing.assert_array_equal(b["attn"][ours][i], f32(p + f"self_attn.{theirs}_proj.weight").T)
+        for ours, theirs in (("w_gate", "gate"), ("w_up", "up"), ("w_down", "down")):
+            np.testing.assert_array_equal(b["mlp"][ours][i], f32(p + f"mlp.{theirs}_proj.weight").T)
+    # Export in shards of at most ~one layer: several files and an index that names every tensor once.
+    written = hf.export_hf_llama(params, cfg, tmp_path / "out", dtype="bfloat16", max_shard_bytes=20_000)
+    shards = sorted((tmp_path / "out").glob("model-*.safetensors"))
+    assert len(shards) > 2 and not (tmp_path / "out" / hf.SINGLE_FILE).exists()
+    index = json.loads((tmp_path / "out" / hf.INDEX_FILE).read_text())
+    assert sorted(index["weight_map"]) == sorted(tensors)
+    assert index["metadata"]["total_size"] == sum(v.nbytes for v in tensors.values())
+    for f in shards:
+        assert f.stat().st_size <= 20_000 + 4096  # the limit counts tensor bytes, not the JSON header
+    _assert_same_tensors(_read_all(tmp_path / "out"), tensors)
+    # ... and the export reads back to the same params, and re-exports to identical files.
+    params2, cfg2 = hf.load_hf_llama(tmp_path / "out")
+    assert cfg2 == cfg
+    jax.tree.map(np.testing.assert_array_equal, params2, params)
+    hf.export_hf_llama(params2, cfg2, tmp_path / "out2", dtype="bfloat16", max_shard_bytes=20_000)
+    for f in written:
+        assert (tmp_path / "out2" / f.name).read_bytes() == f.read_bytes(), f.name
+
+
+def test_tied_embeddings_are_untied_by_copy(tmp_path):
+    c = {**HF_CONFIG, "tie_word_embeddings": True}
+    tensors = _hf_tensors(c, np.float32, seed=2, tied=True)
+    _write_hf(tmp_path / "src", c, tensors, sharded=False)
+    params, cfg = hf.load_hf_llama(tmp_path / "src")
+    np.testing.assert_array_equal(params["head"], tensors["model.embed_tokens.weight"].T)
+    assert not np.shares_memory(params["head"], params["embed"])
+    hf.export_hf_llama(params, cfg, tmp_path / "out", dtype="float32")
+    out = _read_all(tmp_path / "out")
+    np.testing.assert_array_equal(out["lm_head.weight"], tensors["model.embed_tokens.weight"])
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["tie_word_embeddings"] is False
+
+
+def test_given_config_keeps_its_dtypes_and_must_match_shapes(tmp_path):
+    _write_hf(tmp_path / "src", HF_CONFIG, _hf_tensors(HF_CONFIG, np.float32), sharded=False)
+    base = hf.config_from_hf(HF_CONFIG)
+    mine = dataclasses.replace(base, param_dtype="bfloat16", compute_dtype="float32", head_dim=8)
+    params, cfg = hf.load_hf_llama(tmp_path / "src", mine)
+    assert cfg == mine and params["embed"].dtype == jnp.bfloat16
+    with pytest.raises(ConfigError, match=r"model\.d_ff.*96.*80"):
+        hf.load_hf_llama(tmp_path / "src", dataclasses.replace(base, d_ff=96))
+    with pytest.warns(UserWarning, match="rope_theta"):
+        _, cfg = hf.load_hf_llama(tmp_path / "src", dataclasses.replace(base, rope_theta=1e6))
+    assert cfg.rope_theta == 1e6
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Errors name the file, the key and the shapes
+
+
+def test_missing_wrong_shape_and_unexpected_tensors(tmp_path):
+    tensors = _hf_tensors(HF_CONFIG, np.float32)
+    key = "model.layers.1.mlp.up_proj.weight"
+    missing = {k: v for k, v in tensors.items() if k != key}
+    _write_hf(tmp_path / "missing", HF_CONFIG, missing, sharded=True)
+    with pytest.raises(hf.HFFormatError, match=rf"'{key}' is missing"):
+        hf.load_hf_llama(tmp_path / "missing")
+    wrong = {**tensors, key: tensors[key][:, :-1].copy()}
+    _write_hf(tmp_path / "wrong", HF_CONFIG, wrong, sharded=False)
+    with pytest.raises(hf.HFFormatError, match=r"model\.safetensors: tensor 'model\.layers\.1\.mlp\.up_proj\.weight' "
+                                               r"has shape \(80, 47\); config.json implies \(80, 48\)"):
+        hf.load_hf_llama(tmp_path / "wrong")
+    extra = {**tensors, "model.layers.3.mlp.up_proj.weight": tensors[key],
+             "model.layers.0.self_attn.rotary_emb.inv_freq": np.ones(4, np.float32)}  # the latter is ignored
+    _write_hf(tmp_path / "extra", HF_CONFIG, extra, sharded=False)
+    with pytest.raises(hf.HFFormatError, match=r"no place.*model\.layers\.3\.mlp\.up_proj\.weight"):
+        hf.load_hf_llama(tmp_path / "extra")
+    (tmp_path / "nothing").mkdir()
+    (tmp_path / "nothing" / "config.json").write_text(json.dumps(HF_CONFIG))
+    with pytest.raises(hf.HFFormatError, match="only safetensors"):
+        hf.load_hf_llama(tmp_path / "nothing")
+
+
+@pytest.mark.parametrize("change, match", [
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "'yarn' is not supported"),
+    ({"attention_bias": True}, "attention_bias=True"),
+    ({"model_type": "mistral"}, "model_type is 'mistral'"),
+    ({"hidden_size": None}, "missing key 'hidden_size'"),
+])
+def test_unsupported_configs_are_refused(change, match):
+    with pytest.raises(hf.HFFormatError, match=match):
+        hf.config_from_hf({**HF_CONFIG, **change})
+
+
+def test_export_checks_params_and_existing_files(tmp_path):
+    cfg = hf.config_from_hf(HF_CONFIG)
+    params = jax.tree.map(lambda s: np.random.default_rng(0).standard_normal(s).astype(np.float32),
+                          hf.param_shapes(cfg), is_leaf=lambda x: isinstance(x, tuple))
+    bad = {**params, "blocks": {**params["blocks"], "mlp": {**params["blocks"]["mlp"], "w_up": params["head"]}}}
+    with pytest.raises(ValueError, match=r"params\['blocks/mlp/w_up'\] has shape \(48, 96\).*\(3, 48, 80\)"):
+        hf.export_hf_llama(bad, cfg, tmp_path / "bad")
+    with pytest.raises(ValueError, match="missing.*head"):
+        hf.export_hf_llama({k: v for k, v in params.items() if k != "head"}, cfg, tmp_path / "bad")
+    hf.export_hf_llama(params, cfg, tmp_path / "out")
+    with pytest.raises(FileExistsError, match="overwrite"):
+        hf.export_hf_llama(params, cfg, tmp_path / "out")
+    hf.export_hf_llama(params, cfg, tmp_path / "out", dtype="float32", max_shard_bytes=50_000, overwrite=True)
+    assert not (tmp_path / "out" / hf.SINGLE_FILE).exists()  # the old single file went away
+    with pytest.raises(ConfigError, match="moe.n_experts"):
+        hf.export_hf_llama(params, dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, n_experts=4)),
+                           tmp_path / "moe")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Orbax checkpoints, the CLI, and init_from
+
+
+def test_cli_import_export_through_orbax(tmp_path):
+    tensors = _hf_tensors(HF_CONFIG, ml_dtypes.bfloat16, seed=3)
+    c = {**HF_CONFIG, "torch_dtype": "bfloat16"}
+    _write_hf(tmp_path / "src", c, tensors, sharded=True)
+    assert hf.main(["import", str(tmp_path / "src"), str(tmp_path / "ckpt")]) == 0
+    assert (tmp_path / "ckpt" / "checkpoints" / "0" / "state").is_dir()
+    assert hf.main(["export", str(tmp_path / "ckpt"), str(tmp_path / "out"), "--max-shard-bytes", "3e4"]) == 0
+    _assert_same_tensors(_read_all(tmp_path / "out"), tensors)
+    assert json.loads((tmp_path / "out" / "config.json").read_text()) == c  # hf_config.json carried the rest
+    assert hf.main(["export", str(tmp_path / "ckpt"), str(tmp_path / "out")]) == 2  # exists, no --overwrite
+    assert hf.main(["export", str(tmp_path / "ckpt"), str(tmp_path / "out"), "--step", "7"]) == 2
+
+
+def test_export_from_a_trainer_run(tmp_path):
+    cfg = tiny_config(tmp_path / "run", "steps=1", "log.eval_every_steps=-1", "ckpt.async_save=false")
+    result = train(cfg, jax.devices()[:2])
+    assert hf.main(["export", str(tmp_path / "run"), str(tmp_path / "out"), "--dtype", "float32"]) == 0
+    params, mcfg = hf.load_hf_llama(tmp_path / "out", cfg.model)
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(a, np.asarray(b)), params, result.state["params"])
+
+
+def test_init_from_places_hf_and_orbax_params_on_a_mesh(tmp_path):
+    tensors = _hf_tensors(HF_CONFIG, np.float32, seed=4)
+    _write_hf(tmp_path / "src", HF_CONFIG, tensors, sharded=False)
+    want, cfg = hf.load_hf_llama(tmp_path / "src")
+    mesh = jax.make_mesh((2,), ("fsdp",), devices=jax.devices()[:2])
+    shard = NamedSharding(mesh, P(None, "fsdp"))  # dim 1 divides by 2 for every leaf of this config
+
+    def spec_for(shape):
+        return shard if len(shape) > 1 else NamedSharding(mesh, P())
+
+    shardings = jax.tree.map(spec_for, hf.param_shapes(cfg), is_leaf=lambda x: isinstance(x, tuple))
+    hf.save_params(want, tmp_path / "ckpt")
+    for src in (tmp_path / "src", tmp_path / "ckpt", tmp_path / "ckpt" / "checkpoints" / "0"):
+        got = hf.init_from(src, cfg, shardings)
+        jax.tree.map(lambda g, s: g.sharding == s or pytest.fail(f"{src}: sharding {g.sharding}"), got, shardings)
+        jax.tree.map(lambda g, w: np.testing.assert_array_equal(np.asarray(g), w), got, want)
+    host = hf.init_from(tmp_path / "ckpt", cfg)
+    assert isinstance(host["embed"], np.ndarray)
+    with pytest.raises(ValueError, match=r"params\['embed'\] has shape \(96, 48\).*\(100, 48\)"):
+        hf.load_params(tmp_path / "ckpt", dataclasses.replace(cfg, vocab_size=100))
+    with pytest.raises(FileNotFoundError, match="no mx_jax checkpoint"):
+        hf.init_from(tmp_path, cfg)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Against transformers (skipped without torch + transformers, as in CI)
+
+
+def _our_logits(params: dict, cfg: ModelConfig, tokens: np.ndarray) -> np.ndarray:
+    cfg = dataclasses.replace(cfg, compute_dtype="float32")
+    graphdef, _, _ = nnx.split(nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0))), nnx.Param, ...)
+    model = nnx.merge(graphdef, jax.tree.map(jnp.asarray, params), {})
+    return np.asarray(model(jnp.asarray(tokens))[0])
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_logits_match_transformers(tmp_path, tied):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    c = {k: v for k, v in HF_CONFIG.items() if k not in ("architectures", "model_type", "torch_dtype")}
+    # initializer_range 0.15 gives logits of size ~4, so a wrong rope band or q/k layout moves them by ~5, not 5e-3.
+    ref = transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(**{**c, "tie_word_embeddings": tied}, initializer_range=0.15))
+    with torch.no_grad():  # HF initializes norms to ones; make them random too
+        for name, p in ref.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.5 * torch.randn_like(p))
+    ref = ref.float().eval()
+    ref.config._attn_implementation = "eager"
+    ref.save_pretrained(tmp_path / "hf", safe_serialization=True)
+    tokens = np.random.default_rng(0).integers(0, c["vocab_size"], (2, 40))  # 40 > original context 16
+    with torch.no_grad():
+        want = ref(torch.as_tensor(tokens)).logits.numpy()
+
+    params, cfg = hf.load_hf_llama(tmp_path / "hf")
+    np.testing.assert_allclose(_our_logits(params, cfg, tokens), want, atol=1e-4, rtol=0)  # float32
+    # Our export, read by transformers, gives the same logits again.
+    hf.export_hf_llama(params, cfg, tmp_path / "ours", dtype="float32")
+    back = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "ours", attn_implementation="eager").float()
+    with torch.no_grad():
+        np.testing.assert_allclose(back(torch.as_tensor(tokens)).logits.numpy(), want, atol=1e-5, rtol=1e-5)
