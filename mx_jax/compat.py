@@ -65,3 +65,12 @@ def enable_mgpu_interpret_layout_cast() -> None:
 
     mlir.register_lowering(mgpu_core.layout_cast_p, lambda ctx, x, *, new_layout: [x], platform="cpu")
     _mgpu_layout_cast_cpu_rule_registered = True
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Pallas Mosaic-GPU interpret mode: grouped GEMMs (pallas_kernels/grouped_matmul.py)
+# ---------------------------------------------------------------------------------------------------------------
+# - Thread-block clusters (a 2-CTA cluster multicasting a TMA load): 0.11's GPU interpreter runs them; 0.10.2's
+#   fails on the cluster barrier ("NotImplementedError: nan + cluster_barrier"). Tests of clustered configs run
+#   where MGPU_INTERPRET_CLUSTERS holds; the GPU lowering is the same in both versions.
+MGPU_INTERPRET_CLUSTERS = JAX_VERSION >= (0, 11, 0)

@@ -1,0 +1,233 @@
+"""Low-precision training recipes for a linear layer y = x @ w, after TorchAO's float8 recipes.
+
+A linear layer runs three GEMMs; each is either all-fp8 (both operands quantized, f32 accumulation, the
+dequantization scales applied in the GEMM epilogue) or all high precision (bf16 operands, f32 accumulation):
+
+    out    y      = x  @ w        x (T, K), w (K, N)   contraction over K
+    grad_x grad_x = g  @ wᵀ       g = dL/dy (T, N)     contraction over N
+    grad_w grad_w = xᵀ @ g                             contraction over T
+
+| recipe             | GEMM   | left operand           | right operand          | pow2 scales |
+|--------------------|--------|------------------------|------------------------|-------------|
+| bf16               | all    | bf16                   | bf16                   | -           |
+| fp8_tensorwise     | out    | x  e4m3 tensorwise     | w  e4m3 tensorwise     | no          |
+|                    | grad_x | g  e5m2 tensorwise     | w  e4m3 tensorwise     |             |
+|                    | grad_w | x  e4m3 tensorwise     | g  e5m2 tensorwise     |             |
+| fp8_rowwise        | out    | x  e4m3 along K        | w  e4m3 along K        | yes         |
+|                    | grad_x | g  e4m3 along N        | w  e4m3 along N        |             |
+|                    | grad_w | x  e4m3 along T        | g  e4m3 along T        |             |
+| fp8_rowwise_gw_hp  | out    | x  e4m3 along K        | w  e4m3 along K        | no          |
+|                    | grad_x | g  e4m3 along N        | w  e4m3 tensorwise     |             |
+|                    | grad_w | x  bf16                | g  bf16                |             |
+
+"along A" = rowwise (TorchAO "axiswise") scaling: one scale per slice, the amax taken along axis A, which is always
+the operand's contraction axis in that GEMM, so a scale is constant along the sum and factors out of it. Scales are
+dynamic (from the current tensor), amax floored at 1e-12, casts saturate (pallas_kernels/quantize.py has the math).
+
+Source: TorchAO torchao/float8/config.py (pytorch/ao, read at c6c388b5), `Float8LinearConfig.from_recipe_name`
+for Float8LinearRecipeName.TENSORWISE (the default Float8LinearConfig: e4m3 input/weight, e5m2 grad_output,
+tensorwise), ROWWISE (AXISWISE e4m3 for all three tensors, round_scales_to_power_of_2=True) and ROWWISE_WITH_GW_HP
+(input/weight AXISWISE, grad_output AXISWISE e4m3, weight TENSORWISE for grad_input, input and grad_output DISABLED
+for grad_weight, no pow2 rounding); the axis each operand is scaled along is `get_maybe_axiswise_dim` in
+torchao/float8/float8_linear.py (matmul_with_hp_or_float8_args). Differences: our GEMM kernel accumulates the
+whole K in the wgmma accumulator (TorchAO's use_fast_accum=True, which it sets only for the forward by default);
+grad_w comes out in w's dtype (f32 for f32 master weights) instead of bf16.
+
+Trade-offs. Every operand that two GEMMs use with the same cast (x, w and g in fp8_rowwise; all three in
+fp8_tensorwise, where the transpose of a tensorwise fp8 tensor is its other layout) is quantized once for both
+layouts by `quantize_dual` (shared reads, see pallas_kernels/quantize.py); the forward then keeps x's and w's
+backward-layout fp8 copies as residuals (1 byte per element instead of the bf16 x). Operands are always passed
+K-major: the forward w operand is the transposed (N, K) copy the cast writes; so are the backward xᵀ and gᵀ.
+
+Public API: `linear(x, w, *, recipe, impl)`, `RECIPES`, `kernel_support(recipe, k, n)`. The MX (block-scaled)
+recipes live in mx_jax/mx_format.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+fp8mm = importlib.import_module("pallas_kernels.fp8_matmul")  # the module: the package re-exports the function
+qz = importlib.import_module("pallas_kernels.quantize")
+
+E4M3 = jnp.dtype(jnp.float8_e4m3fn)
+E5M2 = jnp.dtype(jnp.float8_e5m2)
+RECIPES = ("bf16", "fp8_tensorwise", "fp8_rowwise", "fp8_rowwise_gw_hp")
+
+
+@dataclasses.dataclass(frozen=True)
+class Cast:
+    """How one operand enters one GEMM: an fp8 dtype and a scaling, or high precision (dtype None)."""
+
+    dtype: jnp.dtype | None = None
+    scaling: str | None = None  # "rowwise" (along the GEMM's contraction axis) | "tensorwise"
+
+    @property
+    def fp8(self) -> bool:
+        return self.dtype is not None
+
+
+HP = Cast()
+
+
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+    """(left, right) operand casts of the three GEMMs; see the table in the module docstring."""
+
+    out: tuple[Cast, Cast]  # (x, w)
+    grad_x: tuple[Cast, Cast]  # (g, w)
+    grad_w: tuple[Cast, Cast]  # (x, g)
+    pow2_scale: bool
+
+
+_TW4, _TW5, _RW4 = Cast(E4M3, "tensorwise"), Cast(E5M2, "tensorwise"), Cast(E4M3, "rowwise")
+RECIPE_TABLE: dict[str, Recipe] = {
+    "bf16": Recipe(out=(HP, HP), grad_x=(HP, HP), grad_w=(HP, HP), pow2_scale=False),
+    "fp8_tensorwise": Recipe(out=(_TW4, _TW4), grad_x=(_TW5, _TW4), grad_w=(_TW4, _TW5), pow2_scale=False),
+    "fp8_rowwise": Recipe(out=(_RW4, _RW4), grad_x=(_RW4, _RW4), grad_w=(_RW4, _RW4), pow2_scale=True),
+    "fp8_rowwise_gw_hp": Recipe(out=(_RW4, _RW4), grad_x=(_RW4, _TW4), grad_w=(HP, HP), pow2_scale=False),
+}
+
+
+def kernel_support(recipe: str, k: int, n: int) -> str | None:
+    """None when a (K, N) weight can run `recipe` on the fp8 GEMM paths, else a short reason to keep it bf16.
+
+    fp8 GEMMs (cuBLASLt through XLA, and the Pallas kernel) need K and N multiples of 16. Shapes the Pallas kernels
+    do not tile (they want multiples of 128/256) still run in fp8: impl="auto" sends them to XLA's fp8 GEMM.
+    """
+    if recipe not in RECIPES:
+        raise ValueError(f"kernel_support: unknown recipe {recipe!r}; choose from {RECIPES}")
+    if recipe == "bf16":
+        return None
+    if k % 16 or n % 16:
+        return f"fp8 GEMMs need K and N multiples of 16, got K={k}, N={n}"
+    return None
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Operand preparation: quantize along the contraction axis, K-major.
+# --------------------------------------------------------------------------------------------------------------
+def _rows(t, cast: Cast, pow2: bool, impl: str):
+    """t (R, C) as a K-major operand contracting over C: (fp8 (R, C), scale (R,) or ())."""
+    return qz.quantize(t, axis=1, dtype=cast.dtype, scaling=cast.scaling, pow2_scale=pow2, impl=impl)
+
+
+def _cols_t(t, cast: Cast, pow2: bool, impl: str):
+    """t (R, C) as a K-major operand contracting over R: (fp8 (C, R), scale (C,) or ())."""
+    return qz.quantize_t(t, dtype=cast.dtype, scaling=cast.scaling, pow2_scale=pow2, impl=impl)
+
+
+def _both(t, cast: Cast, pow2: bool, impl: str):
+    """Both layouts of t with one cast: ((fp8 (R, C), scale), (fp8 (C, R), scale))."""
+    return qz.quantize_dual(t, dtype=cast.dtype, scaling=cast.scaling, pow2_scale=pow2, impl=impl)
+
+
+def _gemm_fp8(a_op, b_op, out_dtype, impl: str):
+    (a, sa), (b_t, sb) = a_op, b_op
+    return fp8mm.fp8_matmul(a, b_t, sa, sb, out_dtype=out_dtype, impl=impl)
+
+
+def _dot_hp(lhs, rhs, contract: tuple[int, int], out_dtype, compute_dtype):
+    """High-precision GEMM: operands in compute_dtype (bf16), f32 accumulation, result in out_dtype."""
+    dims = (((contract[0],), (contract[1],)), ((), ()))
+    acc = lax.dot_general(
+        lhs.astype(compute_dtype), rhs.astype(compute_dtype), dims, preferred_element_type=jnp.float32
+    )
+    return acc.astype(out_dtype)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The quantized dot: custom_vjp over 2-D x (T, K) and w (K, N), one per (recipe, impl).
+# --------------------------------------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=None)
+def _make_linear2d(recipe_name: str, impl: str):
+    r = RECIPE_TABLE[recipe_name]
+    x_out, w_out = r.out
+    g_gx, w_gx = r.grad_x
+    x_gw, g_gw = r.grad_w
+    p2 = r.pow2_scale
+    # An operand used by two fp8 GEMMs with the same cast is quantized once for both layouts.
+    x_dual = x_out.fp8 and x_out == x_gw
+    w_dual = w_out.fp8 and w_out == w_gx
+    g_dual = g_gx.fp8 and g_gx == g_gw
+
+    def forward(x, w):
+        # x (T, K), w (K, N) -> y (T, N) in x.dtype, plus the residuals the backward GEMMs need.
+        if x_out.fp8:
+            if x_dual:
+                x_op, x_res = _both(x, x_out, p2, impl)  # (x (T,K), xᵀ (K,T)): xᵀ waits for grad_w
+            else:
+                x_op, x_res = _rows(x, x_out, p2, impl), x
+            if w_dual:
+                w_res, w_op = _both(w, w_out, p2, impl)  # (w (K,N) for grad_x, wᵀ (N,K) for out)
+            else:
+                w_op, w_res = _cols_t(w, w_out, p2, impl), w
+            y = _gemm_fp8(x_op, w_op, x.dtype, impl)
+        else:
+            y, x_res, w_res = _dot_hp(x, w, (1, 0), x.dtype, x.dtype), x, w
+        return y, (x_res, w_res)
+
+    def backward(res, g):
+        x_res, w_res = res
+        # The primal dtypes ride on the residuals: a raw x/w, or an fp8 pair when it was pre-quantized.
+        if g_dual:
+            g_rows, g_cols_t = _both(g, g_gx, p2, impl)
+        else:
+            g_rows = _rows(g, g_gx, p2, impl) if g_gx.fp8 else None
+            g_cols_t = _cols_t(g, g_gw, p2, impl) if g_gw.fp8 else None
+        # grad_x (T, K) = g (T, N) @ wᵀ: contraction over N; w (K, N) is already K-major for it.
+        if g_gx.fp8:
+            w_op = w_res if w_dual else _rows(w_res, w_gx, p2, impl)
+            grad_x = _gemm_fp8(g_rows, w_op, g.dtype, impl)
+        else:
+            grad_x = _dot_hp(g, w_res, (1, 1), g.dtype, g.dtype)
+        # grad_w (K, N) = xᵀ @ g: contraction over T; operands xᵀ (K, T) and gᵀ (N, T).
+        if x_gw.fp8:
+            x_op = x_res if x_dual else _cols_t(x_res, x_gw, p2, impl)
+            grad_w = _gemm_fp8(x_op, g_cols_t, jnp.float32, impl)
+        else:
+            grad_w = _dot_hp(x_res, g, (0, 0), jnp.float32, g.dtype)
+        return grad_x, grad_w
+
+    @jax.custom_vjp
+    def linear2d(x, w):
+        return forward(x, w)[0]
+
+    def fwd(x, w):
+        y, res = forward(x, w)
+        return y, (res, jnp.zeros((0,), x.dtype), jnp.zeros((0,), w.dtype))
+
+    def bwd(saved, g):
+        res, x_tag, w_tag = saved  # empty arrays carrying the primal dtypes
+        grad_x, grad_w = backward(res, g.astype(x_tag.dtype))
+        return grad_x.astype(x_tag.dtype), grad_w.astype(w_tag.dtype)
+
+    linear2d.defvjp(fwd, bwd)
+    return linear2d
+
+
+def linear(x: jax.Array, w: jax.Array, *, recipe: str, impl: str = "auto") -> jax.Array:
+    """y = x @ w under `recipe`, differentiable in x and w (grads in x's and w's dtypes).
+
+    x (..., K) in the compute dtype (bf16); w (K, N) the parameter (f32 master or bf16; quantized from it directly).
+    Returns y (..., N) in x.dtype. impl ("auto" | "pallas" | "xla" | "reference") goes to the GEMM and cast
+    dispatchers (pallas_kernels.fp8_matmul / quantize); "bf16" ignores it.
+    """
+    # MX (block-scaled, mx_jax/mx_format.py) recipes join RECIPES and branch off here, before the fp8 table.
+    if recipe not in RECIPES:
+        raise ValueError(f"linear: unknown recipe {recipe!r}; choose from {RECIPES}")
+    if impl not in ("auto", "pallas", "xla", "reference"):
+        raise ValueError(f"linear: impl must be 'auto', 'pallas', 'xla' or 'reference', got {impl!r}")
+    if w.ndim != 2 or x.ndim < 1 or x.shape[-1] != w.shape[0]:
+        raise ValueError(f"linear: need x (..., K) and w (K, N), got x {x.shape} {x.dtype}, w {w.shape} {w.dtype}")
+    lead = x.shape[:-1]
+    x2 = x.reshape(math.prod(lead), x.shape[-1])
+    y = _make_linear2d(recipe, impl)(x2, w)
+    return y.reshape(*lead, w.shape[1])

@@ -1,0 +1,456 @@
+"""Scaled fp8 GEMM for Hopper: out = (a · b_tᵀ) * a_scale[:, None] * b_scale[None, :].
+
+    a    (M, K)  float8_e4m3fn | float8_e5m2, K-major (row-major)
+    b_t  (N, K)  float8_e4m3fn | float8_e5m2, K-major: the right operand stored transposed
+    a_scale (M,) or (), b_scale (N,) or ()  float32 dequantization multipliers
+    out  (M, N)  out_dtype (bf16 by default), accumulated in float32
+
+Rowwise scaling (one scale per row of `a`, one per row of `b_t`) is what TorchAO's "rowwise" recipe feeds
+`torch._scaled_mm`; a scalar pair is the tensorwise recipe. Both scale vectors are constant along K, so they factor
+out of the sum and are applied once per output element in the epilogue: acc[i, j] * a_scale[i] * b_scale[j].
+
+Kernel (Mosaic-GPU, `plgpu.kernel`; after jax's hopper_matmul_mgpu.py, adapted to fp8):
+- 8-bit wgmma needs both operands K-major (JAX_NOTES): A's smem tile is (tile_m, tile_k) and B's is (tile_n, tile_k),
+  passed to wgmma as `b_smem.T` (a layout transform, no data movement). tile_k = 128 fp8 = 128 B rows -> 128 B swizzle.
+- Warp specialization: one memory warpgroup issues the TMA loads of a `stages`-deep ring; two compute warpgroups
+  split the CTA tile along M or N (`wg_split`) and each owns a (tile_m, tile_n) f32 accumulator.
+- Persistent grid: min(#SMs, #tiles) CTAs walk the output tiles along a planar snake (`grid_minor`,
+  `grid_tile_width`) so that neighbouring CTAs share A rows / B columns in L2. Optional 2-CTA clusters multicast
+  the shared operand (`cluster`).
+- Epilogue: each compute warpgroup TMA-loads its a_scale / b_scale slices into SMEM at the start of the tile (they
+  arrive during the main loop; reading them straight from GMEM does not lower on the GPU), then multiplies the
+  accumulator by both, casts to out_dtype, stages the tile in SMEM and TMA-stores it.
+- Numerics: the whole K is accumulated in the wgmma accumulator, whose fp8 accumulation keeps ~14 mantissa
+  bits on Hopper (DeepSeek-V3 report §3.3.2). That is TorchAO's use_fast_accum=True; promoting to a separate f32
+  accumulator every few K steps (CUTLASS's default, DeepGEMM) would double the accumulator registers.
+- Trade-offs: the two compute warpgroups work on the same tile, so their epilogues do not overlap tensor-core work
+  (a ping-pong schedule would hide ~1-2 us per tile); the memory warpgroup already prefetches the next tile's first
+  stages during the epilogue. Scalars are broadcast to vectors so one kernel serves both recipes.
+
+The dispatcher's `impl="xla"` is the best path without a custom kernel: `lax.dot_general` of the two fp8 operands
+contracting dim 1 of both with an f32 result (XLA emits cuBLASLt `__cublas$lt$matmul$f8`), scales applied by an XLA
+fusion on the f32 result.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from mx_jax import compat
+
+FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
+Impl = Literal["auto", "pallas", "xla", "reference"]
+_SMEM_BYTES = 227 * 1024  # Hopper opt-in shared memory per block
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TileConfig:
+    """One point of the tile sweep. The CTA tile is two warpgroup tiles side by side along `wg_split`."""
+
+    tile_m: int = 128  # C rows per compute warpgroup; multiple of 64 (wgmma M)
+    tile_n: int = 128  # C cols per compute warpgroup; multiple of 8, <= 256 (wgmma N)
+    tile_k: int = 128  # K per pipeline stage; 128 fp8 = 128 B = the widest swizzle
+    stages: int = 3  # TMA ring depth (max_concurrent_steps)
+    wg_split: Literal["m", "n"] = "n"  # the 2 compute warpgroups split the CTA tile along this dim
+    epi_tile_m: int | None = None  # epilogue store chunk rows; None = the whole warpgroup tile
+    epi_tile_n: int | None = None  # epilogue store chunk cols; None = the whole warpgroup tile
+    grid_minor: Literal["m", "n"] = "n"  # planar-snake minor dim of the persistent tile walk
+    grid_tile_width: int = 8  # planar-snake band width, in CTA (cluster) tiles
+    cluster: Literal["m", "n"] | None = None  # 2-CTA cluster along this dim; the shared operand is multicast
+    delay_release: int = 1  # wgmma groups left in flight before a stage is released (0 = wait for each)
+
+    @property
+    def cta_tile_m(self) -> int:
+        return self.tile_m * (2 if self.wg_split == "m" else 1)
+
+    @property
+    def cta_tile_n(self) -> int:
+        return self.tile_n * (2 if self.wg_split == "n" else 1)
+
+    @property
+    def cluster_tile_m(self) -> int:
+        return self.cta_tile_m * (2 if self.cluster == "m" else 1)
+
+    @property
+    def cluster_tile_n(self) -> int:
+        return self.cta_tile_n * (2 if self.cluster == "n" else 1)
+
+    @property
+    def epi_m(self) -> int:
+        return self.epi_tile_m or self.tile_m
+
+    @property
+    def epi_n(self) -> int:
+        return self.epi_tile_n or self.tile_n
+
+    def out_slots(self) -> int:
+        """Epilogue staging buffers per warpgroup: 1 when the whole tile is staged at once, else 2 (ping-pong)."""
+        return 1 if self.epi_m * self.epi_n == self.tile_m * self.tile_n else 2
+
+    def smem_bytes(self, out_dtype=jnp.bfloat16) -> int:
+        """Shared memory the kernel allocates (operand ring + epilogue staging + scale vectors), excluding barriers."""
+        ring = self.stages * (self.cta_tile_m + self.cta_tile_n) * self.tile_k  # fp8: 1 byte per element
+        out = 2 * self.out_slots() * self.epi_m * self.epi_n * jnp.dtype(out_dtype).itemsize
+        scales = 2 * (self.tile_m + self.tile_n) * 4
+        return ring + out + scales
+
+    def name(self) -> str:
+        s = f"wg{self.tile_m}x{self.tile_n}x{self.tile_k}/{self.wg_split} s{self.stages} d{self.delay_release}"
+        if self.epi_tile_m or self.epi_tile_n:
+            s += f" epi{self.epi_m}x{self.epi_n}"
+        s += f" snake-{self.grid_minor}{self.grid_tile_width}"
+        if self.cluster:
+            s += f" cl2{self.cluster}"
+        return s
+
+
+DEFAULT_CONFIG = TileConfig()
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Reference: the spec, pure jnp, f32 accumulation.
+# --------------------------------------------------------------------------------------------------------------
+def fp8_matmul_reference(
+    a: jax.Array, b_t: jax.Array, a_scale: jax.Array, b_scale: jax.Array, *, out_dtype=jnp.bfloat16
+) -> jax.Array:
+    """(a · b_tᵀ) * a_scale[:, None] * b_scale[None, :] with every operand upcast to f32."""
+    acc = jnp.dot(a.astype(jnp.float32), b_t.astype(jnp.float32).T, precision=lax.Precision.HIGHEST)
+    return (acc * _col(a_scale) * _row(b_scale)).astype(out_dtype)
+
+
+def _col(s: jax.Array) -> jax.Array:
+    s = jnp.asarray(s, jnp.float32)
+    return s if s.ndim == 0 else s[:, None]
+
+
+def _row(s: jax.Array) -> jax.Array:
+    s = jnp.asarray(s, jnp.float32)
+    return s if s.ndim == 0 else s[None, :]
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Mosaic-GPU kernel.
+# --------------------------------------------------------------------------------------------------------------
+def _kernel(a_gmem, b_gmem, a_scale_gmem, b_scale_gmem, out_gmem, *, config: TileConfig):
+    """One persistent CTA: walks its output tiles; per tile a warp-specialized TMA/wgmma pipeline over K."""
+    c = config
+    m, k = a_gmem.shape
+    n = b_gmem.shape[0]
+    out_dtype = out_gmem.dtype
+    m_iters, n_iters, k_iters = m // c.cluster_tile_m, n // c.cluster_tile_n, k // c.tile_k
+
+    swizzle = plgpu.find_swizzle(c.tile_k * 8)  # fp8: tile_k bytes per smem row
+    in_transforms = (plgpu.TilingTransform((8, swizzle)), plgpu.SwizzleTransform(swizzle))
+    out_bits = c.epi_n * jnp.dtype(out_dtype).itemsize * 8
+    out_swizzle = plgpu.find_swizzle(out_bits)
+    out_swizzle_elems = out_swizzle * 8 // (jnp.dtype(out_dtype).itemsize * 8)
+    out_transforms = (plgpu.TilingTransform((8, out_swizzle_elems)), plgpu.SwizzleTransform(out_swizzle))
+    slots = c.out_slots()
+
+    def pipeline(body, compute_context):
+        return plgpu.emit_pipeline_warp_specialized(
+            body,
+            grid=(k_iters,),
+            memory_registers=40,
+            in_specs=[
+                plgpu.BlockSpec(  # A tile (cta_tile_m, tile_k); shared by the CTAs of an n-cluster
+                    (c.cta_tile_m, c.tile_k),
+                    lambda kk: (0, kk),
+                    transforms=in_transforms,
+                    memory_space=plgpu.SMEM,
+                    delay_release=c.delay_release,
+                    collective_axes=("cluster",) if c.cluster == "n" else (),
+                ),
+                plgpu.BlockSpec(  # B tile (cta_tile_n, tile_k), K-major
+                    (c.cta_tile_n, c.tile_k),
+                    lambda kk: (0, kk),
+                    transforms=in_transforms,
+                    memory_space=plgpu.SMEM,
+                    delay_release=c.delay_release,
+                    collective_axes=("cluster",) if c.cluster == "m" else (),
+                ),
+            ],
+            wg_axis="wg",
+            num_compute_wgs=2,
+            max_concurrent_steps=c.stages,
+            compute_context=compute_context,
+        )
+
+    ignore = lambda *_, **__: None  # allocations do not depend on the bodies
+
+    @functools.partial(
+        pl.run_scoped,
+        pipeline_allocs=pipeline(ignore, ignore).get_allocations(a_gmem, b_gmem),
+        out_smem=plgpu.SMEM((2, slots, c.epi_m, c.epi_n), out_dtype, transforms=out_transforms),
+        a_scale_smem=plgpu.SMEM((2, c.tile_m), jnp.float32),
+        b_scale_smem=plgpu.SMEM((2, c.tile_n), jnp.float32),
+        scale_barrier=plgpu.Barrier(num_arrivals=2, num_barriers=2),
+        # Arrived on by both compute warpgroups of every CTA of the cluster (a multicast load writes the peer's
+        # stage too); the pipeline's own consumed barriers are built the same way.
+        acc_done_barrier=(
+            plgpu.ClusterBarrier(collective_axes=("cluster",), num_arrivals=2)
+            if c.cluster
+            else plgpu.Barrier(num_arrivals=2)
+        ),
+        collective_axes="wg",
+    )
+    def _scope(pipeline_allocs, out_smem, a_scale_smem, b_scale_smem, scale_barrier, acc_done_barrier):
+        wg = lax.axis_index("wg")
+        cta = lax.axis_index("cluster")
+
+        @plgpu.nd_loop((m_iters * n_iters,), collective_axes="cluster_grid")
+        def _tile_loop(info):
+            (lin,) = info.index
+            mi, ni = plgpu.planar_snake(lin, (m_iters, n_iters), 0 if c.grid_minor == "m" else 1, c.grid_tile_width)
+            if c.cluster == "m":
+                mi = mi * 2 + cta
+            elif c.cluster == "n":
+                ni = ni * 2 + cta
+            cta_rows = pl.ds(mi * c.cta_tile_m, c.cta_tile_m)
+            cta_cols = pl.ds(ni * c.cta_tile_n, c.cta_tile_n)
+            if c.wg_split == "m":
+                wg_rows, wg_cols = pl.ds(wg * c.tile_m, c.tile_m), slice(None)
+                row0, col0 = mi * c.cta_tile_m + wg * c.tile_m, ni * c.cta_tile_n
+            else:
+                wg_rows, wg_cols = slice(None), pl.ds(wg * c.tile_n, c.tile_n)
+                row0, col0 = mi * c.cta_tile_m, ni * c.cta_tile_n + wg * c.tile_n
+
+            def compute_context(eval_pipeline):
+                # The scale slices land while the K loop runs; the barrier is waited on in the epilogue.
+                plgpu.copy_gmem_to_smem(
+                    a_scale_gmem.at[pl.ds(row0, c.tile_m)], a_scale_smem.at[wg], scale_barrier.at[wg]
+                )
+                plgpu.copy_gmem_to_smem(
+                    b_scale_gmem.at[pl.ds(col0, c.tile_n)], b_scale_smem.at[wg], scale_barrier.at[wg]
+                )
+
+                @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((c.tile_m, c.tile_n), jnp.float32))
+                def _acc_scope(acc_ref):
+                    eval_pipeline(acc_ref)
+                    acc = acc_ref[...]  # (tile_m, tile_n) f32; waits for the last wgmma
+                    if c.delay_release:
+                        plgpu.barrier_arrive(acc_done_barrier)
+                    plgpu.barrier_wait(scale_barrier.at[wg])
+                    row_scale = a_scale_smem[wg]  # (tile_m,)
+                    col_scale = b_scale_smem[wg]  # (tile_n,)
+                    acc = acc * lax.broadcast_in_dim(row_scale, acc.shape, [0])
+                    acc = acc * lax.broadcast_in_dim(col_scale, acc.shape, [1])
+                    out = acc.astype(out_dtype)
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous tile's store left out_smem
+                    for ei in range(c.tile_m // c.epi_m):
+                        for ej in range(c.tile_n // c.epi_n):
+                            chunk = ei * (c.tile_n // c.epi_n) + ej
+                            slot = chunk % slots
+                            if slots > 1:
+                                plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+                            e_rows = slice(ei * c.epi_m, (ei + 1) * c.epi_m)
+                            e_cols = slice(ej * c.epi_n, (ej + 1) * c.epi_n)
+                            out_smem[wg, slot] = out[e_rows, e_cols]
+                            plgpu.commit_smem()
+                            plgpu.copy_smem_to_gmem(
+                                out_smem.at[wg, slot],
+                                out_gmem.at[cta_rows, cta_cols].at[wg_rows, wg_cols].at[e_rows, e_cols],
+                            )
+
+            def mma_body(_, a_smem, b_smem, acc_ref):
+                plgpu.wgmma(acc_ref, a_smem.at[wg_rows], b_smem.at[wg_cols].T)
+                plgpu.wgmma_wait(c.delay_release)
+                return acc_ref
+
+            pipeline(mma_body, compute_context)(
+                a_gmem.at[cta_rows, :], b_gmem.at[cta_cols, :], allocations=pipeline_allocs
+            )
+            if c.delay_release:
+                # With delay_release the pipeline never marks the last K step's stage consumed, so the memory
+                # warpgroup's next prologue could overwrite it under the last in-flight wgmma: it first waits for
+                # the compute warpgroups (of the whole cluster) to have drained their accumulators (they arrive
+                # in the epilogue).
+                @pl.when(wg == 2)
+                def _():
+                    plgpu.barrier_wait(acc_done_barrier)
+
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def pallas_cover(
+    m: int, n: int, k: int, a_dtype, b_dtype, out_dtype=jnp.bfloat16, config: TileConfig = DEFAULT_CONFIG
+) -> str | None:
+    """None when `fp8_matmul_pallas` takes this problem with this config, else the reason it does not."""
+    a_dtype, b_dtype = jnp.dtype(a_dtype), jnp.dtype(b_dtype)
+    c = config
+    if a_dtype not in FP8_DTYPES or b_dtype not in FP8_DTYPES:
+        return f"operands must be float8_e4m3fn/float8_e5m2, got {a_dtype} and {b_dtype}"
+    if a_dtype != b_dtype and not compat.MGPU_MIXED_FP8_WGMMA:
+        return f"mixed fp8 operands ({a_dtype} x {b_dtype}) need jax >= 0.11 wgmma"
+    if jnp.dtype(out_dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32)):
+        return f"out_dtype must be bf16, f16 or f32, got {jnp.dtype(out_dtype)}"
+    if c.tile_m % 64 or c.tile_n % 8 or c.tile_n > 256 or c.tile_k % 32:
+        return f"invalid tile {c.tile_m}x{c.tile_n}x{c.tile_k}: tile_m % 64, tile_n % 8 (<= 256), tile_k % 32"
+    if c.tile_m % c.epi_m or c.tile_n % c.epi_n:
+        return f"epilogue chunk {c.epi_m}x{c.epi_n} must divide the warpgroup tile {c.tile_m}x{c.tile_n}"
+    if m % c.cluster_tile_m or n % c.cluster_tile_n or k % c.tile_k:
+        return (
+            f"(M, N, K) = ({m}, {n}, {k}) must be multiples of ({c.cluster_tile_m}, {c.cluster_tile_n}, {c.tile_k})"
+        )
+    if c.stages <= c.delay_release:
+        return f"stages ({c.stages}) must exceed delay_release ({c.delay_release})"
+    if c.smem_bytes(out_dtype) > _SMEM_BYTES:
+        return f"config needs {c.smem_bytes(out_dtype)} B of shared memory (> {_SMEM_BYTES})"
+    return None
+
+
+def fit_config(config: TileConfig, out_dtype) -> TileConfig:
+    """`config`, with its epilogue staged in 64x64 chunks when a whole-tile staging buffer would overflow SMEM
+    (an f32 output: 2 x 128x128x4 B next to a 144 KiB operand ring)."""
+    if config.smem_bytes(out_dtype) > _SMEM_BYTES and config.epi_tile_m is None and config.epi_tile_n is None:
+        return dataclasses.replace(config, epi_tile_m=64, epi_tile_n=64)
+    return config
+
+
+def _num_sms(interpret) -> int:
+    abstract = jax.sharding.get_abstract_mesh().abstract_device
+    if abstract is not None:
+        return abstract.num_cores
+    dev = jax.devices()[0]
+    if interpret or dev.platform != "gpu":
+        return 2  # interpreted on CPU: a small persistent grid, so every CTA walks several tiles as on the GPU
+    return dev.core_count
+
+
+def fp8_matmul_pallas(
+    a: jax.Array,
+    b_t: jax.Array,
+    a_scale: jax.Array,
+    b_scale: jax.Array,
+    *,
+    out_dtype=jnp.bfloat16,
+    config: TileConfig = DEFAULT_CONFIG,
+    interpret=None,
+) -> jax.Array:
+    """The Mosaic-GPU kernel. Raises NotImplementedError for problems outside its cover (see `pallas_cover`).
+
+    `interpret`: None on the GPU, or a `compat.InterpretGPUParams` to run the kernel on CPU.
+    """
+    m, k = a.shape
+    n = b_t.shape[0]
+    if (reason := pallas_cover(m, n, k, a.dtype, b_t.dtype, out_dtype, config)) is not None:
+        raise NotImplementedError(f"fp8_matmul_pallas: {reason}")
+    a_scale = jnp.broadcast_to(jnp.asarray(a_scale, jnp.float32), (m,))
+    b_scale = jnp.broadcast_to(jnp.asarray(b_scale, jnp.float32), (n,))
+    cluster_size = 2 if config.cluster else 1
+    tiles = (m // config.cluster_tile_m) * (n // config.cluster_tile_n)
+    grid = max(1, min(_num_sms(interpret) // cluster_size, tiles))
+    f = plgpu.kernel(
+        functools.partial(_kernel, config=config),
+        out_type=jax.ShapeDtypeStruct((m, n), out_dtype),
+        grid=(grid,),
+        grid_names=("cluster_grid",),
+        cluster=(cluster_size,),
+        cluster_names=("cluster",),
+        num_threads=3,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+        interpret=interpret,
+    )
+    return f(a, b_t, a_scale, b_scale)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# XLA path and dispatcher.
+# --------------------------------------------------------------------------------------------------------------
+def fp8_matmul_xla(
+    a: jax.Array, b_t: jax.Array, a_scale: jax.Array, b_scale: jax.Array, *, out_dtype=jnp.bfloat16
+) -> jax.Array:
+    """cuBLASLt fp8 through XLA: both operands K-major (contract dim 1 of both), f32 result, scales in a fusion."""
+    acc = lax.dot_general(a, b_t, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    return (acc * _col(a_scale) * _row(b_scale)).astype(out_dtype)
+
+
+# Per-shape choice for impl="auto" on Hopper, from `python -m pallas_kernels.bench fp8` on an H200:
+# (M, N, K) -> the TileConfig that beat XLA there, or None where XLA won. Shapes not listed use AUTO_DEFAULT
+# when the kernel covers them (None there would mean "XLA unless listed").
+AUTO_TABLE: dict[tuple[int, int, int], TileConfig | None] = {}
+AUTO_DEFAULT: TileConfig | None = DEFAULT_CONFIG
+
+
+def _on_hopper() -> bool:
+    dev = jax.devices()[0]
+    return dev.platform == "gpu" and getattr(dev, "compute_capability", "") == "9.0"
+
+
+def partitioned_context() -> bool:
+    """Whether operands traced now may be split over devices by the SPMD partitioner (a multi-device mesh is set
+    and we are not inside shard_map). The partitioner cannot split a Mosaic-GPU custom call, so impl="auto" keeps
+    such calls on XLA's GEMM (which it partitions); inside shard_map every array is local and the kernel is used."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or mesh.size == 1:
+        return False
+    return not all(t == jax.sharding.AxisType.Manual for t in mesh.axis_types)
+
+
+def auto_choice(m: int, n: int, k: int, a_dtype, b_dtype, out_dtype=jnp.bfloat16) -> TileConfig | None:
+    """The Pallas config impl="auto" runs for this problem, or None when it runs XLA."""
+    if not _on_hopper() or partitioned_context():
+        return None
+    config = AUTO_TABLE.get((m, n, k), AUTO_DEFAULT)
+    config = config and fit_config(config, out_dtype)
+    if config is None or pallas_cover(m, n, k, a_dtype, b_dtype, out_dtype, config) is not None:
+        return None
+    return config
+
+
+def _check_args(a, b_t, a_scale, b_scale):
+    if a.ndim != 2 or jnp.dtype(a.dtype) not in FP8_DTYPES:
+        raise ValueError(f"fp8_matmul: `a` must be a 2-D fp8 (M, K) array, got shape {a.shape} dtype {a.dtype}")
+    if b_t.ndim != 2 or jnp.dtype(b_t.dtype) not in FP8_DTYPES:
+        raise ValueError(f"fp8_matmul: `b_t` must be a 2-D fp8 (N, K) array, got shape {b_t.shape} dtype {b_t.dtype}")
+    if a.shape[1] != b_t.shape[1]:
+        raise ValueError(f"fp8_matmul: contraction sizes differ: a {a.shape} vs b_t {b_t.shape} (both K-major)")
+    for name, s, size in (("a_scale", a_scale, a.shape[0]), ("b_scale", b_scale, b_t.shape[0])):
+        s = jnp.asarray(s)
+        if s.shape not in ((), (size,)):
+            raise ValueError(f"fp8_matmul: `{name}` must have shape () or ({size},), got {s.shape} dtype {s.dtype}")
+
+
+def fp8_matmul(
+    a: jax.Array,
+    b_t: jax.Array,
+    a_scale: jax.Array,
+    b_scale: jax.Array,
+    *,
+    out_dtype=jnp.bfloat16,
+    impl: Impl = "auto",
+    config: TileConfig | None = None,
+    interpret=None,
+) -> jax.Array:
+    """(a · b_tᵀ) * a_scale[:, None] * b_scale[None, :] in out_dtype; a (M, K), b_t (N, K) fp8, both K-major.
+
+    impl: "pallas" (the Mosaic-GPU kernel; NotImplementedError outside its cover, never falls back), "xla"
+    (cuBLASLt fp8 via XLA), "reference" (f32 jnp), "auto" (pallas on Hopper where AUTO_TABLE / AUTO_DEFAULT
+    says it wins and the kernel covers the shape, else xla; xla on CPU). `config` overrides the tile config of
+    "pallas" (default: DEFAULT_CONFIG through `fit_config`); `interpret` runs "pallas" in the CPU interpreter
+    (so does `compat.force_gpu_interpret_mode`).
+    """
+    _check_args(a, b_t, a_scale, b_scale)
+    if impl == "reference":
+        return fp8_matmul_reference(a, b_t, a_scale, b_scale, out_dtype=out_dtype)
+    if impl == "xla":
+        return fp8_matmul_xla(a, b_t, a_scale, b_scale, out_dtype=out_dtype)
+    if impl == "pallas":
+        config = config or fit_config(DEFAULT_CONFIG, out_dtype)
+        return fp8_matmul_pallas(a, b_t, a_scale, b_scale, out_dtype=out_dtype, config=config, interpret=interpret)
+    if impl == "auto":
+        m, k = a.shape
+        chosen = auto_choice(m, b_t.shape[0], k, a.dtype, b_t.dtype, out_dtype)
+        if chosen is None:
+            return fp8_matmul_xla(a, b_t, a_scale, b_scale, out_dtype=out_dtype)
+        return fp8_matmul_pallas(a, b_t, a_scale, b_scale, out_dtype=out_dtype, config=chosen)
+    raise ValueError(f"fp8_matmul: impl must be 'auto', 'pallas', 'xla' or 'reference', got {impl!r}")

@@ -1,0 +1,401 @@
+"""Dynamic fp8 quantization: amax -> scale -> saturating cast, rowwise or tensorwise, optionally transposed.
+
+For a high-precision x and an fp8 dtype with largest finite value F (e4m3fn 448, e5m2 57344), along `axis`:
+
+    amax  = max |x|                                   (over `axis` for "rowwise", over everything for "tensorwise")
+    q     = F / max(amax, 1e-12)                      quantization multiplier (TorchAO's `scale`, amax_to_scale)
+    q     = 2 ** floor(log2 q)                        if pow2_scale (TorchAO round_scales_to_power_of_2)
+    x_fp8 = cast(clip(x * q, -F, F))                  saturating: e4m3fn has no inf, an unclipped cast gives NaN
+    scale = 1 / q                                     the DEQUANTIZATION multiplier returned: x ≈ x_fp8 * scale
+
+Rounding q down to a power of two is rounding the returned scale UP, so |x / scale| <= F always holds, and the
+multiply by q is exact (no extra rounding before the cast). A zero row gets amax = 1e-12, a finite q and x_fp8 = 0.
+Source: TorchAO torchao/float8/float8_utils.py (amax_to_scale, EPS = 1e-12, to_fp8_saturated,
+_round_scale_down_to_power_of_2); the scale is used as the reciprocal passed to torch._scaled_mm.
+
+Layouts. An fp8 GEMM operand must be K-major (the contraction axis last). `quantize` keeps x's layout;
+`quantize_t` scales a 2-D x along axis 0 and writes the transposed (C, R) copy the backward GEMMs need;
+`quantize_dual` produces both (rowwise along axis 1 as (R, C), rowwise along axis 0 as (C, R)) from the same reads
+of x, which is what the rowwise recipe needs for every tensor (x, w and the output gradient).
+
+Implementations. The jnp reference is also the "xla" path: XLA fuses it (an amax reduction fusion, then a cast
+fusion with the transpose folded in). The Pallas kernels (Mosaic-GPU, one CTA per tile) take a 2-D x whose dims are
+multiples of the tiles: pass 1 reads each (64, 128) tile once and max-reduces it into per-row and per-column amax
+partials (a tiny XLA max finishes them); pass 2 reads each tile again and writes the fp8 tile and/or its transpose,
+the transposed tile read through a transposed SMEM view (which Mosaic-GPU lowers for 16-bit x only). Bytes per
+element of x, bf16 in: dual cast XLA 2+2 (two amax reductions) + 2+1 + 2+1 (two casts) = 10, Pallas 2 + 2+1+1 = 6;
+transposed cast 5 vs 5 (the win, if any, is the transpose's access pattern); a cast along the last axis 5 vs 5,
+or 3 for XLA if it fuses the row reduction into the cast. One pass is not possible for a scale along axis 0 (or
+a tensorwise one): a column's amax needs all R rows before any of its elements can be cast, and a (R, 128) bf16
+column band (2 MiB at R = 8192) does not fit in SMEM; a one-pass kernel along the last axis (a band of whole rows
+in SMEM) is the follow-up if XLA's row cast proves slow. The trade-off is two kernel launches and an f32 partial
+buffer. AUTO_PALLAS records which variants "auto" sends to the kernels; `python -m pallas_kernels.bench fp8`
+measures them against XLA.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+import math
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+fp8mm = importlib.import_module("pallas_kernels.fp8_matmul")  # the module (the package re-exports the function)
+
+AMAX_EPS = 1e-12  # TorchAO's EPS: keeps q finite for an all-zero row
+FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
+Scaling = Literal["rowwise", "tensorwise"]
+Impl = Literal["auto", "pallas", "xla", "reference"]
+
+
+def fp8_max(dtype) -> float:
+    """Largest finite value of an fp8 dtype: 448 (e4m3fn), 57344 (e5m2)."""
+    return float(jnp.finfo(dtype).max)
+
+
+def amax_to_scales(amax: jax.Array, dtype, pow2_scale: bool) -> tuple[jax.Array, jax.Array]:
+    """(q, scale): the f32 quantization multiplier and the dequantization multiplier 1/q."""
+    amax = jnp.maximum(amax.astype(jnp.float32), AMAX_EPS)
+    q = jnp.float32(fp8_max(dtype)) / amax
+    if pow2_scale:
+        # frexp: q = m * 2**e with m in [0.5, 1) -> floor(log2 q) = e - 1, exact (log2/exp2 need not be).
+        _, e = jnp.frexp(q)
+        q = jnp.ldexp(jnp.ones_like(q), e - 1)
+    return q, 1.0 / q
+
+
+def _cast(x: jax.Array, q: jax.Array, dtype) -> jax.Array:
+    f = fp8_max(dtype)
+    return jnp.clip(x.astype(jnp.float32) * q, -f, f).astype(dtype)
+
+
+def _check(x, axis, dtype, scaling, name):
+    if jnp.dtype(dtype) not in FP8_DTYPES:
+        raise ValueError(f"{name}: `dtype` must be float8_e4m3fn or float8_e5m2, got {dtype}")
+    if scaling not in ("rowwise", "tensorwise"):
+        raise ValueError(f"{name}: `scaling` must be 'rowwise' or 'tensorwise', got {scaling!r}")
+    if not jnp.issubdtype(x.dtype, jnp.floating) or jnp.dtype(x.dtype) in FP8_DTYPES:
+        raise ValueError(f"{name}: `x` must be a bf16/f16/f32 array, got shape {x.shape} dtype {x.dtype}")
+    if not -x.ndim <= axis < x.ndim:
+        raise ValueError(f"{name}: `axis` {axis} out of range for x of shape {x.shape}")
+
+
+# --------------------------------------------------------------------------------------------------------------
+# References (pure jnp; also the "xla" path, which XLA fuses).
+# --------------------------------------------------------------------------------------------------------------
+def quantize_reference(
+    x: jax.Array, *, axis: int, dtype, scaling: Scaling = "rowwise", pow2_scale: bool = False
+) -> tuple[jax.Array, jax.Array]:
+    """(x_fp8 shaped like x, scale): scale has x.shape without `axis` (rowwise) or shape () (tensorwise)."""
+    amax = jnp.max(jnp.abs(x), axis=axis if scaling == "rowwise" else None)
+    q, scale = amax_to_scales(amax, dtype, pow2_scale)
+    qb = jnp.expand_dims(q, axis) if scaling == "rowwise" else q
+    return _cast(x, qb, dtype), scale
+
+
+def quantize_t_reference(
+    x: jax.Array, *, dtype, scaling: Scaling = "rowwise", pow2_scale: bool = False
+) -> tuple[jax.Array, jax.Array]:
+    """x (R, C) scaled along axis 0, written transposed: (x_fp8ᵀ (C, R), scale (C,) or ())."""
+    x_fp8, scale = quantize_reference(x, axis=0, dtype=dtype, scaling=scaling, pow2_scale=pow2_scale)
+    return x_fp8.T, scale
+
+
+def quantize_dual_reference(
+    x: jax.Array, *, dtype, scaling: Scaling = "rowwise", pow2_scale: bool = False
+) -> tuple[tuple[jax.Array, jax.Array], tuple[jax.Array, jax.Array]]:
+    """x (R, C) -> ((x_fp8 (R, C) along axis 1, scale (R,)), (x_fp8ᵀ (C, R) along axis 0, scale (C,))).
+
+    Tensorwise: one amax; the second pair is the transpose of the first with the same scalar scale.
+    """
+    if scaling == "tensorwise":
+        x_fp8, scale = quantize_reference(x, axis=0, dtype=dtype, scaling="tensorwise", pow2_scale=pow2_scale)
+        return (x_fp8, scale), (x_fp8.T, scale)
+    rows = quantize_reference(x, axis=1, dtype=dtype, pow2_scale=pow2_scale)
+    cols = quantize_t_reference(x, dtype=dtype, pow2_scale=pow2_scale)
+    return rows, cols
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Mosaic-GPU kernels: pass 1 (amax partials) and pass 2 (scaled casts, plain and transposed).
+# --------------------------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CastConfig:
+    """Tiles of the two passes. One CTA per tile; many CTAs per SM hide the TMA latency."""
+
+    amax_bm: int = 64  # pass-1 tile rows (a WGMMA-layout register tile: multiple of 64)
+    amax_bn: int = 128  # pass-1 tile cols
+    cast_bm: int = 64  # pass-2 tile rows (the transposed output's columns); multiple of 64
+    cast_bn: int = 128  # pass-2 tile cols (the transposed output's rows); multiple of 64
+
+
+DEFAULT_CAST_CONFIG = CastConfig()
+_HP_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
+
+
+def _smem_transforms(cols: int, dtype) -> tuple:
+    bits = jnp.dtype(dtype).itemsize * 8
+    swizzle = plgpu.find_swizzle(cols * bits)
+    return (plgpu.TilingTransform((8, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle))
+
+
+def _compiler_params():
+    return plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup)
+
+
+def _amax_kernel(x_gmem, *refs, want_rows: bool, want_cols: bool, bm: int, bn: int):
+    """One (bm, bn) tile of |x|: its row maxima -> rows_part[j, i*bm:(i+1)*bm], column maxima -> cols_part[i, ...]."""
+    outs = list(refs[: want_rows + want_cols])
+    x_smem, rows_smem, cols_smem, barrier = refs[want_rows + want_cols :]
+    i, j = lax.axis_index("i"), lax.axis_index("j")
+    plgpu.copy_gmem_to_smem(x_gmem.at[pl.ds(i * bm, bm), pl.ds(j * bn, bn)], x_smem, barrier)
+    plgpu.barrier_wait(barrier)
+    ax = jnp.abs(x_smem[...].astype(jnp.float32))  # (bm, bn)
+    if want_rows:
+        rows_smem[...] = jnp.max(ax, axis=1)  # (bm,)
+    if want_cols:
+        cols_smem[...] = jnp.max(ax, axis=0)  # (bn,)
+    plgpu.commit_smem()
+    if want_rows:
+        plgpu.copy_smem_to_gmem(rows_smem, outs.pop(0).at[j, pl.ds(i * bm, bm)])
+    if want_cols:
+        plgpu.copy_smem_to_gmem(cols_smem, outs.pop(0).at[i, pl.ds(j * bn, bn)])
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def _amax_pallas(x, *, want_rows: bool, want_cols: bool, config: CastConfig, interpret):
+    """x (R, C) -> row amax (R,) and/or column amax (C,), f32: per-tile partials in Pallas, a tiny max in XLA."""
+    r, c = x.shape
+    bm, bn = config.amax_bm, config.amax_bn
+    out_type = []
+    if want_rows:
+        out_type.append(jax.ShapeDtypeStruct((c // bn, r), jnp.float32))
+    if want_cols:
+        out_type.append(jax.ShapeDtypeStruct((r // bm, c), jnp.float32))
+    parts = plgpu.kernel(
+        functools.partial(_amax_kernel, want_rows=want_rows, want_cols=want_cols, bm=bm, bn=bn),
+        out_type=tuple(out_type),
+        scratch_types=[
+            plgpu.SMEM((bm, bn), x.dtype, transforms=_smem_transforms(bn, x.dtype)),
+            plgpu.SMEM((bm,), jnp.float32),
+            plgpu.SMEM((bn,), jnp.float32),
+            plgpu.Barrier(),
+        ],
+        grid=(r // bm, c // bn),
+        grid_names=("i", "j"),
+        compiler_params=_compiler_params(),
+        interpret=interpret,
+    )(x)
+    return tuple(jnp.max(p, axis=0) for p in parts)
+
+
+def _cast_kernel(x_gmem, *refs, want_rows: bool, want_cols: bool, bm: int, bn: int, dtype):
+    """One (bm, bn) tile: rows output x*q_row cast (bm, bn) at [i, j]; cols output (x*q_col)ᵀ (bn, bm) at [j, i]."""
+    n_in, n_out = want_rows + want_cols, want_rows + want_cols
+    q_refs, out_refs = list(refs[:n_in]), list(refs[n_in : n_in + n_out])
+    x_smem, q_row_smem, q_col_smem, o_smem, ot_smem, barrier = refs[n_in + n_out :]
+    i, j = lax.axis_index("i"), lax.axis_index("j")
+    f = fp8_max(dtype)
+    plgpu.copy_gmem_to_smem(x_gmem.at[pl.ds(i * bm, bm), pl.ds(j * bn, bn)], x_smem, barrier)
+    if want_rows:
+        plgpu.copy_gmem_to_smem(q_refs.pop(0).at[pl.ds(i * bm, bm)], q_row_smem, barrier)
+    if want_cols:
+        plgpu.copy_gmem_to_smem(q_refs.pop(0).at[pl.ds(j * bn, bn)], q_col_smem, barrier)
+    plgpu.barrier_wait(barrier)
+    if want_rows:
+        x = x_smem[...].astype(jnp.float32)  # (bm, bn)
+        y = x * lax.broadcast_in_dim(q_row_smem[...], x.shape, [0])
+        o_smem[...] = jnp.clip(y, -f, f).astype(dtype)
+    if want_cols:
+        xt = x_smem.T[...].astype(jnp.float32)  # (bn, bm): the tile transposed, read through a transposed view
+        yt = xt * lax.broadcast_in_dim(q_col_smem[...], xt.shape, [0])
+        ot_smem[...] = jnp.clip(yt, -f, f).astype(dtype)
+    plgpu.commit_smem()
+    if want_rows:
+        plgpu.copy_smem_to_gmem(o_smem, out_refs.pop(0).at[pl.ds(i * bm, bm), pl.ds(j * bn, bn)])
+    if want_cols:
+        plgpu.copy_smem_to_gmem(ot_smem, out_refs.pop(0).at[pl.ds(j * bn, bn), pl.ds(i * bm, bm)])
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def _cast_pallas(x, q_row, q_col, *, dtype, config: CastConfig, interpret):
+    """x (R, C), q_row (R,) | None, q_col (C,) | None -> [x*q_row as (R, C) fp8], [(x*q_col)ᵀ as (C, R) fp8]."""
+    r, c = x.shape
+    bm, bn = config.cast_bm, config.cast_bn
+    want_rows, want_cols = q_row is not None, q_col is not None
+    out_type = []
+    if want_rows:
+        out_type.append(jax.ShapeDtypeStruct((r, c), dtype))
+    if want_cols:
+        out_type.append(jax.ShapeDtypeStruct((c, r), dtype))
+    return plgpu.kernel(
+        functools.partial(
+            _cast_kernel, want_rows=want_rows, want_cols=want_cols, bm=bm, bn=bn, dtype=jnp.dtype(dtype)
+        ),
+        out_type=tuple(out_type),
+        scratch_types=[
+            plgpu.SMEM((bm, bn), x.dtype, transforms=_smem_transforms(bn, x.dtype)),
+            plgpu.SMEM((bm,), jnp.float32),
+            plgpu.SMEM((bn,), jnp.float32),
+            plgpu.SMEM((bm, bn), dtype, transforms=_smem_transforms(bn, dtype)),
+            plgpu.SMEM((bn, bm), dtype, transforms=_smem_transforms(bm, dtype)),
+            plgpu.Barrier(num_arrivals=1 + want_rows + want_cols),
+        ],
+        grid=(r // bm, c // bn),
+        grid_names=("i", "j"),
+        compiler_params=_compiler_params(),
+        interpret=interpret,
+    )(x, *[q for q in (q_row, q_col) if q is not None])
+
+
+def pallas_cover(
+    shape: tuple[int, ...], x_dtype, *, transposed: bool, config: CastConfig = DEFAULT_CAST_CONFIG
+) -> str | None:
+    """None when the Pallas cast kernels take a 2-D x of this shape and dtype, else the reason.
+
+    `transposed`: a (C, R) output is wanted; it is read through a transposed SMEM view, which Mosaic-GPU lowers
+    for 16-bit tiles only (an f32 tile fails layout inference on jax 0.11.2).
+    """
+    if len(shape) != 2:
+        return f"x must be 2-D, got shape {shape}"
+    if jnp.dtype(x_dtype) not in _HP_DTYPES:
+        return f"x must be bf16, f16 or f32, got {jnp.dtype(x_dtype)}"
+    if transposed and jnp.dtype(x_dtype).itemsize != 2:
+        return f"a transposed output needs a 16-bit x, got {jnp.dtype(x_dtype)}"
+    tile_r, tile_c = math.lcm(config.amax_bm, config.cast_bm), math.lcm(config.amax_bn, config.cast_bn)
+    if shape[0] % tile_r or shape[1] % tile_c:
+        return f"x shape {shape} must be a multiple of ({tile_r}, {tile_c})"
+    return None
+
+
+def _pallas_quantize(x, *, rows: bool, cols: bool, dtype, scaling, pow2_scale, config, interpret):
+    """Both passes. Returns [(x_fp8 (R, C), scale)] for rows and/or [(x_fp8ᵀ (C, R), scale)] for cols."""
+    if (reason := pallas_cover(x.shape, x.dtype, transposed=cols, config=config)) is not None:
+        raise NotImplementedError(f"quantize (pallas): {reason}")
+    r, c = x.shape
+    if scaling == "tensorwise":
+        (row_amax,) = _amax_pallas(x, want_rows=True, want_cols=False, config=config, interpret=interpret)
+        q, scale = amax_to_scales(jnp.max(row_amax), dtype, pow2_scale)
+        q_row = jnp.broadcast_to(q, (r,)) if rows else None
+        q_col = jnp.broadcast_to(q, (c,)) if cols else None
+        outs = _cast_pallas(x, q_row, q_col, dtype=dtype, config=config, interpret=interpret)
+        return [(o, scale) for o in outs]
+    amaxes = list(_amax_pallas(x, want_rows=rows, want_cols=cols, config=config, interpret=interpret))
+    q_row = s_row = q_col = s_col = None
+    if rows:
+        q_row, s_row = amax_to_scales(amaxes.pop(0), dtype, pow2_scale)
+    if cols:
+        q_col, s_col = amax_to_scales(amaxes.pop(0), dtype, pow2_scale)
+    outs = list(_cast_pallas(x, q_row, q_col, dtype=dtype, config=config, interpret=interpret))
+    result = []
+    if rows:
+        result.append((outs.pop(0), s_row))
+    if cols:
+        result.append((outs.pop(0), s_col))
+    return result
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Dispatchers.
+# --------------------------------------------------------------------------------------------------------------
+# impl="auto" on Hopper: which variants run the Pallas kernels (when covered). From the bench's cast section
+# (`python -m pallas_kernels.bench fp8`): "rows" = quantize along the last axis, "cols_t" = quantize_t,
+# "dual" = quantize_dual. XLA can fuse the single-axis rowwise cast into one pass; the transposed and dual casts
+# are where one read of x saves the most.
+AUTO_PALLAS = {"rows": False, "cols_t": True, "dual": True}
+
+
+def _use_pallas(variant: str, impl: Impl, shape, x_dtype) -> bool:
+    if impl == "pallas":
+        return True
+    if impl != "auto" or not AUTO_PALLAS[variant]:
+        return False
+    if not fp8mm._on_hopper() or fp8mm.partitioned_context():
+        return False
+    return pallas_cover(shape, x_dtype, transposed=variant != "rows") is None
+
+
+def quantize(
+    x: jax.Array,
+    *,
+    axis: int,
+    dtype,
+    scaling: Scaling = "rowwise",
+    pow2_scale: bool = False,
+    impl: Impl = "auto",
+    config: CastConfig = DEFAULT_CAST_CONFIG,
+    interpret=None,
+) -> tuple[jax.Array, jax.Array]:
+    """(x_fp8 shaped like x, scale): rowwise scale has x.shape without `axis`; tensorwise scale is ().
+
+    impl "pallas" covers the last axis of an x whose flattened (rows, K) view `pallas_cover` accepts
+    (NotImplementedError otherwise); "auto" uses it on Hopper where AUTO_PALLAS["rows"] says so, else XLA.
+    """
+    _check(x, axis, dtype, scaling, "quantize")
+    axis = axis % x.ndim
+    if impl not in ("auto", "pallas", "xla", "reference"):
+        raise ValueError(f"quantize: impl must be 'auto', 'pallas', 'xla' or 'reference', got {impl!r}")
+    flat = (math.prod(x.shape[:-1]), x.shape[-1])
+    last = axis == x.ndim - 1 or scaling == "tensorwise"
+    if impl == "pallas" and not last:
+        raise NotImplementedError("quantize (pallas): rowwise scaling only along the last axis (use quantize_t)")
+    if last and _use_pallas("rows", impl, flat, x.dtype):
+        [(x_fp8, scale)] = _pallas_quantize(
+            x.reshape(flat), rows=True, cols=False, dtype=dtype, scaling=scaling, pow2_scale=pow2_scale,
+            config=config, interpret=interpret,
+        )
+        return x_fp8.reshape(x.shape), scale.reshape(x.shape[:-1]) if scaling == "rowwise" else scale
+    return quantize_reference(x, axis=axis, dtype=dtype, scaling=scaling, pow2_scale=pow2_scale)
+
+
+def quantize_t(
+    x: jax.Array,
+    *,
+    dtype,
+    scaling: Scaling = "rowwise",
+    pow2_scale: bool = False,
+    impl: Impl = "auto",
+    config: CastConfig = DEFAULT_CAST_CONFIG,
+    interpret=None,
+) -> tuple[jax.Array, jax.Array]:
+    """x (R, C) scaled along axis 0 and written transposed: (x_fp8ᵀ (C, R), scale (C,) or ())."""
+    if x.ndim != 2:
+        raise ValueError(f"quantize_t: `x` must be 2-D, got shape {x.shape} dtype {x.dtype}")
+    _check(x, 0, dtype, scaling, "quantize_t")
+    if _use_pallas("cols_t", impl, x.shape, x.dtype):
+        [(xt, scale)] = _pallas_quantize(
+            x, rows=False, cols=True, dtype=dtype, scaling=scaling, pow2_scale=pow2_scale, config=config,
+            interpret=interpret,
+        )
+        return xt, scale
+    return quantize_t_reference(x, dtype=dtype, scaling=scaling, pow2_scale=pow2_scale)
+
+
+def quantize_dual(
+    x: jax.Array,
+    *,
+    dtype,
+    scaling: Scaling = "rowwise",
+    pow2_scale: bool = False,
+    impl: Impl = "auto",
+    config: CastConfig = DEFAULT_CAST_CONFIG,
+    interpret=None,
+) -> tuple[tuple[jax.Array, jax.Array], tuple[jax.Array, jax.Array]]:
+    """x (R, C) -> ((x_fp8 (R, C) along axis 1, scale), (x_fp8ᵀ (C, R) along axis 0, scale)) from one read of x."""
+    if x.ndim != 2:
+        raise ValueError(f"quantize_dual: `x` must be 2-D, got shape {x.shape} dtype {x.dtype}")
+    _check(x, 0, dtype, scaling, "quantize_dual")
+    if _use_pallas("dual", impl, x.shape, x.dtype):
+        rows, cols = _pallas_quantize(
+            x, rows=True, cols=True, dtype=dtype, scaling=scaling, pow2_scale=pow2_scale, config=config,
+            interpret=interpret,
+        )
+        return rows, cols
+    return quantize_dual_reference(x, dtype=dtype, scaling=scaling, pow2_scale=pow2_scale)
