@@ -1,6 +1,6 @@
 """AdamW with linear warmup and cosine decay, global-norm clipping, and no weight decay on norms and embeddings.
 
-    lr(s) = lr_peak * s / warmup                                    for s < warmup
+    lr(s) = lr_peak * (s + 1) / warmup                              for s < warmup (step 0 already learns)
           = lr_peak * (r + (1 - r) * (1 + cos(pi * p)) / 2)         p = (s - warmup) / (decay - warmup), clipped
     with r = lr_final_ratio. Updates: g <- g * min(1, c / ||g||_2);  AdamW(b1, b2, eps, wd) (Loshchilov & Hutter).
 
@@ -21,7 +21,8 @@ def schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:
     decay = cfg.decay_steps or total_steps
     warmup = min(cfg.warmup_steps, decay)
     return optax.warmup_cosine_decay_schedule(
-        init_value=0.0, peak_value=cfg.lr_peak, warmup_steps=warmup, decay_steps=max(decay, warmup + 1),
+        init_value=cfg.lr_peak / warmup if warmup else cfg.lr_peak, peak_value=cfg.lr_peak, warmup_steps=warmup,
+        decay_steps=max(decay, warmup + 1),
         end_value=cfg.lr_peak * cfg.lr_final_ratio)
 
 

@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Run named GPU sections in one go, each under its own time limit, logs under $OUT (default /tmp/mx_jax_gpu).
+#
+#   bash benchmarks/run_on_gpu.sh env tests_fp8 bench_fp8 train_dense ...
+#
+# A failing or timed-out section is reported and the next one still runs. The last lines of each section's log are
+# printed at the end, so the summary tables of every section come last.
+set -u
+OUT=${OUT:-/tmp/mx_jax_gpu}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 MX_JAX_TEST_GPU=1
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+PY=${PY:-python3}
+DENSE8B="--config configs/llama3_8b.yaml model.n_layers=8 data.source=embedded data.seq_len=8192 data.batch_size=1 model.remat=none"
+
+section() {  # name, seconds, command...
+  local name=$1 limit=$2; shift 2
+  echo "=== $name (limit ${limit}s)"
+  local t0=$SECONDS
+  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  echo "=== $name rc=$rc in $((SECONDS - t0))s"
+  echo "$name rc=$rc $((SECONDS - t0))s" >> "$OUT/summary.txt"
+}
+
+for s in "$@"; do
+  case $s in
+    env) section env 120 bash -c "nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; $PY -c 'import jax, flax, optax, orbax.checkpoint as o; print(jax.__version__, flax.__version__, optax.__version__, jax.devices())'" ;;
+    tests_fp8) section tests_fp8 420 $PY -m pytest -q -m gpu -x tests/test_fp8_matmul.py tests/test_quantize.py tests/test_quant_recipes.py ;;
+    tests_mxcast) section tests_mxcast 300 $PY -m pytest -q -m gpu tests/test_mx_format.py tests/test_mx_quantize.py ;;
+    tests_mx) section tests_mx 420 $PY -m pytest -q -m gpu tests/test_mx_matmul.py tests/test_mx_linear.py ;;
+    tests_moe) section tests_moe 420 $PY -m pytest -q -m gpu tests/test_grouped_matmul.py tests/test_grouped_linear.py tests/test_moe.py ;;
+    bench_fp8) section bench_fp8 420 $PY -m pallas_kernels.bench fp8 ;;
+    bench_fp8_quick) section bench_fp8_quick 240 $PY -m pallas_kernels.bench fp8 --quick ;;
+    bench_mx) section bench_mx 420 $PY -m pallas_kernels.bench mx ;;
+    bench_grouped) section bench_grouped 420 $PY -m pallas_kernels.bench grouped ;;
+    train_dense) section train_dense 480 $PY benchmarks/bench_train.py --steps 20 --base "$DENSE8B" --variant bf16: ;;
+    *) echo "unknown section $s" ;;
+  esac
+done
+echo
+cat "$OUT/summary.txt"
+for s in "$@"; do
+  [ -f "$OUT/$s.log" ] || continue
+  echo "----- $s (tail)"
+  tail -n 25 "$OUT/$s.log"
+done
