@@ -351,6 +351,9 @@ def validate(cfg: TrainConfig) -> None:
     _check([getattr(cfg.mesh, k) for k in ("data", "fsdp", "expert", "context")].count(-1) <= 1, "mesh",
            "at most one axis may be -1")
     _check(cfg.mesh.expert == 1 or e.n_experts > 0, "mesh.expert", "needs a MoE model (model.moe.n_experts > 0)")
+    from mx_jax.quant import RECIPES  # the recipe table lives with the recipes
+
+    _check(cfg.quant.recipe in RECIPES, "quant.recipe", f"must be one of {list(RECIPES)}, got {cfg.quant.recipe!r}")
     allowed = {"attn", "mlp", "experts", "head"}
     bad = [x for x in cfg.quant.modules if x not in allowed]
     _check(not bad, "quant.modules", f"unknown module kind(s) {bad}; choose from {sorted(allowed)}")

@@ -39,8 +39,13 @@ layouts by `quantize_dual` (shared reads, see pallas_kernels/quantize.py); the f
 backward-layout fp8 copies as residuals (1 byte per element instead of the bf16 x). Operands are always passed
 K-major: the forward w operand is the transposed (N, K) copy the cast writes; so are the backward xᵀ and gᵀ.
 
-Public API: `linear(x, w, *, recipe, impl)`, `RECIPES`, `kernel_support(recipe, k, n)`. The MX (block-scaled)
-recipes live in mx_jax/mx_format.py.
+mxfp8 (OCP MX, blocks of 32 with a power-of-two E8M0 scale, TorchAO's MXFP8 training recipe): all three GEMMs in
+MX e4m3, each operand blocked along its own contraction axis (out: x and w along K; grad_x: g and w along N;
+grad_w: x and g along T), rceil scales. It lives in mx_jax/mx_linear.py (format: mx_jax/mx_format.py) and
+`linear` hands it over.
+
+Public API: `linear(x, w, *, recipe, impl)`, `RECIPES`, `kernel_support(recipe, k, n)`, `mx_quantize` (the OCP MX
+cast, re-exported from mx_format).
 """
 
 from __future__ import annotations
@@ -57,9 +62,12 @@ from jax import lax
 fp8mm = importlib.import_module("pallas_kernels.fp8_matmul")  # the module: the package re-exports the function
 qz = importlib.import_module("pallas_kernels.quantize")
 
+from mx_jax.mx_format import mx_quantize  # noqa: E402,F401  (public as mx_jax.quant.mx_quantize)
+from mx_jax.mx_linear import mx_kernel_support, mx_linear  # noqa: E402
+
 E4M3 = jnp.dtype(jnp.float8_e4m3fn)
 E5M2 = jnp.dtype(jnp.float8_e5m2)
-RECIPES = ("bf16", "fp8_tensorwise", "fp8_rowwise", "fp8_rowwise_gw_hp")
+RECIPES = ("bf16", "fp8_tensorwise", "fp8_rowwise", "fp8_rowwise_gw_hp", "mxfp8")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,6 +114,8 @@ def kernel_support(recipe: str, k: int, n: int) -> str | None:
         raise ValueError(f"kernel_support: unknown recipe {recipe!r}; choose from {RECIPES}")
     if recipe == "bf16":
         return None
+    if recipe == "mxfp8":
+        return mx_kernel_support(k, n)
     if k % 16 or n % 16:
         return f"fp8 GEMMs need K and N multiples of 16, got K={k}, N={n}"
     return None
@@ -227,6 +237,8 @@ def linear(x: jax.Array, w: jax.Array, *, recipe: str, impl: str = "auto") -> ja
         raise ValueError(f"linear: impl must be 'auto', 'pallas', 'xla' or 'reference', got {impl!r}")
     if w.ndim != 2 or x.ndim < 1 or x.shape[-1] != w.shape[0]:
         raise ValueError(f"linear: need x (..., K) and w (K, N), got x {x.shape} {x.dtype}, w {w.shape} {w.dtype}")
+    if recipe == "mxfp8":
+        return mx_linear(x, w, impl=impl)
     lead = x.shape[:-1]
     x2 = x.reshape(math.prod(lead), x.shape[-1])
     y = _make_linear2d(recipe, impl)(x2, w)

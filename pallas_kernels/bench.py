@@ -350,7 +350,26 @@ def section_fp8(args) -> None:
     log(f"AUTO_PALLAS for pallas_kernels/quantize.py: {qz.AUTO_PALLAS}")
 
 
-SECTIONS: dict[str, Callable] = {"fp8": section_fp8}
+def section_mx(args) -> None:
+    from pallas_kernels.bench_mx import bench_mx
+
+    bench_mx(args.quick, smoke=args.cpu_smoke, samples=args.samples, batch=args.batch)
+
+
+def section_mxcast(args) -> None:
+    from pallas_kernels.mx_quantize import bench_mx_cast
+
+    bench_mx_cast(args.quick)
+
+
+def section_grouped(args) -> None:
+    from pallas_kernels.bench_grouped import bench_grouped
+
+    bench_grouped(args.quick, args.cpu_smoke)
+
+
+SECTIONS: dict[str, Callable] = {"fp8": section_fp8, "mx": section_mx, "mxcast": section_mxcast,
+                                 "grouped": section_grouped}
 
 
 def main(argv=None) -> None:

@@ -38,6 +38,7 @@ def test_unknown_key_names_it_and_suggests(tmp_path):
     ("model.n_kv_heads=3", "model.n_kv_heads"),  # does not divide n_heads=8
     ("data.grad_accum_steps=5", "data.grad_accum_steps"),  # does not divide batch 32
     ("ckpt.resume=yesterday", "ckpt.resume"),
+    ("quant.recipe=fp4", "quant.recipe"),
 ])
 def test_bad_values_name_the_key(override, key):
     with pytest.raises(ConfigError, match=f"'{key}'"):

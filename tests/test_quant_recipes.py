@@ -103,7 +103,10 @@ def expected(recipe, x, w, g):
     return y.reshape(g.shape), gx.reshape(x.shape), gw
 
 
-@pytest.mark.parametrize("recipe", quant.RECIPES)
+FP8_RECIPES = tuple(r for r in quant.RECIPES if r != "mxfp8")  # mxfp8: tests/test_mx_linear.py
+
+
+@pytest.mark.parametrize("recipe", FP8_RECIPES)
 def test_recipe_table_bit_exact(recipe):
     x, w, g = problem(jax.random.key(2))
     got = vjp(recipe, "reference", x, w, g)
@@ -171,7 +174,7 @@ def test_kernel_support_and_errors():
 # GPU: MX_JAX_TEST_GPU=1 python -m pytest -m gpu tests/test_quant_recipes.py
 # --------------------------------------------------------------------------------------------------------------
 @pytest.mark.gpu
-@pytest.mark.parametrize("recipe", quant.RECIPES)
+@pytest.mark.parametrize("recipe", FP8_RECIPES)
 @pytest.mark.parametrize("w_dtype", [jnp.float32, jnp.bfloat16])
 def test_gpu_recipes_on_the_kernels(recipe, w_dtype):
     x, w, g = problem(jax.random.key(8), t=8192, k=4096, n=14336, w_dtype=w_dtype)

@@ -1,0 +1,106 @@
+"""Where one train step's time goes: jax.profiler trace of a few steps, summed per XLA op and per category.
+
+    python benchmarks/profile_step.py --steps 3 --config configs/llama3_8b.yaml model.n_layers=8 \\
+        data.source=embedded data.seq_len=8192 data.batch_size=1
+
+Prints the step time, the device time per category (GEMMs, attention, fusions, copies, collectives, other) and
+the top ops, from the device plane of the trace (XLA op names on GPU). The raw trace stays under --trace-dir
+for TensorBoard's profile plugin.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import time
+
+import jax
+
+from mx_jax import sharding, train
+from mx_jax.config import load_config
+from mx_jax.data import Batches, open_dataset
+
+CATEGORIES = (
+    ("attention", ("cudnn", "fmha", "flash", "attention")),
+    ("gemm", ("gemm", "cublas", "matmul", "dot", "wgmma", "mosaic", "custom-call")),
+    ("collective", ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "nccl", "collective")),
+    ("copy/transpose", ("copy", "transpose", "memcpy", "memset", "dynamic-update-slice", "dynamic-slice")),
+    ("scatter/gather", ("scatter", "gather")),
+    ("fusion", ("fusion", "loop_", "input_", "reduce")),
+)
+
+
+def category(name: str) -> str:
+    low = name.lower()
+    for cat, keys in CATEGORIES:
+        if any(k in low for k in keys):
+            return cat
+    return "other"
+
+
+def summarize(trace_dir: str, n_steps: int, top: int) -> None:
+    from jax.profiler import ProfileData
+
+    paths = glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True)
+    data = ProfileData.from_file(sorted(paths)[-1])
+    per_op: collections.Counter = collections.Counter()
+    counts: collections.Counter = collections.Counter()
+    for plane in data.planes:
+        if not plane.name.startswith("/device:"):
+            continue
+        lines = {line.name: line for line in plane.lines}
+        # "XLA Ops" carries HLO op names; fall back to the raw kernel streams
+        chosen = [lines["XLA Ops"]] if "XLA Ops" in lines else [l for n, l in lines.items() if "Stream" in n]
+        for line in chosen:
+            for ev in line.events:
+                per_op[ev.name] += ev.duration_ns / 1e6
+                counts[ev.name] += 1
+    total = sum(per_op.values())
+    by_cat: collections.Counter = collections.Counter()
+    for name, ms in per_op.items():
+        by_cat[category(name)] += ms
+    print(f"\ndevice time per step: {total / n_steps:.1f} ms (sum over ops, {n_steps} steps traced)")
+    for cat, ms in by_cat.most_common():
+        print(f"  {cat:<16}{ms / n_steps:9.2f} ms  {100 * ms / total:5.1f}%")
+    print(f"\ntop {top} ops (ms per step, calls per step):")
+    for name, ms in per_op.most_common(top):
+        print(f"  {ms / n_steps:8.2f}  {counts[name] // n_steps:4d}x  {category(name):<14} {name[:110]}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--config")
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--top", type=int, default=30)
+    ap.add_argument("--trace-dir", default="/tmp/mx_jax_trace")
+    ap.add_argument("overrides", nargs="*")
+    args = ap.parse_args()
+    cfg = load_config(args.config, [*args.overrides, "run_dir=/tmp/mx_jax_profile"])
+    mesh = sharding.make_mesh(cfg.mesh)
+    with jax.set_mesh(mesh):
+        setup = train.build(cfg, mesh)
+        state = train.init_state(setup)
+        step = train.make_train_step(setup)
+        batches = Batches(open_dataset(cfg.data).train, cfg.data.batch_size, cfg.seed)
+        batch = batches.next_global(setup.batch_shardings, cfg.data.grad_accum_steps)
+        for _ in range(3):  # compile + warm up
+            state, m = step(state, batch)
+        jax.block_until_ready(m["loss"])
+        t0 = time.perf_counter()
+        for _ in range(args.steps):
+            state, m = step(state, batch)
+        jax.block_until_ready(m["loss"])
+        wall = (time.perf_counter() - t0) / args.steps
+        jax.profiler.start_trace(args.trace_dir)
+        for _ in range(args.steps):
+            state, m = step(state, batch)
+        jax.block_until_ready(m["loss"])
+        jax.profiler.stop_trace()
+    tokens = cfg.data.batch_size * cfg.data.seq_len
+    print(f"wall time per step (untraced): {1000 * wall:.1f} ms = {tokens / wall:,.0f} tokens/s")
+    summarize(args.trace_dir, args.steps, args.top)
+
+
+if __name__ == "__main__":
+    main()
