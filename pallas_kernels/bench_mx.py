@@ -1,7 +1,7 @@
 """MX GEMM benchmark on Hopper: the Pallas MX kernel against XLA bf16, the XLA MX path and the fp8 rowwise kernel.
 
-    python benchmarks/bench_mx.py [--quick]      # on the H200 (also: bench_mx(quick) from pallas_kernels.bench)
-    python benchmarks/bench_mx.py --cpu-smoke    # tiny shapes, Pallas kernels interpreted on CPU: checks the script
+    python -m pallas_kernels.bench_mx [--quick]      # on the H200 (also: bench_mx(quick) from pallas_kernels.bench)
+    python -m pallas_kernels.bench_mx --cpu-smoke    # tiny shapes, Pallas kernels interpreted on CPU: checks the script
 
 Shapes: 8192³, then M = 8192 tokens x the Llama3 (N, K) of the fp8 benchmark (8B: 4096x4096, 1024x4096,
 14336x4096, 4096x14336; 70B: 8192x8192, 1024x8192, 28672x8192, 8192x28672). Operands: normal bf16 data cast to
@@ -242,7 +242,7 @@ def main(argv=None) -> None:
     p.add_argument("--quick", action="store_true", help="4 shapes, 4 tile configs")
     p.add_argument("--cpu-smoke", action="store_true", help="tiny shapes, Pallas kernels interpreted on CPU")
     args = p.parse_args(argv)
-    print(f"command: python benchmarks/bench_mx.py {' '.join(argv if argv is not None else sys.argv[1:])}  "
+    print(f"command: python -m pallas_kernels.bench_mx {' '.join(argv if argv is not None else sys.argv[1:])}  "
           f"(python {sys.version.split()[0]})", flush=True)
     ctx = compat.force_gpu_interpret_mode(compat.InterpretGPUParams()) if args.cpu_smoke else contextlib.nullcontext()
     with ctx:

@@ -335,7 +335,7 @@ def pallas_cover(
 
 def _num_sms(interpret) -> int:
     abstract = jax.sharding.get_abstract_mesh().abstract_device
-    if abstract is not None:
+    if abstract is not None and abstract.num_cores:  # (a CPU mesh's abstract device has num_cores None)
         return abstract.num_cores
     dev = jax.devices()[0]
     if interpret is not None or dev.platform != "gpu":

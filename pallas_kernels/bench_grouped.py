@@ -1,0 +1,288 @@
+"""Grouped-GEMM benchmark for MoE experts (issue 5 targets), run on one H100/H200.
+
+    python -m pallas_kernels.bench grouped [--quick]     # through the bench driver (section "grouped")
+    python -m pallas_kernels.bench_grouped [--quick]         # standalone, from the repo root
+    python -m pallas_kernels.bench_grouped --cpu-smoke       # tiny shapes, kernels interpreted on CPU: checks the script
+
+Forward grouped GEMM y = x @ w[e(r)] at E=8, M=16384 token rows, K=D=4096, N=F=14336 (the up/gate projection of a
+Mixtral-sized expert), balanced routing (2048 rows per expert) and skewed routing (one expert 40% of the rows, the
+rest split evenly), in TFLOP/s of 2*M*K*N:
+    xla bf16       jax.lax.ragged_dot_general (what MaxText uses)
+    pallas bf16    our Mosaic-GPU kernel, best of a small tile sweep (config printed)
+    xla fp8        lax.ragged_dot_general on the e4m3 operands + the scales as an XLA fusion
+    pallas fp8     our kernel, rowwise W8A8: x e4m3 per row, w e4m3 per (expert, output channel), K-major
+Then fwd+bwd of the expert FFN, SwiGLU through mx_jax.grouped_linear (gate/up (E, D, F), down (E, F, D), f32
+master weights), in ms, for bf16 and fp8_rowwise.
+
+Timing: compile once, 3 warm-up calls, then the median over `samples` of the mean of `batch` back-to-back calls
+ended by block_until_ready; inputs are random normal (operands are far larger than L2, one input set suffices).
+Correctness: relative Frobenius error against the f32 reference GEMM on 512 sampled rows (the same quantized
+operands for fp8); the FFN compares Pallas against XLA's ragged dot with the same recipe.
+Targets (issue 5): bf16 >= 780 / 650 TFLOP/s (balanced / skewed), fp8 >= 1150 / 900.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import functools
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mx_jax import compat
+from mx_jax.grouped_linear import grouped_linear
+from pallas_kernels import grouped_matmul as gm
+
+F8 = jnp.float8_e4m3fn
+TARGETS = {"bf16": (780, 650), "fp8": (1150, 900)}  # TFLOP/s, (balanced, skewed)
+
+
+def _log(*args) -> None:
+    print(*args, flush=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+    e: int
+    m: int
+    k: int
+    n: int
+    samples: int
+    batch: int
+    sampled_rows: int
+
+
+FULL = Problem(e=8, m=16384, k=4096, n=14336, samples=10, batch=10, sampled_rows=512)
+SMOKE = Problem(e=4, m=256, k=128, n=256, samples=1, batch=1, sampled_rows=64)
+
+
+def routings(p: Problem) -> dict[str, jax.Array]:
+    """Balanced: M/E rows each. Skewed: expert 0 holds 40% of the rows, the others split the rest evenly."""
+    balanced = np.full(p.e, p.m // p.e)
+    balanced[: p.m - balanced.sum()] += 1
+    big = int(round(0.4 * p.m))
+    rest = np.full(p.e - 1, (p.m - big) // (p.e - 1))
+    rest[: p.m - big - rest.sum()] += 1
+    skewed = np.concatenate([[big], rest])
+    return {"balanced": jnp.asarray(balanced, jnp.int32), "skewed": jnp.asarray(skewed, jnp.int32)}
+
+
+def sweep(dtype, quick: bool, smoke: bool) -> list[gm.TileConfig]:
+    """A few points around the default; each prints its TFLOP/s, the best one is reported."""
+    tk = 128 // jnp.dtype(dtype).itemsize
+    if smoke:
+        return [gm.TileConfig(tile_m=64, tile_n=64, tile_k=tk, stages=2)]
+    configs = [
+        gm.TileConfig(tile_k=tk),  # CTA 128x256, 3 stages
+        gm.TileConfig(tile_k=tk, cluster="n"),  # 2-CTA clusters multicast A: 1/6 less L2->SMEM traffic
+    ]
+    if not quick:
+        configs += [
+            gm.TileConfig(tile_k=tk, stages=4, epi_tile_n=64),  # one more stage, half-width epilogue chunks
+            gm.TileConfig(tile_k=tk, wg_split="m"),  # CTA 256x128
+            gm.TileConfig(tile_k=tk, grid_minor="n", grid_tile_width=8),  # walk N-bands instead of M-bands
+            gm.TileConfig(tile_k=tk, stages=4, epi_tile_n=64, cluster="n"),
+        ]
+    return configs
+
+
+def time_call(fn, args, *, samples: int, batch: int, warmup: int = 3) -> tuple[float, float, object]:
+    """(median ms per call, compile s, first output)."""
+    t0 = time.perf_counter()
+    compiled = jax.jit(fn).lower(*args).compile()
+    compile_s = time.perf_counter() - t0
+    out = jax.block_until_ready(compiled(*args))
+    for _ in range(warmup):
+        jax.block_until_ready(compiled(*args))
+    times = []
+    for _ in range(samples):
+        t0 = time.perf_counter()
+        res = None
+        for _ in range(batch):
+            res = compiled(*args)
+        jax.block_until_ready(res)
+        times.append((time.perf_counter() - t0) / batch * 1e3)
+    return statistics.median(times), compile_s, out
+
+
+def _rel_err(out, ref) -> float:
+    out, ref = jnp.asarray(out, jnp.float32), jnp.asarray(ref, jnp.float32)
+    return float(jnp.linalg.norm(out - ref) / jnp.maximum(jnp.linalg.norm(ref), 1e-30))
+
+
+def _sampled_reference(p: Problem, sizes, x, w, **kw) -> tuple[jax.Array, jax.Array]:
+    """(rows (S,), f32 reference of out[rows]): sorted sampled rows keep the grouping, so the reference GEMM runs on
+    S rows with their group sizes."""
+    rows = np.sort(np.random.default_rng(0).choice(p.m, p.sampled_rows, replace=False))
+    gid = np.asarray(gm.row_groups(sizes, p.m))[rows]
+    sizes_s = jnp.asarray(np.bincount(gid, minlength=p.e + 1)[: p.e], jnp.int32)
+    lhs_scale = kw.pop("lhs_scale", None)
+    if lhs_scale is not None:
+        kw["lhs_scale"] = lhs_scale[rows]
+    ref = jax.jit(functools.partial(gm.gmm_reference, out_dtype=jnp.float32, **kw))(x[rows], w, sizes_s)
+    return jnp.asarray(rows), ref
+
+
+@dataclasses.dataclass
+class GemmResult:
+    tflops: float
+    err: float
+    config: str
+
+
+def bench_forward(p: Problem, quick: bool, smoke: bool) -> dict[tuple[str, str], GemmResult]:
+    flops = 2.0 * p.m * p.k * p.n
+    kx, kw, ks = jax.random.split(jax.random.key(0), 3)
+    x = jax.random.normal(kx, (p.m, p.k), jnp.float32).astype(jnp.bfloat16)
+    w = (jax.random.normal(kw, (p.e, p.k, p.n), jnp.float32) / np.sqrt(p.k)).astype(jnp.bfloat16)
+    # fp8 rowwise operands, quantized once outside the timed region (the GEMM alone, like torch._scaled_grouped_mm).
+    amax_x = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=1)
+    xs = jnp.exp2(jnp.ceil(jnp.log2(jnp.maximum(amax_x, 1e-12) / 448.0)))  # (M,) power-of-two dequant scales
+    xq = (x.astype(jnp.float32) / xs[:, None]).astype(F8)
+    w_t = jnp.swapaxes(w, 1, 2)  # (E, N, K) K-major
+    amax_w = jnp.max(jnp.abs(w_t.astype(jnp.float32)), axis=2)
+    ws = jnp.exp2(jnp.ceil(jnp.log2(jnp.maximum(amax_w, 1e-12) / 448.0)))  # (E, N)
+    wq_t = (w_t.astype(jnp.float32) / ws[:, :, None]).astype(F8)
+    del w_t, amax_x, amax_w
+    timing = dict(samples=p.samples, batch=p.batch)
+    results: dict[tuple[str, str], GemmResult] = {}
+
+    def run(label, routing, fn, args, ref, config=""):
+        try:
+            ms, compile_s, out = time_call(fn, args, **timing)
+        except Exception as e:  # a config that does not compile must not end the sweep
+            _log(f"  {routing:9s} {label:12s} {config:40s} FAILED: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+            return None
+        rows, y_ref = ref
+        err = _rel_err(out[rows], y_ref)
+        tflops = flops / (ms * 1e-3) / 1e12
+        _log(f"  {routing:9s} {label:12s} {config:40s} {ms:8.3f} ms {tflops:7.0f} TFLOP/s  err {err:.1e}"
+             f"  (compile {compile_s:.1f}s)")
+        return GemmResult(tflops, err, config)
+
+    for routing, sizes in routings(p).items():
+        ref_bf16 = _sampled_reference(p, sizes, x, w)
+        ref_fp8 = _sampled_reference(p, sizes, xq, wq_t, transpose_rhs=True, lhs_scale=xs, rhs_scale=ws)
+        r = run("xla bf16", routing, functools.partial(gm.gmm, impl="xla"), (x, w, sizes), ref_bf16)
+        if r:
+            results[(routing, "xla bf16")] = r
+        best = None
+        for c in sweep(jnp.bfloat16, quick, smoke):
+            r = run("pallas bf16", routing, functools.partial(gm.gmm, impl="pallas", config=c), (x, w, sizes),
+                    ref_bf16, c.name())
+            if r and (best is None or r.tflops > best.tflops):
+                best = r
+        if best:
+            results[(routing, "pallas bf16")] = best
+        fp8_args = (xq, wq_t, sizes, xs, ws)
+
+        def fp8_gemm(impl, config, xq, wq_t, sizes, xs, ws):
+            return gm.gmm(xq, wq_t, sizes, transpose_rhs=True, lhs_scale=xs, rhs_scale=ws, impl=impl, config=config)
+
+        if not quick:
+            r = run("xla fp8", routing, functools.partial(fp8_gemm, "xla", None), fp8_args, ref_fp8)
+            if r:
+                results[(routing, "xla fp8")] = r
+        best = None
+        for c in sweep(F8, quick, smoke):
+            r = run("pallas fp8", routing, functools.partial(fp8_gemm, "pallas", c), fp8_args, ref_fp8, c.name())
+            if r and (best is None or r.tflops > best.tflops):
+                best = r
+        if best:
+            results[(routing, "pallas fp8")] = best
+    return results
+
+
+def _ffn_loss(x, w_gate, w_up, w_down, sizes, cot, *, recipe, impl):
+    gl = functools.partial(grouped_linear, recipe=recipe, impl=impl)
+    h = jax.nn.silu(gl(x, w_gate, sizes)) * gl(x, w_up, sizes)  # (M, F)
+    y = gl(h.astype(x.dtype), w_down, sizes)  # (M, D)
+    return jnp.sum(y.astype(jnp.float32) * cot)
+
+
+def bench_ffn(p: Problem, quick: bool, smoke: bool) -> dict[tuple[str, str], tuple[float, float]]:
+    """fwd+bwd of the SwiGLU experts: {(recipe, impl): (ms, rel. err of the grads vs XLA with the same recipe)}."""
+    d, f = p.k, p.n
+    keys = jax.random.split(jax.random.key(1), 5)
+    x = jax.random.normal(keys[0], (p.m, d), jnp.float32).astype(jnp.bfloat16)
+    w_gate = jax.random.normal(keys[1], (p.e, d, f), jnp.float32) / np.sqrt(d)
+    w_up = jax.random.normal(keys[2], (p.e, d, f), jnp.float32) / np.sqrt(d)
+    w_down = jax.random.normal(keys[3], (p.e, f, d), jnp.float32) / np.sqrt(f)
+    cot = jax.random.normal(keys[4], (p.m, d), jnp.float32)
+    sizes = routings(p)["balanced"]
+    args = (x, w_gate, w_up, w_down, sizes, cot)
+    timing = dict(samples=max(1, p.samples // 2), batch=max(1, p.batch // 2))
+    results = {}
+    for recipe in ("bf16", "fp8_rowwise"):
+        grads = {}
+        for impl in ("pallas", "xla"):
+            if impl == "xla" and quick and not smoke:
+                continue  # ~10x slower than the kernels; the full run times it once per recipe
+            # value_and_grad: with grad alone XLA drops the down projection's forward GEMM (y only feeds the loss).
+            fn = jax.value_and_grad(functools.partial(_ffn_loss, recipe=recipe, impl=impl), argnums=(0, 1, 2, 3))
+            try:
+                ms, compile_s, out = time_call(fn, args, **timing)
+            except Exception as e:
+                _log(f"  ffn {recipe:12s} {impl:7s} FAILED: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+                continue
+            grads[impl] = out[1]
+            results[(recipe, impl)] = (ms, float("nan"))
+            _log(f"  ffn {recipe:12s} {impl:7s} fwd+bwd {ms:9.3f} ms  (compile {compile_s:.1f}s)")
+        if "pallas" in grads and "xla" in grads:
+            err = max(_rel_err(a, b) for a, b in zip(grads["pallas"], grads["xla"]))
+            results[(recipe, "pallas")] = (results[(recipe, "pallas")][0], err)
+    return results
+
+
+def bench_grouped(quick: bool, cpu_smoke: bool = False) -> dict:
+    """Run the forward sweep and the FFN, print a compact table last; returns the numbers."""
+    p = SMOKE if cpu_smoke else FULL
+    t_start = time.perf_counter()
+    _log(f"grouped GEMM: E={p.e} M={p.m} K={p.k} N={p.n}  ({jax.devices()[0].device_kind}, jax {jax.__version__})")
+    fwd = bench_forward(p, quick, cpu_smoke)
+    ffn = bench_ffn(p, quick, cpu_smoke)
+
+    _log("\n" + "=" * 118)
+    _log(f"grouped GEMM forward, E={p.e} M={p.m} K={p.k} N={p.n}, {jax.devices()[0].device_kind}, jax {jax.__version__}"
+         f" -- TFLOP/s (err: rel. Frobenius vs f32 reference; section {time.perf_counter() - t_start:.0f}s)")
+    cols = ("xla bf16", "pallas bf16", "xla fp8", "pallas fp8")
+    _log(f"{'routing':9s} | {'xla bf16':>8s} {'pal bf16':>8s} {'target':>6s} | {'xla fp8':>8s} {'pal fp8':>8s}"
+         f" {'target':>6s} | {'err bf16':>8s} {'err fp8':>8s} | best bf16 config / best fp8 config")
+    for i, routing in enumerate(("balanced", "skewed")):
+        v = [fwd[(routing, c)].tflops if (routing, c) in fwd else float("nan") for c in cols]
+        e = [fwd[(routing, c)].err if (routing, c) in fwd else float("nan") for c in ("pallas bf16", "pallas fp8")]
+        cfg = [fwd[(routing, c)].config if (routing, c) in fwd else "-" for c in ("pallas bf16", "pallas fp8")]
+        _log(f"{routing:9s} | {v[0]:8.0f} {v[1]:8.0f} {TARGETS['bf16'][i]:6d} | {v[2]:8.0f} {v[3]:8.0f}"
+             f" {TARGETS['fp8'][i]:6d} | {e[0]:8.1e} {e[1]:8.1e} | {cfg[0]} / {cfg[1]}")
+    _log(f"expert FFN fwd+bwd (SwiGLU via grouped_linear, balanced, D={p.k} F={p.n}), ms "
+         "(err: max rel. error of the 4 grads, Pallas vs XLA, same recipe)")
+    for (recipe, impl), (ms, err) in ffn.items():
+        _log(f"  {recipe:12s} {impl:7s} {ms:9.3f} ms" + (f"   err {err:.1e}" if err == err else ""))
+    return {"forward": {f"{r}/{c}": dataclasses.asdict(v) for (r, c), v in fwd.items()},
+            "ffn_ms": {f"{r}/{i}": v[0] for (r, i), v in ffn.items()}}
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="two tile configs per dtype, no XLA fp8 / XLA FFN")
+    ap.add_argument("--cpu-smoke", action="store_true", help="tiny shapes, Pallas kernels interpreted on CPU")
+    args = ap.parse_args(argv)
+    ctx = contextlib.nullcontext()
+    if args.cpu_smoke:
+        from pallas_kernels import interpret_compat
+
+        interpret_compat.install()
+        ctx = compat.force_gpu_interpret_mode(compat.InterpretGPUParams())
+    _log(f"command: python -m pallas_kernels.bench_grouped {' '.join(sys.argv[1:] if argv is None else argv)}")
+    with ctx:
+        bench_grouped(args.quick, cpu_smoke=args.cpu_smoke)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,922 @@
+"""Ragged grouped GEMMs for MoE experts on Hopper: forward / grad-input (`gmm`) and grad-weight (`tgmm`).
+
+Tokens arrive sorted by expert. `group_sizes` (E,) int32 splits the M token rows into E consecutive groups:
+group e holds rows [start_e, end_e) with start_e = sum(group_sizes[:e]), clamped to M. Rows past
+sum(group_sizes) are *padding* (the MoE dispatch buffer is sized for the worst case):
+
+    gmm:   out[r]  = lhs[r] @ W[e(r)]                         (M, K) x (E, K, N) -> (M, N)
+                     W[e] = rhs[e] (E, K, N), or rhs[e].T when `transpose_rhs` (rhs stored K-major (E, N, K))
+                     padding rows of `out` are exactly zero.
+    tgmm:  out[e]  = sum_{r in group e} lhs[r]^T rhs[r]      (M, K) x (M, N) -> (E, K, N)
+                     padding rows of lhs/rhs do not contribute; an empty group gives zeros.
+
+fp8 rowwise W8A8 (TorchAO's "rowwise" recipe, torchao/prototype/moe_training/fp8_grouped_mm.py): operands are
+e4m3 with f32 dequantization multipliers that are constant along the contraction, so they factor out of the sum
+and are applied once per output element in the epilogue, before the cast and store:
+
+    gmm:   out[r, n] = (sum_k lhs[r, k] W[e(r)][k, n]) * lhs_scale[r] * rhs_scale[e(r), n]
+                       lhs_scale (M,) per token row; rhs_scale (E, N) per expert output channel.
+    tgmm:  out[e, k, n] = (sum_{r in e} lhs[r, k] rhs[r, n]) * lhs_scale[e, k] * rhs_scale[e, n]
+                       per-group, per-column scales: TorchAO's "per group colwise" scaling of the weight gradient.
+
+Roles in training (mx_jax/grouped_linear.py): forward y = gmm(x, w); grad-input dx = gmm(dy, w, transpose_rhs=True)
+contracts over N, and w stored (E, K, N) is already that GEMM's K-major (experts, outputs, contraction) operand,
+so bf16 needs no copy of w; grad-weight dw = tgmm(x, dy).
+
+Kernels (Mosaic-GPU `plgpu.kernel`, persistent: one CTA per SM walks a list of output tiles):
+- Warp specialization as in jax's hopper_matmul_mgpu.py: a memory warpgroup streams (A, B) tiles through a
+  `stages`-deep TMA ring; two compute warpgroups split the CTA tile along M or N (`wg_split`) and each owns a
+  (tile_m, tile_n) f32 wgmma accumulator. 8-bit wgmma needs both operands K-major (JAX_NOTES), so fp8 `gmm`
+  requires `transpose_rhs` and fp8 `tgmm` runs on a K-major copy of the tokens (below).
+- `gmm` (after jax's ragged_dot_mgpu.py): the work list is the (row tile, column tile) pairs of the output where a
+  row tile is one (segment, CTA row block) pair. A block that straddles a group boundary appears once per group and
+  is computed once per group with that group's weights (at most E-1 extra blocks); each pass stores only its own
+  rows. Padding rows form segment E, whose tiles skip the matmul and store zeros. The row-tile list (segment, block,
+  first row, end row) is built by XLA outside the kernel, bounded by M / cta_tile_m + E entries.
+  TMA stores need static shapes, so a partial block is written by a ladder of power-of-two row stores from an
+  unswizzled SMEM staging tile (at most log2(tile_m) + 1 stores; one for a full block). Optional 2-CTA clusters
+  (`cluster="n"`) put one row tile's two neighbouring N blocks on a CTA pair that multicasts the shared A tile.
+- `tgmm` (after jax's transposed_ragged_dot_mgpu.py): one work item per (group, K tile, N tile); its pipeline runs
+  over the group's token blocks (a dynamic trip count). Two layouts:
+    "masked"  - the operands are read in place, (M, K) and (M, N) row-major, passed to wgmma transposed (16-bit
+                only). The first and last token block of a group may hold rows of the neighbouring group; the
+                compute warpgroup zeroes them in SMEM in the operand half it owns (so tokens outside every group,
+                i.e. padding rows, must hold finite values: they meet a zero, and NaN * 0 = NaN).
+    "aligned" - XLA first gathers the tokens into a K-major (K, M') copy where every group starts on a tile_k
+                boundary and the gaps are zero; no masking. fp8 always uses it (8-bit wgmma is K-major only); the
+                gather fuses into the quantization that produces the fp8 operands anyway.
+- Trade-offs: straddling blocks cost up to (E-1)/(M/cta_tile_m) extra work (5% at E=8, M=16384, 128-row blocks);
+  the staging tile is unswizzled so that partial blocks can be stored at any row (bank conflicts in the epilogue
+  in exchange for exact ragged stores); both compute warpgroups share one tile, so their epilogues do not overlap
+  tensor-core work (the memory warpgroup does prefetch the next tile meanwhile).
+- Shared memory (defaults, CTA 128x256): ring 3 x (128 + 256) rows x 128 B = 144 KiB, staging 2 x 128 x 128 x 2 B
+  = 64 KiB, fp8 scales 2 KiB: 210 KiB of the 227 KiB; a 4th stage fits only with 64-column epilogue chunks.
+- Every stage's wgmma is awaited before the stage is released (delay_release 0, as DeepGEMM and jax's
+  hopper_matmul_mgpu.py do). emit_pipeline_warp_specialized's delay_release=1 is unsafe in a persistent loop
+  (jax 0.10.2 and 0.11.2): the last step's stage is never awaited by the memory warpgroup, whose next-tile prologue
+  may refill it under an in-flight wgmma. GPU interpret mode reports it (a group of one token block in `tgmm`).
+
+The dispatchers' `impl="xla"` is `jax.lax.ragged_dot_general` (what MaxText uses), fp8 scales applied by an XLA
+fusion on its f32 result.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+Impl = Literal["auto", "pallas", "xla", "reference"]
+FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
+_KERNEL_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), *FP8_DTYPES)
+_OUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
+_SMEM_BYTES = 227 * 1024  # Hopper opt-in shared memory per block
+_STAGING_BYTES = 32 * 1024  # epilogue staging per compute warpgroup when epi_tile_n is not given
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TileConfig:
+    """One point of the tile sweep. For `tgmm` the output is (K, N): tile_m tiles K, tile_k tiles the tokens."""
+
+    tile_m: int = 128  # output rows per compute warpgroup; multiple of 64 (wgmma M)
+    tile_n: int = 128  # output cols per compute warpgroup; multiple of 64, <= 256 (wgmma N)
+    tile_k: int = 64  # contraction per pipeline stage: 64 bf16 / 128 fp8 = 128 B rows = the widest swizzle
+    stages: int = 3  # TMA ring depth (max_concurrent_steps)
+    wg_split: Literal["m", "n"] = "n"  # the 2 compute warpgroups split the CTA tile along this dim
+    grid_minor: Literal["m", "n"] = "m"  # which output tile axis the persistent walk runs fastest
+    grid_tile_width: int = 16  # band width of that walk, in CTA tiles (L2 reuse of the other operand)
+    epi_tile_n: int | None = None  # epilogue store chunk cols; None = as wide as fits in 32 KiB per warpgroup
+    cluster: Literal["n"] | None = None  # gmm only: 2-CTA clusters on neighbouring N blocks multicast the A tile
+    tgmm_layout: Literal["masked", "aligned"] = "masked"  # 16-bit tgmm only; fp8 is always "aligned"
+
+    @property
+    def cta_tile_m(self) -> int:
+        return self.tile_m * (2 if self.wg_split == "m" else 1)
+
+    @property
+    def cta_tile_n(self) -> int:
+        return self.tile_n * (2 if self.wg_split == "n" else 1)
+
+    def epi_n(self, out_dtype) -> int:
+        if self.epi_tile_n is not None:
+            return self.epi_tile_n
+        fit = _STAGING_BYTES // (self.tile_m * jnp.dtype(out_dtype).itemsize)
+        return min(self.tile_n, max(8, fit))
+
+    def smem_bytes(self, in_dtype, out_dtype, scaled: bool) -> int:
+        """Shared memory the kernel allocates (operand ring + epilogue staging + scale vectors), barriers excluded."""
+        ring = self.stages * (self.cta_tile_m + self.cta_tile_n) * self.tile_k * jnp.dtype(in_dtype).itemsize
+        staging = 2 * self.tile_m * self.epi_n(out_dtype) * jnp.dtype(out_dtype).itemsize
+        scales = 2 * (self.tile_m + self.tile_n) * 4 if scaled else 0
+        return ring + staging + scales + 512  # + mbarriers
+
+    def name(self) -> str:
+        s = f"wg{self.tile_m}x{self.tile_n}x{self.tile_k}/{self.wg_split} s{self.stages}"
+        s += f" walk-{self.grid_minor}{self.grid_tile_width}"
+        if self.epi_tile_n is not None:
+            s += f" epi{self.epi_tile_n}"
+        if self.cluster:
+            s += f" cl2{self.cluster}"
+        return s
+
+    @property
+    def cluster_size(self) -> int:
+        return 2 if self.cluster else 1
+
+
+def default_configs(dtype) -> tuple[TileConfig, ...]:
+    """Configs tried in order when none is given: 128 B of contraction per stage (tile_k 64 for 16-bit operands,
+    128 for fp8); a 128x256 CTA tile, then 256x128, then 64-wide warpgroup tiles for small dims."""
+    tk = 128 // jnp.dtype(dtype).itemsize
+    return (
+        TileConfig(tile_k=tk),
+        TileConfig(tile_k=tk, wg_split="m"),
+        TileConfig(tile_m=64, tile_n=64, tile_k=tk),
+        TileConfig(tile_m=64, tile_n=64, tile_k=tk, wg_split="m"),
+    )
+
+
+def _pick(cover, dtype, config: TileConfig | None) -> tuple[TileConfig, str | None]:
+    """(config, None) for the given config or the first default that `cover(config)` accepts, else (the first
+    default, its reason)."""
+    if config is not None:
+        return config, cover(config)
+    candidates = default_configs(dtype)
+    for c in candidates:
+        if cover(c) is None:
+            return c, None
+    return candidates[0], cover(candidates[0])
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Group bookkeeping shared by every implementation.
+# --------------------------------------------------------------------------------------------------------------
+def _group_bounds(group_sizes: jax.Array, m: int) -> tuple[jax.Array, jax.Array]:
+    """starts, ends (E,) int32 of each group's rows, clamped to [0, M]."""
+    ends = jnp.minimum(jnp.cumsum(jnp.maximum(group_sizes.astype(jnp.int32), 0)), m).astype(jnp.int32)
+    starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]])
+    return starts, ends
+
+
+def row_groups(group_sizes: jax.Array, m: int) -> jax.Array:
+    """(M,) int32: the group of each token row; E for padding rows."""
+    _, ends = _group_bounds(group_sizes, m)
+    return jnp.searchsorted(ends, jnp.arange(m, dtype=jnp.int32), side="right").astype(jnp.int32)
+
+
+def _gmm_row_tiles(group_sizes: jax.Array, m: int, block_m: int) -> jax.Array:
+    """(4, M // block_m + E) int32 row-tile list of `_gmm_kernel`: segment, block, lo, hi (see the module doc)."""
+    e = group_sizes.shape[0]
+    starts, ends = _group_bounds(group_sizes, m)
+    starts = jnp.concatenate([starts, ends[-1:]])  # segment E: the padding rows
+    ends = jnp.concatenate([ends, jnp.full((1,), m, jnp.int32)])
+    first = starts // block_m
+    nblk = jnp.where(ends > starts, (ends - 1) // block_m - first + 1, 0)
+    cum = jnp.cumsum(nblk)
+    t = jnp.arange(m // block_m + e, dtype=jnp.int32)
+    seg = jnp.searchsorted(cum, t, side="right").astype(jnp.int32)  # E + 1 past the last tile
+    s = jnp.minimum(seg, e)
+    blk = first[s] + t - (cum[s] - nblk[s])
+    lo = jnp.clip(starts[s] - blk * block_m, 0, block_m)
+    hi = jnp.clip(ends[s] - blk * block_m, 0, block_m)
+    seg = jnp.where(seg <= e, seg, -1)
+    return jnp.stack([seg, blk, lo, hi]).astype(jnp.int32)
+
+
+def aligned_token_layout(x: jax.Array, group_sizes: jax.Array, align: int) -> tuple[jax.Array, jax.Array]:
+    """K-major copy of the token rows with every group starting on a multiple of `align`.
+
+    x (M, C) -> x_t (C, M') with M' = roundup(M + E * (align - 1), align), zero outside the groups; and the aligned
+    group starts (E,) int32. Padding rows of x are dropped."""
+    m = x.shape[0]
+    e = group_sizes.shape[0]
+    starts, ends = _group_bounds(group_sizes, m)
+    sizes = ends - starts
+    a_starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(-(-sizes // align) * align)[:-1]])
+    mp = -(-(m + e * (align - 1)) // align) * align
+    j = jnp.arange(mp, dtype=jnp.int32)
+    g = jnp.searchsorted(a_starts, j, side="right").astype(jnp.int32) - 1  # last group starting at or before j
+    off = j - a_starts[g]
+    valid = off < sizes[g]
+    src = jnp.where(valid, starts[g] + off, 0)
+    x_t = jnp.where(valid[:, None], x[src], jnp.zeros((), x.dtype)).T
+    return x_t, a_starts.astype(jnp.int32)
+
+
+def _tgmm_group_meta(group_sizes: jax.Array, m: int, block: int, aligned_starts: jax.Array | None) -> jax.Array:
+    """(4, E) int32: first token block, block count, start, end of each group in the kernel's token layout."""
+    starts, ends = _group_bounds(group_sizes, m)
+    if aligned_starts is not None:
+        ends = aligned_starts + (ends - starts)
+        starts = aligned_starts
+    first = starts // block
+    nblk = jnp.where(ends > starts, -(-ends // block) - first, 0)
+    return jnp.stack([first, nblk, starts, ends]).astype(jnp.int32)
+
+
+def group_col_amax(t: jax.Array, group_sizes: jax.Array, *, block: int = 128) -> jax.Array:
+    """(E, C) f32: max |t| over each group's rows of t (M, C), 0 for an empty group, in one pass over t.
+
+    Rows are sorted by group, so the row-tile list of `gmm` cuts them into at most M / block + E (group, block)
+    pieces; each piece is max-reduced over its rows and the few pieces of a group are combined. (A segment_max over
+    all M rows is a scatter with heavy atomic contention on the GPU.)"""
+    m, c = t.shape
+    e = group_sizes.shape[0]
+    mag = jnp.abs(t).astype(jnp.float32)
+    if m % block:
+        gid = row_groups(group_sizes, m)
+        return jnp.maximum(jax.ops.segment_max(mag, gid, num_segments=e + 1)[:e], 0.0)
+    seg, blk, lo, hi = _gmm_row_tiles(group_sizes, m, block)
+    pieces = mag.reshape(m // block, block, c)[jnp.clip(blk, 0, m // block - 1)]  # (T, block, C)
+    r = jnp.arange(block, dtype=jnp.int32)[None, :, None]
+    live = (r >= lo[:, None, None]) & (r < hi[:, None, None])
+    piece_max = jnp.max(jnp.where(live, pieces, 0.0), axis=1)  # (T, C)
+    seg = jnp.where(seg >= 0, seg, e)  # unused tiles join the padding segment, which is dropped
+    return jnp.maximum(jax.ops.segment_max(piece_max, seg, num_segments=e + 1)[:e], 0.0)
+
+
+def _check_group_sizes(group_sizes: jax.Array, e: int) -> None:
+    if group_sizes.shape != (e,) or not jnp.issubdtype(group_sizes.dtype, jnp.integer):
+        raise ValueError(f"group_sizes must be ({e},) integer, got {group_sizes.shape} {group_sizes.dtype}")
+
+
+# --------------------------------------------------------------------------------------------------------------
+# References: the spec, pure jnp, f32 accumulation.
+# --------------------------------------------------------------------------------------------------------------
+def gmm_reference(
+    lhs: jax.Array,
+    rhs: jax.Array,
+    group_sizes: jax.Array,
+    *,
+    transpose_rhs: bool = False,
+    lhs_scale: jax.Array | None = None,
+    rhs_scale: jax.Array | None = None,
+    out_dtype=jnp.bfloat16,
+) -> jax.Array:
+    """out[r] = (lhs[r] * lhs_scale[r]) @ (W[e(r)] * rhs_scale[e(r)]), zero on padding rows: a masked GEMM per group."""
+    m = lhs.shape[0]
+    w = rhs.astype(jnp.float32)
+    if transpose_rhs:
+        w = jnp.swapaxes(w, 1, 2)  # (E, K, N)
+    x = lhs.astype(jnp.float32)
+    if lhs_scale is not None:
+        x = x * lhs_scale.astype(jnp.float32)[:, None]
+    if rhs_scale is not None:
+        w = w * rhs_scale.astype(jnp.float32)[:, None, :]
+    gid = row_groups(group_sizes, m)
+    out = jnp.zeros((m, w.shape[2]), jnp.float32)
+    for e in range(w.shape[0]):
+        y = jnp.dot(x, w[e], precision=lax.Precision.HIGHEST)
+        out = out + jnp.where((gid == e)[:, None], y, 0.0)
+    return out.astype(out_dtype)
+
+
+def tgmm_reference(
+    lhs: jax.Array,
+    rhs: jax.Array,
+    group_sizes: jax.Array,
+    *,
+    lhs_scale: jax.Array | None = None,
+    rhs_scale: jax.Array | None = None,
+    out_dtype=jnp.float32,
+) -> jax.Array:
+    """out[e] = (lhs[rows of e]^T @ rhs[rows of e]) * lhs_scale[e][:, None] * rhs_scale[e][None, :]."""
+    m = lhs.shape[0]
+    e_count = group_sizes.shape[0]
+    gid = row_groups(group_sizes, m)
+    x = lhs.astype(jnp.float32)
+    dy = rhs.astype(jnp.float32)
+    outs = []
+    for e in range(e_count):
+        xe = jnp.where((gid == e)[:, None], x, 0.0)
+        outs.append(jnp.dot(xe.T, dy, precision=lax.Precision.HIGHEST))
+    out = jnp.stack(outs)  # (E, K, N)
+    if lhs_scale is not None:
+        out = out * lhs_scale.astype(jnp.float32)[:, :, None]
+    if rhs_scale is not None:
+        out = out * rhs_scale.astype(jnp.float32)[:, None, :]
+    return out.astype(out_dtype)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Mosaic-GPU kernels.
+# --------------------------------------------------------------------------------------------------------------
+def _in_transforms(dtype, minor: int):
+    """Tiling + swizzle for an SMEM operand tile whose minor dim holds `minor` elements of `dtype`."""
+    swizzle = plgpu.find_swizzle(min(minor * jnp.dtype(dtype).itemsize, 128) * 8)
+    elems = swizzle // jnp.dtype(dtype).itemsize
+    return (plgpu.TilingTransform((8, elems)), plgpu.SwizzleTransform(swizzle))
+
+
+def _walk(lin, rows: int, cols: int, minor: str, width: int):
+    """Linear work index -> (row tile, col tile). Bands of `width` tiles along the minor axis; inside a band the
+    minor index runs fastest, so the CTAs resident at one time share the major operand's tiles in L2."""
+    minor_size, major_size = (rows, cols) if minor == "m" else (cols, rows)
+    width = min(width, minor_size)
+    band_size = width * major_size
+    band = lax.div(lin, jnp.int32(band_size))
+    within = lax.rem(lin, jnp.int32(band_size))
+    band_width = jnp.minimum(jnp.int32(width), jnp.int32(minor_size) - band * width)  # the last band may be narrow
+    minor_idx = band * width + lax.rem(within, band_width)
+    major_idx = lax.div(within, band_width)
+    return (minor_idx, major_idx) if minor == "m" else (major_idx, minor_idx)
+
+
+def _store_rows(acc, staging, dst, lo, count, *, full: bool) -> None:
+    """Store rows [lo, lo + count) of the (tile_m, tile_n) f32 tile `acc` into the gmem window `dst` (same shape).
+
+    `staging` (tile_m, epi_n) unswizzled SMEM. TMA boxes are static, so a dynamic row range is written by a ladder
+    of power-of-two row stores (the bits of `count`); `full` (static) means all rows, one store per chunk."""
+    tile_m, tile_n = acc.shape
+    epi_n = staging.shape[1]
+    top = 1 << (tile_m.bit_length() - 1)
+    for j in range(tile_n // epi_n):
+        cols = slice(j * epi_n, (j + 1) * epi_n)
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous chunk / tile has left the staging tile
+        staging[...] = acc[:, cols].astype(staging.dtype)
+        plgpu.commit_smem()
+        dst_cols = dst.at[:, pl.ds(j * epi_n, epi_n)]
+        if full:
+            plgpu.copy_smem_to_gmem(staging, dst_cols)
+            continue
+        start = lo
+        p = top
+        while p >= 1:
+
+            @pl.when((count & p) != 0)
+            def _store(start=start, p=p):
+                plgpu.copy_smem_to_gmem(staging.at[pl.ds(start, p)], dst_cols.at[pl.ds(start, p)])
+
+            start = start + (count & p)
+            p //= 2
+
+
+def _store_zeros(c: TileConfig, staging, dst, lo, count, *, full: bool) -> None:
+    """`_store_rows` of a zero tile. A fresh wgmma accumulator is zero and already in the WGMMA layout."""
+
+    @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((c.tile_m, c.tile_n), jnp.float32))
+    def _zero_scope(acc_ref):
+        _store_rows(acc_ref[...], staging, dst, lo, count, full=full)
+
+
+def _scale_scratch(c: TileConfig, scaled: bool):
+    if not scaled:
+        return None
+    return dict(
+        row=plgpu.SMEM((2, c.tile_m), jnp.float32),
+        col=plgpu.SMEM((2, c.tile_n), jnp.float32),
+        barrier=plgpu.Barrier(num_arrivals=2, num_barriers=2),
+    )
+
+
+def _fetch_scales(scales, wg, row_src, col_src) -> None:
+    """Issue the TMA loads of this warpgroup's scale slices; they land while the K loop runs."""
+    plgpu.copy_gmem_to_smem(row_src, scales["row"].at[wg], scales["barrier"].at[wg])
+    plgpu.copy_gmem_to_smem(col_src, scales["col"].at[wg], scales["barrier"].at[wg])
+
+
+def _apply_scales(acc, scales, wg):
+    plgpu.barrier_wait(scales["barrier"].at[wg])
+    row = scales["row"][wg]  # (tile_m,)
+    col = scales["col"][wg]  # (tile_n,)
+    acc = acc * lax.broadcast_in_dim(row, acc.shape, [0])
+    return acc * lax.broadcast_in_dim(col, acc.shape, [1])
+
+
+def _gmm_kernel(meta_gmem, lhs_gmem, rhs_gmem, *refs, config: TileConfig, transpose_rhs: bool, scaled: bool):
+    """meta (4, T): per row tile its segment (E = padding, -1 = unused), CTA row block, and row range [lo, hi)."""
+    c = config
+    if scaled:
+        lhs_scale_gmem, rhs_scale_gmem, out_gmem = refs
+    else:
+        (out_gmem,) = refs
+    k = lhs_gmem.shape[1]
+    num_groups = rhs_gmem.shape[0]
+    num_row_tiles = meta_gmem.shape[1]
+    n_iters, k_iters = out_gmem.shape[1] // c.cta_tile_n, k // c.tile_k
+    cl = c.cluster_size  # a cluster takes one row tile and `cl` neighbouring N blocks: same group, one A tile
+    out_dtype = out_gmem.dtype
+    split_m = c.wg_split == "m"
+    dtype = lhs_gmem.dtype
+    a_transforms = _in_transforms(dtype, c.tile_k)
+    b_transforms = _in_transforms(dtype, c.tile_k if transpose_rhs else c.cta_tile_n)
+
+    def pipeline(body, compute_context):
+        return plgpu.emit_pipeline_warp_specialized(
+            body,
+            grid=(k_iters,),
+            memory_registers=40,
+            in_specs=[
+                plgpu.BlockSpec(  # A: (cta_tile_m, tile_k) token rows
+                    (c.cta_tile_m, c.tile_k),
+                    lambda kk: (0, kk),
+                    transforms=a_transforms,
+                    collective_axes=("cluster",) if cl > 1 else (),
+                ),
+                plgpu.BlockSpec(  # B: (cta_tile_n, tile_k) K-major, or (tile_k, cta_tile_n)
+                    (c.cta_tile_n, c.tile_k) if transpose_rhs else (c.tile_k, c.cta_tile_n),
+                    (lambda kk: (0, kk)) if transpose_rhs else (lambda kk: (kk, 0)),
+                    transforms=b_transforms,
+                ),
+            ],
+            wg_axis="wg",
+            num_compute_wgs=2,
+            max_concurrent_steps=c.stages,
+            compute_context=compute_context,
+        )
+
+    def rhs_window(g, ni):  # expert g's (K, cta_tile_n) column block, in its stored orientation
+        cols = pl.ds(ni * c.cta_tile_n, c.cta_tile_n)
+        return rhs_gmem.at[g].at[cols, :] if transpose_rhs else rhs_gmem.at[g].at[:, cols]
+
+    ignore = lambda *_, **__: None  # allocations do not depend on the bodies
+
+    @functools.partial(
+        pl.run_scoped,
+        pipeline_allocs=pipeline(ignore, ignore).get_allocations(lhs_gmem, rhs_window(0, 0)),
+        staging=plgpu.SMEM((2, c.tile_m, c.epi_n(out_dtype)), out_dtype),
+        scales=_scale_scratch(c, scaled),
+        collective_axes="wg",
+    )
+    def _scope(pipeline_allocs, staging, scales):
+        wg = lax.axis_index("wg")
+        cta = lax.axis_index("cluster")
+
+        @plgpu.nd_loop((num_row_tiles * (n_iters // cl),), collective_axes="sm")
+        def _tile_loop(info):
+            (lin,) = info.index
+            t, nj = _walk(lin, num_row_tiles, n_iters // cl, c.grid_minor, c.grid_tile_width)
+            ni = nj * cl + cta
+            seg, blk, lo, hi = (meta_gmem[i, t] for i in range(4))
+            wg_row, wg_col = (wg * c.tile_m, 0) if split_m else (0, wg * c.tile_n)
+            row0 = blk * c.cta_tile_m + wg_row
+            col0 = ni * c.cta_tile_n + wg_col
+            # This warpgroup's share of the segment's rows [lo, hi) of the CTA block, relative to its tile.
+            w_lo = jnp.clip(lo - wg_row, 0, c.tile_m)
+            w_count = jnp.clip(hi - wg_row, 0, c.tile_m) - w_lo
+            dst = out_gmem.at[pl.ds(row0, c.tile_m), pl.ds(col0, c.tile_n)]
+
+            def compute_context(eval_pipeline):
+                if scaled:
+                    row_scales = lhs_scale_gmem.at[pl.ds(row0, c.tile_m)]
+                    _fetch_scales(scales, wg, row_scales, rhs_scale_gmem.at[seg, pl.ds(col0, c.tile_n)])
+
+                @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((c.tile_m, c.tile_n), jnp.float32))
+                def _acc_scope(acc_ref):
+                    eval_pipeline(acc_ref)
+                    acc = acc_ref[...]  # waits for the last wgmma
+                    if scaled:
+                        acc = _apply_scales(acc, scales, wg)
+                    _store_rows(acc, staging.at[wg], dst, w_lo, w_count, full=False)
+
+            def mma_body(_, a_smem, b_smem, acc_ref):
+                a = a_smem.at[pl.ds(wg * c.tile_m, c.tile_m)] if split_m else a_smem
+                if transpose_rhs:
+                    b = (b_smem if split_m else b_smem.at[pl.ds(wg * c.tile_n, c.tile_n)]).T
+                else:
+                    b = b_smem if split_m else b_smem.at[:, pl.ds(wg * c.tile_n, c.tile_n)]
+                plgpu.wgmma(acc_ref, a, b)
+                plgpu.wgmma_wait(0)  # the stage is released on return (module doc)
+                return acc_ref
+
+            @pl.when((seg >= 0) & (seg < num_groups))
+            def _matmul():
+                pipeline(mma_body, compute_context)(
+                    lhs_gmem.at[pl.ds(blk * c.cta_tile_m, c.cta_tile_m), :],
+                    rhs_window(seg, ni),
+                    allocations=pipeline_allocs,
+                )
+
+            @pl.when((seg == num_groups) & (wg < 2))
+            def _padding():
+                _store_zeros(c, staging.at[wg], dst, w_lo, w_count, full=False)
+
+    plgpu.wait_smem_to_gmem(0)
+
+
+def _tgmm_kernel(meta_gmem, lhs_gmem, rhs_gmem, *refs, config: TileConfig, aligned: bool, scaled: bool):
+    """meta (4, E): per group its first token block, block count, and token range [start, end) in this layout.
+
+    aligned=False: lhs (M, K), rhs (M, N) row-major, boundary blocks masked in SMEM.
+    aligned=True:  lhs (K, M'), rhs (N, M') K-major, every group starts on a block boundary, gaps are zero."""
+    c = config
+    if scaled:
+        lhs_scale_gmem, rhs_scale_gmem, out_gmem = refs
+    else:
+        (out_gmem,) = refs
+    num_groups, k, n = out_gmem.shape
+    m_iters, n_iters = k // c.cta_tile_m, n // c.cta_tile_n
+    tiles_per_group = m_iters * n_iters
+    out_dtype = out_gmem.dtype
+    split_m = c.wg_split == "m"
+    dtype = lhs_gmem.dtype
+    if aligned:
+        a_block, b_block = (c.cta_tile_m, c.tile_k), (c.cta_tile_n, c.tile_k)
+        a_transforms = b_transforms = _in_transforms(dtype, c.tile_k)
+    else:
+        a_block, b_block = (c.tile_k, c.cta_tile_m), (c.tile_k, c.cta_tile_n)
+        a_transforms, b_transforms = _in_transforms(dtype, c.cta_tile_m), _in_transforms(dtype, c.cta_tile_n)
+
+    def pipeline(body, compute_context, num_blocks, first_block):
+        index = (lambda r: (0, first_block + r)) if aligned else (lambda r: (first_block + r, 0))
+        return plgpu.emit_pipeline_warp_specialized(
+            body,
+            grid=(num_blocks,),
+            memory_registers=40,
+            in_specs=[
+                plgpu.BlockSpec(a_block, index, transforms=a_transforms),
+                plgpu.BlockSpec(b_block, index, transforms=b_transforms),
+            ],
+            wg_axis="wg",
+            num_compute_wgs=2,
+            max_concurrent_steps=c.stages,
+            compute_context=compute_context,
+        )
+
+    def windows(mi, ni):  # this CTA's K block of lhs and N block of rhs, all tokens
+        rows_k, cols_n = pl.ds(mi * c.cta_tile_m, c.cta_tile_m), pl.ds(ni * c.cta_tile_n, c.cta_tile_n)
+        if aligned:
+            return lhs_gmem.at[rows_k, :], rhs_gmem.at[cols_n, :]
+        return lhs_gmem.at[:, rows_k], rhs_gmem.at[:, cols_n]
+
+    ignore = lambda *_, **__: None
+    # A static grid of `stages` steps allocates the same ring as the dynamic one used below.
+    allocs = pipeline(ignore, ignore, c.stages, 0).get_allocations(*windows(0, 0))
+
+    @functools.partial(
+        pl.run_scoped,
+        pipeline_allocs=allocs,
+        staging=plgpu.SMEM((2, c.tile_m, c.epi_n(out_dtype)), out_dtype),
+        scales=_scale_scratch(c, scaled),
+        collective_axes="wg",
+    )
+    def _scope(pipeline_allocs, staging, scales):
+        wg = lax.axis_index("wg")
+
+        @plgpu.nd_loop((num_groups * tiles_per_group,), collective_axes="sm")
+        def _tile_loop(info):
+            (lin,) = info.index
+            g = lax.div(lin, jnp.int32(tiles_per_group))
+            mi, ni = _walk(lax.rem(lin, jnp.int32(tiles_per_group)), m_iters, n_iters, c.grid_minor, c.grid_tile_width)
+            first, num_blocks, start, end = (meta_gmem[i, g] for i in range(4))
+            wg_row, wg_col = (wg * c.tile_m, 0) if split_m else (0, wg * c.tile_n)
+            row0 = mi * c.cta_tile_m + wg_row
+            col0 = ni * c.cta_tile_n + wg_col
+            dst = out_gmem.at[g].at[pl.ds(row0, c.tile_m), pl.ds(col0, c.tile_n)]
+
+            def compute_context(eval_pipeline):
+                if scaled:
+                    row_scales = lhs_scale_gmem.at[g, pl.ds(row0, c.tile_m)]
+                    _fetch_scales(scales, wg, row_scales, rhs_scale_gmem.at[g, pl.ds(col0, c.tile_n)])
+
+                @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((c.tile_m, c.tile_n), jnp.float32))
+                def _acc_scope(acc_ref):
+                    eval_pipeline(acc_ref)
+                    acc = acc_ref[...]
+                    if scaled:
+                        acc = _apply_scales(acc, scales, wg)
+                    _store_rows(acc, staging.at[wg], dst, 0, c.tile_m, full=True)
+
+            def mask_tokens(ref, r):
+                """Zero the token rows of this (tile_k, cols) SMEM block that lie outside [start, end)."""
+
+                @pl.when((r == 0) | (r == num_blocks - 1))
+                def _mask():
+                    vals = ref[...]
+                    rows = lax.broadcasted_iota(jnp.int32, vals.shape, 0) + (first + r) * c.tile_k
+                    keep = (rows >= start) & (rows < end)
+                    ref[...] = jnp.where(keep, vals, jnp.zeros_like(vals))
+                    plgpu.commit_smem()
+
+            def mma_body(idx, a_smem, b_smem, acc_ref):
+                (r,) = idx
+                if aligned:  # a (cta_m, tile_k), b (cta_n, tile_k): both K-major
+                    a = a_smem.at[pl.ds(wg * c.tile_m, c.tile_m)] if split_m else a_smem
+                    b = (b_smem if split_m else b_smem.at[pl.ds(wg * c.tile_n, c.tile_n)]).T
+                else:  # a (tile_k, cta_m), b (tile_k, cta_n): token rows; mask the half this warpgroup owns
+                    a = a_smem.at[:, pl.ds(wg * c.tile_m, c.tile_m)] if split_m else a_smem
+                    b = b_smem if split_m else b_smem.at[:, pl.ds(wg * c.tile_n, c.tile_n)]
+                    mask_tokens(a if split_m else b, r)
+                    a = a.T
+                plgpu.wgmma(acc_ref, a, b)
+                plgpu.wgmma_wait(0)  # the stage is released on return (module doc)
+                return acc_ref
+
+            @pl.when(num_blocks > 0)
+            def _matmul():
+                pipeline(mma_body, compute_context, num_blocks, first)(*windows(mi, ni), allocations=pipeline_allocs)
+
+            @pl.when((num_blocks == 0) & (wg < 2))
+            def _empty_group():
+                _store_zeros(c, staging.at[wg], dst, 0, c.tile_m, full=True)
+
+    plgpu.wait_smem_to_gmem(0)
+
+
+def _check_config(c: TileConfig, in_dtype, out_dtype, scaled: bool) -> str | None:
+    if c.tile_m % 64 or c.tile_n % 64 or c.tile_n > 256 or c.cta_tile_m > 256 or c.cta_tile_n > 256:
+        return f"invalid tile {c.tile_m}x{c.tile_n}: multiples of 64, tile_n <= 256, CTA tile <= 256 per dim"
+    if (c.tile_k * jnp.dtype(in_dtype).itemsize) % 32:
+        return f"tile_k={c.tile_k} of {jnp.dtype(in_dtype)} is not a multiple of 32 bytes"
+    epi_n = c.epi_n(out_dtype)
+    if c.tile_n % epi_n or epi_n % 8:
+        return f"epilogue chunk {epi_n} must divide tile_n={c.tile_n} and be a multiple of 8"
+    if c.stages < 2:
+        return f"stages={c.stages}: the TMA ring needs at least 2 stages"
+    if (need := c.smem_bytes(in_dtype, out_dtype, scaled)) > _SMEM_BYTES:
+        return f"config {c.name()} needs {need} B of shared memory (> {_SMEM_BYTES})"
+    return None
+
+
+def gmm_pallas_cover(
+    lhs_shape, rhs_shape, lhs_dtype, rhs_dtype, *, transpose_rhs: bool, out_dtype, scaled: bool, config: TileConfig
+) -> str | None:
+    """None when `gmm_pallas` takes this problem with this config, else the reason it does not."""
+    lhs_dtype, rhs_dtype, out_dtype = jnp.dtype(lhs_dtype), jnp.dtype(rhs_dtype), jnp.dtype(out_dtype)
+    (m, k), (_, _, n) = lhs_shape, rhs_shape
+    if transpose_rhs:
+        n = rhs_shape[1]
+    if lhs_dtype != rhs_dtype or lhs_dtype not in _KERNEL_DTYPES:
+        return f"operands must share one of {[str(d) for d in _KERNEL_DTYPES]}, got {lhs_dtype} and {rhs_dtype}"
+    if lhs_dtype in FP8_DTYPES and not transpose_rhs:
+        return "8-bit wgmma needs a K-major right operand: pass rhs as (E, N, K) with transpose_rhs=True"
+    if out_dtype not in _OUT_DTYPES:
+        return f"out_dtype must be bf16, f16 or f32, got {out_dtype}"
+    if (reason := _check_config(config, lhs_dtype, out_dtype, scaled)) is not None:
+        return reason
+    cluster_n = config.cta_tile_n * config.cluster_size
+    if m % config.cta_tile_m or n % cluster_n or k % config.tile_k:
+        return (
+            f"(M, N, K) = ({m}, {n}, {k}) must be multiples of ({config.cta_tile_m}, {cluster_n}, "
+            f"{config.tile_k}); pad the token rows (padding rows are free) to a multiple of {config.cta_tile_m}"
+        )
+    return None
+
+
+def tgmm_pallas_cover(
+    lhs_shape, rhs_shape, lhs_dtype, rhs_dtype, *, out_dtype, scaled: bool, config: TileConfig
+) -> str | None:
+    """None when `tgmm_pallas` takes this problem with this config, else the reason it does not."""
+    lhs_dtype, rhs_dtype, out_dtype = jnp.dtype(lhs_dtype), jnp.dtype(rhs_dtype), jnp.dtype(out_dtype)
+    (m, k), (_, n) = lhs_shape, rhs_shape
+    if lhs_dtype != rhs_dtype or lhs_dtype not in _KERNEL_DTYPES:
+        return f"operands must share one of {[str(d) for d in _KERNEL_DTYPES]}, got {lhs_dtype} and {rhs_dtype}"
+    if out_dtype not in _OUT_DTYPES:
+        return f"out_dtype must be bf16, f16 or f32, got {out_dtype}"
+    if (reason := _check_config(config, lhs_dtype, out_dtype, scaled)) is not None:
+        return reason
+    if config.cluster:
+        return "clusters are implemented for gmm only"
+    if k % config.cta_tile_m or n % config.cta_tile_n:
+        return f"(K, N) = ({k}, {n}) must be multiples of ({config.cta_tile_m}, {config.cta_tile_n})"
+    if _tgmm_aligned(lhs_dtype, config):
+        return None
+    if m % config.tile_k:
+        return f"M={m} must be a multiple of tile_k={config.tile_k} (or use tgmm_layout='aligned')"
+    return None
+
+
+def _gmm_cover_fn(lhs, rhs, transpose_rhs: bool, out_dtype, scaled: bool):
+    return lambda c: gmm_pallas_cover(
+        lhs.shape, rhs.shape, lhs.dtype, rhs.dtype, transpose_rhs=transpose_rhs, out_dtype=out_dtype, scaled=scaled,
+        config=c,
+    )
+
+
+def _tgmm_cover_fn(lhs, rhs, out_dtype, scaled: bool):
+    return lambda c: tgmm_pallas_cover(
+        lhs.shape, rhs.shape, lhs.dtype, rhs.dtype, out_dtype=out_dtype, scaled=scaled, config=c
+    )
+
+
+def _tgmm_aligned(dtype, config: TileConfig) -> bool:
+    return jnp.dtype(dtype) in FP8_DTYPES or config.tgmm_layout == "aligned"
+
+
+def _num_sms(interpret) -> int:
+    abstract = jax.sharding.get_abstract_mesh().abstract_device  # set by AOT lowering; inside shard_map too
+    if abstract is not None and abstract.num_cores:  # (a CPU mesh's abstract device has num_cores None)
+        return abstract.num_cores
+    if interpret is not None:
+        return 2  # a small persistent grid: every CTA walks several tiles, as on the GPU
+    return getattr(jax.devices()[0], "core_count", None) or 2  # a CPU under force_gpu_interpret_mode: 2
+
+
+def _varying_axes(x) -> set:
+    """shard_map axes along which x varies (jax's check_vma typing); empty outside shard_map."""
+    return set(getattr(getattr(jax.typeof(x), "mat", None), "varying", None) or ())
+
+
+def _launch(body, out_type, work_items: int, args, interpret, cluster_size: int = 1):
+    grid = max(1, min(_num_sms(interpret) // cluster_size, work_items))
+    f = plgpu.kernel(
+        body,
+        out_type=out_type,
+        grid=(grid,),
+        grid_names=("sm",),
+        cluster=(cluster_size,),
+        cluster_names=("cluster",),
+        num_threads=3,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+        interpret=interpret,
+    )
+    out = f(*args)
+    # A Mosaic-GPU kernel's output carries no varying axes; inside shard_map (check_vma) it varies like its inputs.
+    missing = set().union(*map(_varying_axes, args)) - _varying_axes(out)
+    return jax.lax.pcast(out, tuple(sorted(missing)), to="varying") if missing else out
+
+
+def _scale_args(lhs_scale, rhs_scale) -> tuple[jax.Array, ...]:
+    if lhs_scale is None and rhs_scale is None:
+        return ()
+    return (jnp.asarray(lhs_scale, jnp.float32), jnp.asarray(rhs_scale, jnp.float32))
+
+
+def gmm_pallas(
+    lhs: jax.Array,
+    rhs: jax.Array,
+    group_sizes: jax.Array,
+    *,
+    transpose_rhs: bool = False,
+    lhs_scale: jax.Array | None = None,
+    rhs_scale: jax.Array | None = None,
+    out_dtype=jnp.bfloat16,
+    config: TileConfig | None = None,
+    interpret=None,
+) -> jax.Array:
+    """The Mosaic-GPU `gmm` kernel. Raises NotImplementedError outside its cover (see `gmm_pallas_cover`).
+
+    config None: the first of `default_configs` that covers the problem.
+    `interpret`: None on the GPU, or a `compat.InterpretGPUParams` to run the kernel on CPU."""
+    scales = _scale_args(lhs_scale, rhs_scale)
+    config, reason = _pick(_gmm_cover_fn(lhs, rhs, transpose_rhs, out_dtype, bool(scales)), lhs.dtype, config)
+    if reason is not None:
+        raise NotImplementedError(f"gmm_pallas: {reason}")
+    m = lhs.shape[0]
+    n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+    meta = _gmm_row_tiles(group_sizes, m, config.cta_tile_m)
+    body = functools.partial(_gmm_kernel, config=config, transpose_rhs=transpose_rhs, scaled=bool(scales))
+    work = meta.shape[1] * (n // (config.cta_tile_n * config.cluster_size))
+    out_type = jax.ShapeDtypeStruct((m, n), out_dtype)
+    return _launch(body, out_type, work, (meta, lhs, rhs, *scales), interpret, config.cluster_size)
+
+
+def tgmm_pallas(
+    lhs: jax.Array,
+    rhs: jax.Array,
+    group_sizes: jax.Array,
+    *,
+    lhs_scale: jax.Array | None = None,
+    rhs_scale: jax.Array | None = None,
+    out_dtype=jnp.float32,
+    config: TileConfig | None = None,
+    interpret=None,
+) -> jax.Array:
+    """The Mosaic-GPU `tgmm` kernel. Raises NotImplementedError outside its cover (see `tgmm_pallas_cover`)."""
+    scales = _scale_args(lhs_scale, rhs_scale)
+    config, reason = _pick(_tgmm_cover_fn(lhs, rhs, out_dtype, bool(scales)), lhs.dtype, config)
+    if reason is not None:
+        raise NotImplementedError(f"tgmm_pallas: {reason}")
+    (m, k), n, e = lhs.shape, rhs.shape[1], group_sizes.shape[0]
+    aligned = _tgmm_aligned(lhs.dtype, config)
+    if aligned:
+        lhs, a_starts = aligned_token_layout(lhs, group_sizes, config.tile_k)
+        rhs, _ = aligned_token_layout(rhs, group_sizes, config.tile_k)
+        meta = _tgmm_group_meta(group_sizes, m, config.tile_k, a_starts)
+    else:
+        meta = _tgmm_group_meta(group_sizes, m, config.tile_k, None)
+    body = functools.partial(_tgmm_kernel, config=config, aligned=aligned, scaled=bool(scales))
+    work = e * (k // config.cta_tile_m) * (n // config.cta_tile_n)
+    out_type = jax.ShapeDtypeStruct((e, k, n), out_dtype)
+    return _launch(body, out_type, work, (meta, lhs, rhs, *scales), interpret)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# XLA path and dispatchers.
+# --------------------------------------------------------------------------------------------------------------
+def _gmm_xla(lhs, rhs, group_sizes, *, transpose_rhs, lhs_scale, rhs_scale, out_dtype):
+    dims = lax.RaggedDotDimensionNumbers(
+        dot_dimension_numbers=(((1,), (2 if transpose_rhs else 1,)), ((), ())),
+        lhs_ragged_dimensions=[0],
+        rhs_group_dimensions=[0],
+    )
+    out = lax.ragged_dot_general(lhs, rhs, group_sizes, dims, preferred_element_type=jnp.float32)
+    if lhs_scale is not None:
+        out = out * lhs_scale.astype(jnp.float32)[:, None]
+    if rhs_scale is not None:
+        gid = jnp.minimum(row_groups(group_sizes, lhs.shape[0]), rhs.shape[0] - 1)  # padding rows are zero anyway
+        out = out * rhs_scale.astype(jnp.float32)[gid]
+    return out.astype(out_dtype)
+
+
+def _tgmm_xla(lhs, rhs, group_sizes, *, lhs_scale, rhs_scale, out_dtype):
+    dims = lax.RaggedDotDimensionNumbers(
+        dot_dimension_numbers=(((0,), (0,)), ((), ())),
+        lhs_ragged_dimensions=[0],
+        rhs_group_dimensions=[],
+    )
+    out = lax.ragged_dot_general(lhs, rhs, group_sizes, dims, preferred_element_type=jnp.float32)  # (E, K, N)
+    if lhs_scale is not None:
+        out = out * lhs_scale.astype(jnp.float32)[:, :, None]
+    if rhs_scale is not None:
+        out = out * rhs_scale.astype(jnp.float32)[:, None, :]
+    return out.astype(out_dtype)
+
+
+def on_hopper() -> bool:
+    """True when the default backend is an sm_90 GPU (H100 / H200 / H800 / GH200)."""
+    dev = jax.devices()[0]
+    return dev.platform == "gpu" and str(getattr(dev, "compute_capability", "")).startswith("9")
+
+
+def _check_scales(lhs_scale, rhs_scale, lhs_scale_shape, rhs_scale_shape) -> None:
+    if (lhs_scale is None) != (rhs_scale is None):
+        raise ValueError("pass both lhs_scale and rhs_scale, or neither")
+    if lhs_scale is not None:
+        if lhs_scale.shape != lhs_scale_shape:
+            raise ValueError(f"lhs_scale must be {lhs_scale_shape}, got {lhs_scale.shape} {lhs_scale.dtype}")
+        if rhs_scale.shape != rhs_scale_shape:
+            raise ValueError(f"rhs_scale must be {rhs_scale_shape}, got {rhs_scale.shape} {rhs_scale.dtype}")
+
+
+def gmm(
+    lhs: jax.Array,
+    rhs: jax.Array,
+    group_sizes: jax.Array,
+    *,
+    transpose_rhs: bool = False,
+    lhs_scale: jax.Array | None = None,
+    rhs_scale: jax.Array | None = None,
+    out_dtype=jnp.bfloat16,
+    impl: Impl = "auto",
+    config: TileConfig | None = None,
+) -> jax.Array:
+    """Grouped GEMM: lhs (M, K) x rhs (E, K, N) [or (E, N, K) with transpose_rhs] -> (M, N); see the module doc.
+
+    impl: "pallas" (the Mosaic-GPU kernel; NotImplementedError outside its cover), "xla" (lax.ragged_dot_general),
+    "reference", or "auto" = pallas on a Hopper GPU when covered, else xla."""
+    if lhs.ndim != 2 or rhs.ndim != 3:
+        raise ValueError(
+            f"gmm wants lhs (M, K) and rhs (E, K, N); got lhs {lhs.shape} {lhs.dtype}, rhs {rhs.shape} {rhs.dtype}"
+        )
+    e = rhs.shape[0]
+    k, n = (rhs.shape[2], rhs.shape[1]) if transpose_rhs else (rhs.shape[1], rhs.shape[2])
+    if lhs.shape[1] != k:
+        layout = "(E, N, K)" if transpose_rhs else "(E, K, N)"
+        raise ValueError(
+            f"gmm: lhs {lhs.shape} {lhs.dtype} does not contract with rhs {layout} = {rhs.shape} {rhs.dtype}"
+        )
+    _check_group_sizes(group_sizes, e)
+    _check_scales(lhs_scale, rhs_scale, (lhs.shape[0],), (e, n))
+    kw = dict(transpose_rhs=transpose_rhs, lhs_scale=lhs_scale, rhs_scale=rhs_scale, out_dtype=out_dtype)
+    if impl == "auto":
+        _, reason = _pick(_gmm_cover_fn(lhs, rhs, transpose_rhs, out_dtype, lhs_scale is not None), lhs.dtype, config)
+        impl = "pallas" if reason is None and on_hopper() else "xla"
+    if impl == "pallas":
+        return gmm_pallas(lhs, rhs, group_sizes, config=config, **kw)
+    if impl == "xla":
+        return _gmm_xla(lhs, rhs, group_sizes, **kw)
+    if impl == "reference":
+        return gmm_reference(lhs, rhs, group_sizes, **kw)
+    raise ValueError(f"impl must be one of auto, pallas, xla, reference; got {impl!r}")
+
+
+def tgmm(
+    lhs: jax.Array,
+    rhs: jax.Array,
+    group_sizes: jax.Array,
+    *,
+    lhs_scale: jax.Array | None = None,
+    rhs_scale: jax.Array | None = None,
+    out_dtype=jnp.float32,
+    impl: Impl = "auto",
+    config: TileConfig | None = None,
+) -> jax.Array:
+    """Grouped weight-gradient GEMM: lhs (M, K), rhs (M, N) -> (E, K, N), contracting each group's rows.
+
+    Scales (fp8): lhs_scale (E, K), rhs_scale (E, N). impl as in `gmm`."""
+    if lhs.ndim != 2 or rhs.ndim != 2 or lhs.shape[0] != rhs.shape[0]:
+        raise ValueError(
+            f"tgmm wants lhs (M, K) and rhs (M, N); got lhs {lhs.shape} {lhs.dtype}, rhs {rhs.shape} {rhs.dtype}"
+        )
+    e = group_sizes.shape[0] if group_sizes.ndim == 1 else -1
+    _check_group_sizes(group_sizes, e)
+    _check_scales(lhs_scale, rhs_scale, (e, lhs.shape[1]), (e, rhs.shape[1]))
+    kw = dict(lhs_scale=lhs_scale, rhs_scale=rhs_scale, out_dtype=out_dtype)
+    if impl == "auto":
+        _, reason = _pick(_tgmm_cover_fn(lhs, rhs, out_dtype, lhs_scale is not None), lhs.dtype, config)
+        impl = "pallas" if reason is None and on_hopper() else "xla"
+    if impl == "pallas":
+        return tgmm_pallas(lhs, rhs, group_sizes, config=config, **kw)
+    if impl == "xla":
+        return _tgmm_xla(lhs, rhs, group_sizes, **kw)
+    if impl == "reference":
+        return tgmm_reference(lhs, rhs, group_sizes, **kw)
+    raise ValueError(f"impl must be one of auto, pallas, xla, reference; got {impl!r}")

@@ -1,0 +1,337 @@
+"""Grouped GEMMs (pallas_kernels/grouped_matmul.py): every implementation against the jnp reference.
+
+CPU: the Mosaic-GPU kernels run in GPU interpret mode at E=4, M=256, K=N=128 with small tiles, each jitted variant
+compiled once and run on the ragged cases that matter: an empty group, groups that are not a multiple of the tile
+(blocks straddling a boundary), padding rows past sum(group_sizes), one group holding every row.
+GPU (`gpu` marker, MX_JAX_TEST_GPU=1 on an H100/H200): the default tiles at MoE shapes, Pallas against XLA.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from mx_jax import compat
+from pallas_kernels import grouped_matmul as gm
+from pallas_kernels import interpret_compat
+
+interpret_compat.install()  # jax 0.10.2's interpreter cannot read a transposed wgmma operand otherwise
+
+E, M, K, N = 4, 256, 128, 128
+F8 = jnp.float8_e4m3fn
+# bf16 output of an f32 accumulation: the kernel and the reference may round to neighbouring bf16 values (2^-8).
+BF16_TOL = dict(rtol=1e-2, atol=1e-2)
+# f32 output: only the summation order differs.
+F32_TOL = dict(rtol=1e-5, atol=1e-4)
+INTERPRET = compat.InterpretGPUParams()
+
+RAGGED = (69, 0, 123, 37)  # empty group, straddling blocks, 27 padding rows, partial blocks of 1..32 rows
+ONE_GROUP = (0, 0, M, 0)  # every row in one group, empties before and after
+SMALL = gm.TileConfig(tile_m=64, tile_n=64, tile_k=64, stages=2)  # CTA 64x128 (split n), 2 K steps
+SMALL_M = gm.TileConfig(tile_m=64, tile_n=64, tile_k=64, stages=2, wg_split="m")  # CTA 128x64
+SMALL_F8 = gm.TileConfig(tile_m=64, tile_n=64, tile_k=64, stages=2)  # fp8: 64 B rows, still 2 K steps
+
+
+def _sizes(sizes) -> jax.Array:
+    return jnp.asarray(sizes, jnp.int32)
+
+
+def _inputs(seed: int, *shapes, dtype=jnp.bfloat16):
+    keys = jax.random.split(jax.random.key(seed), len(shapes))
+    return [jax.random.normal(k, s, jnp.float32).astype(dtype) for k, s in zip(keys, shapes)]
+
+
+def _scales(seed: int, *shapes):
+    keys = jax.random.split(jax.random.key(seed), len(shapes))
+    return [jax.random.uniform(k, s, jnp.float32, 0.25, 2.0) for k, s in zip(keys, shapes)]
+
+
+def _close(out, ref, tol):
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32), **tol)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Group bookkeeping (pure jnp, fast)
+# ------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("block", [64, 128])
+def test_row_tiles_cover_every_row_once(block):
+    rng = np.random.default_rng()
+    e, m = 6, 512
+    for _ in range(5):
+        sizes = rng.multinomial(int(rng.integers(0, m + 1)), rng.dirichlet(np.full(e, 0.3)))
+        meta = np.asarray(gm._gmm_row_tiles(_sizes(sizes), m, block))
+        owner = np.full(m, -2)
+        for seg, blk, lo, hi in meta.T:
+            if seg < 0:
+                continue
+            rows = slice(blk * block + lo, blk * block + hi)
+            assert (owner[rows] == -2).all(), "a row is stored twice"
+            owner[rows] = seg
+        np.testing.assert_array_equal(owner, np.asarray(gm.row_groups(_sizes(sizes), m)))
+
+
+def test_group_col_amax_matches_segment_max():
+    rng = np.random.default_rng()
+    e, m = 5, 384
+    t = jnp.asarray(rng.standard_normal((m, 7)), jnp.float32)
+    for sizes in (rng.multinomial(m - 40, rng.dirichlet(np.full(e, 0.5))), (0, 300, 0, 84, 0)):
+        gid = gm.row_groups(_sizes(sizes), m)
+        want = jnp.maximum(jax.ops.segment_max(jnp.abs(t), gid, num_segments=e + 1)[:e], 0.0)
+        np.testing.assert_array_equal(gm.group_col_amax(t, _sizes(sizes)), want)
+
+
+def test_aligned_token_layout_round_trip():
+    rng = np.random.default_rng()
+    sizes = _sizes([5, 0, 70, 1, 30])
+    x = jnp.asarray(rng.standard_normal((128, 3)), jnp.float32)
+    x_t, starts = gm.aligned_token_layout(x, sizes, 16)
+    assert x_t.shape[0] == 3 and x_t.shape[1] % 16 == 0
+    gid = np.asarray(gm.row_groups(sizes, 128))
+    offset = 0
+    for g, size in enumerate(np.asarray(sizes)):
+        assert int(starts[g]) % 16 == 0
+        np.testing.assert_array_equal(x_t[:, starts[g] : starts[g] + size].T, x[offset : offset + size])
+        offset += size
+    assert float(jnp.abs(x_t).sum()) == pytest.approx(float(jnp.abs(x[gid < 5]).sum()), rel=1e-6)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# XLA path against the reference (no kernel)
+# ------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("transpose_rhs", [False, True])
+@pytest.mark.parametrize("fp8", [False, True])
+def test_gmm_xla(transpose_rhs, fp8):
+    rng = np.random.default_rng()
+    sizes = _sizes(rng.multinomial(M - 13, np.full(E, 1 / E)))  # random groups + 13 padding rows
+    x, w = _inputs(1, (M, K), (E, N, K) if transpose_rhs else (E, K, N), dtype=F8 if fp8 else jnp.bfloat16)
+    scales = dict(zip(("lhs_scale", "rhs_scale"), _scales(2, (M,), (E, N)))) if fp8 else {}
+    kw = dict(transpose_rhs=transpose_rhs, **scales)
+    _close(gm.gmm(x, w, sizes, impl="xla", **kw), gm.gmm(x, w, sizes, impl="reference", **kw), BF16_TOL)
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_tgmm_xla(fp8):
+    x, dy = _inputs(3, (M, K), (M, N), dtype=F8 if fp8 else jnp.bfloat16)
+    scales = dict(zip(("lhs_scale", "rhs_scale"), _scales(4, (E, K), (E, N)))) if fp8 else {}
+    for sizes in (RAGGED, ONE_GROUP):
+        out = gm.tgmm(x, dy, _sizes(sizes), impl="xla", **scales)
+        _close(out, gm.tgmm(x, dy, _sizes(sizes), impl="reference", **scales), F32_TOL)
+
+
+def test_auto_on_cpu_is_xla():
+    x, w = _inputs(5, (M, K), (E, K, N))
+    np.testing.assert_array_equal(gm.gmm(x, w, _sizes(RAGGED)), gm.gmm(x, w, _sizes(RAGGED), impl="xla"))
+
+
+# ------------------------------------------------------------------------------------------------------------
+# The Pallas kernels in GPU interpret mode
+# ------------------------------------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=None)
+def _gmm_fn(config, transpose_rhs):
+    return jax.jit(
+        functools.partial(gm.gmm_pallas, transpose_rhs=transpose_rhs, config=config, interpret=INTERPRET)
+    )
+
+
+@functools.lru_cache(maxsize=None)
+def _tgmm_fn(config, out_dtype):
+    return jax.jit(functools.partial(gm.tgmm_pallas, config=config, out_dtype=out_dtype, interpret=INTERPRET))
+
+
+def test_gmm_pallas_bf16_ragged_cases():
+    x, w = _inputs(10, (M, K), (E, K, N))
+    f = _gmm_fn(SMALL, False)
+    for sizes in (RAGGED, ONE_GROUP):
+        out = f(x, w, _sizes(sizes))
+        _close(out, gm.gmm_reference(x, w, _sizes(sizes)), BF16_TOL)
+        assert not np.asarray(out[sum(sizes) :], np.float32).any(), "padding rows must be exactly zero"
+
+
+def test_gmm_pallas_transposed_rhs_split_m():
+    """The grad-input orientation (rhs stored (E, N, K)); warpgroups split the CTA rows."""
+    x, w_t = _inputs(11, (M, K), (E, N, K))
+    out = _gmm_fn(SMALL_M, True)(x, w_t, _sizes(RAGGED))
+    _close(out, gm.gmm_reference(x, w_t, _sizes(RAGGED), transpose_rhs=True), BF16_TOL)
+
+
+@pytest.mark.skipif(not compat.MGPU_INTERPRET_CLUSTERS, reason="this jax's GPU interpreter has no clusters")
+def test_gmm_pallas_cluster_multicast():
+    """2-CTA clusters on neighbouring N blocks share (multicast) the A tile."""
+    x, w = _inputs(26, (M, K), (E, K, 2 * N))
+    config = gm.TileConfig(tile_m=64, tile_n=64, tile_k=64, stages=2, cluster="n")
+    out = _gmm_fn(config, False)(x, w, _sizes(RAGGED))
+    _close(out, gm.gmm_reference(x, w, _sizes(RAGGED)), BF16_TOL)
+
+
+def test_gmm_pallas_fp8_rowwise():
+    x, w_t = _inputs(12, (M, K), (E, N, K), dtype=F8)
+    xs, ws = _scales(13, (M,), (E, N))
+    out = jax.jit(
+        lambda *a: gm.gmm_pallas(*a[:3], transpose_rhs=True, lhs_scale=a[3], rhs_scale=a[4], config=SMALL_F8,
+                                 interpret=INTERPRET)
+    )(x, w_t, _sizes(RAGGED), xs, ws)
+    ref = gm.gmm_reference(x, w_t, _sizes(RAGGED), transpose_rhs=True, lhs_scale=xs, rhs_scale=ws)
+    _close(out, ref, BF16_TOL)
+
+
+@pytest.mark.parametrize(
+    "config, cases",
+    [
+        (SMALL, (RAGGED, ONE_GROUP)),  # each warpgroup masks the dy columns it owns
+        (SMALL_M, (RAGGED,)),  # each warpgroup masks the x columns it owns
+    ],
+    ids=["split_n", "split_m"],
+)
+def test_tgmm_pallas_bf16_masked(config, cases):
+    x, dy = _inputs(14, (M, K), (M, N))
+    f = _tgmm_fn(config, jnp.float32)
+    for sizes in cases:
+        _close(f(x, dy, _sizes(sizes)), gm.tgmm_reference(x, dy, _sizes(sizes)), F32_TOL)
+
+
+def test_tgmm_pallas_bf16_aligned():
+    x, dy = _inputs(15, (M, K), (M, N))
+    config = gm.TileConfig(tile_m=64, tile_n=64, tile_k=64, stages=2, wg_split="m", tgmm_layout="aligned")
+    out = _tgmm_fn(config, jnp.bfloat16)(x, dy, _sizes(RAGGED))
+    _close(out, gm.tgmm_reference(x, dy, _sizes(RAGGED), out_dtype=jnp.bfloat16), BF16_TOL)
+
+
+def test_tgmm_pallas_fp8_rowwise():
+    x, dy = _inputs(16, (M, K), (M, N), dtype=F8)
+    xs, dys = _scales(17, (E, K), (E, N))
+    out = jax.jit(
+        lambda *a: gm.tgmm_pallas(*a[:3], lhs_scale=a[3], rhs_scale=a[4], config=SMALL_F8, interpret=INTERPRET)
+    )(x, dy, _sizes(RAGGED), xs, dys)
+    _close(out, gm.tgmm_reference(x, dy, _sizes(RAGGED), lhs_scale=xs, rhs_scale=dys), F32_TOL)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Lowering for the GPU, on CPU: Mosaic-GPU layout inference and the shared-memory budget at the issue's shape
+# ------------------------------------------------------------------------------------------------------------
+_H200 = jax.sharding.AbstractMesh(
+    (), (), abstract_device=jax.sharding.AbstractDevice(device_kind="NVIDIA H200", platform="gpu", num_cores=132)
+)
+_S = jax.ShapeDtypeStruct
+_LOWERING_CASES = {
+    "gmm_bf16": (lambda x, w, g: gm.gmm_pallas(x, w, g), ((16384, 4096), (8, 4096, 14336))),
+    "gmm_bf16_grad_input": (
+        lambda x, w, g: gm.gmm_pallas(x, w, g, transpose_rhs=True), ((16384, 14336), (8, 4096, 14336))
+    ),
+    "gmm_fp8_cluster": (
+        lambda x, w, g: gm.gmm_pallas(
+            x, w, g, transpose_rhs=True, lhs_scale=jnp.ones(x.shape[:1]), rhs_scale=jnp.ones(w.shape[:2]),
+            config=gm.TileConfig(tile_k=128, cluster="n"),
+        ),
+        ((16384, 4096), (8, 14336, 4096)),
+    ),
+    "tgmm_bf16_masked": (lambda x, d, g: gm.tgmm_pallas(x, d, g), ((16384, 4096), (16384, 14336))),
+    "tgmm_fp8": (
+        lambda x, d, g: gm.tgmm_pallas(x, d, g, lhs_scale=jnp.ones((8, 4096)), rhs_scale=jnp.ones((8, 14336))),
+        ((16384, 4096), (16384, 14336)),
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(_LOWERING_CASES))
+def test_kernels_lower_for_hopper(case):
+    """Lowering runs Mosaic-GPU's layout inference and checks shared memory against 227 KiB; no GPU needed."""
+    fn, (lhs_shape, rhs_shape) = _LOWERING_CASES[case]
+    dtype = F8 if "fp8" in case else jnp.bfloat16
+    args = (_S(lhs_shape, dtype), _S(rhs_shape, dtype), _S((8,), jnp.int32))
+    with jax.sharding.use_abstract_mesh(_H200):
+        text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Cover and argument errors (no kernel runs)
+# ------------------------------------------------------------------------------------------------------------
+def test_pallas_refuses_uncovered_shapes():
+    x, w = _inputs(18, (M - 8, K), (E, K, N))
+    with pytest.raises(NotImplementedError, match="multiples of"):
+        gm.gmm_pallas(x, w, _sizes(RAGGED), config=SMALL)
+    x8, w8 = _inputs(18, (M, K), (E, K, N), dtype=F8)
+    with pytest.raises(NotImplementedError, match="K-major"):
+        gm.gmm(x8, w8, _sizes(RAGGED), impl="pallas")
+    with pytest.raises(NotImplementedError, match="shared memory"):
+        gm.gmm_pallas(*_inputs(18, (M, K), (E, K, N)), _sizes(RAGGED), config=gm.TileConfig(stages=5))
+
+
+def test_bad_arguments_name_the_argument():
+    x, w = _inputs(19, (M, K), (E, K, N))
+    with pytest.raises(ValueError, match="group_sizes"):
+        gm.gmm(x, w, _sizes(RAGGED[:3]))
+    with pytest.raises(ValueError, match="contract"):
+        gm.gmm(x, jnp.zeros((E, K, N + 64), jnp.bfloat16), _sizes(RAGGED), transpose_rhs=True)
+    with pytest.raises(ValueError, match="rhs_scale"):
+        gm.gmm(x, w, _sizes(RAGGED), lhs_scale=jnp.ones((M,)), rhs_scale=jnp.ones((E, K + 1)))
+    with pytest.raises(ValueError, match="impl"):
+        gm.tgmm(x, x, _sizes(RAGGED), impl="cuda")
+
+
+# ------------------------------------------------------------------------------------------------------------
+# GPU: default tiles at the issue's MoE shape (Mixtral-sized experts), Pallas against XLA / the reference
+# ------------------------------------------------------------------------------------------------------------
+GPU_E, GPU_M, GPU_D, GPU_F = 8, 16384, 4096, 14336
+GPU_SIZES = (6554, 0, 1401, 1400, 1399, 1400, 1400, 2700)  # 40% on one expert, an empty one, 150 padding rows
+# Worst row of ||out - ref|| / ||ref||: a wrong or missing row scores ~1; bf16 output rounding ~2e-3; fp8 wgmma
+# accumulates in reduced precision (DeepSeek-V3 report: ~14 bits on Hopper) over up to 6554 products.
+GPU_ROW_TOL = 1e-2
+
+
+def _worst_row_err(out, ref) -> float:
+    out = np.asarray(out, np.float32).reshape(-1, out.shape[-1])
+    ref = np.asarray(ref, np.float32).reshape(-1, ref.shape[-1])
+    norms = np.linalg.norm(ref, axis=1)
+    live = norms > 0
+    return float((np.linalg.norm(out - ref, axis=1)[live] / norms[live]).max())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("direction", ["forward", "grad_input"])
+def test_gpu_gmm_bf16(direction):
+    k, n = (GPU_D, GPU_F) if direction == "forward" else (GPU_F, GPU_D)
+    transpose_rhs = direction == "grad_input"  # dx = dy @ w^T reads w (E, D, F) as the K-major (E, N, K) operand
+    x, w = _inputs(20, (GPU_M, k), (GPU_E, n, k) if transpose_rhs else (GPU_E, k, n))
+    sizes = _sizes(GPU_SIZES)
+    out = jax.jit(functools.partial(gm.gmm, transpose_rhs=transpose_rhs, impl="pallas"))(x, w, sizes)
+    ref = jax.jit(functools.partial(gm.gmm, transpose_rhs=transpose_rhs, impl="xla"))(x, w, sizes)
+    assert _worst_row_err(out[: sum(GPU_SIZES)], ref[: sum(GPU_SIZES)]) < GPU_ROW_TOL
+    assert not np.asarray(out[sum(GPU_SIZES) :], np.float32).any(), "padding rows must be exactly zero"
+
+
+@pytest.mark.gpu
+def test_gpu_gmm_fp8():
+    x, w_t = _inputs(21, (GPU_M, GPU_D), (GPU_E, GPU_F, GPU_D), dtype=F8)
+    xs, ws = _scales(22, (GPU_M,), (GPU_E, GPU_F))
+    f = lambda impl: jax.jit(
+        functools.partial(gm.gmm, transpose_rhs=True, lhs_scale=xs, rhs_scale=ws, impl=impl)
+    )(x, w_t, _sizes(GPU_SIZES))
+    out, ref = f("pallas"), f("reference")
+    assert _worst_row_err(out[: sum(GPU_SIZES)], ref[: sum(GPU_SIZES)]) < GPU_ROW_TOL
+    assert not np.asarray(out[sum(GPU_SIZES) :], np.float32).any()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["masked", "aligned"])
+def test_gpu_tgmm_bf16(layout):
+    x, dy = _inputs(23, (GPU_M, GPU_D), (GPU_M, GPU_F))
+    config = gm.TileConfig(tgmm_layout=layout)
+    out = jax.jit(functools.partial(gm.tgmm, impl="pallas", config=config))(x, dy, _sizes(GPU_SIZES))
+    ref = jax.jit(functools.partial(gm.tgmm, impl="xla"))(x, dy, _sizes(GPU_SIZES))
+    assert _worst_row_err(out, ref) < GPU_ROW_TOL
+    assert not np.asarray(out[1]).any(), "an empty group's gradient is zero"
+
+
+@pytest.mark.gpu
+def test_gpu_tgmm_fp8():
+    x, dy = _inputs(24, (GPU_M, GPU_D), (GPU_M, GPU_F), dtype=F8)
+    xs, dys = _scales(25, (GPU_E, GPU_D), (GPU_E, GPU_F))
+    f = lambda impl: jax.jit(functools.partial(gm.tgmm, lhs_scale=xs, rhs_scale=dys, impl=impl))(
+        x, dy, _sizes(GPU_SIZES)
+    )
+    out, ref = f("pallas"), f("reference")
+    assert _worst_row_err(out, ref) < GPU_ROW_TOL
+    assert not np.asarray(out[1]).any()
