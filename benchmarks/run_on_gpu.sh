@@ -35,6 +35,10 @@ for s in "$@"; do
     bench_mx) section bench_mx 420 $PY -m pallas_kernels.bench mx ;;
     bench_grouped) section bench_grouped 420 $PY -m pallas_kernels.bench grouped ;;
     train_dense) section train_dense 480 $PY benchmarks/bench_train.py --steps 20 --base "$DENSE8B" --variant bf16: ;;
+    profile_dense) section profile_dense 240 $PY benchmarks/profile_step.py --steps 3 --top 25 ${DENSE8B} ;;
+    train_recipes) section train_recipes 420 $PY benchmarks/bench_train.py --steps 15 --base "$DENSE8B" --variant bf16: --variant bf16_no_triton_gemm:@--xla_gpu_enable_triton_gemm=false --variant fp8_rowwise:quant.recipe=fp8_rowwise --variant mxfp8:quant.recipe=mxfp8 ;;
+    bench_grouped_quick) section bench_grouped_quick 240 $PY -m pallas_kernels.bench grouped --quick ;;
+    bench_mx_quick) section bench_mx_quick 200 $PY -m pallas_kernels.bench mx --quick ;;
     *) echo "unknown section $s" ;;
   esac
 done

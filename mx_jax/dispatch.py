@@ -36,6 +36,9 @@ import jax.numpy as jnp
 from mx_jax import grouped_linear
 
 
+ROW_MULTIPLE = 256
+
+
 @dataclasses.dataclass(frozen=True)
 class ExpertFFN:
     """SwiGLU experts as grouped GEMMs. w_gate, w_up (E_l,D,F), w_down (E_l,F,D): this device's experts."""
@@ -53,6 +56,11 @@ class ExpertFFN:
     def __call__(self, rows: jax.Array, local_expert: jax.Array) -> jax.Array:
         """rows (R,D) with local expert ids (R,) in [0, E_l]; id E_l marks padding (output zero) -> (R,D)."""
         e = self.n_local
+        r = rows.shape[0]
+        pad = -r % ROW_MULTIPLE  # the grouped-GEMM kernels tile rows by up to 256; padding rows output zero
+        if pad:
+            rows = jnp.concatenate([rows, jnp.zeros((pad, rows.shape[1]), rows.dtype)])
+            local_expert = jnp.concatenate([local_expert, jnp.full((pad,), e, local_expert.dtype)])
         order = jnp.argsort(local_expert, stable=True)  # padding (id E_l) sorts last
         sizes = jnp.bincount(local_expert, length=e + 1)[:e].astype(jnp.int32)
         xs = rows[order]
@@ -64,7 +72,7 @@ class ExpertFFN:
         ys = gl(h.astype(rows.dtype), self.w_down)
         valid = (jnp.arange(rows.shape[0]) < jnp.sum(sizes))[:, None]
         ys = jnp.where(valid, ys, 0).astype(rows.dtype)
-        return jnp.zeros_like(ys).at[order].set(ys, unique_indices=True)
+        return jnp.zeros_like(ys).at[order].set(ys, unique_indices=True)[:r]
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -377,7 +377,14 @@ def fp8_matmul_xla(
 # Per-shape choice for impl="auto" on Hopper, from `python -m pallas_kernels.bench fp8` on an H200:
 # (M, N, K) -> the TileConfig that beat XLA there, or None where XLA won. Shapes not listed use AUTO_DEFAULT
 # when the kernel covers them (None there would mean "XLA unless listed").
-AUTO_TABLE: dict[tuple[int, int, int], TileConfig | None] = {}
+# Measured on an H200, jax 0.11.2, 2026-11-21 (`python -m pallas_kernels.bench fp8 --quick`, benchmarks/RESULTS.md).
+_WIDE_N = TileConfig(tile_m=64, tile_n=256, wg_split="m")
+AUTO_TABLE: dict[tuple[int, int, int], TileConfig | None] = {
+    (8192, 8192, 8192): _WIDE_N,  # 1350 TFLOP/s vs XLA fp8 rowwise 1273
+    (8192, 14336, 4096): DEFAULT_CONFIG,  # 1304 vs 1121
+    (8192, 4096, 14336): _WIDE_N,  # 1385 vs 1321
+    (8192, 8192, 28672): _WIDE_N,  # 1337 vs 1311
+}
 AUTO_DEFAULT: TileConfig | None = DEFAULT_CONFIG
 
 

@@ -309,7 +309,9 @@ def _pallas_quantize(x, *, rows: bool, cols: bool, dtype, scaling, pow2_scale, c
 # (`python -m pallas_kernels.bench fp8`): "rows" = quantize along the last axis, "cols_t" = quantize_t,
 # "dual" = quantize_dual. XLA can fuse the single-axis rowwise cast into one pass; the transposed and dual casts
 # are where one read of x saves the most.
-AUTO_PALLAS = {"rows": False, "cols_t": True, "dual": True}
+# H200, 2026-11-21, bf16 (8192, 4096) / (8192, 14336): rows 1544 / 1941 GB/s vs XLA 1335 / 1676; cols_t 1351 / 1345
+# vs XLA 1390 / 1667; dual 1229 / 1712 vs XLA 980 / 1224 (benchmarks/RESULTS.md).
+AUTO_PALLAS = {"rows": True, "cols_t": False, "dual": True}
 
 
 def _use_pallas(variant: str, impl: Impl, shape, x_dtype) -> bool:
