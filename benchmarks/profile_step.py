@@ -76,6 +76,7 @@ def main() -> None:
     ap.add_argument("--trace-dir", default="/tmp/mx_jax_trace")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
+    train.apply_default_xla_flags()
     cfg = load_config(args.config, [*args.overrides, "run_dir=/tmp/mx_jax_profile"])
     mesh = sharding.make_mesh(cfg.mesh)
     with jax.set_mesh(mesh):

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Run named GPU sections in one go, each under its own time limit, logs under $OUT (default /tmp/mx_jax_gpu).
+# Run named GPU sections in one go, each under its own time limit. Logs go to $LOGS and, tarred, to $OUT/logs.tgz
+# (the device tool returns at most 8 files).
 #
 #   bash benchmarks/run_on_gpu.sh env tests_fp8 bench_fp8 train_dense ...
 #
@@ -7,8 +8,9 @@
 # printed at the end, so the summary tables of every section come last.
 set -u
 OUT=${OUT:-/tmp/mx_jax_gpu}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 MX_JAX_TEST_GPU=1
+LOGS=${LOGS:-/tmp/mx_jax_gpu_logs}
+mkdir -p "$OUT" "$LOGS"
+export PYTHONUNBUFFERED=1 MX_JAX_TEST_GPU=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 PY=${PY:-python3}
 DENSE8B="--config configs/llama3_8b.yaml model.n_layers=8 data.source=embedded data.seq_len=8192 data.batch_size=1 model.remat=none"
@@ -17,10 +19,10 @@ section() {  # name, seconds, command...
   local name=$1 limit=$2; shift 2
   echo "=== $name (limit ${limit}s)"
   local t0=$SECONDS
-  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+  timeout "$limit" "$@" > "$LOGS/$name.log" 2>&1
   local rc=$?
   echo "=== $name rc=$rc in $((SECONDS - t0))s"
-  echo "$name rc=$rc $((SECONDS - t0))s" >> "$OUT/summary.txt"
+  echo "$name rc=$rc $((SECONDS - t0))s" >> "$LOGS/summary.txt"
 }
 
 for s in "$@"; do
@@ -33,19 +35,23 @@ for s in "$@"; do
     bench_fp8) section bench_fp8 420 $PY -m pallas_kernels.bench fp8 ;;
     bench_fp8_quick) section bench_fp8_quick 240 $PY -m pallas_kernels.bench fp8 --quick ;;
     bench_mx) section bench_mx 420 $PY -m pallas_kernels.bench mx ;;
-    bench_grouped) section bench_grouped 420 $PY -m pallas_kernels.bench grouped ;;
-    train_dense) section train_dense 480 $PY benchmarks/bench_train.py --steps 20 --base "$DENSE8B" --variant bf16: ;;
-    profile_dense) section profile_dense 240 $PY benchmarks/profile_step.py --steps 3 --top 25 ${DENSE8B} ;;
-    train_recipes) section train_recipes 420 $PY benchmarks/bench_train.py --steps 15 --base "$DENSE8B" --variant bf16: --variant bf16_no_triton_gemm:@--xla_gpu_enable_triton_gemm=false --variant fp8_rowwise:quant.recipe=fp8_rowwise --variant mxfp8:quant.recipe=mxfp8 ;;
-    bench_grouped_quick) section bench_grouped_quick 240 $PY -m pallas_kernels.bench grouped --quick ;;
     bench_mx_quick) section bench_mx_quick 200 $PY -m pallas_kernels.bench mx --quick ;;
+    bench_grouped) section bench_grouped 420 $PY -m pallas_kernels.bench grouped ;;
+    bench_grouped_quick) section bench_grouped_quick 240 $PY -m pallas_kernels.bench grouped --quick ;;
+    train_dense) section train_dense 480 $PY benchmarks/bench_train.py --out "$LOGS" --steps 20 --base "$DENSE8B" --variant bf16: ;;
+    train_recipes) section train_recipes 420 $PY benchmarks/bench_train.py --out "$LOGS" --steps 15 --base "$DENSE8B" --variant bf16: --variant fp8_rowwise:quant.recipe=fp8_rowwise --variant mxfp8:quant.recipe=mxfp8 ;;
+    profile_dense) section profile_dense 240 $PY benchmarks/profile_step.py --steps 3 --top 30 ${DENSE8B} ;;
+    profile_fp8) section profile_fp8 240 $PY benchmarks/profile_step.py --steps 3 --top 30 ${DENSE8B} quant.recipe=fp8_rowwise ;;
+    loss_curves) section loss_curves 420 bash benchmarks/loss_curves.sh "$LOGS" ;;
     *) echo "unknown section $s" ;;
   esac
 done
+tar czf "$OUT/logs.tgz" -C "$LOGS" . 2>/dev/null
+[ -f "$LOGS/loss_curves.png" ] && cp "$LOGS/loss_curves.png" "$OUT/"
 echo
-cat "$OUT/summary.txt"
+cat "$LOGS/summary.txt"
 for s in "$@"; do
-  [ -f "$OUT/$s.log" ] || continue
+  [ -f "$LOGS/$s.log" ] || continue
   echo "----- $s (tail)"
-  tail -n 25 "$OUT/$s.log"
+  tail -n 40 "$LOGS/$s.log"
 done

@@ -170,7 +170,7 @@ class Llama(nnx.Module):
         """tokens (B,T) int32 -> (logits (B,T,V) float32, MoE statistics per MoE layer; {} for a dense model)."""
         cfg = self.cfg
         cdt = jnp.dtype(cfg.compute_dtype)
-        x = jnp.take(self.embed[...].astype(cdt), tokens, axis=0)  # (B,T,D)
+        x = jnp.take(self.embed[...], tokens, axis=0).astype(cdt)  # (B,T,D); gather first, cast B*T rows only
         x = sharding.constrain(x, ("batch", "seq", "act_embed"))
         positions = jnp.arange(tokens.shape[1])
         inv_freq = rope_inv_freq(cfg.d_head, cfg.rope_theta, cfg.rope_scaling)

@@ -181,7 +181,10 @@ def _make_linear2d(recipe_name: str, impl: str):
                 w_op, w_res = _cols_t(w, w_out, p2, impl), w
             y = _gemm_fp8(x_op, w_op, x.dtype, impl)
         else:
-            y, x_res, w_res = _dot_hp(x, w, (1, 0), x.dtype, x.dtype), x, w
+            # Keep w's compute-dtype copy as the residual: the backward GEMM then reuses it instead of casting the
+            # f32 master again (one convert of every weight per step saved, at the cost of holding the copy).
+            w_c = w.astype(x.dtype)
+            y, x_res, w_res = _dot_hp(x, w_c, (1, 0), x.dtype, x.dtype), x, w_c
         return y, (x_res, w_res)
 
     def backward(res, g):
