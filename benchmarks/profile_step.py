@@ -46,9 +46,11 @@ def summarize(trace_dir: str, n_steps: int, top: int) -> None:
     data = ProfileData.from_file(sorted(paths)[-1])
     per_op: collections.Counter = collections.Counter()
     counts: collections.Counter = collections.Counter()
+    n_dev = 0
     for plane in data.planes:
         if not plane.name.startswith("/device:"):
             continue
+        n_dev += 1
         lines = {line.name: line for line in plane.lines}
         # "XLA Ops" carries HLO op names; fall back to the raw kernel streams
         chosen = [lines["XLA Ops"]] if "XLA Ops" in lines else [l for n, l in lines.items() if "Stream" in n]
@@ -56,11 +58,16 @@ def summarize(trace_dir: str, n_steps: int, top: int) -> None:
             for ev in line.events:
                 per_op[ev.name] += ev.duration_ns / 1e6
                 counts[ev.name] += 1
+    if not n_dev:
+        print("no device plane in the trace (CPU run): nothing to summarize")
+        return
+    n_steps *= n_dev  # report per step and per device
     total = sum(per_op.values())
     by_cat: collections.Counter = collections.Counter()
     for name, ms in per_op.items():
         by_cat[category(name)] += ms
-    print(f"\ndevice time per step: {total / n_steps:.1f} ms (sum over ops, {n_steps} steps traced)")
+    print(f"\ndevice time per step and device: {total / n_steps:.1f} ms (sum over ops, {n_steps // n_dev} steps "
+          f"traced on {n_dev} device(s))")
     for cat, ms in by_cat.most_common():
         print(f"  {cat:<16}{ms / n_steps:9.2f} ms  {100 * ms / total:5.1f}%")
     print(f"\ntop {top} ops (ms per step, calls per step):")

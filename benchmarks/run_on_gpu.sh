@@ -13,6 +13,7 @@ mkdir -p "$OUT" "$LOGS"
 export PYTHONUNBUFFERED=1 MX_JAX_TEST_GPU=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 PY=${PY:-python3}
+MOE="--config configs/mixtral_8x7b.yaml model.n_layers=2 data.source=embedded data.seq_len=4096 mesh.fsdp=1"
 DENSE8B="--config configs/llama3_8b.yaml model.n_layers=8 data.source=embedded data.seq_len=8192 data.batch_size=1 model.remat=none"
 
 section() {  # name, seconds, command...
@@ -42,6 +43,11 @@ for s in "$@"; do
     train_recipes) section train_recipes 420 $PY benchmarks/bench_train.py --out "$LOGS" --steps 15 --base "$DENSE8B" --variant bf16: --variant fp8_rowwise:quant.recipe=fp8_rowwise --variant mxfp8:quant.recipe=mxfp8 ;;
     profile_dense) section profile_dense 240 $PY benchmarks/profile_step.py --steps 3 --top 30 ${DENSE8B} ;;
     profile_fp8) section profile_fp8 240 $PY benchmarks/profile_step.py --steps 3 --top 30 ${DENSE8B} quant.recipe=fp8_rowwise ;;
+    nccl_a2a) section nccl_a2a 120 torchrun --nproc_per_node="$(nvidia-smi -L | wc -l)" benchmarks/nccl_a2a_torch.py ;;
+    dispatch) section dispatch 200 $PY benchmarks/bench_dispatch.py ;;
+    dispatch_decomposer) section dispatch_decomposer 200 env XLA_FLAGS="--xla_gpu_unsupported_enable_ragged_all_to_all_decomposer=true" $PY benchmarks/bench_dispatch.py ;;
+    moe_1gpu) section moe_1gpu 200 env CUDA_VISIBLE_DEVICES=0 $PY benchmarks/profile_step.py --steps 3 --top 15 $MOE data.batch_size=1 mesh.expert=1 ;;
+    moe_ep) section moe_ep 200 env XLA_FLAGS="--xla_gpu_unsupported_enable_ragged_all_to_all_decomposer=true" $PY benchmarks/profile_step.py --steps 3 --top 15 $MOE data.batch_size="$(nvidia-smi -L | wc -l)" mesh.expert="$(nvidia-smi -L | wc -l)" ;;
     loss_curves) section loss_curves 420 bash benchmarks/loss_curves.sh "$LOGS" ;;
     *) echo "unknown section $s" ;;
   esac

@@ -1,0 +1,165 @@
+"""MoE dispatch + combine on the GPUs of one node: mx_jax's exchanges against lax.all_to_all, as a table.
+
+    python benchmarks/bench_dispatch.py --sizes-mb 8 64 512        # all local GPUs on one `expert` axis
+    torchrun --nproc_per_node=4 benchmarks/nccl_a2a_torch.py        # NCCL's all_to_all_single, the same sizes
+
+Per GPU, `size` MB of bf16 rows (hidden 4096 -> 8 KiB a row) are sent to uniformly random devices (dispatch) and
+returned (combine). Bus bandwidth follows nccl-tests' all-to-all convention: busbw = bytes per GPU x (P-1)/P / t
+per direction, so dispatch+combine time t gives 2 x size x (P-1)/P / t.
+
+Paths (all inside one jit, timed with block_until_ready, median of --reps):
+  xla all_to_all       lax.all_to_all of equal chunks, no routing: the best non-custom JAX path, an upper bound
+  dense exchange       mx_jax.dispatch.exchange "dense": rows packed per peer into a buffer bounded at
+                       1.25 x rows/P (the capacity-factor path), moved with lax.all_to_all
+  ragged exchange      mx_jax.dispatch.exchange "ragged": lax.ragged_all_to_all, exact sizes, worst-case buffer
+Then the full dispatch_combine (flat vs hierarchical, P GPUs read as 2 nodes x P/2) for a top-k routing with an
+identity expert, its cross-node/intra-node rows, and a check that the ragged and dense exchanges agree.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+from mx_jax import dispatch
+
+
+def timed(fn, *args, reps: int) -> float:
+    out = fn(*args)
+    jax.block_until_ready(out)
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+@dataclasses.dataclass(frozen=True)
+class IdentityExperts:
+    """Stands in for ExpertFFN: returns each row unchanged (padding rows zero), so only the exchange is timed."""
+
+    n_local: int
+
+    def __call__(self, rows, local_expert):
+        return jnp.where((local_expert < self.n_local)[:, None], rows, 0)
+
+
+def exchange_paths(mesh, n_dev: int, rows: int, hidden: int, reps: int) -> dict[str, float]:
+    spec = P("expert")
+    rng = np.random.default_rng(0)
+    x = jax.device_put(jnp.asarray(rng.standard_normal((n_dev * rows, hidden)), jnp.bfloat16),
+                       NamedSharding(mesh, spec))
+    dest = jax.device_put(jnp.asarray(rng.integers(0, n_dev, n_dev * rows), jnp.int32), NamedSharding(mesh, spec))
+    group = dispatch.Group("expert", n_dev)
+    out = {}
+
+    def a2a(x):
+        chunks = x.reshape(n_dev, rows // n_dev, hidden)
+        there = jax.lax.all_to_all(chunks, "expert", 0, 0)
+        return jax.lax.all_to_all(there, "expert", 0, 0).reshape(rows, hidden)
+
+    def via(method, bound):
+        def f(x, dest):
+            recv, valid, back = dispatch.exchange({"x": x}, dest, group, method, bound=bound)
+            return back(jnp.where(valid[:, None], recv["x"], 0))
+        return f
+
+    paths = {"xla all_to_all": a2a, "dense exchange": via("dense", int(1.25 * rows / n_dev) + 1)}
+    if jax.default_backend() == "gpu":
+        paths["ragged exchange"] = via("ragged", None)
+    results = {}
+    for name, f in paths.items():
+        args = (x,) if name == "xla all_to_all" else (x, dest)
+        in_specs = (spec,) * len(args)
+        g = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=spec, check_vma=False))
+        try:
+            out[name] = timed(g, *args, reps=reps)
+            results[name] = g(*args)
+        except Exception as e:  # report and go on: one failing lowering must not hide the other paths
+            print(f"{name}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+    if "ragged exchange" in results:  # both exchanges return every row to its sender: the input itself
+        for name in ("dense exchange", "ragged exchange"):
+            got = np.asarray(results[name].astype(jnp.float32))
+            kept = np.abs(got).sum(1) > 0  # the dense path drops rows past its capacity bound
+            np.testing.assert_array_equal(got[kept], np.asarray(x.astype(jnp.float32))[kept])
+            out[f"{name} rows returned"] = float(kept.mean())
+    return out
+
+
+def dispatch_paths(mesh, n_dev: int, tokens: int, hidden: int, n_experts: int, top_k: int, reps: int):
+    spec = P("expert")
+    rng = np.random.default_rng(1)
+    x = jax.device_put(jnp.asarray(rng.standard_normal((n_dev * tokens, hidden)), jnp.bfloat16),
+                       NamedSharding(mesh, spec))
+    idx = np.stack([rng.choice(n_experts, top_k, replace=False) for _ in range(n_dev * tokens)]).astype(np.int32)
+    idx = jax.device_put(jnp.asarray(idx), NamedSharding(mesh, spec))
+    g = jnp.full((n_dev * tokens, top_k), 1.0 / top_k, jnp.float32)
+    g = jax.device_put(g, NamedSharding(mesh, spec))
+    experts = IdentityExperts(n_experts // n_dev)
+    out = {}
+    for method in ("flat", "hierarchical"):
+        for how in (["dense", "ragged"] if jax.default_backend() == "gpu" else ["dense"]):
+            def f(x, idx, g):
+                y, t = dispatch.dispatch_combine(x, idx, g, jnp.ones(idx.shape, bool), experts, axis="expert",
+                                                 method=method, gpus_per_node=max(1, n_dev // 2), exchange_method=how)
+                return y, {k: jax.lax.psum(v, "expert") for k, v in t.items()}
+
+            fn = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(spec,) * 3, out_specs=(spec, P()), check_vma=False))
+            try:
+                y, traffic = fn(x, idx, g)
+                # identity experts with weights summing to 1: the combine returns x
+                np.testing.assert_allclose(np.asarray(y, np.float32), np.asarray(x, np.float32), rtol=2e-2,
+                                           atol=2e-2)
+                out[(method, how)] = (timed(fn, x, idx, g, reps=reps), int(traffic["rows_cross_node"]),
+                                      int(traffic["rows_intra_node"]))
+            except Exception as e:
+                print(f"dispatch_combine {method}/{how}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--sizes-mb", type=int, nargs="+", default=[8, 64, 512])
+    ap.add_argument("--hidden", type=int, default=4096)
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--tokens", type=int, default=4096, help="tokens per GPU for the dispatch_combine comparison")
+    ap.add_argument("--experts", type=int, default=32)
+    ap.add_argument("--top-k", type=int, default=8)
+    args = ap.parse_args()
+    devices = jax.devices()
+    n_dev = len(devices)
+    mesh = jax.make_mesh((n_dev,), ("expert",), axis_types=(AxisType.Auto,))
+    print(f"{n_dev} x {devices[0].device_kind}, jax {jax.__version__}", flush=True)
+    rows_bytes = args.hidden * 2
+    table = []
+    for mb in args.sizes_mb:
+        rows = (mb * 2**20 // rows_bytes) // n_dev * n_dev
+        t = exchange_paths(mesh, n_dev, rows, args.hidden, args.reps)
+        size = rows * rows_bytes
+        for name in ("xla all_to_all", "dense exchange", "ragged exchange"):
+            if name in t:
+                busbw = 2 * size * (n_dev - 1) / n_dev / t[name] / 1e9
+                table.append((mb, name, 1e3 * t[name], busbw, t.get(f"{name} rows returned")))
+                print(table[-1], flush=True)
+    d = dispatch_paths(mesh, n_dev, args.tokens, args.hidden, args.experts, args.top_k, args.reps)
+    print(f"\ndispatch+combine bus bandwidth per GPU, {n_dev} GPUs, bf16 rows of {args.hidden}")
+    print(f"{'MB/GPU':>7}  {'path':<18}{'ms':>9}{'busbw GB/s':>12}  rows returned")
+    for mb, name, ms, bw, kept in table:
+        print(f"{mb:>7}  {name:<18}{ms:>9.3f}{bw:>12.1f}  {'' if kept is None else f'{100 * kept:.1f}%'}")
+    print(f"\ndispatch_combine, {args.tokens} tokens/GPU, top-{args.top_k} of {args.experts} experts, "
+          f"{n_dev} GPUs as 2 nodes x {max(1, n_dev // 2)}, identity experts")
+    print(f"{'method':<14}{'exchange':<9}{'ms':>9}{'cross-node rows':>17}{'intra-node rows':>17}")
+    for (method, how), (sec, cross, intra) in d.items():
+        print(f"{method:<14}{how:<9}{1e3 * sec:>9.3f}{cross:>17,}{intra:>17,}")
+
+
+if __name__ == "__main__":
+    main()
