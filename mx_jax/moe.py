@@ -124,7 +124,8 @@ class MoE(nnx.Module):
         dropped = psum(jnp.sum(~keep).astype(jnp.float32)) / (n_global * m.top_k)
 
         ffn = dispatch.ExpertFFN(w_gate, w_up, w_down, self.recipe, self.impl)
-        y, traffic = dispatch.dispatch_combine(xt, idx, g, keep, ffn, axis="expert" if "expert" in axes else None,
+        ep = "expert" in axes and jax.lax.axis_size("expert") > 1  # no exchange at all without expert parallelism
+        y, traffic = dispatch.dispatch_combine(xt, idx, g, keep, ffn, axis="expert" if ep else None,
                                                method=m.dispatch, gpus_per_node=m.gpus_per_node)
         stats = {"aux_loss": aux, "z_loss": z, "load": load, "dropped": dropped,
                  "rows_cross_node": psum(traffic["rows_cross_node"]), "rows_intra_node": psum(traffic["rows_intra_node"])}
