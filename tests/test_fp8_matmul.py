@@ -97,7 +97,10 @@ def test_uncovered_shape_raises_under_pallas_and_falls_back_under_auto(monkeypat
     # On a Hopper GPU, auto picks the kernel only for covered shapes and only where the table does not say XLA.
     monkeypatch.setattr(fm, "_on_hopper", lambda: True)
     assert fm.auto_choice(100, 256, 256, E4M3, E4M3) is None
-    assert fm.auto_choice(8192, 8192, 8192, E4M3, E4M3) == fm.AUTO_DEFAULT
+    assert fm.auto_choice(8192, 8192, 8192, E4M3, E4M3) == fm.AUTO_TABLE[(8192, 8192, 8192)]  # a measured winner
+    assert fm.auto_choice(8192, 3072, 2048, E4M3, E4M3) == fm.AUTO_DEFAULT  # not in the table
+    monkeypatch.setitem(fm.AUTO_TABLE, (8192, 3072, 2048), None)
+    assert fm.auto_choice(8192, 3072, 2048, E4M3, E4M3) is None  # where XLA won, auto takes XLA
     assert fm.auto_choice(8192, 8192, 8192, E4M3, E4M3, jnp.float32).epi_tile_n == 64  # f32 staging is chunked
     # Under a multi-device mesh (outside shard_map) the partitioner could not split the kernel: XLA.
     mesh = jax.make_mesh((len(jax.devices()),), ("d",), axis_types=(jax.sharding.AxisType.Auto,))
