@@ -71,7 +71,6 @@ def quantize_group_cols(t: jax.Array, group_sizes: jax.Array) -> tuple[jax.Array
     """t (M, C) -> (e4m3 (M, C), scale (E, C)): one power-of-two scale per (group, column), the amax over the
     group's rows. Padding rows are cast with multiplier 1 (the grouped GEMMs never read them into a sum)."""
     m = t.shape[0]
-    e = group_sizes.shape[0]
     gid = gmm_ops.row_groups(group_sizes, m)  # (M,), E for padding rows
     amax = gmm_ops.group_col_amax(t, group_sizes)  # (E, C)
     q, scale = qz.amax_to_scales(amax, E4M3, True)

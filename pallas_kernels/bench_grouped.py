@@ -27,7 +27,6 @@ import argparse
 import contextlib
 import dataclasses
 import functools
-import statistics
 import sys
 import time
 
@@ -38,6 +37,7 @@ import numpy as np
 from mx_jax import compat
 from mx_jax.grouped_linear import grouped_linear
 from pallas_kernels import grouped_matmul as gm
+from pallas_kernels.bench import rel_err, time_fn
 
 F8 = jnp.float8_e4m3fn
 TARGETS = {"bf16": (780, 650), "fp8": (1150, 900)}  # TFLOP/s, (balanced, skewed)
@@ -92,30 +92,6 @@ def sweep(dtype, quick: bool, smoke: bool) -> list[gm.TileConfig]:
     return configs
 
 
-def time_call(fn, args, *, samples: int, batch: int, warmup: int = 3) -> tuple[float, float, object]:
-    """(median ms per call, compile s, first output)."""
-    t0 = time.perf_counter()
-    compiled = jax.jit(fn).lower(*args).compile()
-    compile_s = time.perf_counter() - t0
-    out = jax.block_until_ready(compiled(*args))
-    for _ in range(warmup):
-        jax.block_until_ready(compiled(*args))
-    times = []
-    for _ in range(samples):
-        t0 = time.perf_counter()
-        res = None
-        for _ in range(batch):
-            res = compiled(*args)
-        jax.block_until_ready(res)
-        times.append((time.perf_counter() - t0) / batch * 1e3)
-    return statistics.median(times), compile_s, out
-
-
-def _rel_err(out, ref) -> float:
-    out, ref = jnp.asarray(out, jnp.float32), jnp.asarray(ref, jnp.float32)
-    return float(jnp.linalg.norm(out - ref) / jnp.maximum(jnp.linalg.norm(ref), 1e-30))
-
-
 def _sampled_reference(p: Problem, sizes, x, w, **kw) -> tuple[jax.Array, jax.Array]:
     """(rows (S,), f32 reference of out[rows]): sorted sampled rows keep the grouping, so the reference GEMM runs on
     S rows with their group sizes."""
@@ -155,12 +131,13 @@ def bench_forward(p: Problem, quick: bool, smoke: bool) -> dict[tuple[str, str],
 
     def run(label, routing, fn, args, ref, config=""):
         try:
-            ms, compile_s, out = time_call(fn, args, **timing)
+            t = time_fn(fn, [args], **timing)
+            ms, compile_s, out = t.ms, t.compile_s, t.out
         except Exception as e:  # a config that does not compile must not end the sweep
             _log(f"  {routing:9s} {label:12s} {config:40s} FAILED: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
             return None
         rows, y_ref = ref
-        err = _rel_err(out[rows], y_ref)
+        err = rel_err(out[rows], y_ref)
         tflops = flops / (ms * 1e-3) / 1e12
         _log(f"  {routing:9s} {label:12s} {config:40s} {ms:8.3f} ms {tflops:7.0f} TFLOP/s  err {err:.1e}"
              f"  (compile {compile_s:.1f}s)")
@@ -227,7 +204,8 @@ def bench_ffn(p: Problem, quick: bool, smoke: bool) -> dict[tuple[str, str], tup
             # value_and_grad: with grad alone XLA drops the down projection's forward GEMM (y only feeds the loss).
             fn = jax.value_and_grad(functools.partial(_ffn_loss, recipe=recipe, impl=impl), argnums=(0, 1, 2, 3))
             try:
-                ms, compile_s, out = time_call(fn, args, **timing)
+                t = time_fn(fn, [args], **timing)
+                ms, compile_s, out = t.ms, t.compile_s, t.out
             except Exception as e:
                 _log(f"  ffn {recipe:12s} {impl:7s} FAILED: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
                 continue
@@ -235,7 +213,7 @@ def bench_ffn(p: Problem, quick: bool, smoke: bool) -> dict[tuple[str, str], tup
             results[(recipe, impl)] = (ms, float("nan"))
             _log(f"  ffn {recipe:12s} {impl:7s} fwd+bwd {ms:9.3f} ms  (compile {compile_s:.1f}s)")
         if "pallas" in grads and "xla" in grads:
-            err = max(_rel_err(a, b) for a, b in zip(grads["pallas"], grads["xla"]))
+            err = max(rel_err(a, b) for a, b in zip(grads["pallas"], grads["xla"]))
             results[(recipe, "pallas")] = (results[(recipe, "pallas")][0], err)
     return results
 

@@ -27,10 +27,8 @@ import argparse
 import contextlib
 import dataclasses
 import importlib
-import statistics
 import sys
 import time
-from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -38,6 +36,7 @@ from jax import lax
 
 from mx_jax import compat
 from mx_jax import mx_format as mxf
+from pallas_kernels.bench import rel_err, time_fn
 
 mm = importlib.import_module("pallas_kernels.mx_matmul")  # the module; the package re-exports dispatchers
 E4M3 = jnp.float8_e4m3fn
@@ -84,37 +83,6 @@ def tile_sweep(quick: bool, smoke: bool) -> list[mm.TileConfig]:
     if smoke:
         configs = [SMOKE_CONFIG, r(SMOKE_CONFIG, tmp_slots=2)]
     return configs
-
-
-@dataclasses.dataclass
-class Timing:
-    ms: float
-    compile_s: float
-    out: jax.Array  # the output for the first input set
-
-
-def time_fn(fn: Callable, arg_sets: list[tuple], *, samples: int, batch: int, warmup: int = 3) -> Timing:
-    """Median over `samples` of the mean time of `batch` back-to-back calls, rotating over `arg_sets`."""
-    t0 = time.perf_counter()
-    compiled = jax.jit(fn).lower(*arg_sets[0]).compile()
-    compile_s = time.perf_counter() - t0
-    out = jax.block_until_ready(compiled(*arg_sets[0]))
-    for i in range(warmup):
-        jax.block_until_ready(compiled(*arg_sets[i % len(arg_sets)]))
-    times = []
-    for _ in range(samples):
-        t0 = time.perf_counter()
-        res = None
-        for i in range(batch):
-            res = compiled(*arg_sets[i % len(arg_sets)])
-        jax.block_until_ready(res)
-        times.append((time.perf_counter() - t0) / batch * 1e3)
-    return Timing(statistics.median(times), compile_s, out)
-
-
-def rel_err(out, ref) -> float:
-    out = jnp.asarray(out, jnp.float32)
-    return float(jnp.linalg.norm(out - ref) / jnp.maximum(jnp.linalg.norm(ref), 1e-30))
 
 
 @jax.jit

@@ -45,6 +45,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from mx_jax import compat
+from pallas_kernels import device
 
 FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
 Impl = Literal["auto", "pallas", "xla", "reference"]
@@ -315,16 +316,6 @@ def fit_config(config: TileConfig, out_dtype) -> TileConfig:
     return config
 
 
-def _num_sms(interpret) -> int:
-    abstract = jax.sharding.get_abstract_mesh().abstract_device
-    if abstract is not None and abstract.num_cores:  # (a CPU mesh's abstract device has num_cores None)
-        return abstract.num_cores
-    dev = jax.devices()[0]
-    if interpret or dev.platform != "gpu":
-        return 2  # interpreted on CPU: a small persistent grid, so every CTA walks several tiles as on the GPU
-    return dev.core_count
-
-
 def fp8_matmul_pallas(
     a: jax.Array,
     b_t: jax.Array,
@@ -347,7 +338,7 @@ def fp8_matmul_pallas(
     b_scale = jnp.broadcast_to(jnp.asarray(b_scale, jnp.float32), (n,))
     cluster_size = 2 if config.cluster else 1
     tiles = (m // config.cluster_tile_m) * (n // config.cluster_tile_n)
-    grid = max(1, min(_num_sms(interpret) // cluster_size, tiles))
+    grid = max(1, min(device.num_sms(interpret) // cluster_size, tiles))
     f = plgpu.kernel(
         functools.partial(_kernel, config=config),
         out_type=jax.ShapeDtypeStruct((m, n), out_dtype),
@@ -388,24 +379,9 @@ AUTO_TABLE: dict[tuple[int, int, int], TileConfig | None] = {
 AUTO_DEFAULT: TileConfig | None = DEFAULT_CONFIG
 
 
-def _on_hopper() -> bool:
-    dev = jax.devices()[0]
-    return dev.platform == "gpu" and getattr(dev, "compute_capability", "") == "9.0"
-
-
-def partitioned_context() -> bool:
-    """Whether operands traced now may be split over devices by the SPMD partitioner (a multi-device mesh is set
-    and we are not inside shard_map). The partitioner cannot split a Mosaic-GPU custom call, so impl="auto" keeps
-    such calls on XLA's GEMM (which it partitions); inside shard_map every array is local and the kernel is used."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or mesh.size == 1:
-        return False
-    return not all(t == jax.sharding.AxisType.Manual for t in mesh.axis_types)
-
-
 def auto_choice(m: int, n: int, k: int, a_dtype, b_dtype, out_dtype=jnp.bfloat16) -> TileConfig | None:
     """The Pallas config impl="auto" runs for this problem, or None when it runs XLA."""
-    if not _on_hopper() or partitioned_context():
+    if not device.kernels_apply():
         return None
     config = AUTO_TABLE.get((m, n, k), AUTO_DEFAULT)
     config = config and fit_config(config, out_dtype)

@@ -72,6 +72,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels import device
+
 Impl = Literal["auto", "pallas", "xla", "reference"]
 FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
 _KERNEL_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), *FP8_DTYPES)
@@ -699,22 +701,13 @@ def _tgmm_aligned(dtype, config: TileConfig) -> bool:
     return jnp.dtype(dtype) in FP8_DTYPES or config.tgmm_layout == "aligned"
 
 
-def _num_sms(interpret) -> int:
-    abstract = jax.sharding.get_abstract_mesh().abstract_device  # set by AOT lowering; inside shard_map too
-    if abstract is not None and abstract.num_cores:  # (a CPU mesh's abstract device has num_cores None)
-        return abstract.num_cores
-    if interpret is not None:
-        return 2  # a small persistent grid: every CTA walks several tiles, as on the GPU
-    return getattr(jax.devices()[0], "core_count", None) or 2  # a CPU under force_gpu_interpret_mode: 2
-
-
 def _varying_axes(x) -> set:
     """shard_map axes along which x varies (jax's check_vma typing); empty outside shard_map."""
     return set(getattr(getattr(jax.typeof(x), "mat", None), "varying", None) or ())
 
 
 def _launch(body, out_type, work_items: int, args, interpret, cluster_size: int = 1):
-    grid = max(1, min(_num_sms(interpret) // cluster_size, work_items))
+    grid = max(1, min(device.num_sms(interpret) // cluster_size, work_items))
     f = plgpu.kernel(
         body,
         out_type=out_type,
@@ -830,12 +823,6 @@ def _tgmm_xla(lhs, rhs, group_sizes, *, lhs_scale, rhs_scale, out_dtype):
     return out.astype(out_dtype)
 
 
-def on_hopper() -> bool:
-    """True when the default backend is an sm_90 GPU (H100 / H200 / H800 / GH200)."""
-    dev = jax.devices()[0]
-    return dev.platform == "gpu" and str(getattr(dev, "compute_capability", "")).startswith("9")
-
-
 def _check_scales(lhs_scale, rhs_scale, lhs_scale_shape, rhs_scale_shape) -> None:
     if (lhs_scale is None) != (rhs_scale is None):
         raise ValueError("pass both lhs_scale and rhs_scale, or neither")
@@ -878,7 +865,7 @@ def gmm(
     kw = dict(transpose_rhs=transpose_rhs, lhs_scale=lhs_scale, rhs_scale=rhs_scale, out_dtype=out_dtype)
     if impl == "auto":
         _, reason = _pick(_gmm_cover_fn(lhs, rhs, transpose_rhs, out_dtype, lhs_scale is not None), lhs.dtype, config)
-        impl = "pallas" if reason is None and on_hopper() else "xla"
+        impl = "pallas" if reason is None and device.kernels_apply() else "xla"
     if impl == "pallas":
         return gmm_pallas(lhs, rhs, group_sizes, config=config, **kw)
     if impl == "xla":
@@ -912,7 +899,7 @@ def tgmm(
     kw = dict(lhs_scale=lhs_scale, rhs_scale=rhs_scale, out_dtype=out_dtype)
     if impl == "auto":
         _, reason = _pick(_tgmm_cover_fn(lhs, rhs, out_dtype, lhs_scale is not None), lhs.dtype, config)
-        impl = "pallas" if reason is None and on_hopper() else "xla"
+        impl = "pallas" if reason is None and device.kernels_apply() else "xla"
     if impl == "pallas":
         return tgmm_pallas(lhs, rhs, group_sizes, config=config, **kw)
     if impl == "xla":

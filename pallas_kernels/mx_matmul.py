@@ -90,6 +90,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from mx_jax import compat
+from pallas_kernels import device
 from mx_jax import mx_format as mxf
 
 BLOCK = 32  # MX block size along K; also the K of one fp8 wgmma instruction
@@ -333,16 +334,6 @@ def pallas_cover(
     return None
 
 
-def _num_sms(interpret) -> int:
-    abstract = jax.sharding.get_abstract_mesh().abstract_device
-    if abstract is not None and abstract.num_cores:  # (a CPU mesh's abstract device has num_cores None)
-        return abstract.num_cores
-    dev = jax.devices()[0]
-    if interpret is not None or dev.platform != "gpu":
-        return 2  # interpreted on CPU: a small persistent grid, so every CTA walks several tiles as on the GPU
-    return dev.core_count
-
-
 def mx_matmul_pallas(
     a: jax.Array,
     b_t: jax.Array,
@@ -368,7 +359,7 @@ def mx_matmul_pallas(
     f = plgpu.kernel(
         functools.partial(_kernel, config=config),
         out_type=jax.ShapeDtypeStruct((m, n), out_dtype),
-        grid=(max(1, min(_num_sms(interpret), tiles)),),
+        grid=(max(1, min(device.num_sms(interpret), tiles)),),
         grid_names=("cluster_grid",),
         num_threads=3,
         thread_name="wg",
@@ -417,22 +408,12 @@ AUTO_TABLE: dict[tuple[int, int, int], TileConfig | None] = {}
 AUTO_DEFAULT: TileConfig | None = DEFAULT_CONFIG
 
 
-def compute_capability() -> tuple[int, int] | None:
-    """(major, minor) of the first device when it is an NVIDIA GPU, else None."""
-    dev = jax.devices()[0]
-    cc = getattr(dev, "compute_capability", None)
-    if dev.platform != "gpu" or not cc:
-        return None
-    major, _, minor = str(cc).partition(".")
-    return int(major), int(minor or 0)
-
-
 def auto_choice(m: int, n: int, k: int, a_dtype, b_dtype, out_dtype=jnp.bfloat16) -> str | TileConfig:
     """What impl="auto" runs: "blackwell", "xla", or the TileConfig of the Hopper kernel."""
-    cc = compute_capability()
+    cc = device.compute_capability()
     if cc is not None and cc >= (10, 0):
         return "blackwell"
-    if cc != (9, 0):
+    if not device.kernels_apply():
         return "xla"
     config = AUTO_TABLE.get((m, n, k), AUTO_DEFAULT)
     if config is None or pallas_cover(m, n, k, a_dtype, b_dtype, out_dtype, config) is not None:

@@ -56,6 +56,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from mx_jax import compat
+from pallas_kernels import device
 from mx_jax import mx_format as mxf
 
 Impl = Literal["auto", "pallas", "xla", "reference"]
@@ -322,12 +323,6 @@ def _xla(x, *, variant, mode, elem_dtype):
     return (*q(x), *q(x.T))
 
 
-def _has_mosaic_gpu() -> bool:
-    """Hopper or newer: TMA and the Mosaic-GPU kernels need compute capability >= 9.0."""
-    dev = jax.devices()[0]
-    return dev.platform == "gpu" and float(getattr(dev, "compute_capability", 0.0)) >= 9.0
-
-
 def _dispatch(x, *, variant, mode, elem_dtype, impl, config):
     fn = f"mx_quantize_{variant}"
     if impl not in ("auto", "pallas", "xla", "reference"):
@@ -349,13 +344,13 @@ def _dispatch(x, *, variant, mode, elem_dtype, impl, config):
     if impl == "xla":
         return _xla(x, variant=variant, mode=mode, elem_dtype=elem_dtype)
     if impl == "pallas":
-        if not _has_mosaic_gpu():
+        if not device.kernels_apply():
             raise NotImplementedError(
                 f"{fn}(impl='pallas') needs a Hopper-or-newer GPU; on CPU call mx_quantize_{variant}_pallas("
                 "..., interpret=compat.InterpretGPUParams())"
             )
         return _mx_cast_pallas(x, variant=variant, mode=mode, elem_dtype=elem_dtype, config=config, interpret=None)
-    if _has_mosaic_gpu() and pallas_cover(x.shape, x.dtype, variant=variant, config=config) is None:
+    if device.kernels_apply() and pallas_cover(x.shape, x.dtype, variant=variant, config=config) is None:
         return _mx_cast_pallas(x, variant=variant, mode=mode, elem_dtype=elem_dtype, config=config, interpret=None)
     return _xla(x, variant=variant, mode=mode, elem_dtype=elem_dtype)
 

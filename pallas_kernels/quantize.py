@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib
 import math
 from typing import Literal
 
@@ -47,7 +46,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-fp8mm = importlib.import_module("pallas_kernels.fp8_matmul")  # the module (the package re-exports the function)
+from pallas_kernels import device
 
 AMAX_EPS = 1e-12  # TorchAO's EPS: keeps q finite for an all-zero row
 FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
@@ -319,7 +318,7 @@ def _use_pallas(variant: str, impl: Impl, shape, x_dtype) -> bool:
         return True
     if impl != "auto" or not AUTO_PALLAS[variant]:
         return False
-    if not fp8mm._on_hopper() or fp8mm.partitioned_context():
+    if not device.kernels_apply():
         return False
     return pallas_cover(shape, x_dtype, transposed=variant != "rows") is None
 

@@ -2,7 +2,6 @@
 
 import json
 
-import jax
 import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
@@ -87,7 +86,7 @@ def test_shard_errors_name_the_problem(tmp_path):
 
 
 def test_hf_tokenizer_json(tmp_path):
-    tokenizers = pytest.importorskip("tokenizers")
+    pytest.importorskip("tokenizers")
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
     corpus = ["def foo(x):\n    return x + 1\n", "import os\nprint(os.getcwd())\n"] * 50

@@ -11,6 +11,7 @@ import pytest
 from jax.sharding import AbstractDevice, AbstractMesh
 
 from mx_jax import compat
+from pallas_kernels import device
 from pallas_kernels import interpret_compat
 
 fm = importlib.import_module("pallas_kernels.fp8_matmul")
@@ -95,7 +96,7 @@ def test_uncovered_shape_raises_under_pallas_and_falls_back_under_auto(monkeypat
         fm.fp8_matmul(a, b, sa, sb, impl="pallas", interpret=compat.InterpretGPUParams())
     assert_close_to_reference(fm.fp8_matmul(a, b, sa, sb, impl="auto"), a, b, sa, sb)  # CPU: XLA
     # On a Hopper GPU, auto picks the kernel only for covered shapes and only where the table does not say XLA.
-    monkeypatch.setattr(fm, "_on_hopper", lambda: True)
+    monkeypatch.setattr(device, "on_hopper", lambda: True)
     assert fm.auto_choice(100, 256, 256, E4M3, E4M3) is None
     assert fm.auto_choice(8192, 8192, 8192, E4M3, E4M3) == fm.AUTO_TABLE[(8192, 8192, 8192)]  # a measured winner
     assert fm.auto_choice(8192, 3072, 2048, E4M3, E4M3) == fm.AUTO_DEFAULT  # not in the table
@@ -199,7 +200,7 @@ def test_gpu_dtypes_and_scales(a_dtype, b_dtype, scalar, out_dtype):
 @pytest.mark.gpu
 def test_gpu_auto_uses_the_kernel_on_hopper():
     a, b, sa, sb = operands(jax.random.key(4), 8192, 8192, 8192)
-    if not fm._on_hopper():
+    if not device.on_hopper():
         pytest.skip("not a Hopper GPU")
     assert fm.auto_choice(8192, 8192, 8192, a.dtype, b.dtype) is not None
     hlo = jax.jit(lambda *x: fm.fp8_matmul(*x, impl="auto")).lower(a, b, sa, sb).as_text()

@@ -13,6 +13,7 @@ import pytest
 from jax.sharding import AbstractDevice, AbstractMesh
 
 from mx_jax import compat
+from pallas_kernels import device
 from mx_jax import mx_format as mxf
 from pallas_kernels import interpret_compat
 
@@ -149,14 +150,14 @@ def test_uncovered_shape_raises_under_pallas_and_falls_back_under_auto(monkeypat
         mm.mx_matmul(a, b, sa, sb, impl="pallas", interpret=compat.InterpretGPUParams())
     assert_matches_float64(mm.mx_matmul(a, b, sa, sb, out_dtype=jnp.float32, impl="auto"), a, b, sa, sb)  # CPU
     # On Hopper, auto runs the kernel only where it covers the shape and the table does not say XLA.
-    monkeypatch.setattr(mm, "compute_capability", lambda: (9, 0))
+    monkeypatch.setattr(device, "compute_capability", lambda: (9, 0))
     assert mm.auto_choice(96, 128, 128, E4M3, E4M3) == "xla"
     assert mm.auto_choice(8192, 8192, 8192, E4M3, E4M3) == mm.AUTO_DEFAULT
     monkeypatch.setitem(mm.AUTO_TABLE, (8192, 8192, 8192), None)
     assert mm.auto_choice(8192, 8192, 8192, E4M3, E4M3) == "xla"
-    monkeypatch.setattr(mm, "compute_capability", lambda: (8, 0))  # Ampere: no TMA/wgmma
+    monkeypatch.setattr(device, "compute_capability", lambda: (8, 0))  # Ampere: no TMA/wgmma
     assert mm.auto_choice(4096, 4096, 4096, E4M3, E4M3) == "xla"
-    monkeypatch.setattr(mm, "compute_capability", lambda: (10, 0))
+    monkeypatch.setattr(device, "compute_capability", lambda: (10, 0))
     assert mm.auto_choice(96, 128, 128, E4M3, E4M3) == "blackwell"
 
 
@@ -204,7 +205,7 @@ def test_blackwell_path_hands_scaled_matmul_its_documented_layout(monkeypatch):
         return out.astype(preferred_element_type)
 
     monkeypatch.setattr(jax.nn, "scaled_matmul", fake_scaled_matmul)
-    monkeypatch.setattr(mm, "compute_capability", lambda: (10, 0))
+    monkeypatch.setattr(device, "compute_capability", lambda: (10, 0))
     out = mm.mx_matmul(a, b, sa, sb, out_dtype=jnp.bfloat16, impl="auto")  # auto picks blackwell on cc 10.0
     # (B, M, K) and (B, N, K) fp8 operands; (B, M, K/32) and (B, N, K/32) float8_e8m0fnu scales; block 32
     assert seen["lhs"].shape == (1, 64, 128) and seen["lhs"].dtype == E4M3
@@ -316,7 +317,7 @@ def test_gpu_dtypes_zero_blocks_and_nan(a_dtype, b_dtype):
 
 @pytest.mark.gpu
 def test_gpu_auto_uses_the_kernel_on_hopper():
-    if mm.compute_capability() != (9, 0):
+    if device.compute_capability() != (9, 0):
         pytest.skip("not a Hopper GPU")
     a, b, sa, sb = operands(jax.random.key(4), 8192, 8192, 8192, spread=8)
     assert isinstance(mm.auto_choice(8192, 8192, 8192, a.dtype, b.dtype), mm.TileConfig)
