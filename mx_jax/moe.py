@@ -128,7 +128,7 @@ class MoE(nnx.Module):
         y, traffic = dispatch.dispatch_combine(xt, idx, g, keep, ffn, axis="expert" if ep else None,
                                                method=m.dispatch, gpus_per_node=m.gpus_per_node)
         stats = {"aux_loss": aux, "z_loss": z, "load": load, "dropped": dropped,
-                 "rows_cross_node": psum(traffic["rows_cross_node"]), "rows_intra_node": psum(traffic["rows_intra_node"])}
+                 **{k: psum(v) for k, v in traffic.items()}}  # rows_cross_node, rows_intra_node
         return y.reshape(b, t, d), stats
 
 
