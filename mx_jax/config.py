@@ -72,6 +72,7 @@ class ModelConfig:
     compute_dtype: Literal["bfloat16", "float32"] = "bfloat16"
     param_dtype: Literal["float32", "bfloat16"] = "float32"
     remat: Literal["none", "full", "save_matmuls"] = "none"
+    scan_layers: bool = True  # lax.scan over the stacked layers; false unrolls them (llama.py: when that wins)
     attention: Literal["auto", "cudnn", "xla"] = "auto"
     moe: MoEConfig = MoEConfig()
 

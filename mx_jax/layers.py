@@ -18,6 +18,14 @@ Attention: softmax(q k^T / sqrt(K) + causal mask) v with G key/value heads share
            With a `context` mesh axis the sequence is split; each shard all-gathers K and V over the axis and
            masks by global position, which is exact (ring attention would trade the gather for overlap).
 SwiGLU:    y = (silu(x W_gate) * (x W_up)) W_down                     (Shazeer 2020).
+
+Fused projections: q, k and v (and gate and up) are one GEMM, x [W_q | W_k | W_v], whose output is split. The
+parameters stay separate (checkpoints and Hugging Face names are unchanged); the concatenation is fused by XLA into
+the f32 -> bf16 cast every weight goes through anyway, and its transpose into the gradient's cast back. One
+(T, D) x (D, (H+2G)K) GEMM runs nearer the tensor-core peak than three, two of them only G K = 1024 wide, and the
+backward reads x once instead of three times. Under a quantized recipe, per-output-column weight scales (rowwise,
+MX) are unchanged by the fusion; tensorwise shares one weight scale, and the gradient's rows share one scale,
+across the fused outputs. Linears whose recipes differ (a kernel that cannot take one of the shapes) run unfused.
 """
 
 from __future__ import annotations
@@ -42,6 +50,17 @@ def _param(rngs: nnx.Rngs, shape: tuple[int, ...], std: float, axes: tuple[str, 
 def linear(x: jax.Array, w: nnx.Param, recipe: str, impl: str) -> jax.Array:
     """x (..., in) @ w (in, out) through the quantization recipe; the output is tagged for remat policies."""
     return checkpoint_name(quant.linear(x, w[...], recipe=recipe, impl=impl), "matmul")
+
+
+def fused_linear(x: jax.Array, ws: tuple[nnx.Param, ...], recipes: tuple[str, ...], impl: str
+                 ) -> tuple[jax.Array, ...]:
+    """(x @ w for w in ws) as one GEMM over the concatenated weights when they share a recipe (module docstring)."""
+    if len(set(recipes)) > 1:
+        return tuple(linear(x, w, r, impl) for w, r in zip(ws, recipes))
+    w = jnp.concatenate([w[...] for w in ws], axis=1)
+    y = checkpoint_name(quant.linear(x, w, recipe=recipes[0], impl=impl), "matmul")
+    bounds = [w.shape[1] for w in ws]
+    return tuple(jnp.split(y, [sum(bounds[:i]) for i in range(1, len(bounds))], axis=-1))
 
 
 class RMSNorm(nnx.Module):
@@ -125,9 +144,10 @@ class Attention(nnx.Module):
     def __call__(self, x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
         b, t, _ = x.shape
         r = self.recipes
-        q = linear(x, self.wq, r["wq"], self.impl).reshape(b, t, self.n_heads, self.head_dim)
-        k = linear(x, self.wk, r["wk"], self.impl).reshape(b, t, self.n_kv_heads, self.head_dim)
-        v = linear(x, self.wv, r["wv"], self.impl).reshape(b, t, self.n_kv_heads, self.head_dim)
+        q, k, v = fused_linear(x, (self.wq, self.wk, self.wv), (r["wq"], r["wk"], r["wv"]), self.impl)
+        q = q.reshape(b, t, self.n_heads, self.head_dim)
+        k = k.reshape(b, t, self.n_kv_heads, self.head_dim)
+        v = v.reshape(b, t, self.n_kv_heads, self.head_dim)
         q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
         o = checkpoint_name(causal_attention(q, k, v, self.attention), "attention")  # (B,T,H,K)
         return linear(o.reshape(b, t, self.n_heads * self.head_dim), self.wo, r["wo"], self.impl)
@@ -144,5 +164,5 @@ class SwiGLU(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         r = self.recipes
-        h = jax.nn.silu(linear(x, self.w_gate, r["w_gate"], self.impl)) * linear(x, self.w_up, r["w_up"], self.impl)
-        return linear(h, self.w_down, r["w_down"], self.impl)
+        gate, up = fused_linear(x, (self.w_gate, self.w_up), (r["w_gate"], r["w_up"]), self.impl)
+        return linear(jax.nn.silu(gate) * up, self.w_down, r["w_down"], self.impl)

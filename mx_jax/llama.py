@@ -2,14 +2,22 @@
 
     tokens (B,T) -> embed (V,D) -> L x [x + Attn(RMSNorm(x)); x + FFN(RMSNorm(x))] -> RMSNorm -> head (D,V)
 
-The L blocks are one stacked set of parameters with a leading layer axis, run by `jax.lax.scan`: compile time
-stays flat in L (an 80-layer 70B compiles like a 1-layer one) and the step runs as fast as an unrolled loop on one
-device (see benchmarks/RESULTS.md). Rematerialization wraps the scanned block: "full" recomputes everything in the
-backward pass, "save_matmuls" keeps the outputs of every linear and of attention (tagged with checkpoint_name in
-layers.py) and recomputes only the cheap elementwise work.
+The L blocks are one stacked set of parameters with a leading layer axis. `model.scan_layers=true` runs them with
+`jax.lax.scan`: compile time stays flat in L (an 80-layer 70B compiles like a 1-layer one). `false` unrolls the
+same stacked parameters into a Python loop: XLA then keeps each layer's saved activations in their own buffers
+instead of writing them into the scan's stacked residuals (dynamic_update_slice copies, ~10 ms of a 260 ms 8B
+step, benchmarks/RESULTS.md), at a compile time that grows with L. Rematerialization wraps each block: "full"
+recomputes everything in the backward pass, "save_matmuls" keeps the outputs of every linear and of attention
+(tagged with checkpoint_name in layers.py) and recomputes only the cheap elementwise work.
 
-The output head is untied from the embedding, as in Llama 3. Logits are computed with float32 accumulation and
-the loss is the mean token cross-entropy in nats.
+The output head is untied from the embedding, as in Llama 3. Training keeps the logits in the compute dtype
+(bf16: 2 bytes per vocabulary entry per token instead of 4; the head GEMM accumulates in float32 either way) and
+the loss, the mean token cross-entropy in nats, upcasts inside its reductions:
+
+    loss = mean_t [ logsumexp_v z_tv - z_t,y_t ],      dloss/dz_tv = (softmax(z_t)_v - [v = y_t]) / N
+
+`cross_entropy` is a custom_vjp that writes exactly that gradient in the logits' dtype in one pass, where autodiff
+of the plain expression would materialize float32 softmax and one-hot scatter buffers of the logits' size.
 """
 
 from __future__ import annotations
@@ -103,10 +111,11 @@ class MoEGroup(nnx.Module):
     def __init__(self, cfg: ModelConfig, plan: LinearPlan, impl: str, *, rngs: nnx.Rngs):
         n = cfg.moe.every_n_layers
         self.dense = _stack(n - 1, lambda r: Block(cfg, plan, impl, rngs=r), rngs)
+        self.scan = cfg.scan_layers
         self.moe_block = Block(cfg, plan, impl, moe=True, rngs=rngs)
 
     def __call__(self, x, positions, inv_freq):
-        x, _ = _scan(self.dense, x, positions, inv_freq, "none")
+        x, _ = _scan(self.dense, x, positions, inv_freq, "none", self.scan)
         return self.moe_block(x, positions, inv_freq)
 
 
@@ -127,8 +136,8 @@ def _stack(n: int, make, rngs: nnx.Rngs) -> nnx.Module:
     return make_stack(rngs)
 
 
-def _scan(stack: nnx.Module, x, positions, inv_freq, remat: str):
-    """Run a stacked module layer by layer with lax.scan; returns (x, per-layer stats stacked)."""
+def _scan(stack: nnx.Module, x, positions, inv_freq, remat: str, scan: bool = True):
+    """Run a stacked module layer by layer, by lax.scan or unrolled; returns (x, per-layer stats stacked)."""
     graphdef, state = nnx.split(stack)
 
     def body(x, layer_state):
@@ -136,7 +145,14 @@ def _scan(stack: nnx.Module, x, positions, inv_freq, remat: str):
 
     if remat != "none":
         body = jax.checkpoint(body, policy=_REMAT_POLICIES[remat], prevent_cse=False)
-    return jax.lax.scan(body, x, state)
+    if scan:
+        return jax.lax.scan(body, x, state)
+    n = jax.tree.leaves(state)[0].shape[0]
+    stats = []
+    for i in range(n):
+        x, s = body(x, jax.tree.map(lambda a: a[i], state))
+        stats.append(s)
+    return x, jax.tree.map(lambda *per_layer: jnp.stack(per_layer), *stats)
 
 
 def layer_kinds(cfg: ModelConfig) -> tuple[int, int, int]:
@@ -166,8 +182,11 @@ class Llama(nnx.Module):
         self.head = _param(rngs, (cfg.d_model, cfg.vocab_size), cfg.init_std, ("embed", "vocab"), pd)
         self.head_recipe, self.quant_impl = self.plan.recipes["head"], impl
 
-    def __call__(self, tokens: jax.Array) -> tuple[jax.Array, dict]:
-        """tokens (B,T) int32 -> (logits (B,T,V) float32, MoE statistics per MoE layer; {} for a dense model)."""
+    def __call__(self, tokens: jax.Array, logits_dtype=jnp.float32) -> tuple[jax.Array, dict]:
+        """tokens (B,T) int32 -> (logits (B,T,V) in logits_dtype, MoE statistics per MoE layer; {} for dense).
+
+        Training asks for the compute dtype (module docstring); float32 is the default for inspection.
+        """
         cfg = self.cfg
         cdt = jnp.dtype(cfg.compute_dtype)
         x = jnp.take(self.embed[...], tokens, axis=0).astype(cdt)  # (B,T,D); gather first, cast B*T rows only
@@ -175,11 +194,11 @@ class Llama(nnx.Module):
         positions = jnp.arange(tokens.shape[1])
         inv_freq = rope_inv_freq(cfg.d_head, cfg.rope_theta, cfg.rope_scaling)
         if hasattr(self, "dense_blocks"):
-            x, _ = _scan(self.dense_blocks, x, positions, inv_freq, cfg.remat)
-        x, stats = _scan(self.blocks, x, positions, inv_freq, cfg.remat)  # stats: leaves (n_groups, ...)
+            x, _ = _scan(self.dense_blocks, x, positions, inv_freq, cfg.remat, cfg.scan_layers)
+        x, stats = _scan(self.blocks, x, positions, inv_freq, cfg.remat, cfg.scan_layers)  # leaves (n_groups, ...)
         x = self.final_norm(x)
         logits = linear(x, self.head, self.head_recipe, self.quant_impl)
-        return logits.astype(jnp.float32), stats
+        return logits.astype(logits_dtype), stats
 
 
 def moe_loss(cfg: ModelConfig, stats: dict) -> jax.Array:
@@ -208,11 +227,27 @@ def update_buffers(cfg: ModelConfig, buffers: dict, stats: dict) -> dict:
     return {**buffers, "blocks": {**blocks, "moe": {"bias": update_bias(bias, stats["load"], rate)}}}
 
 
+@jax.custom_vjp
 def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
-    """Mean next-token cross-entropy in nats. logits (B,T,V) f32, targets (B,T) int."""
-    logz = jax.nn.logsumexp(logits, axis=-1)
-    picked = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
-    return jnp.mean(logz - picked)
+    """Mean next-token cross-entropy in nats, float32. logits (B,T,V) any float dtype, targets (B,T) int."""
+    return _cross_entropy_fwd(logits, targets)[0]
+
+
+def _cross_entropy_fwd(logits, targets):
+    z = logits.astype(jnp.float32)
+    logz = jax.nn.logsumexp(z, axis=-1)  # (B,T)
+    picked = jnp.take_along_axis(z, targets[..., None], axis=-1)[..., 0]
+    return jnp.mean(logz - picked), (logits, targets, logz)
+
+
+def _cross_entropy_bwd(res, g):
+    logits, targets, logz = res
+    p = jnp.exp(logits.astype(jnp.float32) - logz[..., None])  # softmax, recomputed from the saved logits
+    onehot = jnp.arange(logits.shape[-1]) == targets[..., None]
+    return ((p - onehot) * (g / targets.size)).astype(logits.dtype), None
+
+
+cross_entropy.defvjp(_cross_entropy_fwd, _cross_entropy_bwd)
 
 
 def params_of(model: nnx.Module) -> dict:

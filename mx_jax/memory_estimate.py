@@ -10,7 +10,7 @@ Bytes kept per token and layer for the backward pass, bf16 (2 bytes) unless note
     remat=none          2 (6D + 4HK + 5GK + 5F) + 4H (softmax statistics, f32)
     remat=save_matmuls  2 (2D + 2HK + 2GK + 3F)   (linear outputs and attention only)
     remat=full          2D                        (the block input; one block is recomputed at a time, +1 layer)
-The logits add tokens x V x 4 bytes twice (values and gradient, f32). The estimate ignores XLA's temporary buffers
+The logits add tokens x V x 2 bytes twice (values and gradient, in the compute dtype: bf16 unless compute is f32). The estimate ignores XLA's temporary buffers
 and fragmentation; compile on the real mesh (train.py --dry-run on a machine that has the devices) for an exact
 figure.
 """
@@ -67,7 +67,8 @@ def estimate(cfg: TrainConfig) -> dict:
     micro_batch = cfg.data.batch_size // cfg.data.grad_accum_steps
     tokens_dev = micro_batch * cfg.data.seq_len / (batch_shards * shape["context"])
     layers = m.n_layers + (1 if m.remat == "full" else 0)
-    act = tokens_dev * (layers * per_token_layer + 2 * 4 * m.vocab_size)
+    logit_bytes = 4 if m.compute_dtype == "float32" else 2
+    act = tokens_dev * (layers * per_token_layer + 2 * logit_bytes * m.vocab_size)
     gb = 1e9
     report = {
         "n_params": n_params,

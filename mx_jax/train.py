@@ -143,7 +143,7 @@ def make_loss_fn(setup: Setup):
     graphdef, model_cfg = setup.graphdef, setup.cfg.model
 
     def loss_fn(params, buffers, inputs, targets):
-        logits, stats = nnx.merge(graphdef, params, buffers)(inputs)
+        logits, stats = nnx.merge(graphdef, params, buffers)(inputs, logits_dtype=model_cfg.compute_dtype)
         ce = cross_entropy(logits, targets)
         return ce + moe_loss(model_cfg, stats), (ce, stats)
 
