@@ -1,6 +1,7 @@
 """MoE dispatch + combine on the GPUs of one node: mx_jax's exchanges against lax.all_to_all, as a table.
 
     python benchmarks/bench_dispatch.py --sizes-mb 8 64 512        # all local GPUs on one `expert` axis
+    python benchmarks/bench_dispatch.py --tune                      # the Pallas all-to-all's knobs at 64 MB
     torchrun --nproc_per_node=4 benchmarks/nccl_a2a_torch.py        # NCCL's all_to_all_single, the same sizes
 
 Per GPU, `size` MB of bf16 rows (hidden 4096 -> 8 KiB a row) are sent to uniformly random devices (dispatch) and
@@ -9,6 +10,9 @@ per direction, so dispatch+combine time t gives 2 x size x (P-1)/P / t.
 
 Paths (all inside one jit, timed with block_until_ready, median of --reps):
   xla all_to_all       lax.all_to_all of equal chunks, no routing: the best non-custom JAX path, an upper bound
+  pallas all_to_all    the same exchange with pallas_kernels.all_to_all (GPU only): each GPU writes its chunks
+                       into the peers' outputs over NVLink; its last column says whether one exchange is bit-exact
+                       against lax.all_to_all (and the round trip returns the input)
   dense exchange       mx_jax.dispatch.exchange "dense": rows packed per peer into a buffer bounded at
                        1.25 x rows/P (the capacity-factor path), moved with lax.all_to_all
   ragged exchange      mx_jax.dispatch.exchange "ragged": lax.ragged_all_to_all, exact sizes, worst-case buffer
@@ -29,6 +33,7 @@ import numpy as np
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from mx_jax import dispatch
+from pallas_kernels.all_to_all import A2AConfig, all_to_all
 
 
 def timed(fn, *args, reps: int) -> float:
@@ -75,9 +80,10 @@ def exchange_paths(mesh, n_dev: int, rows: int, hidden: int, reps: int) -> dict[
     paths = {"xla all_to_all": a2a, "dense exchange": via("dense", int(1.25 * rows / n_dev) + 1)}
     if jax.default_backend() == "gpu":
         paths["ragged exchange"] = via("ragged", None)
+        paths["pallas all_to_all"] = round_trip(n_dev, rows, hidden, "pallas")
     results = {}
     for name, f in paths.items():
-        args = (x,) if name == "xla all_to_all" else (x, dest)
+        args = (x,) if name.endswith("all_to_all") else (x, dest)
         in_specs = (spec,) * len(args)
         g = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=spec, check_vma=False))
         try:
@@ -91,7 +97,73 @@ def exchange_paths(mesh, n_dev: int, rows: int, hidden: int, reps: int) -> dict[
             kept = np.abs(got).sum(1) > 0  # the dense path drops rows past its capacity bound
             np.testing.assert_array_equal(got[kept], np.asarray(x.astype(jnp.float32))[kept])
             out[f"{name} rows returned"] = float(kept.mean())
+    if "pallas all_to_all" in results:
+        exact = pallas_bit_exact(mesh, n_dev, rows, hidden, x, results["pallas all_to_all"])
+        out["pallas all_to_all bit-exact"] = exact
     return out
+
+
+def round_trip(n_dev: int, rows: int, hidden: int, impl: str, config: A2AConfig = A2AConfig()):
+    """Like `a2a` in exchange_paths (there and back, one jit) through pallas_kernels.all_to_all."""
+
+    def f(x):
+        chunks = x.reshape(n_dev, rows // n_dev, hidden)
+        there = all_to_all(chunks, "expert", impl=impl, config=config)
+        return all_to_all(there, "expert", impl=impl, config=config).reshape(rows, hidden)
+
+    return f
+
+
+def _bits(a) -> np.ndarray:
+    return np.asarray(a).view(np.uint16)  # bf16 payload: compare bit patterns
+
+
+def pallas_bit_exact(mesh, n_dev: int, rows: int, hidden: int, x, round_trip) -> bool:
+    """One Pallas exchange equals lax.all_to_all bit for bit, and the timed round trip returned x."""
+    spec = P("expert")
+
+    def one_way(impl):
+        f = lambda v: all_to_all(v.reshape(n_dev, rows // n_dev, hidden), "expert", impl=impl).reshape(rows, hidden)
+        return jax.jit(jax.shard_map(f, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False))(x)
+
+    same = np.array_equal(_bits(one_way("pallas")), _bits(one_way("xla")))
+    return bool(same and np.array_equal(_bits(round_trip), _bits(x)))
+
+
+def tune(mesh, n_dev: int, hidden: int, reps: int, mb: int = 64) -> None:
+    """Sweep A2AConfig (CTAs, bytes per bulk copy, ring depth) at `mb` MB per GPU; one line per config."""
+    rows = (mb * 2**20 // (hidden * 2)) // n_dev * n_dev
+    spec = P("expert")
+    x = jax.device_put(jnp.asarray(np.random.default_rng(2).standard_normal((n_dev * rows, hidden)), jnp.bfloat16),
+                       NamedSharding(mesh, spec))
+    size = rows * hidden * 2
+    jitted = lambda f: jax.jit(jax.shard_map(f, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False))
+    t_xla = timed(jitted(round_trip(n_dev, rows, hidden, "xla")), x, reps=reps)
+    busbw = lambda t: 2 * size * (n_dev - 1) / n_dev / t / 1e9
+    print(f"tune at {mb} MB/GPU, {n_dev} GPUs; xla all_to_all {1e3 * t_xla:.3f} ms, busbw {busbw(t_xla):.1f} GB/s")
+    print(f"{'num_ctas':>9}{'tile KiB':>9}{'depth':>6}{'ms':>9}{'busbw GB/s':>12}  round trip")
+    best = None
+    for num_ctas in (32, 66, None):
+        for tile_kib in (16, 32, 64):
+            for depth in (2, 3, 4):
+                try:
+                    config = A2AConfig(num_ctas=num_ctas, tile_bytes=tile_kib * 1024, depth=depth)
+                except ValueError:  # does not fit in shared memory
+                    continue
+                label = f"{num_ctas or 'SMs':>9}{tile_kib:>9}{depth:>6}"
+                g = jitted(round_trip(n_dev, rows, hidden, "pallas", config))
+                try:
+                    t = timed(g, x, reps=reps)
+                    ok = np.array_equal(_bits(g(x)), _bits(x))
+                except Exception as e:  # one config failing to compile must not stop the sweep
+                    print(f"{label}  FAILED {type(e).__name__}: {str(e)[:200]}", flush=True)
+                    continue
+                print(f"{label}{1e3 * t:>9.3f}{busbw(t):>12.1f}  {'exact' if ok else 'MISMATCH'}", flush=True)
+                if ok and (best is None or t < best[0]):
+                    best = (t, config)
+    if best is not None:
+        print(f"best: {best[1]} {1e3 * best[0]:.3f} ms, busbw {busbw(best[0]):.1f} GB/s "
+              f"({t_xla / best[0]:.2f}x xla all_to_all)")
 
 
 def dispatch_paths(mesh, n_dev: int, tokens: int, hidden: int, n_experts: int, top_k: int, reps: int):
@@ -133,27 +205,39 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=4096, help="tokens per GPU for the dispatch_combine comparison")
     ap.add_argument("--experts", type=int, default=32)
     ap.add_argument("--top-k", type=int, default=8)
+    ap.add_argument("--tune", action="store_true", help="only sweep the Pallas all-to-all's knobs at 64 MB per GPU")
     args = ap.parse_args()
     devices = jax.devices()
     n_dev = len(devices)
     mesh = jax.make_mesh((n_dev,), ("expert",), axis_types=(AxisType.Auto,))
     print(f"{n_dev} x {devices[0].device_kind}, jax {jax.__version__}", flush=True)
+    if args.tune:
+        if jax.default_backend() != "gpu":
+            raise SystemExit("--tune times the Pallas NVLink kernel: run it on a multi-GPU node")
+        tune(mesh, n_dev, args.hidden, args.reps)
+        return
     rows_bytes = args.hidden * 2
     table = []
     for mb in args.sizes_mb:
         rows = (mb * 2**20 // rows_bytes) // n_dev * n_dev
         t = exchange_paths(mesh, n_dev, rows, args.hidden, args.reps)
         size = rows * rows_bytes
-        for name in ("xla all_to_all", "dense exchange", "ragged exchange"):
+        for name in ("xla all_to_all", "pallas all_to_all", "dense exchange", "ragged exchange"):
             if name in t:
                 busbw = 2 * size * (n_dev - 1) / n_dev / t[name] / 1e9
-                table.append((mb, name, 1e3 * t[name], busbw, t.get(f"{name} rows returned")))
+                if f"{name} bit-exact" in t:
+                    note = "bit-exact" if t[f"{name} bit-exact"] else "MISMATCH"
+                elif f"{name} rows returned" in t:
+                    note = f"{100 * t[f'{name} rows returned']:.1f}% rows returned"
+                else:
+                    note = ""
+                table.append((mb, name, 1e3 * t[name], busbw, note))
                 print(table[-1], flush=True)
     d = dispatch_paths(mesh, n_dev, args.tokens, args.hidden, args.experts, args.top_k, args.reps)
     print(f"\ndispatch+combine bus bandwidth per GPU, {n_dev} GPUs, bf16 rows of {args.hidden}")
-    print(f"{'MB/GPU':>7}  {'path':<18}{'ms':>9}{'busbw GB/s':>12}  rows returned")
-    for mb, name, ms, bw, kept in table:
-        print(f"{mb:>7}  {name:<18}{ms:>9.3f}{bw:>12.1f}  {'' if kept is None else f'{100 * kept:.1f}%'}")
+    print(f"{'MB/GPU':>7}  {'path':<18}{'ms':>9}{'busbw GB/s':>12}  check")
+    for mb, name, ms, bw, note in table:
+        print(f"{mb:>7}  {name:<18}{ms:>9.3f}{bw:>12.1f}  {note}")
     print(f"\ndispatch_combine, {args.tokens} tokens/GPU, top-{args.top_k} of {args.experts} experts, "
           f"{n_dev} GPUs as 2 nodes x {max(1, n_dev // 2)}, identity experts")
     print(f"{'method':<14}{'exchange':<9}{'ms':>9}{'cross-node rows':>17}{'intra-node rows':>17}")

@@ -39,7 +39,10 @@ for s in "$@"; do
     bench_mx_quick) section bench_mx_quick 200 $PY -m pallas_kernels.bench mx --quick ;;
     bench_grouped) section bench_grouped 420 $PY -m pallas_kernels.bench grouped ;;
     bench_grouped_bf16) section bench_grouped_bf16 300 $PY -m pallas_kernels.bench_grouped --dtypes bf16 --no-ffn ;;
-    bench_fp8_cublas) section bench_fp8_cublas 480 env XLA_FLAGS="--xla_gpu_enable_triton_gemm=false" $PY -m pallas_kernels.bench fp8 ;;
+    bench_fp8_cublas) section bench_fp8_cublas 450 env CUDA_VISIBLE_DEVICES=0 XLA_FLAGS="--xla_gpu_enable_triton_gemm=false" $PY -m pallas_kernels.bench fp8 ;;
+    tests_a2a) section tests_a2a 200 $PY -m pytest -q -m gpu -x tests/test_all_to_all.py ;;
+    dispatch_tune) section dispatch_tune 240 $PY benchmarks/bench_dispatch.py --tune ;;
+    train_final) section train_final 420 env CUDA_VISIBLE_DEVICES=0 $PY benchmarks/bench_train.py --out "$LOGS" --steps 20 --base "$DENSE8B model.scan_layers=false" --variant bf16: --variant fp8_rowwise:quant.recipe=fp8_rowwise ;;
     train_layout) section train_layout 420 $PY benchmarks/bench_train.py --out "$LOGS" --steps 20 --base "$DENSE8B" --variant bf16_scan: --variant bf16_unrolled:model.scan_layers=false --variant fp8_rowwise_unrolled:"model.scan_layers=false quant.recipe=fp8_rowwise" ;;
     profile_unrolled) section profile_unrolled 240 $PY benchmarks/profile_step.py --steps 3 --top 30 ${DENSE8B} model.scan_layers=false ;;
     bench_grouped_quick) section bench_grouped_quick 240 $PY -m pallas_kernels.bench grouped --quick ;;

@@ -74,3 +74,15 @@ def enable_mgpu_interpret_layout_cast() -> None:
 #   fails on the cluster barrier ("NotImplementedError: nan + cluster_barrier"). Tests of clustered configs run
 #   where MGPU_INTERPRET_CLUSTERS holds; the GPU lowering is the same in both versions.
 MGPU_INTERPRET_CLUSTERS = JAX_VERSION >= (0, 11, 0)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Pallas Mosaic-GPU collective kernels: NVLink all-to-all (pallas_kernels/all_to_all.py)
+# ---------------------------------------------------------------------------------------------------------------
+# - A kernel that writes into peers' memory (plgpu.remote_ref, remote semaphore_signal) runs on XLA's collective
+#   metadata path. jaxlib 0.11.2's `mosaic_gpu_v2` handler launches a multi-GPU barrier on the stream before each
+#   such kernel unless CompilerParams(skip_device_barrier=True) (seen in jax-cuda13-pjrt 0.11.2: the attribute and
+#   the "Starting multi-GPU barrier" log line; 0.11's Python passes skip_device_barrier=false). The all-to-all
+#   kernel's first remote write is safe only behind that barrier; it is not checked for jax 0.10.2 (CPU only
+#   here, and 0.10.2 emits no such attribute), so impl="pallas" refuses there.
+MGPU_COLLECTIVE_PRELAUNCH_BARRIER = JAX_VERSION >= (0, 11, 0)

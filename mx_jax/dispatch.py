@@ -18,8 +18,9 @@ Hierarchical (two stages, as DeepEP's normal kernels):
     Cross-node rows per token = distinct destination nodes, against flat's expert copies on other nodes.
 
 Exchanges move rows to peers inside a group of the expert axis (all of it, a rail, or a node):
-    "dense"  each peer's chunk is padded to the same worst-case bound and moved with lax.all_to_all; padding rows
-             are masked. Chosen on CPU (XLA has no ragged all-to-all there) and for groups of up to 8 GPUs, where
+    "dense"  each peer's chunk is padded to the same worst-case bound and moved with one all-to-all (over the whole
+             axis: pallas_kernels.all_to_all, an NVLink Mosaic-GPU kernel where it applies, else lax.all_to_all);
+             padding rows are masked. Chosen on CPU (XLA has no ragged all-to-all there) and for groups of up to 8 GPUs, where
              it measured 4x faster than the ragged one on 4 x H200 despite moving P x the bytes.
     "ragged" jax.lax.ragged_all_to_all moves only real rows; the receive buffer holds the worst case (every peer
              sends every row it has), so nothing is ever dropped. Chosen for larger groups on GPU.
@@ -35,6 +36,7 @@ import jax
 import jax.numpy as jnp
 
 from mx_jax import grouped_linear
+from pallas_kernels.all_to_all import all_to_all
 
 
 ROW_MULTIPLE = 256
@@ -110,6 +112,8 @@ def exchange(payload: dict[str, jax.Array], dest: jax.Array, group: Group, metho
     sorted_payload = {k: v[order] for k, v in payload.items()}
 
     def a2a(x, split_axis=0, concat_axis=0, tiled=False):
+        if group.groups is None and not tiled:  # the whole axis: the NVLink kernel where it applies
+            return all_to_all(x, group.axis, impl="auto")
         return jax.lax.all_to_all(x, group.axis, split_axis, concat_axis, tiled=tiled,
                                   axis_index_groups=group.groups)
 

@@ -85,6 +85,11 @@ def gemm_shapes(quick: bool, smoke: bool) -> list[tuple[str, tuple[int, int, int
     shapes += [(f"8B {n}x{k}", (t, n, k)) for n, k in ((4096, 4096), (1024, 4096), (14336, 4096), (4096, 14336))]
     shapes += [(f"70B {n}x{k}", (t, n, k)) for n, k in ((8192, 8192), (1024, 8192), (28672, 8192), (8192, 28672))]
     shapes += [("ffn wgrad up", (4096, 14336, t)), ("ffn wgrad down", (14336, 4096, t))]
+    # The other GEMMs of the 8B training step (fused q|k|v and gate|up projections, llama.py): forward (T, N, K),
+    # grad-input (T, K, N), grad-weight (K, N, T), where not listed above.
+    for name, (n, k) in (("qkv", (6144, 4096)), ("gate|up", (28672, 4096))):
+        shapes += [(f"8B {name} fwd", (t, n, k)), (f"8B {name} dgrad", (t, k, n)), (f"8B {name} wgrad", (k, n, t))]
+    shapes += [("8B wo wgrad", (4096, 4096, t))]
     if quick:
         shapes = [shapes[i] for i in (0, 3, 4, 8)]
     if smoke:

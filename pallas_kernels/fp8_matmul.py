@@ -316,6 +316,7 @@ def fit_config(config: TileConfig, out_dtype) -> TileConfig:
     return config
 
 
+@device.lowered_once(('out_dtype', 'config', 'interpret'))
 def fp8_matmul_pallas(
     a: jax.Array,
     b_t: jax.Array,

@@ -732,6 +732,7 @@ def _scale_args(lhs_scale, rhs_scale) -> tuple[jax.Array, ...]:
     return (jnp.asarray(lhs_scale, jnp.float32), jnp.asarray(rhs_scale, jnp.float32))
 
 
+@device.lowered_once(('transpose_rhs', 'out_dtype', 'config', 'interpret'))
 def gmm_pallas(
     lhs: jax.Array,
     rhs: jax.Array,
@@ -761,6 +762,7 @@ def gmm_pallas(
     return _launch(body, out_type, work, (meta, lhs, rhs, *scales), interpret, config.cluster_size)
 
 
+@device.lowered_once(('out_dtype', 'config', 'interpret'))
 def tgmm_pallas(
     lhs: jax.Array,
     rhs: jax.Array,

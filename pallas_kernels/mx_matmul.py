@@ -334,6 +334,7 @@ def pallas_cover(
     return None
 
 
+@device.lowered_once(('out_dtype', 'config', 'interpret'))
 def mx_matmul_pallas(
     a: jax.Array,
     b_t: jax.Array,

@@ -208,6 +208,7 @@ def pallas_cover(shape: tuple[int, ...], dtype, *, variant: str = "dim0", config
     return None
 
 
+@device.lowered_once(('variant', 'mode', 'elem_dtype', 'config', 'interpret'))
 def _mx_cast_pallas(x, *, variant, mode, elem_dtype, config, interpret):
     mxf.check_mode(mode)
     fmt = mxf.elem_format(elem_dtype)

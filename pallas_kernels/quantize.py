@@ -274,6 +274,7 @@ def pallas_cover(
     return None
 
 
+@device.lowered_once(('rows', 'cols', 'dtype', 'scaling', 'pow2_scale', 'config', 'interpret'))
 def _pallas_quantize(x, *, rows: bool, cols: bool, dtype, scaling, pow2_scale, config, interpret):
     """Both passes. Returns [(x_fp8 (R, C), scale)] for rows and/or [(x_fp8ᵀ (C, R), scale)] for cols."""
     if (reason := pallas_cover(x.shape, x.dtype, transposed=cols, config=config)) is not None:

@@ -1,0 +1,316 @@
+"""All-to-all over NVLink inside one node: each GPU writes its chunks straight into the peers' outputs.
+
+Semantics (the same as `jax.lax.all_to_all(x, axis_name, 0, 0)`, non-tiled, split = concat = axis 0). Inside
+shard_map over a mesh axis of size P, every device d holds x_d of shape (P, C, ...); chunk x_d[p] goes to device p
+and lands at row block d of p's output:
+
+    y_p[d] = x_d[p]        for all devices d, p        (y_d[d] = x_d[d] stays local)
+
+The permutation is its own transpose, so the VJP of the exchange is the same exchange of the cotangent, and two
+exchanges in a row are the identity.
+
+Data movement (per device; the whole chunk x_d[p] is contiguous, N = C * prod(x.shape[2:]) elements):
+- The (P, N) view is cut into P * ceil(N / T) work items (peer offset k = item % P, tile t = item // P) of T
+  elements each. Item (k, t) copies x_d[q, off : off + T] into y_q[d, off : off + T] on device q = (d + k) % P,
+  off = min(t * T, N - T): the last tile of a chunk overlaps its neighbour instead of being shorter, so every copy
+  has the same static size; the overlap writes the same bytes twice with the same values.
+- G CTAs (a persistent grid, default one per SM) take items c, c + G, c + 2G, ...; k varies fastest, so at any
+  moment a device sends to, and receives from, all peers about equally.
+- Per CTA a ring of `depth` SMEM slots of T elements: bulk copy (TMA, `cp.async.bulk`, 1-D contiguous) local gmem
+  -> slot, then slot -> the peer's output through `plgpu.remote_ref` (NVLink peer memory; k = 0 is the local
+  self-copy through the same path). depth - 1 loads are in flight ahead of the store; a slot is reloaded once the
+  store that read it has finished reading SMEM. No register traffic, no multicast (forbidden on the lent machines,
+  and not needed: every byte has exactly one destination).
+- Completion: each CTA waits until all its stores have landed (`wait_smem_to_gmem(0)`: written, not only read),
+  then signals a semaphore on every peer (`red.release.sys`); CTA 0 of every device waits until its semaphore has
+  counted (P - 1) * G signals (`ld.relaxed.sys` poll + `fence.acquire.sys`) before the kernel may end, so no device
+  returns before every incoming write has landed. Local self-copies are covered by each CTA's own final wait.
+- Bytes per device: reads P * N * s from local HBM (s = itemsize), sends (P - 1) * N * s over NVLink, writes N * s
+  locally, receives (P - 1) * N * s; the overlapping last tiles add at most P * T * s. Bus bandwidth in the
+  nccl-tests convention: busbw = P * N * s * (P - 1) / P / t.
+
+Synchronisation that XLA provides (read in jax 0.11.2 and the jax-cuda13-pjrt 0.11.2 plugin, not guessed):
+- A kernel that uses `plgpu.remote_ref` / a remote `semaphore_signal` without NVSHMEM is marked
+  `uses_xla_collective_metadata` (jax/experimental/mosaic/gpu/launch_context.py `to_remote`); with one process
+  holding all GPUs, XLA's `mosaic_gpu_v2` handler exchanges every device's kernel parameter addresses (inputs,
+  outputs, the global-semaphore scratch) in its Initialize stage (a host rendezvous), and the kernel computes a
+  peer's address as peer base + (local address - local base) on the device (`LaunchContext.to_remote`). The 1-D
+  bulk copies used here resolve the peer pointer on the device, so the peer index may be a runtime value (2-D TMA
+  descriptors, by contrast, are built on the host and need a peer id the host can recompute from the device id).
+- `pl.get_global(plgpu.SemaphoreType.REGULAR)` is a GMEM scratch operand that Pallas zero-fills with an XLA op
+  before every call (jax/_src/pallas/mosaic_gpu/pallas_call_registration.py), aliased into the custom call.
+- Before launching such a kernel the handler runs a multi-GPU barrier kernel on the kernel's stream: jax's
+  jaxlib/mosaic/gpu/custom_call.cc calls `LaunchMultiGpuBarrier` (every device writes its slot in every peer's
+  signal buffer, a dedicated allocation, then waits for all slots) before each collective-metadata launch; jax
+  0.11.2 lowers the call with `skip_device_barrier = false`, and the jax-cuda13-pjrt 0.11.2 plugin reads that
+  attribute and carries the barrier's "Starting multi-GPU barrier with key" log line. Once a device passes the
+  barrier, every device of the mesh has finished all its earlier stream work: the peers' output buffers are
+  allocated and no longer used by earlier ops, and their semaphores are zeroed. This is what makes the first
+  remote write safe. A "ready" handshake inside the kernel would not add safety without that barrier: the only
+  memory a peer could signal into is itself an XLA buffer (the semaphore scratch) that may still be zero-filled or
+  in use on the peer. So the kernel keeps the default barrier and relies on it; on jax < 0.11 (the barrier is not
+  checked there) impl="pallas" refuses (`compat.MGPU_COLLECTIVE_PRELAUNCH_BARRIER`).
+- Repeated calls (a Python loop, a fori_loop, two calls in one jit): each call has its own zero-filled semaphore
+  and its own barrier, and no device leaves call i before all its incoming writes of call i landed, so no write of
+  call i + 1 can reach a peer still inside call i.
+
+Constraints of the collective-metadata path (impl="pallas" raises NotImplementedError, impl="auto" falls back):
+one process sees all devices; the exchanged axis spans every device of the mesh (the barrier and the pointer
+exchange cover the whole mesh); the mesh's device ids must be row-major (Mosaic raises otherwise at lowering); an
+sm_90 GPU; N * itemsize a multiple of 16 bytes (bulk-copy alignment); dtypes of 1, 2 or 4 bytes (bool travels as
+uint8). jax 0.11.2's Mosaic-GPU interpreter cannot run this kernel on CPU: it supports neither `pl.get_global`
+semaphores ("No ir_type_handler for aval type: AbstractRef") nor remote refs ("'PeerMemRef' object has no
+attribute 'indices'"), so CPU tests check the work plan in NumPy and lower the kernel for CUDA without a GPU.
+
+Trade-offs: the kernel occupies every SM it is given (NCCL uses a few channels and can overlap compute); for the
+MoE exchange nothing else runs meanwhile, and `num_ctas` is a knob. Copies are byte moves, so any 1/2/4-byte dtype
+is bit-exact. Sources: PTX ISA 8.x, `cp.async.bulk` / `cp.async.bulk.wait_group` / `red.release.sys`; the
+signal-after-store pattern of jax's experimental/pallas/ops/gpu/collective_matmul_mgpu.py; nccl-tests
+doc/PERFORMANCE.md for busbw.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from mx_jax import compat
+from pallas_kernels import device
+
+Impl = Literal["auto", "pallas", "xla"]
+SMEM_BYTES = 227 * 1024  # per-CTA shared memory on H100/H200
+BULK_ALIGN = 16  # bytes: cp.async.bulk sizes and addresses
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Config
+# --------------------------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class A2AConfig:
+    """The kernel's tuning knobs; `python benchmarks/bench_dispatch.py --tune` sweeps them."""
+
+    num_ctas: int | None = None  # persistent grid size G; None: one CTA per SM
+    tile_bytes: int = 32 * 1024  # bytes per bulk copy (T * itemsize), a multiple of 16
+    depth: int = 4  # SMEM ring slots per CTA (>= 2): depth - 1 loads in flight ahead of the store
+
+    def __post_init__(self):
+        if self.num_ctas is not None and self.num_ctas < 1:
+            raise ValueError(f"A2AConfig: num_ctas must be >= 1 or None, got {self.num_ctas}")
+        if self.tile_bytes < BULK_ALIGN or self.tile_bytes % BULK_ALIGN:
+            raise ValueError(f"A2AConfig: tile_bytes must be a multiple of {BULK_ALIGN} bytes, got {self.tile_bytes}")
+        if self.depth < 2:
+            raise ValueError(f"A2AConfig: depth must be >= 2, got {self.depth}")
+        if self.depth * self.tile_bytes > SMEM_BYTES - 1024:  # (1 KiB for barriers and alignment)
+            raise ValueError(
+                f"A2AConfig: depth * tile_bytes = {self.depth * self.tile_bytes} exceeds shared memory ({SMEM_BYTES})"
+            )
+
+
+DEFAULT_CONFIG = A2AConfig()
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Reference (also the "xla" path)
+# --------------------------------------------------------------------------------------------------------------
+def all_to_all_reference(x: jax.Array, axis_name: str) -> jax.Array:
+    """y[p] on device d = x[d] on device p: XLA's all-to-all (NCCL on GPUs)."""
+    return lax.all_to_all(x, axis_name, 0, 0)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Kernel
+# --------------------------------------------------------------------------------------------------------------
+def _work_item(item, dev, *, n_peers: int, tile: int, n: int):
+    """Work item -> (destination device, element offset in the chunk). Nonnegative ints only (lax.div/rem
+    truncate), written with lax ops so that the same code runs in the kernel and, on arrays, in the tests."""
+    target = lax.rem(dev + lax.rem(item, n_peers), n_peers)
+    off = lax.min(lax.div(item, n_peers) * tile, n - tile)
+    return target, off
+
+
+def _items_of_cta(cta, *, n_items: int, n_ctas: int):
+    """How many of the items cta, cta + G, cta + 2G, ... exist."""
+    return lax.div(n_items - cta + n_ctas - 1, n_ctas)
+
+
+def _kernel(x_ref, o_ref, ring, loaded, *, axis_name: str, n_peers: int, tile: int, n: int, n_ctas: int, depth: int):
+    """x_ref, o_ref: (P, N) in GMEM; ring: (depth, T) SMEM; loaded: depth TMA barriers."""
+    arrived = pl.get_global(plgpu.SemaphoreType.REGULAR)  # zero-filled by XLA before every call
+    dev = lax.axis_index(axis_name)
+    cta = lax.axis_index("cta")
+    n_items = n_peers * pl.cdiv(n, tile)
+    mine = _items_of_cta(cta, n_items=n_items, n_ctas=n_ctas)
+    locate = functools.partial(_work_item, dev=dev, n_peers=n_peers, tile=tile, n=n)
+
+    def load(step):
+        slot = lax.rem(step, depth)
+        target, off = locate(cta + step * n_ctas)
+        plgpu.copy_gmem_to_smem(
+            x_ref.at[target, pl.ds(off, tile)], ring.at[slot], loaded.at[slot],
+            oob_mode=plgpu.OOBFillMode.PROMISE_IN_BOUNDS,  # in bounds by construction; selects the 1-D bulk copy
+        )
+
+    for step in range(depth - 1):
+        pl.when(step < mine)(functools.partial(load, step))
+
+    def body(step, carry):
+        slot = lax.rem(step, depth)
+        plgpu.barrier_wait(loaded.at[slot])
+        target, off = locate(cta + step * n_ctas)
+        peer_out = plgpu.remote_ref(o_ref, target, device_id_type=pl.DeviceIdType.LOGICAL)
+        plgpu.copy_smem_to_gmem(ring.at[slot], peer_out.at[dev, pl.ds(off, tile)])
+        # The store of step - 1 must have read its slot before the load of step + depth - 1 overwrites it.
+        plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+        pl.when(step + depth - 1 < mine)(functools.partial(load, step + depth - 1))
+        return carry
+
+    lax.fori_loop(0, mine, body, 0)
+    plgpu.wait_smem_to_gmem(0)  # every store of this CTA has landed (written, not only read)
+    for k in range(1, n_peers):  # release: the peers may now rely on everything this CTA sent them
+        pl.semaphore_signal(arrived, 1, device_id=lax.rem(dev + k, n_peers), device_id_type=pl.DeviceIdType.LOGICAL)
+
+    @pl.when(cta == 0)
+    def _():  # the kernel (and so the output's consumers) may not finish before all incoming writes landed
+        pl.semaphore_wait(arrived, (n_peers - 1) * n_ctas, decrement=False)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Wrapper
+# --------------------------------------------------------------------------------------------------------------
+def _as_payload(x: jax.Array) -> jax.Array:
+    """The array the kernel moves: bool travels as uint8 (Mosaic has no 1-bit memrefs)."""
+    return x.astype(jnp.uint8) if x.dtype == jnp.bool_ else x
+
+
+def pallas_cover(x: jax.Array, axis_name: str) -> str | None:
+    """Why impl="pallas" cannot run here, or None when it can (device, topology, dtype and shape)."""
+    if device.compute_capability() is None:
+        return f"not an NVIDIA GPU (backend {jax.default_backend()!r})"
+    if not device.on_hopper():
+        return f"needs an sm_90 GPU, got compute capability {device.compute_capability()}"
+    if not compat.MGPU_COLLECTIVE_PRELAUNCH_BARRIER:
+        return f"jax {jax.__version__}: the pre-launch multi-GPU barrier the kernel relies on is checked from 0.11 only"
+    if not device.one_process_sees_all_devices():
+        return f"{jax.process_count()} processes: XLA's collective metadata path needs one process holding all GPUs"
+    mesh = jax.sharding.get_abstract_mesh()
+    if dict(zip(mesh.axis_names, mesh.axis_types)).get(axis_name) != jax.sharding.AxisType.Manual:
+        return f"axis {axis_name!r} is not a shard_map axis of the current mesh (the kernel is an SPMD collective)"
+    if (size := lax.axis_size(axis_name)) < 2:
+        return f"axis {axis_name!r} has one device: nothing to exchange (and no peers for collective metadata)"
+    if size != jax.device_count():
+        return f"axis {axis_name!r} has {size} devices, the kernel needs an axis spanning all {jax.device_count()}"
+    return _shape_cover(x)
+
+
+def _bits(dtype: jnp.dtype) -> int:
+    if jnp.issubdtype(dtype, jnp.floating):
+        return jnp.finfo(dtype).bits
+    if jnp.issubdtype(dtype, jnp.integer):
+        return jnp.iinfo(dtype).bits
+    return 8 * dtype.itemsize
+
+
+def _shape_cover(x: jax.Array) -> str | None:
+    dtype = jnp.dtype(x.dtype)
+    whole_bytes = _bits(dtype) == 8 * dtype.itemsize  # (int4 / fp4 pack two per byte)
+    if dtype != jnp.bool_ and (
+        dtype.itemsize not in (1, 2, 4) or not whole_bytes or jnp.issubdtype(dtype, jnp.complexfloating)
+    ):
+        return f"dtype {dtype} (the kernel moves 1-, 2- and 4-byte elements and bool)"
+    if x.ndim < 2 or x.size == 0:
+        return f"x of shape {x.shape}: each chunk needs a nonempty row axis"
+    chunk_bytes = math.prod(x.shape[1:]) * dtype.itemsize  # (bool: 1 byte, as its uint8 payload)
+    if chunk_bytes % BULK_ALIGN:
+        return f"a chunk of x {x.shape} {dtype} is {chunk_bytes} bytes, not a multiple of {BULK_ALIGN}"
+    return None
+
+
+def _grid(n_peers: int, n: int, itemsize: int, config: A2AConfig) -> tuple[int, int]:
+    """(T elements per bulk copy, G CTAs) for P chunks of N elements (N * itemsize a multiple of 16 bytes)."""
+    unit = BULK_ALIGN // itemsize
+    tile = min(config.tile_bytes // itemsize, n) // unit * unit
+    n_items = n_peers * pl.cdiv(n, tile)
+    return tile, min(config.num_ctas or device.num_sms(None), n_items)
+
+
+def all_to_all_pallas(x: jax.Array, axis_name: str, *, config: A2AConfig = DEFAULT_CONFIG) -> jax.Array:
+    """The kernel on x (P, ...) inside shard_map; no device checks (the dispatcher's job), so it can also be
+    lowered for CUDA on a machine without a GPU."""
+    if (why := _shape_cover(x)) is not None:
+        raise NotImplementedError(f"all_to_all (pallas): {why}")
+    n_peers = x.shape[0]
+    flat = _as_payload(x).reshape(n_peers, -1)  # (P, N): each chunk is contiguous
+    n = flat.shape[1]
+    tile, n_ctas = _grid(n_peers, n, flat.dtype.itemsize, config)
+    out = plgpu.kernel(
+        functools.partial(
+            _kernel, axis_name=axis_name, n_peers=n_peers, tile=tile, n=n, n_ctas=n_ctas, depth=config.depth
+        ),
+        out_type=jax.ShapeDtypeStruct(flat.shape, flat.dtype),
+        scratch_types=[plgpu.SMEM((config.depth, tile), flat.dtype), plgpu.Barrier(num_barriers=config.depth)],
+        grid=(n_ctas,),
+        grid_names=("cta",),
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+    )(flat)
+    # A Mosaic-GPU kernel's output carries no varying axes; inside shard_map (check_vma) it varies like x.
+    missing = _varying_axes(x) - _varying_axes(out)
+    out = lax.pcast(out, tuple(sorted(missing)), to="varying") if missing else out
+    out = out.reshape(x.shape)
+    return out.astype(jnp.bool_) if x.dtype == jnp.bool_ else out
+
+
+def _varying_axes(x) -> set:
+    """shard_map axes along which x varies (jax's check_vma typing); empty outside shard_map."""
+    return set(getattr(getattr(jax.typeof(x), "mat", None), "varying", None) or ())
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Dispatcher
+# --------------------------------------------------------------------------------------------------------------
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
+def _exchange(x: jax.Array, axis_name: str, impl: Impl, config: A2AConfig) -> jax.Array:
+    if impl == "xla":
+        return all_to_all_reference(x, axis_name)
+    why = pallas_cover(x, axis_name)
+    if why is None:
+        return all_to_all_pallas(x, axis_name, config=config)
+    if impl == "pallas":
+        raise NotImplementedError(f"all_to_all (pallas): {why}")
+    return all_to_all_reference(x, axis_name)
+
+
+def _exchange_fwd(x, axis_name, impl, config):
+    return _exchange(x, axis_name, impl, config), None
+
+
+def _exchange_bwd(axis_name, impl, config, _, ct):
+    return (_exchange(ct, axis_name, impl, config),)  # the permutation is its own transpose
+
+
+_exchange.defvjp(_exchange_fwd, _exchange_bwd)
+
+
+def all_to_all(x: jax.Array, axis_name: str, *, impl: Impl = "auto", config: A2AConfig = DEFAULT_CONFIG) -> jax.Array:
+    """`lax.all_to_all(x, axis_name, 0, 0)` inside shard_map: x (P, ...) per device, P = the axis size.
+
+    impl "pallas": the NVLink kernel (NotImplementedError naming the reason where it cannot run); "xla":
+    lax.all_to_all; "auto": the kernel where it applies, else lax.all_to_all. Differentiable (custom_vjp: the
+    backward is the same exchange of the cotangent).
+    """
+    if impl not in ("auto", "pallas", "xla"):
+        raise ValueError(f"all_to_all: impl must be 'auto', 'pallas' or 'xla', got {impl!r}")
+    size = lax.axis_size(axis_name)
+    if x.ndim < 1 or x.shape[0] != size:
+        raise ValueError(
+            f"all_to_all: `x` must have shape (P, ...) with P = {size}, the size of axis {axis_name!r}; "
+            f"got shape {x.shape} dtype {x.dtype}"
+        )
+    return _exchange(x, axis_name, impl, config)
