@@ -40,6 +40,7 @@ for s in "$@"; do
     bench_grouped) section bench_grouped 420 $PY -m pallas_kernels.bench grouped ;;
     bench_grouped_bf16) section bench_grouped_bf16 300 $PY -m pallas_kernels.bench_grouped --dtypes bf16 --no-ffn ;;
     bench_fp8_cublas) section bench_fp8_cublas 450 env CUDA_VISIBLE_DEVICES=0 XLA_FLAGS="--xla_gpu_enable_triton_gemm=false" $PY -m pallas_kernels.bench fp8 ;;
+    fp8_cube) section fp8_cube 120 env CUDA_VISIBLE_DEVICES=0 XLA_FLAGS="--xla_gpu_enable_triton_gemm=false" $PY -m pallas_kernels.bench fp8 --shapes cube --config stages=4,epi_tile_m=64,epi_tile_n=64 --config stages=4,epi_tile_m=64,epi_tile_n=64,delay_release=0 --config stages=4,epi_tile_m=64,epi_tile_n=64,cluster=n --config tile_m=64,tile_n=256,wg_split=m,stages=4,epi_tile_m=64,epi_tile_n=64 --config tile_m=64,tile_n=256,wg_split=m,delay_release=0 --config delay_release=0,cluster=n --config stages=4,epi_tile_m=64,epi_tile_n=64,grid_tile_width=16 ;;
     tests_a2a) section tests_a2a 200 $PY -m pytest -q -m gpu -x tests/test_all_to_all.py ;;
     dispatch_tune) section dispatch_tune 240 $PY benchmarks/bench_dispatch.py --tune ;;
     train_final) section train_final 420 env CUDA_VISIBLE_DEVICES=0 $PY benchmarks/bench_train.py --out "$LOGS" --steps 20 --base "$DENSE8B model.scan_layers=false" --variant bf16: --variant fp8_rowwise:quant.recipe=fp8_rowwise ;;

@@ -160,7 +160,10 @@ def bench_gemms(args, sets: int) -> list[GemmRow]:
     rows = []
     configs = tile_sweep(args)
     ranked: list[fp8mm.TileConfig] = []
+    wanted = set(filter(None, args.shapes.split(",")))
     for label, (m, n, k) in gemm_shapes(args.quick, args.cpu_smoke):
+        if wanted and label not in wanted:
+            continue
         row = GemmRow(label, (m, n, k))
         flop = 2.0 * m * n * k
         log(f"\n== {label}: M={m} N={n} K={k}")
@@ -385,6 +388,7 @@ def main(argv=None) -> None:
     p.add_argument("--config", action="append", default=[],
                    help="a TileConfig to try instead of the built-in sweep, e.g. tile_m=64,tile_n=256,wg_split=m "
                         "(repeatable)")
+    p.add_argument("--shapes", default="", help="fp8: comma-separated shape labels to run (default: all), e.g. cube")
     p.add_argument("--samples", type=int, default=10)
     p.add_argument("--batch", type=int, default=10)
     args = p.parse_args(argv)

@@ -369,15 +369,30 @@ def fp8_matmul_xla(
 # Per-shape choice for impl="auto" on Hopper, from `python -m pallas_kernels.bench fp8` on an H200:
 # (M, N, K) -> the TileConfig that beat XLA there, or None where XLA won. Shapes not listed use AUTO_DEFAULT
 # when the kernel covers them (None there would mean "XLA unless listed").
-# Measured on an H200, jax 0.11.2, 2026-11-21 (`python -m pallas_kernels.bench fp8 --quick`, benchmarks/RESULTS.md).
-_WIDE_N = TileConfig(tile_m=64, tile_n=256, wg_split="m")
+# Measured on an H200, jax 0.11.2, 2026-11-21, XLA's fp8 path on cuBLASLt (`XLA_FLAGS=--xla_gpu_enable_triton_gemm=false
+# python -m pallas_kernels.bench fp8`, benchmarks/RESULTS.md): the kernel won at every shape (1.01-1.37x).
+_D0 = TileConfig(delay_release=0)  # wg128x128x128/n, 3 stages, each stage released after its wgmma completes
+_S4 = TileConfig(stages=4, epi_tile_m=64, epi_tile_n=64)  # 4 stages, one wgmma group in flight, 64x64 epilogue
 AUTO_TABLE: dict[tuple[int, int, int], TileConfig | None] = {
-    (8192, 8192, 8192): _WIDE_N,  # 1350 TFLOP/s vs XLA fp8 rowwise 1273
-    (8192, 14336, 4096): DEFAULT_CONFIG,  # 1304 vs 1121
-    (8192, 4096, 14336): _WIDE_N,  # 1385 vs 1321
-    (8192, 8192, 28672): _WIDE_N,  # 1337 vs 1311
+    (8192, 8192, 8192): _S4,  # 1362 TFLOP/s vs XLA fp8 rowwise 1286
+    (8192, 4096, 4096): _D0,  # 1325 vs 972 (8B wo fwd and dgrad)
+    (8192, 1024, 4096): _D0,  # 1050 vs 765
+    (8192, 14336, 4096): _D0,  # 1316 vs 1137
+    (8192, 4096, 14336): _D0,  # 1387 vs 1258 (8B down fwd)
+    (8192, 1024, 8192): _S4,  # 1242 vs 918
+    (8192, 28672, 8192): _S4,  # 1271 vs 1212
+    (8192, 8192, 28672): _D0,  # 1320 vs 1304
+    (4096, 14336, 8192): _D0,  # 1403 vs 1197
+    (14336, 4096, 8192): _D0,  # 1390 vs 1201 (8B down wgrad)
+    (8192, 6144, 4096): _D0,  # 1289 vs 1099 (8B q|k|v fwd)
+    (8192, 4096, 6144): _D0,  # 1421 vs 1145 (q|k|v dgrad)
+    (4096, 6144, 8192): _S4,  # 1310 vs 1251 (q|k|v wgrad)
+    (8192, 28672, 4096): _S4,  # 1283 vs 1097 (8B gate|up fwd)
+    (8192, 4096, 28672): _S4,  # 1385 vs 1276 (gate|up dgrad)
+    (4096, 28672, 8192): _S4,  # 1313 vs 1213 (gate|up wgrad)
+    (4096, 4096, 8192): _D0,  # 1391 vs 1222 (wo wgrad)
 }
-AUTO_DEFAULT: TileConfig | None = DEFAULT_CONFIG
+AUTO_DEFAULT: TileConfig | None = _D0
 
 
 def auto_choice(m: int, n: int, k: int, a_dtype, b_dtype, out_dtype=jnp.bfloat16) -> TileConfig | None:
