@@ -309,10 +309,13 @@ def pallas_cover(
 
 
 def fit_config(config: TileConfig, out_dtype) -> TileConfig:
-    """`config`, with its epilogue staged in 64x64 chunks when a whole-tile staging buffer would overflow SMEM
-    (an f32 output: 2 x 128x128x4 B next to a 144 KiB operand ring)."""
+    """`config`, made to fit SMEM for this output dtype: the epilogue staged in 64x64 chunks when a whole-tile
+    staging buffer would overflow (an f32 output: 2 x 128x128x4 B next to a 144 KiB operand ring), then fewer
+    pipeline stages while it still does (a 4-stage config measured with bf16 output, run for an f32 weight grad)."""
     if config.smem_bytes(out_dtype) > _SMEM_BYTES and config.epi_tile_m is None and config.epi_tile_n is None:
-        return dataclasses.replace(config, epi_tile_m=64, epi_tile_n=64)
+        config = dataclasses.replace(config, epi_tile_m=64, epi_tile_n=64)
+    while config.smem_bytes(out_dtype) > _SMEM_BYTES and config.stages > max(2, config.delay_release + 1):
+        config = dataclasses.replace(config, stages=config.stages - 1)
     return config
 
 
