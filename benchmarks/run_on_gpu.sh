@@ -55,6 +55,7 @@ for s in "$@"; do
     dispatch) section dispatch 200 $PY benchmarks/bench_dispatch.py ;;
     dispatch_decomposer) section dispatch_decomposer 200 env XLA_FLAGS="--xla_gpu_unsupported_enable_ragged_all_to_all_decomposer=true" $PY benchmarks/bench_dispatch.py ;;
     moe_1gpu) section moe_1gpu 200 env CUDA_VISIBLE_DEVICES=0 $PY benchmarks/profile_step.py --steps 3 --top 15 $MOE data.batch_size=1 mesh.expert=1 ;;
+    moe_ep_xla) section moe_ep_xla 200 $PY benchmarks/profile_step.py --steps 3 --top 15 $MOE data.batch_size="$(nvidia-smi -L | wc -l)" mesh.expert="$(nvidia-smi -L | wc -l)" model.moe.all_to_all=xla ;;
     moe_ep) section moe_ep 200 $PY benchmarks/profile_step.py --steps 3 --top 15 $MOE data.batch_size="$(nvidia-smi -L | wc -l)" mesh.expert="$(nvidia-smi -L | wc -l)" ;;
     loss_curves) section loss_curves 420 bash benchmarks/loss_curves.sh "$LOGS" ;;
     *) echo "unknown section $s" ;;

@@ -53,6 +53,8 @@ class MoEConfig:
     capacity_factor: float = 0.0  # 0 = dropless
     dispatch: Literal["flat", "hierarchical"] = "flat"
     gpus_per_node: int = 8  # for hierarchical dispatch: the expert axis is (node, local)
+    all_to_all: Literal["auto", "pallas", "xla"] = "auto"  # the dense exchange over the whole expert axis: the NVLink
+    # Mosaic-GPU kernel (pallas_kernels/all_to_all.py) where it applies, or lax.all_to_all (NCCL)
     impl: Literal["auto", "pallas", "xla", "reference"] = "auto"
 
 

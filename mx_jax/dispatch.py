@@ -30,6 +30,7 @@ Both have the same semantics; tests/test_moe.py checks flat == hierarchical == s
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Callable
 
 import jax
@@ -91,8 +92,68 @@ class Group:
     groups: list[list[int]] | None = None
 
 
-def exchange(payload: dict[str, jax.Array], dest: jax.Array, group: Group, method: str, bound: int | None = None
-             ) -> tuple[dict[str, jax.Array], jax.Array, Callable[[jax.Array], jax.Array]]:
+_VALID = "__valid"  # the dense exchange's validity mask rides with the payload
+_ALIGN = 16  # bytes: a packed row is padded to this (the NVLink kernel's bulk copies move multiples of 16 bytes)
+
+
+def _to_bytes(v: jax.Array) -> jax.Array:
+    """(P, A, ...) -> (P, A, nbytes) uint8, the rows' bit patterns (bool as one byte)."""
+    v = v.reshape(v.shape[0], v.shape[1], -1)
+    v = v.astype(jnp.uint8) if v.dtype == jnp.bool_ else v
+    return jax.lax.bitcast_convert_type(v, jnp.uint8).reshape(v.shape[0], v.shape[1], -1)
+
+
+def _from_bytes(b: jax.Array, like: jax.Array) -> jax.Array:
+    """Inverse of _to_bytes for an array shaped and typed like `like`."""
+    dtype = jnp.uint8 if like.dtype == jnp.bool_ else like.dtype
+    size = jnp.dtype(dtype).itemsize
+    if size > 1:
+        b = b.reshape(b.shape[0], b.shape[1], -1, size)
+    v = jax.lax.bitcast_convert_type(b, dtype).reshape(like.shape)
+    return v != 0 if like.dtype == jnp.bool_ else v
+
+
+def _pack_rows(arrays: dict[str, jax.Array]) -> jax.Array:
+    """Several (P, A, ...) arrays -> one (P, A, W) uint8 array, their row bytes side by side, W padded to _ALIGN."""
+    parts = [_to_bytes(arrays[k]) for k in sorted(arrays)]
+    width = sum(p.shape[-1] for p in parts)
+    if pad := -width % _ALIGN:
+        parts.append(jnp.zeros(parts[0].shape[:2] + (pad,), jnp.uint8))
+    return jnp.concatenate(parts, axis=-1)
+
+
+def _unpack_rows(buf: jax.Array, like: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    out, at = {}, 0
+    for k in sorted(like):
+        nbytes = math.prod(like[k].shape[2:]) * jnp.dtype(like[k].dtype).itemsize
+        out[k] = _from_bytes(buf[:, :, at:at + nbytes], like[k])
+        at += nbytes
+    return out
+
+
+def moved_together(bufs: dict[str, jax.Array], a2a: Callable[[jax.Array], jax.Array]) -> dict[str, jax.Array]:
+    """a2a applied to every (P, A, ...) array of `bufs` with ONE exchange: the arrays' rows are laid side by side as
+    bytes, so a dispatch pays one launch and one synchronisation, not one per payload array. Differentiable in the
+    floating arrays (the backward moves their cotangents the same way; an all-to-all is its own transpose)."""
+
+    @jax.custom_vjp
+    def move(bufs):
+        return _unpack_rows(a2a(_pack_rows(bufs)), bufs)
+
+    def fwd(bufs):
+        return move(bufs), None
+
+    def bwd(_, cts):
+        floats = {k: v for k, v in cts.items() if jnp.issubdtype(v.dtype, jnp.floating)}
+        moved = _unpack_rows(a2a(_pack_rows(floats)), floats) if floats else {}
+        return ({k: moved.get(k) for k in cts},)
+
+    move.defvjp(fwd, bwd)
+    return move(bufs)
+
+
+def exchange(payload: dict[str, jax.Array], dest: jax.Array, group: Group, method: str, bound: int | None = None,
+             a2a_impl: str = "auto") -> tuple[dict[str, jax.Array], jax.Array, Callable[[jax.Array], jax.Array]]:
     """Send row i of every payload array to peer dest[i] (dest == group.size: not sent).
 
     `bound` is the most rows any one peer can be sent (default: all of them, the worst case), so no row drops.
@@ -113,7 +174,7 @@ def exchange(payload: dict[str, jax.Array], dest: jax.Array, group: Group, metho
 
     def a2a(x, split_axis=0, concat_axis=0, tiled=False):
         if group.groups is None and not tiled:  # the whole axis: the NVLink kernel where it applies
-            return all_to_all(x, group.axis, impl="auto")
+            return all_to_all(x, group.axis, impl=a2a_impl)
         return jax.lax.all_to_all(x, group.axis, split_axis, concat_axis, tiled=tiled,
                                   axis_index_groups=group.groups)
 
@@ -122,8 +183,10 @@ def exchange(payload: dict[str, jax.Array], dest: jax.Array, group: Group, metho
             buf = jnp.full((n, a) + v.shape[1:], fill, v.dtype)
             return buf.at[dest_s, pos].set(v, mode="drop")  # unsent rows (dest_s == n) fall outside and drop
 
-        recv = {k: a2a(pack(v, 0)).reshape((n * a,) + v.shape[1:]) for k, v in sorted_payload.items()}
-        valid = a2a(pack(sent, False)).reshape(n * a)
+        bufs = {k: pack(v, 0) for k, v in sorted_payload.items()} | {_VALID: pack(sent, False)}
+        moved = moved_together(bufs, a2a)
+        recv = {k: moved[k].reshape((n * a,) + v.shape[1:]) for k, v in sorted_payload.items()}
+        valid = moved[_VALID].reshape(n * a)
 
         def back(out):
             ret = a2a(out.reshape((n, a) + out.shape[1:]))
@@ -176,7 +239,7 @@ def pick_exchange(method: str, n_peers: int) -> str:
 
 def dispatch_combine(x: jax.Array, idx: jax.Array, g: jax.Array, keep: jax.Array, ffn: ExpertFFN, *,
                      axis: str | None, method: str = "flat", gpus_per_node: int = 8, exchange_method: str = "auto",
-                     ) -> tuple[jax.Array, dict[str, jax.Array]]:
+                     a2a_impl: str = "auto") -> tuple[jax.Array, dict[str, jax.Array]]:
     """y (n,D) = sum_j g[:, j] * Expert_{idx[:, j]}(x) with experts spread over mesh axis `axis` (None: all local).
 
     Also returns the rows this device sent for dispatch to devices on other nodes and to other devices of its own
@@ -190,9 +253,9 @@ def dispatch_combine(x: jax.Array, idx: jax.Array, g: jax.Array, keep: jax.Array
         zero = jnp.zeros((), jnp.int32)
         return _combine(out, g, x.dtype), {"rows_cross_node": zero, "rows_intra_node": zero}
     if method == "flat":
-        out, traffic = _flat(x, eid, ffn, axis, gpus_per_node, exchange_method)
+        out, traffic = _flat(x, eid, ffn, axis, gpus_per_node, exchange_method, a2a_impl)
         return _combine(out, g, x.dtype), traffic
-    return _hierarchical(x, eid, g, ffn, axis, gpus_per_node, exchange_method)
+    return _hierarchical(x, eid, g, ffn, axis, gpus_per_node, exchange_method, a2a_impl)
 
 
 def _combine(out: jax.Array, g: jax.Array, dtype) -> jax.Array:
@@ -211,7 +274,7 @@ def _node_layout(axis: str, gpus_per_node: int) -> tuple[int, int, jax.Array]:
     return p, l, jax.lax.axis_index(axis) // l
 
 
-def _flat(x, eid, ffn: ExpertFFN, axis: str, gpus_per_node: int, how: str):
+def _flat(x, eid, ffn: ExpertFFN, axis: str, gpus_per_node: int, how: str, a2a_impl: str):
     n_dev, l, my_node = _node_layout(axis, gpus_per_node)
     k = eid.shape[1]
     e_l = ffn.n_local
@@ -219,7 +282,7 @@ def _flat(x, eid, ffn: ExpertFFN, axis: str, gpus_per_node: int, how: str):
     rows = jnp.repeat(x, k, axis=0)  # (n k, D): assignment i = token i // k, choice i % k
     dest = jnp.where(flat_e >= 0, flat_e // e_l, n_dev)
     recv, valid, back = exchange({"x": rows, "e": flat_e % e_l}, dest, Group(axis, n_dev),
-                                 pick_exchange(how, n_dev))
+                                 pick_exchange(how, n_dev), a2a_impl=a2a_impl)
     out = back(ffn(recv["x"], jnp.where(valid, recv["e"], e_l)))
     off_dev = (dest < n_dev) & (dest != jax.lax.axis_index(axis))
     cross = off_dev & (dest // l != my_node)
@@ -228,7 +291,7 @@ def _flat(x, eid, ffn: ExpertFFN, axis: str, gpus_per_node: int, how: str):
     return out, traffic
 
 
-def _hierarchical(x, eid, g, ffn: ExpertFFN, axis: str, gpus_per_node: int, how: str):
+def _hierarchical(x, eid, g, ffn: ExpertFFN, axis: str, gpus_per_node: int, how: str, a2a_impl: str):
     n_dev, l, my_node = _node_layout(axis, gpus_per_node)
     n_nodes = n_dev // l
     n, k = eid.shape
@@ -243,13 +306,13 @@ def _hierarchical(x, eid, g, ffn: ExpertFFN, axis: str, gpus_per_node: int, how:
     payload1 = {"x": jnp.repeat(x, n_nodes, axis=0), "e": jnp.repeat(eid, n_nodes, axis=0),
                 "g": jnp.repeat(g.astype(jnp.float32), n_nodes, axis=0)}
     # (N n, ...): the tokens that need my node
-    recv1, valid1, back1 = exchange(payload1, dest1, rail, pick_exchange(how, n_nodes), bound=n)
+    recv1, valid1, back1 = exchange(payload1, dest1, rail, pick_exchange(how, n_nodes), bound=n, a2a_impl=a2a_impl)
     # Stage 2 (node): one row per (received token, its expert on this node) to the expert's GPU.
     e2 = recv1["e"].reshape(-1)  # (N n k,)
     mine = jnp.repeat(valid1, k) & (e2 >= 0) & ((e2 // e_l) // l == my_node)
     dest2 = jnp.where(mine, (e2 // e_l) % l, l)
     recv2, valid2, back2 = exchange({"x": jnp.repeat(recv1["x"], k, axis=0), "e": e2 % e_l}, dest2, node,
-                                    pick_exchange(how, l))
+                                    pick_exchange(how, l), a2a_impl=a2a_impl)
     out2 = back2(ffn(recv2["x"], jnp.where(valid2, recv2["e"], e_l)))  # (N n k, D); zero where not mine
     # Combine inside the node: the weighted partial sum over this token's experts here, then one row home.
     partial = jnp.sum(out2.reshape(-1, k, d).astype(jnp.float32) * recv1["g"][..., None], axis=1)

@@ -126,7 +126,8 @@ class MoE(nnx.Module):
         ffn = dispatch.ExpertFFN(w_gate, w_up, w_down, self.recipe, self.impl)
         ep = "expert" in axes and jax.lax.axis_size("expert") > 1  # no exchange at all without expert parallelism
         y, traffic = dispatch.dispatch_combine(xt, idx, g, keep, ffn, axis="expert" if ep else None,
-                                               method=m.dispatch, gpus_per_node=m.gpus_per_node)
+                                               method=m.dispatch, gpus_per_node=m.gpus_per_node,
+                                               a2a_impl=m.all_to_all)
         stats = {"aux_loss": aux, "z_loss": z, "load": load, "dropped": dropped,
                  **{k: psum(v) for k, v in traffic.items()}}  # rows_cross_node, rows_intra_node
         return y.reshape(b, t, d), stats
