@@ -93,49 +93,51 @@ class Group:
 
 
 _VALID = "__valid"  # the dense exchange's validity mask rides with the payload
-_ALIGN = 16  # bytes: a packed row is padded to this (the NVLink kernel's bulk copies move multiples of 16 bytes)
+_OWN_EXCHANGE_BYTES = 256  # a floating payload with rows at least this wide (the hidden states) moves on its own
+_WORD = jnp.uint32
+_ALIGN_WORDS = 4  # a packed row is padded to 16 bytes (the NVLink kernel's bulk copies move multiples of 16 bytes)
 
 
-def _to_bytes(v: jax.Array) -> jax.Array:
-    """(P, A, ...) -> (P, A, nbytes) uint8, the rows' bit patterns (bool as one byte)."""
+def _to_words(v: jax.Array) -> jax.Array:
+    """(P, A, ...) -> (P, A, m) uint32: 4-byte values bit for bit, narrower ones (and bool) widened to a word each."""
     v = v.reshape(v.shape[0], v.shape[1], -1)
-    v = v.astype(jnp.uint8) if v.dtype == jnp.bool_ else v
-    return jax.lax.bitcast_convert_type(v, jnp.uint8).reshape(v.shape[0], v.shape[1], -1)
+    if v.dtype == jnp.bool_:
+        return v.astype(_WORD)
+    size = jnp.dtype(v.dtype).itemsize
+    if size == 4:
+        return jax.lax.bitcast_convert_type(v, _WORD)
+    if size in (1, 2):
+        return jax.lax.bitcast_convert_type(v, jnp.dtype(f"uint{8 * size}")).astype(_WORD)
+    raise NotImplementedError(f"dispatch: cannot pack a {v.dtype} payload into 32-bit words")
 
 
-def _from_bytes(b: jax.Array, like: jax.Array) -> jax.Array:
-    """Inverse of _to_bytes for an array shaped and typed like `like`."""
-    dtype = jnp.uint8 if like.dtype == jnp.bool_ else like.dtype
-    size = jnp.dtype(dtype).itemsize
-    if size > 1:
-        b = b.reshape(b.shape[0], b.shape[1], -1, size)
-    v = jax.lax.bitcast_convert_type(b, dtype).reshape(like.shape)
-    return v != 0 if like.dtype == jnp.bool_ else v
+def _from_words(w: jax.Array, like: jax.Array) -> jax.Array:
+    if like.dtype == jnp.bool_:
+        return (w != 0).reshape(like.shape)
+    size = jnp.dtype(like.dtype).itemsize
+    if size < 4:
+        w = w.astype(jnp.dtype(f"uint{8 * size}"))
+    return jax.lax.bitcast_convert_type(w, like.dtype).reshape(like.shape)
 
 
 def _pack_rows(arrays: dict[str, jax.Array]) -> jax.Array:
-    """Several (P, A, ...) arrays -> one (P, A, W) uint8 array, their row bytes side by side, W padded to _ALIGN."""
-    parts = [_to_bytes(arrays[k]) for k in sorted(arrays)]
-    width = sum(p.shape[-1] for p in parts)
-    if pad := -width % _ALIGN:
-        parts.append(jnp.zeros(parts[0].shape[:2] + (pad,), jnp.uint8))
+    """Small (P, A, ...) arrays -> one (P, A, W) uint32 array, their rows side by side, W padded to 16 bytes."""
+    parts = [_to_words(arrays[k]) for k in sorted(arrays)]
+    if pad := -sum(p.shape[-1] for p in parts) % _ALIGN_WORDS:
+        parts.append(jnp.zeros(parts[0].shape[:2] + (pad,), _WORD))
     return jnp.concatenate(parts, axis=-1)
 
 
 def _unpack_rows(buf: jax.Array, like: dict[str, jax.Array]) -> dict[str, jax.Array]:
     out, at = {}, 0
     for k in sorted(like):
-        nbytes = math.prod(like[k].shape[2:]) * jnp.dtype(like[k].dtype).itemsize
-        out[k] = _from_bytes(buf[:, :, at:at + nbytes], like[k])
-        at += nbytes
+        m = math.prod(like[k].shape[2:])
+        out[k] = _from_words(buf[:, :, at:at + m], like[k])
+        at += m
     return out
 
 
-def moved_together(bufs: dict[str, jax.Array], a2a: Callable[[jax.Array], jax.Array]) -> dict[str, jax.Array]:
-    """a2a applied to every (P, A, ...) array of `bufs` with ONE exchange: the arrays' rows are laid side by side as
-    bytes, so a dispatch pays one launch and one synchronisation, not one per payload array. Differentiable in the
-    floating arrays (the backward moves their cotangents the same way; an all-to-all is its own transpose)."""
-
+def _moved_packed(bufs: dict[str, jax.Array], a2a) -> dict[str, jax.Array]:
     @jax.custom_vjp
     def move(bufs):
         return _unpack_rows(a2a(_pack_rows(bufs)), bufs)
@@ -143,13 +145,25 @@ def moved_together(bufs: dict[str, jax.Array], a2a: Callable[[jax.Array], jax.Ar
     def fwd(bufs):
         return move(bufs), None
 
-    def bwd(_, cts):
+    def bwd(_, cts):  # an all-to-all is its own transpose: the float cotangents travel the same way
         floats = {k: v for k, v in cts.items() if jnp.issubdtype(v.dtype, jnp.floating)}
         moved = _unpack_rows(a2a(_pack_rows(floats)), floats) if floats else {}
         return ({k: moved.get(k) for k in cts},)
 
     move.defvjp(fwd, bwd)
     return move(bufs)
+
+
+def moved_together(bufs: dict[str, jax.Array], a2a: Callable[[jax.Array], jax.Array]) -> dict[str, jax.Array]:
+    """a2a applied to every (P, A, ...) array of `bufs` in at most two exchanges: the wide floating payloads (the
+    hidden states) each on their own, all the small per-row metadata (expert ids, weights, the validity mask)
+    packed side by side in 32-bit words into one. Each exchange is a launch and a synchronisation of every GPU of
+    the axis; packing the hidden states too would cost a copy of them. Differentiable in the floating arrays."""
+    wide = {k for k, v in bufs.items()
+            if jnp.issubdtype(v.dtype, jnp.floating) and math.prod(v.shape[2:]) * v.dtype.itemsize >= _OWN_EXCHANGE_BYTES}
+    out = {k: a2a(bufs[k]) for k in wide}
+    small = {k: v for k, v in bufs.items() if k not in wide}
+    return out | (_moved_packed(small, a2a) if small else {})
 
 
 def exchange(payload: dict[str, jax.Array], dest: jax.Array, group: Group, method: str, bound: int | None = None,
