@@ -163,9 +163,10 @@ def tune(mesh, n_dev: int, hidden: int, reps: int, loop: int, mb: int = 64) -> N
                 except ValueError:  # does not fit in shared memory
                     continue
                 label = f"{num_ctas or 'SMs':>9}{tile_kib:>9}{depth:>6}"
-                g = jitted(round_trip(n_dev, rows, hidden, "pallas", config))
+                trip = round_trip(n_dev, rows, hidden, "pallas", config)
+                g = jitted(trip)
                 try:
-                    t = timed(jitted(looped(round_trip(n_dev, rows, hidden, "pallas", config), loop)), x, reps=reps) / loop
+                    t = timed(jitted(looped(trip, loop)), x, reps=reps) / loop
                     ok = np.array_equal(_bits(g(x)), _bits(x))
                 except Exception as e:  # one config failing to compile must not stop the sweep
                     print(f"{label}  FAILED {type(e).__name__}: {str(e)[:200]}", flush=True)

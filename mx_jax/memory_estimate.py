@@ -10,9 +10,9 @@ Bytes kept per token and layer for the backward pass, bf16 (2 bytes) unless note
     remat=none          2 (6D + 4HK + 5GK + 5F) + 4H (softmax statistics, f32)
     remat=save_matmuls  2 (2D + 2HK + 2GK + 3F)   (linear outputs and attention only)
     remat=full          2D                        (the block input; one block is recomputed at a time, +1 layer)
-The logits add tokens x V x 2 bytes twice (values and gradient, in the compute dtype: bf16 unless compute is f32). The estimate ignores XLA's temporary buffers
-and fragmentation; compile on the real mesh (train.py --dry-run on a machine that has the devices) for an exact
-figure.
+The logits add tokens x V x 2 bytes twice (values and gradient, in the compute dtype: bf16 unless compute is
+f32). The estimate ignores XLA's temporary buffers and fragmentation; compile on the real mesh (train.py --dry-run
+on a machine that has the devices) for an exact figure.
 """
 
 from __future__ import annotations
