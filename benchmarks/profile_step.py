@@ -4,8 +4,10 @@
         data.source=embedded data.seq_len=8192 data.batch_size=1
 
 Prints the step time, the device time per category (GEMMs, attention, fusions, copies, collectives, other) and
-the top ops, from the device plane of the trace (XLA op names on GPU). The raw trace stays under --trace-dir
-for TensorBoard's profile plugin.
+the top ops, from the device plane of the trace (XLA op names on GPU). Then, per cuBLAS GEMM of the compiled step
+(matched through the kernels' `hlo_op` trace stat), its shapes, time and TFLOP/s: what to compare with the same
+GEMM run standalone (`python -m pallas_kernels.bench fp8`, "xla bf16" column). The raw trace stays under
+--trace-dir for TensorBoard's profile plugin.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from __future__ import annotations
 import argparse
 import collections
 import glob
+import math
+import re
 import time
 
 import jax
@@ -39,7 +43,62 @@ def category(name: str) -> str:
     return "other"
 
 
-def summarize(trace_dir: str, n_steps: int, top: int) -> None:
+_SHAPE = r"([a-z0-9]+)\[([0-9,]*)\]"
+
+
+def gemm_flops(hlo_text: str) -> dict[str, tuple[float, str]]:
+    """{instruction name: (FLOPs, "MxK . KxN -> out" description)} for the cuBLAS GEMM custom calls (and plain dots)
+    of an optimized HLO module: 2 x (output elements) x (product of the lhs contracting dimensions)."""
+    out = {}
+    for line in hlo_text.splitlines():
+        m = re.match(r"\s*(?:ROOT )?%?([\w.\-]+) = \(?" + _SHAPE + r".*?(custom-call|dot)\((.*?)\)", line)
+        if not m or (m.group(4) == "custom-call" and "__cublas" not in line):
+            continue
+        name, out_dims = m.group(1), [int(d) for d in m.group(3).split(",") if d]
+        operands = re.findall(_SHAPE, m.group(5))
+        contract = re.search(r"lhs_contracting_dim(?:ension)?s\W+([\d\W]*?)[\]}]", line)
+        if not operands or not contract:
+            continue
+        lhs = [int(d) for d in operands[0][1].split(",") if d]
+        k = math.prod(lhs[int(i)] for i in re.findall(r"\d+", contract.group(1)))
+        shapes = " . ".join("x".join(dims.split(",")) for _, dims in operands[:2])
+        out[name] = (2.0 * math.prod(out_dims) * k, f"{shapes} -> {'x'.join(map(str, out_dims))}")
+    return out
+
+
+def gemm_table(data, hlo_text: str, n_steps: int, top: int) -> None:
+    """Per-GEMM time and TFLOP/s from the kernels' hlo_op stats (GPU traces); silent when the trace has none."""
+    flops = gemm_flops(hlo_text)
+    per_op: collections.Counter = collections.Counter()
+    calls: collections.Counter = collections.Counter()
+    kernel: dict[str, str] = {}
+    for plane in data.planes:
+        if not plane.name.startswith("/device:"):
+            continue
+        for line in plane.lines:
+            if "Stream" not in line.name:
+                continue
+            for ev in line.events:
+                op = dict(ev.stats).get("hlo_op") if hasattr(ev, "stats") else None
+                if op in flops:
+                    per_op[op] += ev.duration_ns / 1e6
+                    calls[op] += 1
+                    kernel[op] = ev.name
+    if not per_op:
+        print("\n(no hlo_op stats matched a GEMM of the compiled step: per-GEMM table skipped)")
+        return
+    total_flop = sum(flops[op][0] * calls[op] for op in per_op)
+    total_ms = sum(per_op.values())
+    print(f"\nGEMMs of the step: {total_ms / n_steps:.1f} ms per step and device at "
+          f"{total_flop / (total_ms * 1e-3) / 1e12:.0f} TFLOP/s; the {top} longest:")
+    print(f"  {'ms/step':>8} {'calls':>5} {'TFLOP/s':>8}  {'operands -> output':<40} kernel")
+    for op, ms in per_op.most_common(top):
+        f, desc = flops[op]
+        tflops = f * calls[op] / (ms * 1e-3) / 1e12
+        print(f"  {ms / n_steps:8.2f} {calls[op] // n_steps:5d} {tflops:8.0f}  {desc:<40} {kernel[op][:60]}")
+
+
+def summarize(trace_dir: str, n_steps: int, top: int, hlo_text: str = "") -> None:
     from jax.profiler import ProfileData
 
     paths = glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True)
@@ -73,6 +132,8 @@ def summarize(trace_dir: str, n_steps: int, top: int) -> None:
     print(f"\ntop {top} ops (ms per step, calls per step):")
     for name, ms in per_op.most_common(top):
         print(f"  {ms / n_steps:8.2f}  {counts[name] // n_steps:4d}x  {category(name):<14} {name[:110]}")
+    if hlo_text:
+        gemm_table(data, hlo_text, n_steps, top)
 
 
 def main() -> None:
@@ -107,7 +168,7 @@ def main() -> None:
         jax.profiler.stop_trace()
     tokens = cfg.data.batch_size * cfg.data.seq_len
     print(f"wall time per step (untraced): {1000 * wall:.1f} ms = {tokens / wall:,.0f} tokens/s")
-    summarize(args.trace_dir, args.steps, args.top)
+    summarize(args.trace_dir, args.steps, args.top, step.lower(state, batch).compile().as_text())
 
 
 if __name__ == "__main__":
