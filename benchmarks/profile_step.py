@@ -8,6 +8,12 @@ the top ops, from the device plane of the trace (XLA op names on GPU). Then, per
 (matched through the kernels' `hlo_op` trace stat), its shapes, time and TFLOP/s: what to compare with the same
 GEMM run standalone (`python -m pallas_kernels.bench fp8`, "xla bf16" column). The raw trace stays under
 --trace-dir for TensorBoard's profile plugin.
+
+--replay (which turns XLA's CUDA-graph command buffers off, so that each kernel in the trace names its HLO
+instruction) times every cuBLAS GEMM of the step again on its own: the same operand shapes, physical layouts,
+contracting and batch dimensions and output dtype, compiled by XLA as a one-GEMM program. Side by side with the
+in-step time it separates "XLA picked a slow algorithm / layout at this call site" from "the same GEMM is slower
+inside the step" (clocks, power, L2). --dump DIR writes the optimized HLO and every op's time as CSV.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import argparse
 import collections
 import glob
 import math
+import os
 import re
 import time
 
@@ -46,32 +53,70 @@ def category(name: str) -> str:
 _SHAPE = r"([a-z0-9]+)\[([0-9,]*)\]"
 
 
-def gemm_flops(hlo_text: str) -> dict[str, tuple[float, str]]:
-    """{instruction name: (FLOPs, "MxK . KxN -> out" description)} for the cuBLAS GEMM custom calls (and plain dots)
-    of an optimized HLO module: 2 x (output elements) x (product of the lhs contracting dimensions)."""
-    out = {}
-    for line in hlo_text.splitlines():
-        m = re.match(r"\s*(?:ROOT )?%?([\w.\-]+) = \(?" + _SHAPE + r".*?(custom-call|dot)\((.*?)\)", line)
-        if not m or (m.group(4) == "custom-call" and "__cublas" not in line):
-            continue
-        name, out_dims = m.group(1), [int(d) for d in m.group(3).split(",") if d]
-        operands = re.findall(_SHAPE, m.group(5))
-        contract = re.search(r"lhs_contracting_dim(?:ension)?s\W+([\d\W]*?)[\]}]", line)
-        if not operands or not contract:
-            continue
-        lhs = [int(d) for d in operands[0][1].split(",") if d]
-        k = math.prod(lhs[int(i)] for i in re.findall(r"\d+", contract.group(1)))
-        shapes = " . ".join("x".join(dims.split(",")) for _, dims in operands[:2])
-        out[name] = (2.0 * math.prod(out_dims) * k, f"{shapes} -> {'x'.join(map(str, out_dims))}")
+def hlo_symbols(hlo_text: str) -> dict[str, tuple[str, list[int], list[int]]]:
+    """{instruction name: (dtype, dims, minor-to-major layout)} of every array-valued HLO instruction (a tuple's
+    first element for tuple-valued ones). Names are unique within a module."""
+    table = {}
+    for m in re.finditer(r"^\s*(?:ROOT )?%([\w.\-]+) = \(?([a-z0-9]+)\[([0-9,]*)\](?:\{([0-9,]*))?", hlo_text, re.M):
+        table[m.group(1)] = (m.group(2), [int(d) for d in m.group(3).split(",") if d],
+                             [int(d) for d in (m.group(4) or "").split(",") if d])
+    return table
+
+
+def call_operands(line: str, symbols: dict) -> list[tuple[str, list[int], list[int]]]:
+    """(dtype, dims, layout) of each operand of an HLO instruction line; operands printed without their shape
+    (as inside wrapped computations) are looked up in `symbols`."""
+    args = re.search(r"(?:custom-call|dot)\((.*?)\)(?:,|$)", line).group(1)
+    out = []
+    for item in args.split(", "):
+        m = re.match(r"\s*([a-z0-9]+)\[([0-9,]*)\](?:\{([0-9,]*)\})? %([\w.\-]+)", item)
+        if m:
+            out.append((m.group(1), [int(d) for d in m.group(2).split(",") if d],
+                        [int(d) for d in (m.group(3) or "").split(",") if d]))
+        elif (name := re.match(r"\s*%([\w.\-]+)", item)) and name.group(1) in symbols:
+            out.append(symbols[name.group(1)])
     return out
 
 
-def gemm_table(data, hlo_text: str, n_steps: int, top: int) -> None:
+def gemm_flops(hlo_text: str) -> dict[str, tuple[float, str, str]]:
+    """{instruction name: (FLOPs, "MxK . KxN -> out" description, GEMM instruction)} for the cuBLAS GEMM custom
+    calls (and plain dots) of an optimized HLO module, and for the instructions that call a computation whose root
+    is one: 2 x (output elements) x (product of the lhs contracting dimensions)."""
+    symbols = hlo_symbols(hlo_text)
+    out = {}
+    for line in hlo_text.splitlines():
+        m = re.match(r"\s*(?:ROOT )?%?([\w.\-]+) = \(?" + _SHAPE + r".*?(custom-call|dot)\(", line)
+        if not m or (m.group(4) == "custom-call" and "__cublas" not in line):
+            continue
+        name, out_dims = m.group(1), [int(d) for d in m.group(3).split(",") if d]
+        operands = call_operands(line, symbols)
+        contract = re.search(r"lhs_contracting_dim(?:ension)?s\W+([\d\W]*?)[\]}]", line)
+        if len(operands) < 2 or not contract:
+            continue
+        lhs = operands[0][1]
+        k = math.prod(lhs[int(i)] for i in re.findall(r"\d+", contract.group(1)))
+        shapes = " . ".join("x".join(map(str, dims)) for _, dims, _ in operands[:2])
+        out[name] = (2.0 * math.prod(out_dims) * k, f"{shapes} -> {'x'.join(map(str, out_dims))}", name)
+    # A GEMM can be the root of a wrapping computation (a dynamic-slice fusion that folds the slice of stacked
+    # layer weights into the GEMM's operand address); the trace names the calling instruction, so map it too.
+    root_of, comp = {}, None
+    for line in hlo_text.splitlines():
+        if (h := re.match(r"^%?([\w.\-]+) \(.*\{\s*$", line)):
+            comp = h.group(1)
+        elif comp and (r := re.match(r"\s*ROOT %([\w.\-]+) = ", line)) and r.group(1) in out:
+            root_of[comp] = r.group(1)
+    for m in re.finditer(r"^\s*(?:ROOT )?%([\w.\-]+) = .*?calls=%([\w.\-]+)", hlo_text, re.M):
+        if m.group(2) in root_of and m.group(1) not in out:
+            out[m.group(1)] = out[root_of[m.group(2)]]
+    return out
+
+
+def gemm_table(data, hlo_text: str, n_steps: int, top: int) -> dict[str, tuple[float, int]]:
     """Per-GEMM time and TFLOP/s from the kernels' hlo_op stats (GPU traces); silent when the trace has none."""
     flops = gemm_flops(hlo_text)
     per_op: collections.Counter = collections.Counter()
-    calls: collections.Counter = collections.Counter()
-    kernel: dict[str, str] = {}
+    per_kernel: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+    launches: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
     for plane in data.planes:
         if not plane.name.startswith("/device:"):
             continue
@@ -82,23 +127,122 @@ def gemm_table(data, hlo_text: str, n_steps: int, top: int) -> None:
                 op = dict(ev.stats).get("hlo_op") if hasattr(ev, "stats") else None
                 if op in flops:
                     per_op[op] += ev.duration_ns / 1e6
-                    calls[op] += 1
-                    kernel[op] = ev.name
+                    per_kernel[op][ev.name] += ev.duration_ns
+                    launches[op][ev.name] += 1
+    # A GEMM instruction may launch a helper kernel besides the GEMM (e.g. a workspace memset): count executions
+    # by its longest-running kernel.
+    kernel = {op: per_kernel[op].most_common(1)[0][0] for op in per_op}
+    calls = {op: launches[op][kernel[op]] for op in per_op}
     if not per_op:
-        print("\n(no hlo_op stats matched a GEMM of the compiled step: per-GEMM table skipped)")
-        return
+        sample = next((ev for plane in data.planes if plane.name.startswith("/device:") for line in plane.lines
+                       if "Stream" in line.name for ev in line.events if "nvjet" in ev.name or "gemm" in ev.name),
+                      None)
+        stats = dict(sample.stats) if sample is not None and hasattr(sample, "stats") else {}
+        print(f"\n(no hlo_op stats matched a GEMM of the compiled step: per-GEMM table skipped; a GEMM kernel's "
+              f"stats: { {k: str(v)[:60] for k, v in stats.items()} }, {len(flops)} GEMMs in the HLO, e.g. "
+              f"{list(flops)[:3]})")
+        return {}
     total_flop = sum(flops[op][0] * calls[op] for op in per_op)
+    print(f"\n{len(per_op)} GEMM call sites of the step matched in the trace")
     total_ms = sum(per_op.values())
     print(f"\nGEMMs of the step: {total_ms / n_steps:.1f} ms per step and device at "
           f"{total_flop / (total_ms * 1e-3) / 1e12:.0f} TFLOP/s; the {top} longest:")
     print(f"  {'ms/step':>8} {'calls':>5} {'TFLOP/s':>8}  {'operands -> output':<40} kernel")
     for op, ms in per_op.most_common(top):
-        f, desc = flops[op]
+        f, desc, _ = flops[op]
         tflops = f * calls[op] / (ms * 1e-3) / 1e12
         print(f"  {ms / n_steps:8.2f} {calls[op] // n_steps:5d} {tflops:8.0f}  {desc:<40} {kernel[op][:60]}")
+    return {op: (ms / n_steps, max(1, calls[op] // n_steps)) for op, ms in per_op.items()}
 
 
-def summarize(trace_dir: str, n_steps: int, top: int, hlo_text: str = "") -> None:
+def replay_gemms(hlo_text: str, in_step: dict[str, tuple[float, int]], top: int) -> None:
+    """Time each cuBLAS GEMM of the step standalone (same shapes, layouts, dimension numbers, output dtype)."""
+    import json
+
+    import jax.numpy as jnp
+    import numpy as np
+    from jax import lax
+
+    symbols = hlo_symbols(hlo_text)
+    hlo_dtypes = {"bf16": jnp.bfloat16, "f16": jnp.float16, "f32": jnp.float32, "f64": jnp.float64}
+    rows = []
+    flops = gemm_flops(hlo_text)
+    for op, (ms_step, calls) in sorted(in_step.items(), key=lambda kv: -kv[1][0])[:top]:
+        gemm = flops[op][2]
+        line = next((l for l in hlo_text.splitlines() if re.match(rf"\s*(?:ROOT )?%?{re.escape(gemm)} = ", l)), None)
+        cfg = re.search(r'"dot_dimension_numbers":(\{.*?\})', line or "")
+        if line is None or cfg is None or not re.search(r'"__cublas\$(gemm|lt\$matmul)"', line):
+            continue
+        dn = json.loads(cfg.group(1))
+        ints = lambda key: tuple(int(x) for x in dn.get(key, []))
+        out_dt = re.search(r"= \(?([a-z0-9]+)\[", line).group(1)
+        ops = call_operands(line, symbols)[:2]
+        algo = re.search(r'"selected_algorithm":"?(-?\d+)', line)
+
+        def physical(dt, dims, layout):
+            # an array whose row-major storage is this operand's layout; the jitted fn transposes it back
+            perm = list(reversed(layout))  # major-to-minor
+            x = jax.random.normal(jax.random.key(len(rows)), [dims[p] for p in perm], jnp.float32).astype(hlo_dtypes[dt])
+            return x, tuple(int(i) for i in np.argsort(perm))
+
+        (a, pa), (b, pb) = (physical(*o) for o in ops)
+        dims = ((ints("lhs_contracting_dimensions"), ints("rhs_contracting_dimensions")),
+                (ints("lhs_batch_dimensions"), ints("rhs_batch_dimensions")))
+        f = jax.jit(lambda a, b: lax.dot_general(jnp.transpose(a, pa), jnp.transpose(b, pb), dims,
+                                                 preferred_element_type=hlo_dtypes[out_dt]))
+        compiled = f.lower(a, b).compile()
+        rep_algo = re.search(r'"selected_algorithm":"?(-?\d+)', compiled.as_text())
+        for _ in range(3):
+            out = compiled(a, b)
+        out.block_until_ready()
+        n = max(3, int(0.2 / max(ms_step / calls * 1e-3, 1e-5)))
+        t0 = time.perf_counter()
+        for _ in range(n):
+            out = compiled(a, b)
+        out.block_until_ready()
+        rows.append((op, ms_step / calls, (time.perf_counter() - t0) / n * 1e3, calls,
+                     algo.group(1) if algo else "-", rep_algo.group(1) if rep_algo else "-"))
+    if not rows:
+        print("\n(replay: no cuBLAS GEMM with dot_dimension_numbers found)")
+        return
+    print("\nreplay: each GEMM of the step alone (same shapes/layouts/dims/out dtype), ms per call:")
+    print(f"  {'op':<28} {'calls':>5} {'in step':>8} {'alone':>8} {'ratio':>6}  algorithm step/alone")
+    tot_in = tot_alone = 0.0
+    for op, ms_in, ms_alone, calls, a1, a2 in rows:
+        tot_in += ms_in * calls
+        tot_alone += ms_alone * calls
+        print(f"  {op[:28]:<28} {calls:5d} {ms_in:8.3f} {ms_alone:8.3f} {ms_in / ms_alone:6.2f}  {a1} / {a2}")
+    print(f"  {'total per step':<28} {'':>5} {tot_in:8.2f} {tot_alone:8.2f} {tot_in / tot_alone:6.2f}")
+
+
+def idle_report(data, n_steps: int) -> None:
+    """How long each device's kernel stream sat idle between kernels during the traced steps, how many kernels ran
+    inside CUDA graphs (XLA command buffers), and the kernels that most often followed the longest gaps."""
+    for plane in data.planes:
+        if not plane.name.startswith("/device:"):
+            continue
+        events = sorted(((ev.start_ns, ev.start_ns + ev.duration_ns, ev.name,
+                          "cuda_graph_id" in dict(ev.stats) if hasattr(ev, "stats") else False)
+                         for line in plane.lines if "Stream" in line.name for ev in line.events), key=lambda e: e[0])
+        if not events:
+            continue
+        gaps: collections.Counter = collections.Counter()
+        idle, end = 0.0, events[0][1]
+        for start, stop, name, _ in events[1:]:
+            if start > end:
+                idle += start - end
+                gaps[name.split("(")[0][:60]] += (start - end) / 1e6
+            end = max(end, stop)
+        span = (end - events[0][0]) / 1e6
+        in_graph = sum(e[3] for e in events)
+        print(f"\n{plane.name}: {len(events) // n_steps} kernels per step, {in_graph // n_steps} of them in CUDA graphs; "
+              f"stream idle {idle / 1e6 / n_steps:.2f} ms per step between kernels (span {span / n_steps:.1f} ms)")
+        for name, ms in gaps.most_common(5):
+            print(f"    {ms / n_steps:7.2f} ms idle before {name}")
+
+
+def summarize(trace_dir: str, n_steps: int, top: int, hlo_text: str = "", dump: str = "",
+              replay: bool = False) -> None:
     from jax.profiler import ProfileData
 
     paths = glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True)
@@ -132,8 +276,22 @@ def summarize(trace_dir: str, n_steps: int, top: int, hlo_text: str = "") -> Non
     print(f"\ntop {top} ops (ms per step, calls per step):")
     for name, ms in per_op.most_common(top):
         print(f"  {ms / n_steps:8.2f}  {counts[name] // n_steps:4d}x  {category(name):<14} {name[:110]}")
+    idle_report(data, n_steps)
+    if dump:
+        import csv
+
+        os.makedirs(dump, exist_ok=True)
+        with open(f"{dump}/ops.csv", "w", newline="") as fh:
+            w = csv.writer(fh)
+            w.writerow(["op", "category", "ms_per_step", "calls_per_step"])
+            for name, ms in per_op.most_common():
+                w.writerow([name, category(name), f"{ms / n_steps:.4f}", counts[name] // n_steps])
+        with open(f"{dump}/step.hlo.txt", "w") as fh:
+            fh.write(hlo_text)
     if hlo_text:
-        gemm_table(data, hlo_text, n_steps, top)
+        in_step = gemm_table(data, hlo_text, n_steps, top)
+        if replay and in_step:
+            replay_gemms(hlo_text, in_step, top)
 
 
 def main() -> None:
@@ -142,8 +300,14 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--top", type=int, default=30)
     ap.add_argument("--trace-dir", default="/tmp/mx_jax_trace")
+    ap.add_argument("--dump", default="", help="write step.hlo.txt and ops.csv (every op's time) here")
+    ap.add_argument("--replay", action="store_true", help="time each cuBLAS GEMM of the step standalone too")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
+    if args.replay:
+        # Inside a CUDA-graph command buffer every kernel's hlo_op is the command buffer: turn them off so each
+        # GEMM kernel carries its own instruction name (the step may run slightly slower).
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_gpu_enable_command_buffer=".strip()
     train.apply_default_xla_flags()
     cfg = load_config(args.config, [*args.overrides, "run_dir=/tmp/mx_jax_profile"])
     mesh = sharding.make_mesh(cfg.mesh)
@@ -168,7 +332,9 @@ def main() -> None:
         jax.profiler.stop_trace()
     tokens = cfg.data.batch_size * cfg.data.seq_len
     print(f"wall time per step (untraced): {1000 * wall:.1f} ms = {tokens / wall:,.0f} tokens/s")
-    summarize(args.trace_dir, args.steps, args.top, step.lower(state, batch).compile().as_text())
+    hlo = step.lower(state, batch).compile().as_text()
+    del state, batch  # free the step's memory for the replay
+    summarize(args.trace_dir, args.steps, args.top, hlo, args.dump, args.replay)
 
 
 if __name__ == "__main__":

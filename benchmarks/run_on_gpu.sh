@@ -45,6 +45,14 @@ for s in "$@"; do
     dispatch_tune) section dispatch_tune 240 $PY benchmarks/bench_dispatch.py --tune ;;
     train_final) section train_final 420 env CUDA_VISIBLE_DEVICES=0 $PY benchmarks/bench_train.py --out "$LOGS" --steps 20 --base "$DENSE8B model.scan_layers=false" --variant bf16: --variant fp8_rowwise:quant.recipe=fp8_rowwise ;;
     train_layout) section train_layout 420 $PY benchmarks/bench_train.py --out "$LOGS" --steps 20 --base "$DENSE8B" --variant bf16_scan: --variant bf16_unrolled:model.scan_layers=false --variant fp8_rowwise_unrolled:"model.scan_layers=false quant.recipe=fp8_rowwise" ;;
+    smi_log) nvidia-smi --query-gpu=timestamp,index,clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_throttle_reasons.active --format=csv -lms 250 > "$LOGS/smi.csv" 2>&1 &
+             echo "=== smi_log: clocks and power every 250 ms to $LOGS/smi.csv (background)" ;;
+    profile_replay) section profile_replay 360 $PY benchmarks/profile_step.py --steps 3 --top 40 --replay --dump "$LOGS/prof_bf16" ${DENSE8B} model.scan_layers=false ;;
+    profile_fp8_unrolled) section profile_fp8_unrolled 300 $PY benchmarks/profile_step.py --steps 3 --top 40 --dump "$LOGS/prof_fp8" ${DENSE8B} model.scan_layers=false quant.recipe=fp8_rowwise ;;
+    train_flags) section train_flags 420 $PY benchmarks/bench_train.py --out "$LOGS" --steps 20 --base "$DENSE8B model.scan_layers=false" --variant bf16: --variant bf16_cublaslt:@--xla_gpu_enable_cublaslt=true --variant bf16_autotune0:@--xla_gpu_autotune_level=0 ;;
+    train_confirm) section train_confirm 480 env CUDA_VISIBLE_DEVICES=0 $PY benchmarks/bench_train.py --out "$LOGS" --steps 30 --base "$DENSE8B model.scan_layers=false" --variant bf16: --variant fp8_rowwise:quant.recipe=fp8_rowwise --variant bf16_again: --variant fp8_rowwise_again:quant.recipe=fp8_rowwise ;;
+    ffn) section ffn 240 env CUDA_VISIBLE_DEVICES=0 XLA_FLAGS="--xla_gpu_enable_triton_gemm=false" $PY -m pallas_kernels.bench fp8 --shapes none --quick ;;
+    train_graphs) section train_graphs 420 env CUDA_VISIBLE_DEVICES=0 $PY benchmarks/bench_train.py --out "$LOGS" --steps 30 --base "$DENSE8B model.scan_layers=false quant.recipe=fp8_rowwise" --variant fp8: --variant fp8_no_cmd_buffer:@--xla_gpu_enable_command_buffer= --variant fp8_cmd_custom:@--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN ;;
     profile_unrolled) section profile_unrolled 240 $PY benchmarks/profile_step.py --steps 3 --top 30 ${DENSE8B} model.scan_layers=false ;;
     bench_grouped_quick) section bench_grouped_quick 240 $PY -m pallas_kernels.bench grouped --quick ;;
     train_dense) section train_dense 480 $PY benchmarks/bench_train.py --out "$LOGS" --steps 20 --base "$DENSE8B" --variant bf16: ;;

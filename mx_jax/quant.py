@@ -145,12 +145,15 @@ def _gemm_fp8(a_op, b_op, out_dtype, impl: str):
 
 
 def _dot_hp(lhs, rhs, contract: tuple[int, int], out_dtype, compute_dtype):
-    """High-precision GEMM: operands in compute_dtype (bf16), f32 accumulation, result in out_dtype."""
+    """High-precision GEMM: operands in compute_dtype (bf16), f32 accumulation, result in out_dtype.
+
+    The GEMM writes out_dtype itself (cuBLAS accumulates bf16 products in f32 and rounds once, as the f32 result
+    converted afterwards would). Asking for an f32 result and converting it made XLA keep every activation GEMM's
+    output in f32 and fuse the convert into each consumer: twice the bytes written, and read again per consumer.
+    """
     dims = (((contract[0],), (contract[1],)), ((), ()))
-    acc = lax.dot_general(
-        lhs.astype(compute_dtype), rhs.astype(compute_dtype), dims, preferred_element_type=jnp.float32
-    )
-    return acc.astype(out_dtype)
+    return lax.dot_general(lhs.astype(compute_dtype), rhs.astype(compute_dtype), dims,
+                           preferred_element_type=out_dtype)
 
 
 # --------------------------------------------------------------------------------------------------------------

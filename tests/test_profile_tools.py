@@ -1,0 +1,73 @@
+"""benchmarks/profile_step.py's HLO parsing: which GEMMs a compiled step runs, their FLOPs, and the instruction
+names the GPU trace attributes kernels to (a GEMM can be the root of a wrapping dynamic-slice fusion)."""
+
+import importlib.util
+import pathlib
+
+import pytest
+
+_spec = importlib.util.spec_from_file_location(
+    "profile_step", pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "profile_step.py")
+profile_step = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(profile_step)
+
+# Trimmed from an H200 step's optimized HLO: one GEMM with its operand shapes printed inline, one whose operands
+# are a wrapping computation's parameters (printed without shapes), called by a fusion.
+HLO = """
+%dynamic-slice-fusion (p0: bf16[8,4096,4096], p1: bf16[8192,4096]) -> (bf16[8192,4096], s8[1024]) {
+  %p1 = bf16[8192,4096]{1,0} parameter(1), metadata={scheduling_name="p1"}
+  %p0 = bf16[8,4096,4096]{2,1,0} parameter(0), metadata={scheduling_name="p0"}
+  %slice.56 = bf16[1,4096,4096]{2,1,0} slice(%p0), slice={[0:1], [0:4096], [0:4096]}
+  %bitcast.3243 = bf16[4096,4096]{1,0} bitcast(%slice.56)
+  ROOT %cublas-lt-matmul.7 = (bf16[8192,4096]{0,1}, s8[1024]{0}) custom-call(%p1, %bitcast.3243), custom_call_target="__cublas$lt$matmul", backend_config={"gemm_backend_config":{"dot_dimension_numbers":{"lhs_batch_dimensions":[],"lhs_contracting_dimensions":["1"],"rhs_batch_dimensions":[],"rhs_contracting_dimensions":["0"]},"selected_algorithm":"3"}}
+}
+
+ENTRY %main (a: bf16[8192,14336], b: bf16[14336,4096], w: bf16[8,4096,4096]) -> bf16[8192,4096] {
+  %a = bf16[8192,14336]{1,0} parameter(0)
+  %b = bf16[14336,4096]{1,0} parameter(1)
+  %w = bf16[8,4096,4096]{2,1,0} parameter(2)
+  %custom-call.1 = (bf16[8192,4096]{1,0}, s8[1024]{0}) custom-call(bf16[8192,14336]{1,0} %a, bf16[14336,4096]{1,0} %b), custom_call_target="__cublas$gemm", backend_config={"gemm_backend_config":{"dot_dimension_numbers":{"lhs_contracting_dimensions":["1"],"rhs_contracting_dimensions":["0"],"lhs_batch_dimensions":[],"rhs_batch_dimensions":[]}}}
+  %address_computation.2 = (bf16[8192,4096]{0,1}, s8[1024]{0}) fusion(%w, %a), kind=kCustom, calls=%dynamic-slice-fusion
+  ROOT %add = bf16[8192,4096]{1,0} add(%custom-call.1, %address_computation.2)
+}
+"""
+
+
+def test_gemm_flops_finds_inline_and_wrapped_gemms():
+    flops = profile_step.gemm_flops(HLO)
+    assert flops["custom-call.1"] == (2.0 * 8192 * 4096 * 14336, "8192x14336 . 14336x4096 -> 8192x4096",
+                                      "custom-call.1")
+    wrapped = (2.0 * 8192 * 4096 * 4096, "8192x4096 . 4096x4096 -> 8192x4096", "cublas-lt-matmul.7")
+    assert flops["cublas-lt-matmul.7"] == wrapped
+    assert flops["address_computation.2"] == wrapped  # the trace names the calling fusion
+    assert set(flops) == {"custom-call.1", "cublas-lt-matmul.7", "address_computation.2"}
+
+
+def test_call_operands_resolve_layouts():
+    symbols = profile_step.hlo_symbols(HLO)
+    line = next(l for l in HLO.splitlines() if "ROOT %cublas-lt-matmul.7" in l)
+    assert profile_step.call_operands(line, symbols) == [("bf16", [8192, 4096], [1, 0]),
+                                                         ("bf16", [4096, 4096], [1, 0])]
+
+
+def test_replay_times_a_gemm_standalone(capsys):
+    pytest.importorskip("jax")
+    small = HLO.replace("8192", "64").replace("14336", "96").replace("4096", "32")
+    profile_step.replay_gemms(small, {"address_computation.2": (0.5, 2), "custom-call.1": (1.0, 1)}, top=5)
+    out = capsys.readouterr().out
+    assert "address_computation.2" in out and "custom-call.1" in out and "total per step" in out
+
+
+def test_idle_report_sums_gaps_between_kernels(capsys):
+    from types import SimpleNamespace as NS
+
+    def ev(start, dur, name, graph):
+        return NS(start_ns=start, duration_ns=dur, name=name, stats=[("cuda_graph_id", "1")] if graph else [])
+
+    events = [ev(0, 100, "a", True), ev(100, 50, "b", True), ev(400, 100, "mosaic", False), ev(450, 20, "c", False)]
+    data = NS(planes=[NS(name="/device:GPU:0", lines=[NS(name="Stream #1", events=events)])])
+    profile_step.idle_report(data, n_steps=1)
+    out = capsys.readouterr().out
+    assert "4 kernels per step, 2 of them in CUDA graphs" in out
+    assert "stream idle 0.00 ms" in out  # 250 ns idle, before "mosaic"
+    assert "idle before mosaic" in out
