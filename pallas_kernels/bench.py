@@ -238,6 +238,13 @@ def bench_casts(args, sets: int) -> list[tuple[str, str, str | None, float, floa
         "dual, 128x128 cast tile": (
             lambda x, impl: qz.quantize_dual(x, dtype=E4M3, pow2_scale=True, impl=impl, config=big_tile), 2, None),
     }
+    if args.cast_config:  # a sweep of the Pallas dual cast over the given tile configs instead of the variants
+        variants = {}
+        for spec in args.cast_config:
+            cfg = qz.CastConfig(**{k: int(v) for k, v in (kv.split("=") for kv in spec.split(","))})
+            name = f"dual a{cfg.amax_bm}x{cfg.amax_bn} c{cfg.cast_bm}x{cfg.cast_bn}"
+            variants[name] = (lambda x, impl, cfg=cfg: qz.quantize_dual(x, dtype=E4M3, pow2_scale=True, impl=impl,
+                                                                         config=cfg), 2, None)
     for r, c in shapes:
         xs = [(jax.random.normal(jax.random.fold_in(key, i), (r, c), jnp.bfloat16),) for i in range(sets)]
         log(f"\n== cast x ({r}, {c}) bf16 -> e4m3")
@@ -388,6 +395,9 @@ def main(argv=None) -> None:
     p.add_argument("--config", action="append", default=[],
                    help="a TileConfig to try instead of the built-in sweep, e.g. tile_m=64,tile_n=256,wg_split=m "
                         "(repeatable)")
+    p.add_argument("--cast-config", action="append", default=[],
+                   help="fp8: sweep the Pallas dual cast over these CastConfigs instead of the cast variants, e.g. "
+                        "amax_bm=64,amax_bn=256,cast_bm=64,cast_bn=128 (repeatable)")
     p.add_argument("--shapes", default="", help="fp8: comma-separated shape labels to run (default: all), e.g. cube")
     p.add_argument("--samples", type=int, default=10)
     p.add_argument("--batch", type=int, default=10)
