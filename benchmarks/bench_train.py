@@ -5,10 +5,11 @@
         --variant bf16: --variant fp8_rowwise:quant.recipe=fp8_rowwise \\
         --variant bf16_no_triton_gemm:@--xla_gpu_enable_triton_gemm=false
 
-A variant is NAME:OVERRIDES, where OVERRIDES are space-separated key=value pairs for the trainer and items
-starting with @ are added to XLA_FLAGS for that run; +NAME=VALUE sets an environment variable for it. Every run uses the embedded corpus unless the base says
-otherwise, no checkpoints, no evaluation, and reports the mean of the logged intervals after the first (compile)
-step: tokens/s, TFLOP/s per device, MFU, peak memory, and the first step's wall time (compile included).
+A variant is NAME:OVERRIDES, where OVERRIDES are space-separated key=value pairs for the trainer and items starting
+with @ are added to XLA_FLAGS for that run; +NAME=VALUE sets an environment variable for it. Every run uses the
+embedded corpus unless the base says otherwise, no checkpoints, no evaluation, and reports the mean of the logged
+intervals after the first (compile) step: tokens/s, TFLOP/s per device, MFU, peak memory, and the first step's wall
+time (compile included).
 """
 
 from __future__ import annotations

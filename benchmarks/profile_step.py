@@ -111,9 +111,9 @@ def gemm_flops(hlo_text: str) -> dict[str, tuple[float, str, str]]:
     return out
 
 
-def gemm_table(data, hlo_text: str, n_steps: int, top: int) -> dict[str, tuple[float, int]]:
-    """Per-GEMM time and TFLOP/s from the kernels' hlo_op stats (GPU traces); silent when the trace has none."""
-    flops = gemm_flops(hlo_text)
+def gemm_table(data, flops: dict, n_steps: int, top: int) -> dict[str, tuple[float, int]]:
+    """Per-GEMM time and TFLOP/s from the kernels' hlo_op stats (GPU traces), for the GEMMs `gemm_flops` found;
+    returns {op: (ms per step, executions per step)}."""
     per_op: collections.Counter = collections.Counter()
     per_kernel: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
     launches: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
@@ -134,13 +134,8 @@ def gemm_table(data, hlo_text: str, n_steps: int, top: int) -> dict[str, tuple[f
     kernel = {op: per_kernel[op].most_common(1)[0][0] for op in per_op}
     calls = {op: launches[op][kernel[op]] for op in per_op}
     if not per_op:
-        sample = next((ev for plane in data.planes if plane.name.startswith("/device:") for line in plane.lines
-                       if "Stream" in line.name for ev in line.events if "nvjet" in ev.name or "gemm" in ev.name),
-                      None)
-        stats = dict(sample.stats) if sample is not None and hasattr(sample, "stats") else {}
-        print(f"\n(no hlo_op stats matched a GEMM of the compiled step: per-GEMM table skipped; a GEMM kernel's "
-              f"stats: { {k: str(v)[:60] for k, v in stats.items()} }, {len(flops)} GEMMs in the HLO, e.g. "
-              f"{list(flops)[:3]})")
+        print(f"\n(no kernel in the trace names one of the {len(flops)} GEMMs of the step: per-GEMM table skipped. "
+              "Inside XLA's CUDA-graph command buffers kernels name the command buffer; --replay turns them off.)")
         return {}
     total_flop = sum(flops[op][0] * calls[op] for op in per_op)
     print(f"\n{len(per_op)} GEMM call sites of the step matched in the trace")
@@ -155,7 +150,7 @@ def gemm_table(data, hlo_text: str, n_steps: int, top: int) -> dict[str, tuple[f
     return {op: (ms / n_steps, max(1, calls[op] // n_steps)) for op, ms in per_op.items()}
 
 
-def replay_gemms(hlo_text: str, in_step: dict[str, tuple[float, int]], top: int) -> None:
+def replay_gemms(hlo_text: str, flops: dict, in_step: dict[str, tuple[float, int]], top: int) -> None:
     """Time each cuBLAS GEMM of the step standalone (same shapes, layouts, dimension numbers, output dtype)."""
     import json
 
@@ -164,14 +159,14 @@ def replay_gemms(hlo_text: str, in_step: dict[str, tuple[float, int]], top: int)
     from jax import lax
 
     symbols = hlo_symbols(hlo_text)
+    gemm_lines = {m.group(1): m.group(0) for m in re.finditer(r"^\s*(?:ROOT )?%([\w.\-]+) = .*$", hlo_text, re.M)
+                  if '"__cublas$gemm"' in m.group(0) or '"__cublas$lt$matmul"' in m.group(0)}
     hlo_dtypes = {"bf16": jnp.bfloat16, "f16": jnp.float16, "f32": jnp.float32, "f64": jnp.float64}
     rows = []
-    flops = gemm_flops(hlo_text)
     for op, (ms_step, calls) in sorted(in_step.items(), key=lambda kv: -kv[1][0])[:top]:
-        gemm = flops[op][2]
-        line = next((l for l in hlo_text.splitlines() if re.match(rf"\s*(?:ROOT )?%?{re.escape(gemm)} = ", l)), None)
+        line = gemm_lines.get(flops[op][2])
         cfg = re.search(r'"dot_dimension_numbers":(\{.*?\})', line or "")
-        if line is None or cfg is None or not re.search(r'"__cublas\$(gemm|lt\$matmul)"', line):
+        if cfg is None:
             continue
         dn = json.loads(cfg.group(1))
         ints = lambda key: tuple(int(x) for x in dn.get(key, []))
@@ -182,7 +177,8 @@ def replay_gemms(hlo_text: str, in_step: dict[str, tuple[float, int]], top: int)
         def physical(dt, dims, layout):
             # an array whose row-major storage is this operand's layout; the jitted fn transposes it back
             perm = list(reversed(layout))  # major-to-minor
-            x = jax.random.normal(jax.random.key(len(rows)), [dims[p] for p in perm], jnp.float32).astype(hlo_dtypes[dt])
+            x = jax.random.normal(jax.random.key(len(rows)), [dims[p] for p in perm], jnp.float32)
+            x = x.astype(hlo_dtypes[dt])
             return x, tuple(int(i) for i in np.argsort(perm))
 
         (a, pa), (b, pb) = (physical(*o) for o in ops)
@@ -235,8 +231,9 @@ def idle_report(data, n_steps: int) -> None:
             end = max(end, stop)
         span = (end - events[0][0]) / 1e6
         in_graph = sum(e[3] for e in events)
-        print(f"\n{plane.name}: {len(events) // n_steps} kernels per step, {in_graph // n_steps} of them in CUDA graphs; "
-              f"stream idle {idle / 1e6 / n_steps:.2f} ms per step between kernels (span {span / n_steps:.1f} ms)")
+        print(f"\n{plane.name}: {len(events) // n_steps} kernels per step, {in_graph // n_steps} of them in CUDA "
+              f"graphs; stream idle {idle / 1e6 / n_steps:.2f} ms per step between kernels "
+              f"(span {span / n_steps:.1f} ms)")
         for name, ms in gaps.most_common(5):
             print(f"    {ms / n_steps:7.2f} ms idle before {name}")
 
@@ -289,9 +286,10 @@ def summarize(trace_dir: str, n_steps: int, top: int, hlo_text: str = "", dump: 
         with open(f"{dump}/step.hlo.txt", "w") as fh:
             fh.write(hlo_text)
     if hlo_text:
-        in_step = gemm_table(data, hlo_text, n_steps, top)
+        flops = gemm_flops(hlo_text)
+        in_step = gemm_table(data, flops, n_steps, top)
         if replay and in_step:
-            replay_gemms(hlo_text, in_step, top)
+            replay_gemms(hlo_text, flops, in_step, top)
 
 
 def main() -> None:

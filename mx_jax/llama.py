@@ -3,14 +3,15 @@
     tokens (B,T) -> embed (V,D) -> L x [x + Attn(RMSNorm(x)); x + FFN(RMSNorm(x))] -> RMSNorm -> head (D,V)
 
 The L blocks are one stacked set of parameters with a leading layer axis. `model.scan_layers=true` runs them with
-`jax.lax.scan`: compile time stays flat in L (an 80-layer 70B compiles like a 1-layer one). `false` unrolls the
-same stacked parameters into a Python loop: XLA then keeps each layer's saved activations in their own buffers
-instead of writing them into the scan's stacked residuals (dynamic_update_slice copies, ~10 ms of a 260 ms 8B
-step, benchmarks/RESULTS.md), at a compile time that grows with L. The loop takes its layers through `unstack`,
-whose gradient stacks the per-layer gradients; differentiating `stacked[i]` would instead add L zero-padded copies,
-which the clipping norm and the optimizer re-evaluate element by element (1.1-1.8 ms per reduction on the 8B step). Rematerialization wraps each block: "full"
-recomputes everything in the backward pass, "save_matmuls" keeps the outputs of every linear and of attention
-(tagged with checkpoint_name in layers.py) and recomputes only the cheap elementwise work.
+`jax.lax.scan`: compile time stays flat in L (an 80-layer 70B compiles like a 1-layer one). `false` unrolls the same
+stacked parameters into a Python loop: XLA then keeps each layer's saved activations in their own buffers instead of
+writing them into the scan's stacked residuals (dynamic_update_slice copies, ~10 ms of a 260 ms 8B step,
+benchmarks/RESULTS.md), at a compile time that grows with L. The loop takes its layers through `unstack`, whose
+gradient stacks the per-layer gradients; differentiating `stacked[i]` would instead add L zero-padded copies, which
+the clipping norm and the optimizer re-evaluate element by element (1.1-1.8 ms per reduction on the 8B step).
+Rematerialization wraps each block: "full" recomputes everything in the backward pass, "save_matmuls" keeps the
+outputs of every linear and of attention (tagged with checkpoint_name in layers.py) and recomputes only the cheap
+elementwise work.
 
 The output head is untied from the embedding, as in Llama 3. Training keeps the logits in the compute dtype
 (bf16: 2 bytes per vocabulary entry per token instead of 4; the head GEMM accumulates in float32 either way) and
@@ -144,18 +145,17 @@ def unstack(tree, n: int) -> list:
     adds the n pads, which every consumer of the gradient (clipping norm, optimizer) then re-evaluates per element.
     """
     leaves, treedef = jax.tree.flatten(tree)
+    differentiable = [jnp.issubdtype(a.dtype, jnp.inexact) for a in leaves]
 
     @jax.custom_vjp
     def split(*leaves):
         return tuple(tuple(a[i] for a in leaves) for i in range(n))
 
     def split_fwd(*leaves):
-        return split(*leaves), tuple(jnp.zeros((0,), a.dtype) for a in leaves)
+        return split(*leaves), None
 
-    def split_bwd(tags, cts):
-        return tuple(
-            jnp.stack([cts[i][j] for i in range(n)]) if jnp.issubdtype(tag.dtype, jnp.inexact) else None
-            for j, tag in enumerate(tags))
+    def split_bwd(_, cts):
+        return tuple(jnp.stack([cts[i][j] for i in range(n)]) if d else None for j, d in enumerate(differentiable))
 
     split.defvjp(split_fwd, split_bwd)
     return [jax.tree.unflatten(treedef, layer) for layer in split(*leaves)]

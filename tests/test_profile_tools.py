@@ -53,7 +53,8 @@ def test_call_operands_resolve_layouts():
 def test_replay_times_a_gemm_standalone(capsys):
     pytest.importorskip("jax")
     small = HLO.replace("8192", "64").replace("14336", "96").replace("4096", "32")
-    profile_step.replay_gemms(small, {"address_computation.2": (0.5, 2), "custom-call.1": (1.0, 1)}, top=5)
+    profile_step.replay_gemms(small, profile_step.gemm_flops(small),
+                              {"address_computation.2": (0.5, 2), "custom-call.1": (1.0, 1)}, top=5)
     out = capsys.readouterr().out
     assert "address_computation.2" in out and "custom-call.1" in out and "total per step" in out
 
