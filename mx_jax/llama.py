@@ -275,6 +275,29 @@ def _cross_entropy_bwd(res, g):
 cross_entropy.defvjp(_cross_entropy_fwd, _cross_entropy_bwd)
 
 
+COMPUTE_CAST = frozenset((*ATTN_LINEARS, *MLP_LINEARS, "head"))  # the matrices every GEMM reads
+
+
+def compute_params(cfg: ModelConfig, params: dict) -> dict:
+    """The parameters as the train step differentiates them: the linear weights (COMPUTE_CAST, dense, shared and
+    routed experts, head) cast once to the compute dtype, everything else as stored (the embedding table, whose
+    rows are gathered and whose scatter-added gradient needs f32; norm scales; the router).
+
+    The forward is unchanged (each GEMM cast its weight to the compute dtype anyway). The weight gradients come out
+    in that dtype, rounded once from the GEMM's f32 accumulator (quant._grad_w_dtype), as under TorchTitan's FSDP2
+    mixed precision (param_dtype=bf16), and the step upcasts them for the clipping norm and AdamW, which keep the
+    float32 masters and moments. A bf16 gradient halves the bytes of its write, the norm's read and AdamW's read
+    (benchmarks/RESULTS.md). A float32 compute dtype makes this the identity.
+    """
+    cdt = jnp.dtype(cfg.compute_dtype)
+
+    def cast(path, p):
+        name = getattr(path[-1], "key", None)
+        return p.astype(cdt) if name in COMPUTE_CAST and jnp.issubdtype(p.dtype, jnp.floating) else p
+
+    return jax.tree_util.tree_map_with_path(cast, params)
+
+
 def params_of(model: nnx.Module) -> dict:
     """The model's parameters as a nested dict of arrays (the train state's and the checkpoint's form)."""
     return nnx.to_pure_dict(nnx.state(model, nnx.Param))

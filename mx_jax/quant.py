@@ -62,6 +62,7 @@ from jax import lax
 fp8mm = importlib.import_module("pallas_kernels.fp8_matmul")  # the module: the package re-exports the function
 qz = importlib.import_module("pallas_kernels.quantize")
 
+from mx_jax import sharding  # noqa: E402
 from mx_jax.mx_format import mx_quantize  # noqa: E402,F401  (public as mx_jax.quant.mx_quantize)
 from mx_jax.mx_linear import mx_kernel_support, mx_linear  # noqa: E402
 
@@ -156,6 +157,13 @@ def _dot_hp(lhs, rhs, contract: tuple[int, int], out_dtype, compute_dtype):
                            preferred_element_type=out_dtype)
 
 
+def _grad_w_dtype(w_dtype) -> jnp.dtype:
+    """The weight-gradient GEMM's output dtype: w's own (a bf16 weight gets a bf16 gradient, rounded once from the
+    GEMM's f32 accumulator), except where the tokens are split over devices: the GEMM's per-device partial sums are
+    then summed across devices in f32 and rounded after the sum (TorchTitan's FSDP2 reduce_dtype=float32)."""
+    return jnp.dtype(jnp.float32) if sharding.tokens_split() else jnp.dtype(w_dtype)
+
+
 # --------------------------------------------------------------------------------------------------------------
 # The quantized dot: custom_vjp over 2-D x (T, K) and w (K, N), one per (recipe, impl).
 # --------------------------------------------------------------------------------------------------------------
@@ -190,7 +198,7 @@ def _make_linear2d(recipe_name: str, impl: str):
             y, x_res, w_res = _dot_hp(x, w_c, (1, 0), x.dtype, x.dtype), x, w_c
         return y, (x_res, w_res)
 
-    def backward(res, g):
+    def backward(res, g, gw_dtype):
         x_res, w_res = res
         # The primal dtypes ride on the residuals: a raw x/w, or an fp8 pair when it was pre-quantized.
         if g_dual:
@@ -207,9 +215,9 @@ def _make_linear2d(recipe_name: str, impl: str):
         # grad_w (K, N) = xᵀ @ g: contraction over T; operands xᵀ (K, T) and gᵀ (N, T).
         if x_gw.fp8:
             x_op = x_res if x_dual else _cols_t(x_res, x_gw, p2, impl)
-            grad_w = _gemm_fp8(x_op, g_cols_t, jnp.float32, impl)
+            grad_w = _gemm_fp8(x_op, g_cols_t, gw_dtype, impl)
         else:
-            grad_w = _dot_hp(x_res, g, (0, 0), jnp.float32, g.dtype)
+            grad_w = _dot_hp(x_res, g, (0, 0), gw_dtype, g.dtype)
         return grad_x, grad_w
 
     @jax.custom_vjp
@@ -222,7 +230,7 @@ def _make_linear2d(recipe_name: str, impl: str):
 
     def bwd(saved, g):
         res, x_tag, w_tag = saved  # empty arrays carrying the primal dtypes
-        grad_x, grad_w = backward(res, g.astype(x_tag.dtype))
+        grad_x, grad_w = backward(res, g.astype(x_tag.dtype), _grad_w_dtype(w_tag.dtype))
         return grad_x.astype(x_tag.dtype), grad_w.astype(w_tag.dtype)
 
     linear2d.defvjp(fwd, bwd)

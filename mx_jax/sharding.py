@@ -139,6 +139,14 @@ def batch_axes() -> tuple[str, ...]:
     return (axes,) if isinstance(axes, str) else tuple(axes)
 
 
+def tokens_split() -> bool:
+    """True under a set mesh that splits the tokens (batch or sequence) over more than one device: a weight
+    gradient is then a sum of per-device partial sums."""
+    mesh = jax.sharding.get_abstract_mesh()
+    axes = (*batch_axes(), RULES["seq"])
+    return not mesh.empty and any(mesh.shape.get(a, 1) > 1 for a in axes if isinstance(a, str))
+
+
 def batch_size_divisor(mesh: Mesh) -> int:
     """The global batch must be a multiple of this (the product of the mesh axes the batch is split over)."""
     return int(np.prod([mesh.shape[a] for a in batch_axes()]))

@@ -30,8 +30,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from mx_jax import checkpoint, compat, metrics, sharding
 from mx_jax.config import ConfigError, TrainConfig, load_config, to_yaml
 from mx_jax.data import Batches, Dataset, open_dataset
-from mx_jax.llama import (Llama, buffers_of, cross_entropy, flops_per_token, moe_loss, param_axes, params_of,
-                          update_buffers)
+from mx_jax.llama import (Llama, buffers_of, compute_params, cross_entropy, flops_per_token, moe_loss, param_axes,
+                          params_of, update_buffers)
 from mx_jax.moe import RouterBias
 from mx_jax.optim import make_optimizer, schedule
 
@@ -173,11 +173,13 @@ def make_train_step(setup: Setup):
 
     def train_step(state, batch):
         params, buffers = state["params"], state["buffers"]
+        compute = params if os.environ.get("MX_JAX_F32_GRADS") else compute_params(cfg.model, params)
         grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
         def one(inputs, targets):
-            (_, (ce, stats)), grads = grad_fn(params, buffers, inputs, targets)
-            return ce, stats, grads
+            # Differentiated in the compute dtype (llama.compute_params); summed and clipped in float32.
+            (_, (ce, stats)), grads = grad_fn(compute, buffers, inputs, targets)
+            return ce, stats, jax.tree.map(lambda g: g.astype(jnp.float32), grads)
 
         if accum == 1:
             ce, stats, grads = one(batch["inputs"][0], batch["targets"][0])

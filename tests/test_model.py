@@ -176,3 +176,52 @@ def test_unrolled_layers_equal_scanned_layers():
     np.testing.assert_allclose(float(l_loop), float(l_scan), rtol=1e-6)
     for a, b in zip(jax.tree.leaves(g_loop), jax.tree.leaves(g_scan)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
+
+
+def test_compute_params_casts_the_gemm_weights_only():
+    from mx_jax.config import MoEConfig
+    from mx_jax.llama import compute_params, params_of
+    cfg = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64,
+                      moe=MoEConfig(n_experts=4, top_k=2, n_shared=1, d_expert=16))
+    params = params_of(Llama(cfg, rngs=nnx.Rngs(0)))
+    cast = compute_params(cfg, params)
+    seen = set()
+    for (path, p), c in zip(jax.tree_util.tree_leaves_with_path(params), jax.tree.leaves(cast)):
+        name = path[-1].key
+        gemm = name in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "head")
+        assert c.dtype == (jnp.bfloat16 if gemm else jnp.float32), (jax.tree_util.keystr(path), c.dtype)
+        np.testing.assert_array_equal(np.asarray(c, np.float32), np.asarray(p.astype(c.dtype), np.float32))
+        seen.add((name, gemm))
+    assert {("embed", False), ("router", False), ("scale", False), ("head", True), ("w_up", True)} <= seen
+    f32 = compute_params(ModelConfig(compute_dtype="float32", vocab_size=64, d_model=32, n_layers=1, n_heads=4,
+                                     n_kv_heads=2, d_ff=64), {"head": params["head"]})
+    assert f32["head"].dtype == jnp.float32
+
+
+def test_weight_grad_dtype_follows_the_weight_and_is_summed_over_devices_in_f32():
+    """A bf16 weight gets a bf16 gradient; with the tokens split over 8 devices the partial weight gradients are
+    summed across devices in f32 and rounded after the sum (one f32 cross-device reduction in the compiled step)."""
+    from mx_jax import quant
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.standard_normal((16, 32)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((32, 24)) / 6, jnp.bfloat16)
+
+    def grad_w(x, w):
+        return jax.grad(lambda w: jnp.sum(quant.linear(x, w, recipe="bf16").astype(jnp.float32) ** 2))(w)
+
+    assert grad_w(x, w).dtype == jnp.bfloat16
+    mesh = sharding.make_mesh(MeshConfig(data=8))
+    xs = jax.device_put(x, jax.sharding.NamedSharding(mesh, P("data", None)))
+    with jax.set_mesh(mesh):
+        fn = jax.jit(grad_w, out_shardings=jax.sharding.NamedSharding(mesh, P()))
+        split = fn.lower(xs, w).as_text()
+        g8 = fn(xs, w)
+    alone = jax.jit(grad_w).lower(x, w).as_text()
+    # The weight-gradient GEMM (32, 24): f32 out when its partial sums cross devices, bf16 on one device.
+    wgrad = lambda text: [ln for ln in text.splitlines() if "dot_general" in ln and "-> tensor<32x24x" in ln]
+    assert wgrad(split) and all("tensor<32x24xf32>" in ln.split("->")[-1] for ln in wgrad(split)), wgrad(split)
+    assert wgrad(alone) and all("tensor<32x24xbf16>" in ln.split("->")[-1] for ln in wgrad(alone)), wgrad(alone)
+    assert g8.dtype == jnp.bfloat16
+    ref = (2 * x.astype(jnp.float32).T @ (x.astype(jnp.float32) @ w.astype(jnp.float32)))
+    err = np.linalg.norm(np.asarray(g8, np.float32) - np.asarray(ref)) / np.linalg.norm(np.asarray(ref))
+    assert err < 1e-2, err  # bf16 operands and a bf16 result: ~3 bf16 roundings
