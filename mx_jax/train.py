@@ -6,7 +6,9 @@ the device) -> log / evaluate / checkpoint on schedule. A NaN or Inf loss stops 
 checkpoint of a diverged state is written.
 
 Train state: {"step": int32, "params": nested dict of float32 arrays, "opt_state": optax state}, sharded by
-`sharding.RULES` (the optimizer moments take their parameter's sharding).
+`sharding.RULES` (the optimizer moments take their parameter's sharding). The step differentiates
+`llama.compute_params(params)`, whose GEMM weights are in the compute dtype: their gradients arrive in bf16 (summed
+across devices in f32 first, see quant._grad_w_dtype) and are upcast for the clipping norm and AdamW.
 """
 
 from __future__ import annotations
@@ -173,7 +175,7 @@ def make_train_step(setup: Setup):
 
     def train_step(state, batch):
         params, buffers = state["params"], state["buffers"]
-        compute = params if os.environ.get("MX_JAX_F32_GRADS") else compute_params(cfg.model, params)
+        compute = compute_params(cfg.model, params)
         grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
         def one(inputs, targets):
