@@ -278,24 +278,54 @@ cross_entropy.defvjp(_cross_entropy_fwd, _cross_entropy_bwd)
 COMPUTE_CAST = frozenset((*ATTN_LINEARS, *MLP_LINEARS, "head"))  # the matrices every GEMM reads
 
 
-def compute_params(cfg: ModelConfig, params: dict) -> dict:
-    """The parameters as the train step differentiates them: the linear weights (COMPUTE_CAST, dense, shared and
-    routed experts, head) cast once to the compute dtype, everything else as stored (the embedding table, whose
-    rows are gathered and whose scatter-added gradient needs f32; norm scales; the router).
+def compute_copies(cfg: ModelConfig, params: dict) -> dict:
+    """The linear weights (COMPUTE_CAST: dense, shared and routed experts, head) cast to the compute dtype, as a
+    nested dict holding only those leaves; {} when the compute dtype is the parameters' own.
 
-    The forward is unchanged (each GEMM cast its weight to the compute dtype anyway). The weight gradients come out
-    in that dtype, rounded once from the GEMM's f32 accumulator (quant._grad_w_dtype), as under TorchTitan's FSDP2
-    mixed precision (param_dtype=bf16), and the step upcasts them for the clipping norm and AdamW, which keep the
-    float32 masters and moments. A bf16 gradient halves the bytes of its write, the norm's read and AdamW's read
-    (benchmarks/RESULTS.md). A float32 compute dtype makes this the identity.
+    The train state keeps these copies beside the float32 masters (train.py "compute"), written by the step that
+    updates the masters (XLA fuses the cast into AdamW's update kernels: 2 bytes written per weight instead of a
+    separate pass that reads 4 and writes 2 at the start of the next step), the way Megatron-LM keeps bf16 model
+    weights beside its optimizer's f32 main weights. The checkpoint stores only the masters; the copies are cast
+    again on restore (the same rounding of the same values).
     """
     cdt = jnp.dtype(cfg.compute_dtype)
 
-    def cast(path, p):
-        name = getattr(path[-1], "key", None)
-        return p.astype(cdt) if name in COMPUTE_CAST and jnp.issubdtype(p.dtype, jnp.floating) else p
+    def pick(tree: dict) -> dict:
+        out = {}
+        for k, v in tree.items():
+            if isinstance(v, dict):
+                sub = pick(v)
+                if sub:
+                    out[k] = sub
+            elif k in COMPUTE_CAST and jnp.issubdtype(v.dtype, jnp.floating) and v.dtype != cdt:
+                out[k] = v.astype(cdt)
+        return out
 
-    return jax.tree_util.tree_map_with_path(cast, params)
+    return pick(params)
+
+
+def with_compute(params: dict, copies: dict) -> dict:
+    """The parameters as the train step differentiates them: `params` with the leaves of `copies` in their place.
+
+    Only the GEMM weights come in the compute dtype; everything else stays as stored (the embedding table, whose
+    rows are gathered and whose scatter-added gradient needs f32; norm scales; the router). The forward is
+    unchanged (each GEMM cast its weight to the compute dtype anyway). The weight gradients come out in that dtype,
+    rounded once from the GEMM's f32 accumulator (quant._grad_w_dtype), as under TorchTitan's FSDP2 mixed precision
+    (param_dtype=bf16), and the step upcasts them for the clipping norm and AdamW, which keep the float32 masters
+    and moments. A bf16 gradient halves the bytes of its write, the norm's read and AdamW's read.
+    """
+    return {k: (with_compute(v, copies[k]) if isinstance(v, dict) else copies[k]) if k in copies else v
+            for k, v in params.items()}
+
+
+def compute_params(cfg: ModelConfig, params: dict) -> dict:
+    """with_compute(params, compute_copies(cfg, params)): the differentiated tree, cast from the masters."""
+    return with_compute(params, compute_copies(cfg, params))
+
+
+def prune_like(pruned: dict, full: dict) -> dict:
+    """The subtree of `full` with the nesting and keys of `pruned` (e.g. the shardings of the compute copies)."""
+    return {k: prune_like(v, full[k]) if isinstance(v, dict) else full[k] for k, v in pruned.items()}
 
 
 def params_of(model: nnx.Module) -> dict:

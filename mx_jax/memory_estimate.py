@@ -1,6 +1,7 @@
 """Per-device memory of a training run, from shapes alone (`jax.eval_shape`): nothing is allocated.
 
     parameters   sum over weights of  size x 4 bytes / (product of the mesh axes sharding it)
+    copies       the GEMM weights again in the compute dtype (2 bytes; llama.compute_copies), sharded alike
     gradients    the same (float32, same sharding)
     optimizer    AdamW moments: 2 x the parameter bytes, sharded like their parameters
     activations  tokens per device x layers x bytes saved per token per layer (below) + the logits
@@ -20,12 +21,13 @@ from __future__ import annotations
 import math
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import AbstractMesh
 
 from mx_jax import sharding
 from mx_jax.config import TrainConfig
-from mx_jax.llama import Llama, param_axes, params_of
+from mx_jax.llama import COMPUTE_CAST, Llama, param_axes, params_of
 
 GPUS_GB = {"H100 80GB": 80.0, "H200 141GB": 141.0, "B200 192GB": 192.0}
 
@@ -46,8 +48,10 @@ def estimate(cfg: TrainConfig) -> dict:
     params = params_of(abstract_model)
     logical = param_axes(abstract_model)
     n_params = 0
-    param_bytes_dev = 0.0
-    for ax, v in zip(jax.tree.leaves(logical, is_leaf=lambda x: isinstance(x, tuple)), jax.tree.leaves(params)):
+    param_bytes_dev = copy_bytes_dev = 0.0
+    cdt = jnp.dtype(cfg.model.compute_dtype)
+    for ax, (path, v) in zip(jax.tree.leaves(logical, is_leaf=lambda x: isinstance(x, tuple)),
+                             jax.tree_util.tree_leaves_with_path(params)):
         spec = sharding.fit_spec(sharding.spec(ax), v.shape, mesh)
         shards = 1
         for entry in spec:
@@ -55,6 +59,8 @@ def estimate(cfg: TrainConfig) -> dict:
                 shards *= shape[a]
         n_params += v.size
         param_bytes_dev += v.size * v.dtype.itemsize / shards
+        if path[-1].key in COMPUTE_CAST and v.dtype != cdt:
+            copy_bytes_dev += v.size * cdt.itemsize / shards
 
     m = cfg.model
     d, hk, gk, f = m.d_model, m.n_heads * m.d_head, m.n_kv_heads * m.d_head, m.d_ff
@@ -75,11 +81,12 @@ def estimate(cfg: TrainConfig) -> dict:
         "mesh": shape,
         "devices": math.prod(shape.values()),
         "params_gb": param_bytes_dev / gb,
+        "copies_gb": copy_bytes_dev / gb,
         "grads_gb": param_bytes_dev / gb,
         "optimizer_gb": 2 * param_bytes_dev / gb,
         "activations_gb": act / gb,
     }
-    report["total_gb"] = sum(report[k] for k in ("params_gb", "grads_gb", "optimizer_gb", "activations_gb"))
+    report["total_gb"] = sum(report[k] for k in ("params_gb", "copies_gb", "grads_gb", "optimizer_gb", "activations_gb"))
     report["fits"] = {name: report["total_gb"] <= cap * 0.92 for name, cap in GPUS_GB.items()}
     return report
 
@@ -90,6 +97,7 @@ def format_report(r: dict) -> str:
         f"mesh            {r['mesh']} = {r['devices']} devices",
         "per device (estimate from shapes; nothing allocated):",
         f"  parameters    {r['params_gb']:8.2f} GB (float32)",
+        f"  bf16 copies   {r['copies_gb']:8.2f} GB (GEMM weights in the compute dtype)",
         f"  gradients     {r['grads_gb']:8.2f} GB",
         f"  optimizer     {r['optimizer_gb']:8.2f} GB (AdamW moments)",
         f"  activations   {r['activations_gb']:8.2f} GB",

@@ -5,10 +5,13 @@ accumulation is a scan inside it) -> read the previous step's metrics (one step 
 the device) -> log / evaluate / checkpoint on schedule. A NaN or Inf loss stops the run and names the step; no
 checkpoint of a diverged state is written.
 
-Train state: {"step": int32, "params": nested dict of float32 arrays, "opt_state": optax state}, sharded by
-`sharding.RULES` (the optimizer moments take their parameter's sharding). The step differentiates
-`llama.compute_params(params)`, whose GEMM weights are in the compute dtype: their gradients arrive in bf16 (summed
-across devices in f32 first, see quant._grad_w_dtype) and are upcast for the clipping norm and AdamW.
+Train state: {"step": int32, "params": nested dict of float32 arrays, "compute": the GEMM weights' compute-dtype
+copies (llama.compute_copies), "buffers": MoE router biases, "opt_state": optax state}, sharded by `sharding.RULES`
+(the optimizer moments and the copies take their parameter's sharding). The step differentiates
+`llama.with_compute(params, compute)`: the GEMM weights in the compute dtype, whose gradients arrive in bf16 (summed
+across devices in f32 first, see quant._grad_w_dtype) and are upcast for the clipping norm and AdamW; the update
+writes the new masters and their new copies in one pass. Checkpoints hold everything but the copies, which are cast
+again from the restored masters.
 """
 
 from __future__ import annotations
@@ -32,10 +35,10 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from mx_jax import checkpoint, compat, metrics, sharding
 from mx_jax.config import ConfigError, TrainConfig, load_config, to_yaml
 from mx_jax.data import Batches, Dataset, open_dataset
-from mx_jax.llama import (Llama, buffers_of, compute_params, cross_entropy, flops_per_token, moe_loss, param_axes,
-                          params_of, update_buffers)
+from mx_jax.llama import (Llama, buffers_of, compute_copies, cross_entropy, flops_per_token, moe_loss, param_axes,
+                          params_of, prune_like, update_buffers, with_compute)
 from mx_jax.moe import RouterBias
-from mx_jax.optim import make_optimizer, schedule
+from mx_jax.optim import global_norm, make_optimizer, schedule
 
 
 def log(msg: str) -> None:
@@ -104,16 +107,18 @@ def build(cfg: TrainConfig, mesh: jax.sharding.Mesh) -> Setup:
     param_shardings = _shardings_for(mesh, param_axes(abstract_model), abstract_params)
     optimizer = make_optimizer(cfg.optim, cfg.steps)
     abstract_opt = jax.eval_shape(optimizer.init, abstract_params)
+    abstract_compute = jax.eval_shape(lambda p: compute_copies(cfg.model, p), abstract_params)
     state_shardings = {
         "step": NamedSharding(mesh, P()),
         "params": param_shardings,
+        "compute": prune_like(abstract_compute, param_shardings),
         "buffers": _shardings_for(mesh, param_axes(abstract_model, RouterBias), abstract_buffers),
         "opt_state": _opt_shardings(abstract_opt, param_shardings, mesh),
     }
     bspec = P(None, sharding.batch_axes(), sharding.RULES["seq"])
     batch_shardings = {k: NamedSharding(mesh, bspec) for k in ("inputs", "targets")}
     abstract = {"step": jax.ShapeDtypeStruct((), jnp.int32), "params": abstract_params,
-                "buffers": abstract_buffers, "opt_state": abstract_opt}
+                "compute": abstract_compute, "buffers": abstract_buffers, "opt_state": abstract_opt}
     return Setup(cfg, mesh, graphdef, abstract, param_shardings, optimizer, state_shardings, batch_shardings,
                  abstract_model.plan.notes)
 
@@ -124,14 +129,25 @@ def abstract_state(setup: Setup) -> dict:
                         setup.state_shardings)
 
 
+def saved_part(state: dict) -> dict:
+    """What a checkpoint holds: the state without the compute copies (derived from the masters)."""
+    return {k: v for k, v in state.items() if k != "compute"}
+
+
+def with_fresh_compute(setup: Setup, state: dict) -> dict:
+    """`state` with its compute copies cast from its masters (after a restore or an HF import)."""
+    cast = jax.jit(lambda p: compute_copies(setup.cfg.model, p), out_shardings=setup.state_shardings["compute"])
+    return {**state, "compute": cast(state["params"])}
+
+
 def init_state(setup: Setup) -> dict:
     cfg = setup.cfg
 
     def init():
         model = Llama(cfg.model, cfg.quant, rngs=nnx.Rngs(cfg.seed))
         params = params_of(model)
-        return {"step": jnp.zeros((), jnp.int32), "params": params, "buffers": buffers_of(model),
-                "opt_state": setup.optimizer.init(params)}
+        return {"step": jnp.zeros((), jnp.int32), "params": params, "compute": compute_copies(cfg.model, params),
+                "buffers": buffers_of(model), "opt_state": setup.optimizer.init(params)}
 
     return jax.jit(init, out_shardings=setup.state_shardings)()
 
@@ -175,11 +191,11 @@ def make_train_step(setup: Setup):
 
     def train_step(state, batch):
         params, buffers = state["params"], state["buffers"]
-        compute = compute_params(cfg.model, params)
+        compute = with_compute(params, state["compute"])  # the GEMM weights as the last update cast them
         grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
         def one(inputs, targets):
-            # Differentiated in the compute dtype (llama.compute_params); summed and clipped in float32.
+            # Differentiated in the compute dtype (llama.with_compute); summed and clipped in float32.
             (_, (ce, stats)), grads = grad_fn(compute, buffers, inputs, targets)
             return ce, stats, jax.tree.map(lambda g: g.astype(jnp.float32), grads)
 
@@ -196,9 +212,10 @@ def make_train_step(setup: Setup):
             ce, grads = ce / accum, jax.tree.map(lambda g: g / accum, grads)
             stats = {k: (v if k == "load" else v / accum) for k, v in stats.items()}
         updates, opt_state = setup.optimizer.update(grads, state["opt_state"], params)
-        new_state = {"step": state["step"] + 1, "params": optax.apply_updates(params, updates),
+        new_params = optax.apply_updates(params, updates)
+        new_state = {"step": state["step"] + 1, "params": new_params, "compute": compute_copies(cfg.model, new_params),
                      "buffers": update_buffers(cfg.model, buffers, stats), "opt_state": opt_state}
-        out = {"loss": ce, "grad_norm": optax.tree.norm(grads), "lr": lr_at(state["step"]), **_moe_metrics(stats)}
+        out = {"loss": ce, "grad_norm": global_norm(grads), "lr": lr_at(state["step"]), **_moe_metrics(stats)}
         return new_state, out
 
     return jax.jit(train_step, in_shardings=(setup.state_shardings, setup.batch_shardings),
@@ -300,9 +317,11 @@ def train(cfg: TrainConfig, devices: list[jax.Device] | None = None) -> TrainRes
                 from mx_jax import hf  # needs safetensors, only for this path
 
                 state["params"] = hf.init_from(cfg.init_from, cfg.model, setup.param_shardings)
+                state = with_fresh_compute(setup, state)
                 log(f"init   | parameters from {cfg.init_from}")
         else:
-            state, data_state = ckpt.restore(start, abstract_state(setup))
+            state, data_state = ckpt.restore(start, saved_part(abstract_state(setup)))
+            state = with_fresh_compute(setup, state)
             train_batches.position = int(data_state["position"])
             step = int(state["step"])
             log(f"resume | from step {step} ({ckpt.dir / str(start)}), data position {train_batches.position}")
@@ -377,7 +396,7 @@ def _loop(cfg, setup, state, step, dataset, train_batches, ckpt, run_dir) -> tup
                 finish(*pending, with_eval=eval_now)  # `state` is this step's: never save an unchecked loss
                 pending = None
             if save_now:
-                blocked = ckpt.save(step, state, {"position": train_batches.position, "seed": cfg.seed})
+                blocked = ckpt.save(step, saved_part(state), {"position": train_batches.position, "seed": cfg.seed})
                 log(f"ckpt   | step {step}: save started, blocked the loop {1000 * blocked:.0f} ms")
             for s, blocked, background in ckpt.finished_saves():
                 log(f"ckpt   | step {s} committed: blocked {1000 * blocked:.0f} ms, background "

@@ -156,7 +156,7 @@ def test_fused_projection_equals_separate_linears(recipe):
 
 def test_unrolled_layers_equal_scanned_layers():
     import dataclasses
-    from mx_jax.llama import cross_entropy, params_of
+    from mx_jax.llama import cross_entropy
     cfg = ModelConfig(vocab_size=64, d_model=32, n_layers=3, n_heads=4, n_kv_heads=2, d_ff=64,
                       compute_dtype="float32")
     tokens = jnp.asarray(np.random.default_rng(5).integers(0, 64, (2, 16)), jnp.int32)
@@ -178,9 +178,28 @@ def test_unrolled_layers_equal_scanned_layers():
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
 
 
+def test_rms_norm_backward_matches_float64_math():
+    """The written-out RMSNorm backward (layers.rms_norm) against the float64 formula, f32 and bf16 inputs."""
+    from mx_jax.layers import rms_norm
+    rng = np.random.default_rng(7)
+    for dtype, tol in ((jnp.float32, 1e-6), (jnp.bfloat16, 1e-2)):
+        x = jnp.asarray(3 * rng.standard_normal((2, 16, 256)), dtype)
+        c = jnp.asarray(rng.standard_normal((2, 16, 256)), dtype)
+        scale = jnp.asarray(rng.standard_normal(256), jnp.float32)
+        dx, dscale = jax.grad(lambda x, s: jnp.sum((rms_norm(x, s, 1e-5) * c).astype(jnp.float32)), (0, 1))(x, scale)
+        x64, c64, s64 = (np.asarray(a, np.float64) for a in (x, c, scale))
+        r = 1 / np.sqrt(np.mean(x64 ** 2, axis=-1, keepdims=True) + 1e-5)
+        x_hat, dyw = x64 * r, c64 * s64
+        want_dx = r * (dyw - x_hat * np.mean(dyw * x_hat, axis=-1, keepdims=True))
+        want_ds = np.sum((c64 * x_hat).reshape(-1, 256), axis=0)
+        assert dx.dtype == dtype and dscale.dtype == jnp.float32
+        assert np.linalg.norm(np.asarray(dx, np.float64) - want_dx) / np.linalg.norm(want_dx) < tol
+        assert np.linalg.norm(np.asarray(dscale, np.float64) - want_ds) / np.linalg.norm(want_ds) < 1e-6
+
+
 def test_compute_params_casts_the_gemm_weights_only():
     from mx_jax.config import MoEConfig
-    from mx_jax.llama import compute_params, params_of
+    from mx_jax.llama import compute_copies, compute_params, params_of
     cfg = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64,
                       moe=MoEConfig(n_experts=4, top_k=2, n_shared=1, d_expert=16))
     params = params_of(Llama(cfg, rngs=nnx.Rngs(0)))
@@ -193,9 +212,13 @@ def test_compute_params_casts_the_gemm_weights_only():
         np.testing.assert_array_equal(np.asarray(c, np.float32), np.asarray(p.astype(c.dtype), np.float32))
         seen.add((name, gemm))
     assert {("embed", False), ("router", False), ("scale", False), ("head", True), ("w_up", True)} <= seen
-    f32 = compute_params(ModelConfig(compute_dtype="float32", vocab_size=64, d_model=32, n_layers=1, n_heads=4,
-                                     n_kv_heads=2, d_ff=64), {"head": params["head"]})
-    assert f32["head"].dtype == jnp.float32
+    f32_cfg = ModelConfig(compute_dtype="float32", vocab_size=64, d_model=32, n_layers=1, n_heads=4, n_kv_heads=2,
+                          d_ff=64)
+    assert compute_params(f32_cfg, {"head": params["head"]})["head"].dtype == jnp.float32
+    assert compute_copies(f32_cfg, params) == {}  # nothing to keep when the compute dtype is the masters' own
+    copies = compute_copies(cfg, params)  # only the GEMM weights, in the nesting of params
+    assert {p[-1].key for p, _ in jax.tree_util.tree_leaves_with_path(copies)} == {
+        "wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "head"}
 
 
 def test_weight_grad_dtype_follows_the_weight_and_is_summed_over_devices_in_f32():
