@@ -4,9 +4,10 @@ Dimension letters, used in every comment and einsum of the model:
     B batch, T sequence, D model width, H query heads, G key/value heads, K head dim, F feed-forward width,
     E experts, V vocabulary, L layers.
 
-Parameters are float32 masters; each layer casts to the compute dtype at the point of use, so gradients and the
-optimizer stay in float32. Every weight is a 2-D (in, out) matrix that goes through `quant.linear`, which applies
-the model's low-precision recipe (bf16, fp8 rowwise/tensorwise, MX) to that linear.
+Parameters are float32 masters. The train step hands the GEMM weights in already cast to the compute dtype (the
+state's bf16 copies, llama.with_compute); any other weight is cast at the point of use. Every weight is a 2-D
+(in, out) matrix that goes through `quant.linear`, which applies the model's low-precision recipe (bf16, fp8
+rowwise/tensorwise, MX) to that linear.
 
 RMSNorm:   y = x / sqrt(mean(x^2) + eps) * scale                       (Zhang & Sennrich 2019), in float32.
            Its backward is written out (a custom_vjp, `rms_norm`): with r = (mean(x^2) + eps)^-1/2, x_hat = x r,

@@ -318,11 +318,6 @@ def with_compute(params: dict, copies: dict) -> dict:
             for k, v in params.items()}
 
 
-def compute_params(cfg: ModelConfig, params: dict) -> dict:
-    """with_compute(params, compute_copies(cfg, params)): the differentiated tree, cast from the masters."""
-    return with_compute(params, compute_copies(cfg, params))
-
-
 def prune_like(pruned: dict, full: dict) -> dict:
     """The subtree of `full` with the nesting and keys of `pruned` (e.g. the shardings of the compute copies)."""
     return {k: prune_like(v, full[k]) if isinstance(v, dict) else full[k] for k, v in pruned.items()}

@@ -86,7 +86,8 @@ def estimate(cfg: TrainConfig) -> dict:
         "optimizer_gb": 2 * param_bytes_dev / gb,
         "activations_gb": act / gb,
     }
-    report["total_gb"] = sum(report[k] for k in ("params_gb", "copies_gb", "grads_gb", "optimizer_gb", "activations_gb"))
+    parts = ("params_gb", "copies_gb", "grads_gb", "optimizer_gb", "activations_gb")
+    report["total_gb"] = sum(report[k] for k in parts)
     report["fits"] = {name: report["total_gb"] <= cap * 0.92 for name, cap in GPUS_GB.items()}
     return report
 
