@@ -23,9 +23,12 @@ Kernel (Mosaic-GPU, `plgpu.kernel`; after jax's hopper_matmul_mgpu.py, adapted t
 - Numerics: the whole K is accumulated in the wgmma accumulator, whose fp8 accumulation keeps ~14 mantissa
   bits on Hopper (DeepSeek-V3 report §3.3.2). That is TorchAO's use_fast_accum=True; promoting to a separate f32
   accumulator every few K steps (CUTLASS's default, DeepGEMM) would double the accumulator registers.
-- Trade-offs: the two compute warpgroups work on the same tile, so their epilogues do not overlap tensor-core work
-  (a ping-pong schedule would hide ~1-2 us per tile); the memory warpgroup already prefetches the next tile's first
-  stages during the epilogue. Scalars are broadcast to vectors so one kernel serves both recipes.
+- Trade-offs: the two compute warpgroups work on the same tile, so their epilogues do not overlap tensor-core work;
+  the memory warpgroup prefetches the next tile's first stages meanwhile. Measured at 8192^3 (benchmarks/RESULTS.md,
+  sixth pass) the scale multiply costs nothing and the TMA store ~1%, and TFLOP/s does not rise with K (fewer
+  epilogues per FLOP) from K = 4096 on: a ping-pong schedule could win little there. At K = 2048 (16 steps per
+  tile) the per-tile cost shows. At the H200's 700 W limit the kernel, like cuBLASLt, runs at ~1,450 MHz, so
+  energy per FLOP sets its speed. Scalars are broadcast to vectors so one kernel serves both recipes.
 
 The dispatcher's `impl="xla"` is the best path without a custom kernel: `lax.dot_general` of the two fp8 operands
 contracting dim 1 of both with an f32 result (XLA emits cuBLASLt `__cublas$lt$matmul$f8`), scales applied by an XLA
@@ -377,7 +380,7 @@ def fp8_matmul_xla(
 _D0 = TileConfig(delay_release=0)  # wg128x128x128/n, 3 stages, each stage released after its wgmma completes
 _S4 = TileConfig(stages=4, epi_tile_m=64, epi_tile_n=64)  # 4 stages, one wgmma group in flight, 64x64 epilogue
 AUTO_TABLE: dict[tuple[int, int, int], TileConfig | None] = {
-    (8192, 8192, 8192): _S4,  # 1362 TFLOP/s vs XLA fp8 rowwise 1286
+    (8192, 8192, 8192): _D0,  # 1383-1439 TFLOP/s vs _S4 1338-1393 in the same three runs (sixth pass)
     (8192, 4096, 4096): _D0,  # 1325 vs 972 (8B wo fwd and dgrad)
     (8192, 1024, 4096): _D0,  # 1050 vs 765
     (8192, 14336, 4096): _D0,  # 1316 vs 1137

@@ -1,0 +1,161 @@
+"""GEMM throughput against the SM clock and board power: ours beside XLA's, burst and sustained.
+
+    python benchmarks/gemm_clock.py                  # fp8 8192^3 and the MoE grouped bf16 shape, 0.3 s and 3 s
+    python benchmarks/gemm_clock.py --k-sweep        # + fp8 M = N = 8192 over K = 2048 ... 32768
+
+Why: an H200 running a large GEMM reaches its 700 W board limit and lowers the SM clock (nvidia-smi throttle reason
+0x4, software power cap), so TFLOP/s depends on how long the GEMM has run and on the host. Each row runs one GEMM
+back to back for `seconds` while a thread samples `nvidia-smi` every ~50 ms, and reports TFLOP/s, the median SM
+clock and power of the last two thirds of the samples, and TFLOP/s per GHz of SM clock:
+
+    efficiency per clock = (TFLOP/s / f_SM) / (SMs x FLOP per SM per clock),
+    FLOP per SM per clock = 4096 (dense bf16) or 8192 (dense fp8) on Hopper.
+
+Two kernels compared at one clock differ in work per clock; at the same power they also differ in energy per FLOP,
+which is what decides throughput once the board is at its limit.
+
+The clock and power of a 0.3 s row are not its own: nvidia-smi's readings trail the load by about a second, so
+only the sustained rows' clock columns describe the kernel.
+
+--k-sweep times fp8 GEMMs of fixed M = N = 8192 and growing K in the burst protocol of `pallas_kernels.bench`: a
+kernel that lost time per output tile (epilogue, pipeline refill) would gain TFLOP/s as K grows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import statistics
+import subprocess
+import sys
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import grouped_matmul as gm
+from pallas_kernels.bench import time_fn
+from pallas_kernels.bench_grouped import FULL, routings
+
+fp8mm = importlib.import_module("pallas_kernels.fp8_matmul")  # the module: the package re-exports the function
+F8 = jnp.float8_e4m3fn
+
+
+def _smi() -> tuple[float, float] | None:
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader,nounits",
+                              "--id=0"], capture_output=True, text=True, timeout=5).stdout
+        clock, power = (float(v) for v in out.strip().split(","))
+        return clock, power
+    except (OSError, ValueError, subprocess.SubprocessError):
+        return None
+
+
+def _sampler(stop: threading.Event, out: list) -> None:
+    while not stop.is_set():
+        s = _smi()
+        if s:
+            out.append(s)
+        time.sleep(0.05)
+
+
+def run(label: str, fn, args, flops: float, seconds: float, sms: int, flop_per_clock: int) -> None:
+    f = jax.jit(fn)
+    jax.block_until_ready(f(*args))
+    t0, n = time.perf_counter(), 0
+    while time.perf_counter() - t0 < 0.2:  # calibrate the repeat count
+        jax.block_until_ready(f(*args))
+        n += 1
+    reps = max(3, int(seconds / ((time.perf_counter() - t0) / n)))
+    time.sleep(1.0)  # let the clock recover between rows
+    stop, samples = threading.Event(), []
+    sampler = threading.Thread(target=_sampler, args=(stop, samples))
+    sampler.start()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        y = f(*args)
+    jax.block_until_ready(y)
+    dt = (time.perf_counter() - t0) / reps
+    stop.set()
+    sampler.join()
+    tflops = flops / dt / 1e12
+    steady = samples[len(samples) // 3:]
+    if steady:
+        mhz = statistics.median(s[0] for s in steady)
+        watts = statistics.median(s[1] for s in steady)
+        per_ghz = tflops / (mhz / 1e3)
+        eff = per_ghz * 1e12 / (sms * flop_per_clock * 1e9)
+        clock = f"{mhz:.0f} | {watts:.0f} | {per_ghz:.0f} | {eff:.0%}"
+    else:
+        clock = "n/a | n/a | n/a | n/a"
+    print(f"| {seconds:g} s | {label} | {dt * 1e3:.3f} | {tflops:.0f} | {clock} |", flush=True)
+
+
+def _fp8_operands(m, n, k, key):
+    ka, kb = jax.random.split(key)
+    a = jax.random.normal(ka, (m, k), jnp.bfloat16).astype(F8)
+    b_t = jax.random.normal(kb, (n, k), jnp.bfloat16).astype(F8)
+    sa = jnp.abs(jax.random.normal(ka, (m,), jnp.float32)) + 0.5
+    sb = jnp.abs(jax.random.normal(kb, (n,), jnp.float32)) + 0.5
+    return a, b_t, sa, sb
+
+
+def _xla_fp8_noscale(a, b_t, sa, sb):
+    del sa, sb
+    return jax.lax.dot_general(a, b_t, (((1,), (1,)), ((), ())), preferred_element_type=jnp.bfloat16)
+
+
+def table(seconds_list, sms: int) -> None:
+    print("| run | GEMM | ms | TFLOP/s | SM MHz | W | TFLOP/s per GHz | of peak per clock |")
+    print("|---|---|---|---|---|---|---|---|")
+    c = 8192
+    fp8_args = _fp8_operands(c, c, c, jax.random.key(0))
+    fp8_flops = 2.0 * c**3
+    p = FULL
+    kx, kw = jax.random.split(jax.random.key(1))
+    x = jax.random.normal(kx, (p.m, p.k), jnp.bfloat16)
+    w = (jax.random.normal(kw, (p.e, p.k, p.n), jnp.float32) / p.k**0.5).astype(jnp.bfloat16)
+    w_dense = w[0]
+    g_flops = 2.0 * p.m * p.k * p.n
+    for seconds in seconds_list:
+        run("fp8 8192^3, XLA cuBLASLt, no scales", _xla_fp8_noscale, fp8_args, fp8_flops, seconds, sms, 8192)
+        run("fp8 8192^3, XLA cuBLASLt, rowwise scales", fp8mm.fp8_matmul_xla, fp8_args, fp8_flops, seconds, sms, 8192)
+        run("fp8 8192^3, Pallas rowwise (impl=auto)", fp8mm.fp8_matmul, fp8_args, fp8_flops, seconds, sms, 8192)
+        run(f"bf16 {p.m}x{p.n}x{p.k} dense, XLA cuBLAS", lambda a, b: a @ b, (x, w_dense), g_flops, seconds, sms, 4096)
+        for name, sizes in routings(p).items():
+            run(f"bf16 grouped E={p.e} {name}, Pallas gmm", lambda a, b, s: gm.gmm(a, b, s, impl="pallas"),
+                (x, w, sizes), g_flops, seconds, sms, 4096)
+
+
+def k_sweep() -> None:
+    print("\n| M x N x K | XLA fp8 no scales TFLOP/s | Pallas fp8 rowwise (impl=auto) TFLOP/s |\n|---|---|---|")
+    for i, k in enumerate((2048, 4096, 8192, 16384, 32768)):
+        args = [_fp8_operands(8192, 8192, k, jax.random.key(j)) for j in range(2)]
+        flops = 2.0 * 8192 * 8192 * k
+        ms = {}
+        # Short bursts depend on what ran just before (the clock falls as the board heats up to its power limit):
+        # each timing starts after a pause, and the two kernels alternate which goes first.
+        for name in (("xla", "ours") if i % 2 else ("ours", "xla")):
+            time.sleep(1.0)
+            ms[name] = time_fn(_xla_fp8_noscale if name == "xla" else fp8mm.fp8_matmul, args).ms
+        xla, ours = ms["xla"], ms["ours"]
+        print(f"| 8192 x 8192 x {k} | {flops / xla / 1e9:.0f} | {flops / ours / 1e9:.0f} |", flush=True)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seconds", default="0.3,3", help="comma-separated run lengths per row")
+    ap.add_argument("--k-sweep", action="store_true", help="also time fp8 8192 x 8192 x K for K = 2048 ... 32768")
+    args = ap.parse_args(argv)
+    if jax.default_backend() != "gpu":
+        sys.exit("gemm_clock.py times GPU kernels: run it on an NVIDIA Hopper GPU")
+    dev = jax.devices()[0]
+    print(f"{dev.device_kind}, jax {jax.__version__}, {dev.core_count} SMs")
+    table([float(s) for s in args.seconds.split(",")], dev.core_count)
+    if args.k_sweep:
+        k_sweep()
+
+
+if __name__ == "__main__":
+    main()
