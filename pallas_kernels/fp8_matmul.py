@@ -25,7 +25,7 @@ Kernel (Mosaic-GPU, `plgpu.kernel`; after jax's hopper_matmul_mgpu.py, adapted t
   accumulator every few K steps (CUTLASS's default, DeepGEMM) would double the accumulator registers.
 - Trade-offs: the two compute warpgroups work on the same tile, so their epilogues do not overlap tensor-core work;
   the memory warpgroup prefetches the next tile's first stages meanwhile. Measured at 8192^3 (benchmarks/RESULTS.md,
-  sixth pass) the scale multiply costs nothing and the TMA store ~1%, and TFLOP/s does not rise with K (fewer
+  sixth pass) the scale multiply costs nothing and the TMA store 1-4%, and TFLOP/s does not rise with K (fewer
   epilogues per FLOP) from K = 4096 on: a ping-pong schedule could win little there. At K = 2048 (16 steps per
   tile) the per-tile cost shows. At the H200's 700 W limit the kernel, like cuBLASLt, runs at ~1,450 MHz, so
   energy per FLOP sets its speed. Scalars are broadcast to vectors so one kernel serves both recipes.
@@ -380,7 +380,7 @@ def fp8_matmul_xla(
 _D0 = TileConfig(delay_release=0)  # wg128x128x128/n, 3 stages, each stage released after its wgmma completes
 _S4 = TileConfig(stages=4, epi_tile_m=64, epi_tile_n=64)  # 4 stages, one wgmma group in flight, 64x64 epilogue
 AUTO_TABLE: dict[tuple[int, int, int], TileConfig | None] = {
-    (8192, 8192, 8192): _D0,  # 1383-1439 TFLOP/s vs _S4 1338-1393 in the same three runs (sixth pass)
+    (8192, 8192, 8192): _D0,  # 1351-1439 TFLOP/s vs _S4 1338-1393 in the same three runs, 2 of 3 won (sixth pass)
     (8192, 4096, 4096): _D0,  # 1325 vs 972 (8B wo fwd and dgrad)
     (8192, 1024, 4096): _D0,  # 1050 vs 765
     (8192, 14336, 4096): _D0,  # 1316 vs 1137
