@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import grouped_matmul as gm
-from pallas_kernels.bench import time_fn
+from pallas_kernels.bench import fp8_operands, time_fn
 from pallas_kernels.bench_grouped import FULL, routings
 
 fp8mm = importlib.import_module("pallas_kernels.fp8_matmul")  # the module: the package re-exports the function
@@ -92,15 +92,6 @@ def run(label: str, fn, args, flops: float, seconds: float, sms: int, flop_per_c
     print(f"| {seconds:g} s | {label} | {dt * 1e3:.3f} | {tflops:.0f} | {clock} |", flush=True)
 
 
-def _fp8_operands(m, n, k, key):
-    ka, kb = jax.random.split(key)
-    a = jax.random.normal(ka, (m, k), jnp.bfloat16).astype(F8)
-    b_t = jax.random.normal(kb, (n, k), jnp.bfloat16).astype(F8)
-    sa = jnp.abs(jax.random.normal(ka, (m,), jnp.float32)) + 0.5
-    sb = jnp.abs(jax.random.normal(kb, (n,), jnp.float32)) + 0.5
-    return a, b_t, sa, sb
-
-
 def _xla_fp8_noscale(a, b_t, sa, sb):
     del sa, sb
     return jax.lax.dot_general(a, b_t, (((1,), (1,)), ((), ())), preferred_element_type=jnp.bfloat16)
@@ -110,7 +101,7 @@ def table(seconds_list, sms: int) -> None:
     print("| run | GEMM | ms | TFLOP/s | SM MHz | W | TFLOP/s per GHz | of peak per clock |")
     print("|---|---|---|---|---|---|---|---|")
     c = 8192
-    fp8_args = _fp8_operands(c, c, c, jax.random.key(0))
+    (fp8_args,) = fp8_operands(jax.random.key(0), c, c, c, 1)
     fp8_flops = 2.0 * c**3
     p = FULL
     kx, kw = jax.random.split(jax.random.key(1))
@@ -131,7 +122,7 @@ def table(seconds_list, sms: int) -> None:
 def k_sweep() -> None:
     print("\n| M x N x K | XLA fp8 no scales TFLOP/s | Pallas fp8 rowwise (impl=auto) TFLOP/s |\n|---|---|---|")
     for i, k in enumerate((2048, 4096, 8192, 16384, 32768)):
-        args = [_fp8_operands(8192, 8192, k, jax.random.key(j)) for j in range(2)]
+        args = fp8_operands(jax.random.key(k), 8192, 8192, k, 2)
         flops = 2.0 * 8192 * 8192 * k
         ms = {}
         # Short bursts depend on what ran just before (the clock falls as the board heats up to its power limit):

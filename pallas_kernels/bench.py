@@ -134,7 +134,7 @@ def tile_sweep(args) -> list[fp8mm.TileConfig]:
     return configs
 
 
-def _fp8_operands(key, m, n, k, sets):
+def fp8_operands(key, m, n, k, sets):
     """`sets` input sets of (a (M,K) e4m3, b_t (N,K) e4m3, a_scale (M,), b_scale (N,)) from normal bf16 data."""
     out = []
     for i in range(sets):
@@ -167,7 +167,7 @@ def bench_gemms(args, sets: int) -> list[GemmRow]:
         row = GemmRow(label, (m, n, k))
         flop = 2.0 * m * n * k
         log(f"\n== {label}: M={m} N={n} K={k}")
-        ops = _fp8_operands(key, m, n, k, sets)
+        ops = fp8_operands(key, m, n, k, sets)
         a, b, sa, sb = ops[0]
         ref = fp8mm.fp8_matmul_reference(a, b, sa, sb, out_dtype=jnp.float32)
 
