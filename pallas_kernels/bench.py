@@ -222,6 +222,8 @@ def bench_casts(args, sets: int) -> list[tuple[str, str, str | None, float, floa
     Returns (shape, variant, AUTO_PALLAS key it decides or None, xla GB/s, pallas GB/s, max |pallas - xla|).
     """
     shapes = [(8192, 4096), (8192, 14336)] if not args.cpu_smoke else [(256, 384)]
+    if args.cast_shapes:
+        shapes = [tuple(int(v) for v in s.split("x")) for s in args.cast_shapes.split(",")]
     out = []
     key = jax.random.key(1)
     big_tile = qz.CastConfig(cast_bm=128, cast_bn=128)
@@ -277,12 +279,15 @@ def _ffn(x, w_gate, w_up, w_down, recipe, impl):
     return quant.linear(h, w_down, recipe=recipe, impl=impl)
 
 
-def bench_ffn(args, sets: int) -> list[tuple[str, float, float, float]]:
-    """FFN fwd+bwd ms per recipe, every cast included; (name, ms, rel.err y, rel.err dx)."""
-    t_, d, f = (8192, 4096, 14336) if not args.cpu_smoke else (256, 256, 512)
-    key = jax.random.key(2)
+FFN_SHAPE = (8192, 4096, 14336)  # T, D, F: Llama3-8B's FFN on 8192 tokens
+FFN_SMALL = (256, 256, 512)
 
-    def make(i, wdtype):
+
+def ffn_inputs(key, sets: int, *, small: bool = False, wdtype=jnp.bfloat16) -> list[tuple]:
+    """`sets` input sets (x (T, D) bf16, W_gate, W_up (D, F), W_down (F, D) in wdtype, dy (T, D) bf16)."""
+    t_, d, f = FFN_SMALL if small else FFN_SHAPE
+
+    def make(i):
         k = jax.random.split(jax.random.fold_in(key, i), 5)
         x = jax.random.normal(k[0], (t_, d), jnp.bfloat16)
         ws = [(jax.random.normal(kk, s, jnp.float32) / np.sqrt(s[0])).astype(wdtype)
@@ -290,12 +295,21 @@ def bench_ffn(args, sets: int) -> list[tuple[str, float, float, float]]:
         dy = jax.random.normal(k[4], (t_, d), jnp.bfloat16)
         return (x, *ws, dy)
 
-    def step(recipe, impl):
-        def run(x, wg, wu, wd, dy):
-            y, pull = jax.vjp(lambda *p: _ffn(*p, recipe, impl), x, wg, wu, wd)
-            return y, pull(dy)
-        return run
+    return [make(i) for i in range(sets)]
 
+
+def ffn_step(recipe: str, impl: str) -> Callable:
+    """(x, W_gate, W_up, W_down, dy) -> (y, (dx, dW_gate, dW_up, dW_down)): the block's forward and backward."""
+    def run(x, wg, wu, wd, dy):
+        y, pull = jax.vjp(lambda *p: _ffn(*p, recipe, impl), x, wg, wu, wd)
+        return y, pull(dy)
+    return run
+
+
+def bench_ffn(args, sets: int) -> list[tuple[str, float, float, float]]:
+    """FFN fwd+bwd ms per recipe, every cast included; (name, ms, rel.err y, rel.err dx)."""
+    t_, d, f = FFN_SMALL if args.cpu_smoke else FFN_SHAPE
+    key = jax.random.key(2)
     variants = [
         ("bf16", "bf16", "auto", jnp.bfloat16),
         ("fp8_tensorwise", "fp8_tensorwise", "auto", jnp.bfloat16),
@@ -307,13 +321,13 @@ def bench_ffn(args, sets: int) -> list[tuple[str, float, float, float]]:
     if args.quick:
         variants = variants[:3]
     log(f"\n== FFN fwd+bwd: T={t_} D={d} F={f} (SwiGLU, 3 linears through quant.linear, every cast included)")
-    inputs = {wd: [make(i, wd) for i in range(sets)] for wd in {v[3] for v in variants}}
+    inputs = {wd: ffn_inputs(key, sets, small=args.cpu_smoke, wdtype=wd) for wd in {v[3] for v in variants}}
     ref_args = [a.astype(jnp.float32) for a in inputs[jnp.bfloat16][0]]
-    y_ref, grads_ref = step("bf16", "reference")(*ref_args)  # f32 operands: bf16 recipe then computes in f32
+    y_ref, grads_ref = ffn_step("bf16", "reference")(*ref_args)  # f32 operands: bf16 recipe then computes in f32
     out = []
     for name, recipe, impl, wd in variants:
         try:
-            t = time_fn(step(recipe, impl), inputs[wd], samples=args.samples, batch=max(1, args.batch // 2))
+            t = time_fn(ffn_step(recipe, impl), inputs[wd], samples=args.samples, batch=max(1, args.batch // 2))
         except Exception as e:  # noqa: BLE001
             log(f"  {name:26s} FAILED: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
             continue
@@ -398,6 +412,7 @@ def main(argv=None) -> None:
     p.add_argument("--cast-config", action="append", default=[],
                    help="fp8: sweep the Pallas dual cast over these CastConfigs instead of the cast variants, e.g. "
                         "amax_bm=64,amax_bn=256,cast_bm=64,cast_bn=128 (repeatable)")
+    p.add_argument("--cast-shapes", default="", help="fp8: comma-separated RxC cast shapes, e.g. 8192x6144,4096x28672")
     p.add_argument("--shapes", default="", help="fp8: comma-separated shape labels to run (default: all), e.g. cube")
     p.add_argument("--samples", type=int, default=10)
     p.add_argument("--batch", type=int, default=10)

@@ -21,7 +21,8 @@ of x, which is what the rowwise recipe needs for every tensor (x, w and the outp
 Implementations. The jnp reference is also the "xla" path: XLA fuses it (an amax reduction fusion, then a cast
 fusion with the transpose folded in). The Pallas kernels (Mosaic-GPU, one CTA per tile) take a 2-D x whose dims are
 multiples of the tiles: pass 1 reads each (64, 128) tile once and max-reduces it into per-row and per-column amax
-partials (a tiny XLA max finishes them); pass 2 reads each tile again and writes the fp8 tile and/or its transpose,
+partials (a tiny XLA max finishes them; the column maxima are taken as row maxima of the transposed SMEM view, see
+`_amax_kernel`); pass 2 reads each tile again and writes the fp8 tile and/or its transpose,
 the transposed tile read through a transposed SMEM view (which Mosaic-GPU lowers for 16-bit x only). Bytes per
 element of x, bf16 in: dual cast XLA 2+2 (two amax reductions) + 2+1 + 2+1 (two casts) = 10, Pallas 2 + 2+1+1 = 6;
 transposed cast 5 vs 5 (the win, if any, is the transpose's access pattern); a cast along the last axis 5 vs 5,
@@ -150,17 +151,22 @@ def _compiler_params():
 
 
 def _amax_kernel(x_gmem, *refs, want_rows: bool, want_cols: bool, bm: int, bn: int):
-    """One (bm, bn) tile of |x|: its row maxima -> rows_part[j, i*bm:(i+1)*bm], column maxima -> cols_part[i, ...]."""
+    """One (bm, bn) tile of |x|: its row maxima -> rows_part[j, i*bm:(i+1)*bm], column maxima -> cols_part[i, ...].
+
+    The column maxima are the row maxima of the tile read through its transposed SMEM view (16-bit x, which every
+    transposed cast needs anyway): a row of the register tile lives in one warp's quad, so its max is a few
+    shuffles, where a column max crosses the four warps of the warpgroup. Reducing along axis 0 directly ran this
+    pass at ~1.6 TB/s, under half the cast pass's ~3.7 (RESULTS.md, seventh pass).
+    """
     outs = list(refs[: want_rows + want_cols])
     x_smem, rows_smem, cols_smem, barrier = refs[want_rows + want_cols :]
     i, j = lax.axis_index("i"), lax.axis_index("j")
     plgpu.copy_gmem_to_smem(x_gmem.at[pl.ds(i * bm, bm), pl.ds(j * bn, bn)], x_smem, barrier)
     plgpu.barrier_wait(barrier)
-    ax = jnp.abs(x_smem[...].astype(jnp.float32))  # (bm, bn)
     if want_rows:
-        rows_smem[...] = jnp.max(ax, axis=1)  # (bm,)
+        rows_smem[...] = jnp.max(jnp.abs(x_smem[...].astype(jnp.float32)), axis=1)  # (bm,)
     if want_cols:
-        cols_smem[...] = jnp.max(ax, axis=0)  # (bn,)
+        cols_smem[...] = jnp.max(jnp.abs(x_smem.T[...].astype(jnp.float32)), axis=1)  # (bn,)
     plgpu.commit_smem()
     if want_rows:
         plgpu.copy_smem_to_gmem(rows_smem, outs.pop(0).at[j, pl.ds(i * bm, bm)])
@@ -310,18 +316,19 @@ def _pallas_quantize(x, *, rows: bool, cols: bool, dtype, scaling, pow2_scale, c
 # "dual" = quantize_dual. XLA can fuse the single-axis rowwise cast into one pass; the transposed and dual casts
 # are where one read of x saves the most.
 # H200, 2026-11-21, bf16 (8192, 4096) / (8192, 14336): rows 1544 / 1941 GB/s vs XLA 1335 / 1676; cols_t 1351 / 1345
-# vs XLA 1390 / 1667; dual 1229 / 1712 vs XLA 980 / 1224 (benchmarks/RESULTS.md).
+# vs XLA 1390 / 1667; dual 1229 / 1712 vs XLA 980 / 1224 (benchmarks/RESULTS.md). Seventh pass, with the amax pass's
+# column maxima taken through the transposed view: dual at (8192, 14336) 2,226-2,281 GB/s vs XLA 1,211-1,271.
 AUTO_PALLAS = {"rows": True, "cols_t": False, "dual": True}
 
 
-def _use_pallas(variant: str, impl: Impl, shape, x_dtype) -> bool:
+def _use_pallas(variant: str, impl: Impl, shape, x_dtype, config: CastConfig) -> bool:
     if impl == "pallas":
         return True
     if impl != "auto" or not AUTO_PALLAS[variant]:
         return False
     if not device.kernels_apply():
         return False
-    return pallas_cover(shape, x_dtype, transposed=variant != "rows") is None
+    return pallas_cover(shape, x_dtype, transposed=variant != "rows", config=config) is None
 
 
 def quantize(
@@ -348,7 +355,7 @@ def quantize(
     last = axis == x.ndim - 1 or scaling == "tensorwise"
     if impl == "pallas" and not last:
         raise NotImplementedError("quantize (pallas): rowwise scaling only along the last axis (use quantize_t)")
-    if last and _use_pallas("rows", impl, flat, x.dtype):
+    if last and _use_pallas("rows", impl, flat, x.dtype, config):
         [(x_fp8, scale)] = _pallas_quantize(
             x.reshape(flat), rows=True, cols=False, dtype=dtype, scaling=scaling, pow2_scale=pow2_scale,
             config=config, interpret=interpret,
@@ -371,7 +378,7 @@ def quantize_t(
     if x.ndim != 2:
         raise ValueError(f"quantize_t: `x` must be 2-D, got shape {x.shape} dtype {x.dtype}")
     _check(x, 0, dtype, scaling, "quantize_t")
-    if _use_pallas("cols_t", impl, x.shape, x.dtype):
+    if _use_pallas("cols_t", impl, x.shape, x.dtype, config):
         [(xt, scale)] = _pallas_quantize(
             x, rows=False, cols=True, dtype=dtype, scaling=scaling, pow2_scale=pow2_scale, config=config,
             interpret=interpret,
@@ -394,7 +401,7 @@ def quantize_dual(
     if x.ndim != 2:
         raise ValueError(f"quantize_dual: `x` must be 2-D, got shape {x.shape} dtype {x.dtype}")
     _check(x, 0, dtype, scaling, "quantize_dual")
-    if _use_pallas("dual", impl, x.shape, x.dtype):
+    if _use_pallas("dual", impl, x.shape, x.dtype, config):
         rows, cols = _pallas_quantize(
             x, rows=True, cols=True, dtype=dtype, scaling=scaling, pow2_scale=pow2_scale, config=config,
             interpret=interpret,

@@ -72,3 +72,27 @@ def test_idle_report_sums_gaps_between_kernels(capsys):
     assert "4 kernels per step, 2 of them in CUDA graphs" in out
     assert "stream idle 0.00 ms" in out  # 250 ns idle, before "mosaic"
     assert "idle before mosaic" in out
+
+
+def test_profile_ffn_lists_the_last_calls_kernels_in_order(capsys):
+    from types import SimpleNamespace as NS
+
+    spec = importlib.util.spec_from_file_location(
+        "profile_ffn", pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "profile_ffn.py")
+    profile_ffn = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(profile_ffn)
+
+    def ev(start, dur, name, regs):
+        return NS(start_ns=start, duration_ns=dur, name=name, stats=[("kernel_details", f"regs:{regs}")])
+
+    # Two calls of three kernels, listed out of order: only the second call's, sorted, relative to its start.
+    events = [ev(5_000_000, 700_000, "gemm", 168), ev(0, 100_000, "amax", 72), ev(4_000_000, 100_000, "amax", 72),
+              ev(100_000, 700_000, "gemm", 168), ev(800_000, 300_000, "fusion", 28), ev(6_000_000, 50_000, "add", 16)]
+    data = NS(planes=[NS(name="/host:CPU", lines=[]),
+                      NS(name="/device:GPU:0", lines=[NS(name="Stream #1", events=events)])])
+    profile_ffn.kernel_sequence(data, n_steps=2)
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[0] == "kernels of the last call, in launch order (3):"
+    assert [ln.split()[:3] for ln in lines[1:]] == [["0.000", "0.100", "ms"], ["1.000", "0.700", "ms"],
+                                                   ["2.000", "0.050", "ms"]]
+    assert "amax" in lines[1] and "regs:168" in lines[2] and "add" in lines[3]

@@ -1,0 +1,80 @@
+"""Where the FFN block's fwd+bwd time goes, per kernel: the block `python -m pallas_kernels.bench fp8` times.
+
+    python benchmarks/profile_ffn.py --recipe fp8_rowwise --recipe bf16
+
+Runs the SwiGLU block of `pallas_kernels.bench` (T=8192, D=4096, F=14336, bf16 weights, every cast included)
+forward and backward under jit, traces `--steps` calls with jax.profiler and prints, per recipe, the wall time per
+call and the device time per op from the trace (`profile_step.summarize`: categories, then the longest ops). Each
+Mosaic-GPU kernel (fp8 GEMM, amax pass, cast pass) is its own custom-call op, so the table separates the GEMMs'
+time from the casts' and the XLA fusions' (SwiGLU and its backward, the dx sum).
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import sys
+import time
+
+import jax
+from jax.profiler import ProfileData
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from profile_step import summarize  # noqa: E402
+
+from pallas_kernels.bench import ffn_inputs, ffn_step  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--recipe", action="append", default=[], help="repeatable; default fp8_rowwise")
+    ap.add_argument("--impl", default="auto")
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--top", type=int, default=30)
+    ap.add_argument("--trace-dir", default="/tmp/mx_jax_ffn_trace")
+    ap.add_argument("--small", action="store_true", help="T=256, D=256, F=512 (a CPU check of the script)")
+    args = ap.parse_args()
+    inputs = ffn_inputs(jax.random.key(2), 2, small=args.small)
+    for recipe in args.recipe or ["fp8_rowwise"]:
+        fn = jax.jit(ffn_step(recipe, args.impl))
+        for i in range(3):
+            jax.block_until_ready(fn(*inputs[i % 2]))
+        t0 = time.perf_counter()
+        for i in range(args.steps):
+            out = fn(*inputs[i % 2])
+        jax.block_until_ready(out)
+        wall = (time.perf_counter() - t0) / args.steps
+        trace_dir = f"{args.trace_dir}/{recipe}"
+        jax.profiler.start_trace(trace_dir)
+        for i in range(args.steps):
+            out = fn(*inputs[i % 2])
+        jax.block_until_ready(out)
+        jax.profiler.stop_trace()
+        print(f"\n===== {recipe} (impl={args.impl}): {1000 * wall:.3f} ms per fwd+bwd call (untraced wall)")
+        summarize(trace_dir, args.steps, args.top)
+        paths = glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True)
+        kernel_sequence(ProfileData.from_file(sorted(paths)[-1]), args.steps)
+
+
+def kernel_sequence(data, n_steps: int) -> None:
+    """The last traced call's kernels in launch order, with their start (ms from the call's first kernel), duration
+    and launch stats: Mosaic-GPU kernels all share one name, so the order and register count tell the GEMMs from the
+    casts. `data` is a jax.profiler.ProfileData."""
+    for plane in data.planes:
+        if not plane.name.startswith("/device:"):
+            continue
+        events = sorted(((ev.start_ns, ev.duration_ns, ev.name, dict(ev.stats) if hasattr(ev, "stats") else {})
+                         for line in plane.lines if "Stream" in line.name for ev in line.events), key=lambda e: e[0])
+        per_step = len(events) // n_steps
+        if not per_step:
+            continue
+        print(f"\nkernels of the last call, in launch order ({per_step}):")
+        t_first = events[-per_step][0]
+        for start, dur, name, stats in events[-per_step:]:
+            keep = {k: str(v)[:40] for k, v in stats.items() if k in ("kernel_details", "hlo_op")}
+            print(f"  {(start - t_first) / 1e6:7.3f} {dur / 1e6:7.3f} ms  {name[:50]:<50} {keep}")
+
+
+if __name__ == "__main__":
+    main()
