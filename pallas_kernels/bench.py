@@ -98,14 +98,19 @@ def gemm_shapes(quick: bool, smoke: bool) -> list[tuple[str, tuple[int, int, int
 
 
 def parse_config(text: str) -> fp8mm.TileConfig:
-    """'tile_m=64,tile_n=256,wg_split=m' -> TileConfig (ints where the field is an int, None for 'none')."""
+    """'tile_m=64,tile_n=256,wg_split=m' -> TileConfig (ints where the field is an int, None for 'none', bools
+    for 'true' / 'false')."""
     fields = {f.name: f for f in dataclasses.fields(fp8mm.TileConfig)}
     kw = {}
     for item in filter(None, text.split(",")):
         name, _, value = item.partition("=")
         if name not in fields:
             raise SystemExit(f"--config: unknown TileConfig field {name!r}; fields: {sorted(fields)}")
-        kw[name] = None if value.lower() == "none" else int(value) if value.lstrip("-").isdigit() else value
+        low = value.lower()
+        if low in ("none", "true", "false"):
+            kw[name] = {"none": None, "true": True, "false": False}[low]
+        else:
+            kw[name] = int(value) if value.lstrip("-").isdigit() else value
     return fp8mm.TileConfig(**kw)
 
 
@@ -195,7 +200,7 @@ def bench_gemms(args, sets: int) -> list[GemmRow]:
         t_xla = record("xla fp8 rowwise", xla, ops, ref)
         row.cublas_f8 = t_xla is not None and "$f8" in t_xla.hlo  # cuBLASLt's `__cublas$lt$matmul$f8`
         # Pallas: the whole sweep at the first shape, the best two elsewhere.
-        candidates = configs if not ranked else ranked[:2]
+        candidates = configs if not ranked or args.every_config else ranked[:2]
         results = []
         for cfg in candidates:
             if (reason := fp8mm.pallas_cover(m, n, k, a.dtype, b.dtype, jnp.bfloat16, cfg)) is not None:
@@ -409,6 +414,8 @@ def main(argv=None) -> None:
     p.add_argument("--config", action="append", default=[],
                    help="a TileConfig to try instead of the built-in sweep, e.g. tile_m=64,tile_n=256,wg_split=m "
                         "(repeatable)")
+    p.add_argument("--every-config", action="store_true",
+                   help="fp8: time every config at every shape (default: the best two of the first shape after it)")
     p.add_argument("--cast-config", action="append", default=[],
                    help="fp8: sweep the Pallas dual cast over these CastConfigs instead of the cast variants, e.g. "
                         "amax_bm=64,amax_bn=256,cast_bm=64,cast_bn=128 (repeatable)")
