@@ -26,8 +26,12 @@ Kernel (Mosaic-GPU, `plgpu.kernel`; after jax's hopper_matmul_mgpu.py, adapted t
 - Trade-offs: the two compute warpgroups work on the same tile, so their epilogues do not overlap tensor-core work;
   the memory warpgroup prefetches the next tile's first stages meanwhile. Measured at 8192^3 (benchmarks/RESULTS.md,
   sixth pass) the scale multiply costs nothing and the TMA store 1-4%, and TFLOP/s does not rise with K (fewer
-  epilogues per FLOP) from K = 4096 on: a ping-pong schedule could win little there. At K = 2048 (16 steps per
-  tile) the per-tile cost shows. At the H200's 700 W limit the kernel, like cuBLASLt, runs at ~1,450 MHz, so
+  epilogues per FLOP) from K = 4096 on. Two schedules that attack the per-tile cost were built and measured
+  (commit 0deee3c, RESULTS.md eighth pass) and not kept: chaining the tiles' TMA rings (jax's PipelinePipeline,
+  so the next tile's loads overlap this epilogue) changed nothing beyond run-to-run noise, and a ping-pong schedule
+  (each warpgroup owns whole 128x128 tiles, one's epilogue under the other's wgmmas; with or without 2-CTA
+  multicast) lost 0-9% at K >= 8192: one warpgroup alone does not keep the tensor cores as busy as two (a 64x256
+  warpgroup tile alone ran at ~1,000 TFLOP/s). At K = 2048 (16 steps per tile) the per-tile cost shows. At the H200's 700 W limit the kernel, like cuBLASLt, runs at ~1,450 MHz, so
   energy per FLOP sets its speed. Scalars are broadcast to vectors so one kernel serves both recipes.
 
 The dispatcher's `impl="xla"` is the best path without a custom kernel: `lax.dot_general` of the two fp8 operands
@@ -70,32 +74,14 @@ class TileConfig:
     grid_tile_width: int = 8  # planar-snake band width, in CTA (cluster) tiles
     cluster: Literal["m", "n"] | None = None  # 2-CTA cluster along this dim; the shared operand is multicast
     delay_release: int = 1  # wgmma groups left in flight before a stage is released (0 = wait for each)
-    chain: bool = True  # chain the per-tile pipelines (see `chains`): the next tile's loads overlap this epilogue
-    schedule: Literal["cooperative", "pingpong"] = "cooperative"  # see the module docstring
-
-    def chains(self, k: int) -> bool:
-        """Whether a CTA's consecutive tiles run as one chained TMA ring (PipelinePipeline START/STEADY/STOP).
-
-        Unchained, the memory warpgroup waits at the end of every tile until the compute warpgroups have consumed
-        its last stage, and only then issues the next tile's first loads: each tile boundary costs the wgmma drain,
-        the epilogue *and* a TMA round trip. Chained, it keeps the ring full across tiles. jax allows it only
-        when every stage is released right after its wgmma (delay_release 0) and the ring's slots line up from
-        one tile to the next (K / tile_k a multiple of `stages`)."""
-        return (
-            not self.pingpong and self.chain and self.delay_release == 0 and (k // self.tile_k) % self.stages == 0
-        )
 
     @property
-    def pingpong(self) -> bool:
-        return self.schedule == "pingpong"
-
-    @property
-    def cta_tile_m(self) -> int:  # the tile one pass of the TMA ring covers (ping-pong: one warpgroup's tile)
-        return self.tile_m * (2 if self.wg_split == "m" and not self.pingpong else 1)
+    def cta_tile_m(self) -> int:
+        return self.tile_m * (2 if self.wg_split == "m" else 1)
 
     @property
     def cta_tile_n(self) -> int:
-        return self.tile_n * (2 if self.wg_split == "n" and not self.pingpong else 1)
+        return self.tile_n * (2 if self.wg_split == "n" else 1)
 
     @property
     def cluster_tile_m(self) -> int:
@@ -125,17 +111,12 @@ class TileConfig:
         return ring + out + scales
 
     def name(self) -> str:
-        if self.pingpong:
-            s = f"pingpong wg{self.tile_m}x{self.tile_n}x{self.tile_k} s{self.stages}"
-        else:
-            s = f"wg{self.tile_m}x{self.tile_n}x{self.tile_k}/{self.wg_split} s{self.stages} d{self.delay_release}"
+        s = f"wg{self.tile_m}x{self.tile_n}x{self.tile_k}/{self.wg_split} s{self.stages} d{self.delay_release}"
         if self.epi_tile_m or self.epi_tile_n:
             s += f" epi{self.epi_m}x{self.epi_n}"
         s += f" snake-{self.grid_minor}{self.grid_tile_width}"
         if self.cluster:
             s += f" cl2{self.cluster}"
-        if not self.chain and not self.pingpong:
-            s += " unchained"
         return s
 
 
@@ -182,7 +163,7 @@ def _kernel(a_gmem, b_gmem, a_scale_gmem, b_scale_gmem, out_gmem, *, config: Til
     out_transforms = (plgpu.TilingTransform((8, out_swizzle_elems)), plgpu.SwizzleTransform(out_swizzle))
     slots = c.out_slots()
 
-    def pipeline(body, compute_context, state=None):
+    def pipeline(body, compute_context):
         return plgpu.emit_pipeline_warp_specialized(
             body,
             grid=(k_iters,),
@@ -209,7 +190,6 @@ def _kernel(a_gmem, b_gmem, a_scale_gmem, b_scale_gmem, out_gmem, *, config: Til
             num_compute_wgs=2,
             max_concurrent_steps=c.stages,
             compute_context=compute_context,
-            pipeline_state=state,
         )
 
     ignore = lambda *_, **__: None  # allocations do not depend on the bodies
@@ -293,20 +273,7 @@ def _kernel(a_gmem, b_gmem, a_scale_gmem, b_scale_gmem, out_gmem, *, config: Til
                 plgpu.wgmma_wait(c.delay_release)
                 return acc_ref
 
-            state = None
-            if c.chains(k):
-                # START loads the ring's first `stages` K steps; STEADY and STOP reuse slots as they are consumed
-                # (the next tile's first loads overlap this tile's last wgmmas and its epilogue); only STOP waits
-                # for the ring to drain. A CTA with a single tile runs START alone and leaves its last stages'
-                # consumed-arrivals unawaited at exit, which nothing reads.
-                last = info.num_local_steps - 1
-                state = jnp.where(
-                    info.local_index == 0,
-                    int(plgpu.PipelinePipeline.START),
-                    jnp.where(info.local_index == last, int(plgpu.PipelinePipeline.STOP),
-                              int(plgpu.PipelinePipeline.STEADY)),
-                )
-            pipeline(mma_body, compute_context, state)(
+            pipeline(mma_body, compute_context)(
                 a_gmem.at[cta_rows, :], b_gmem.at[cta_cols, :], allocations=pipeline_allocs
             )
             if c.delay_release:
@@ -319,149 +286,6 @@ def _kernel(a_gmem, b_gmem, a_scale_gmem, b_scale_gmem, out_gmem, *, config: Til
                     plgpu.barrier_wait(acc_done_barrier)
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-
-
-def _pingpong_kernel(a_gmem, b_gmem, a_scale_gmem, b_scale_gmem, out_gmem, *, config: TileConfig):
-    """Ping-pong schedule: each compute warpgroup owns whole (tile_m, tile_n) output tiles, the CTA's tiles
-    alternating between the two, so one warpgroup's epilogue runs while the other's wgmmas keep the tensor cores
-    busy. One TMA ring of `stages` (A, B) slots is filled in tile order by the memory warpgroup; each slot has one
-    "produced" barrier per compute warpgroup (a barrier's phase parity is tracked per thread, so each warpgroup
-    must wait on every phase of the barriers it uses) and one "consumed" barrier, arrived on by whichever
-    warpgroup used the slot. Inside its tile a warpgroup keeps one wgmma group in flight and releases a slot once
-    the wgmma after it has been issued and the one reading it has completed."""
-    c = config
-    m, k = a_gmem.shape
-    n = b_gmem.shape[0]
-    out_dtype = out_gmem.dtype
-    m_iters, n_iters, k_iters = m // c.cluster_tile_m, n // c.cluster_tile_n, k // c.tile_k
-    stages = c.stages
-
-    swizzle = plgpu.find_swizzle(c.tile_k * 8)
-    in_transforms = (plgpu.TilingTransform((8, swizzle)), plgpu.SwizzleTransform(swizzle))
-    out_swizzle = plgpu.find_swizzle(c.epi_n * jnp.dtype(out_dtype).itemsize * 8)
-    out_swizzle_elems = out_swizzle * 8 // (jnp.dtype(out_dtype).itemsize * 8)
-    out_transforms = (plgpu.TilingTransform((8, out_swizzle_elems)), plgpu.SwizzleTransform(out_swizzle))
-    slots = c.out_slots()
-
-    def tile_coords(lin):
-        mi, ni = plgpu.planar_snake(lin, (m_iters, n_iters), 0 if c.grid_minor == "m" else 1, c.grid_tile_width)
-        cta = lax.axis_index("cluster")
-        if c.cluster == "m":
-            mi = mi * 2 + cta
-        elif c.cluster == "n":
-            ni = ni * 2 + cta
-        return mi, ni
-
-    @functools.partial(
-        pl.run_scoped,
-        a_smem=plgpu.SMEM((stages, c.tile_m, c.tile_k), a_gmem.dtype, transforms=in_transforms),
-        b_smem=plgpu.SMEM((stages, c.tile_n, c.tile_k), b_gmem.dtype, transforms=in_transforms),
-        out_smem=plgpu.SMEM((2, slots, c.epi_m, c.epi_n), out_dtype, transforms=out_transforms),
-        a_scale_smem=plgpu.SMEM((2, c.tile_m), jnp.float32),
-        b_scale_smem=plgpu.SMEM((2, c.tile_n), jnp.float32),
-        produced=plgpu.Barrier(num_arrivals=2, num_barriers=2 * stages),  # [wg * stages + slot]; two TMA loads
-        # With a cluster, a slot's shared operand is multicast into both CTAs: it is free once both used it.
-        consumed=(
-            plgpu.ClusterBarrier(collective_axes=("cluster",), num_arrivals=1, num_barriers=stages)
-            if c.cluster
-            else plgpu.Barrier(num_arrivals=1, num_barriers=stages)
-        ),
-        scale_barrier=plgpu.Barrier(num_arrivals=2, num_barriers=2),
-        collective_axes="wg",
-    )
-    def _scope(a_smem, b_smem, out_smem, a_scale_smem, b_scale_smem, produced, consumed, scale_barrier):
-        wg = lax.axis_index("wg")
-
-        @pl.when(wg == 2)
-        def _memory():
-            plgpu.set_max_registers(40, action="decrease")
-
-            @plgpu.nd_loop((m_iters * n_iters,), collective_axes="cluster_grid")
-            def _tile_loop(info):
-                mi, ni = tile_coords(info.index[0])
-                owner = lax.rem(info.local_index, 2)
-                first_step = info.local_index * k_iters
-
-                @pl.loop(0, k_iters)
-                def _k_loop(kk):
-                    step = first_step + kk
-                    slot = lax.rem(step, stages)
-
-                    @pl.when(step >= stages)
-                    def _():
-                        plgpu.barrier_wait(consumed.at[slot])
-
-                    barrier = produced.at[owner * stages + slot]
-                    cols = pl.ds(kk * c.tile_k, c.tile_k)
-                    plgpu.copy_gmem_to_smem(
-                        a_gmem.at[pl.ds(mi * c.tile_m, c.tile_m), cols], a_smem.at[slot], barrier,
-                        collective_axes="cluster" if c.cluster == "n" else None,
-                    )
-                    plgpu.copy_gmem_to_smem(
-                        b_gmem.at[pl.ds(ni * c.tile_n, c.tile_n), cols], b_smem.at[slot], barrier,
-                        collective_axes="cluster" if c.cluster == "m" else None,
-                    )
-
-                @pl.when(info.local_index == info.num_local_steps - 1)
-                def _drain():  # observe the ring's last releases, so no barrier is left with an unawaited phase
-                    end = first_step + k_iters
-
-                    @pl.loop(jnp.maximum(end - stages, 0), end)
-                    def _(step):
-                        plgpu.barrier_wait(consumed.at[lax.rem(step, stages)])
-
-        @pl.when(wg < 2)
-        def _compute():
-            plgpu.set_max_registers(232, action="increase")
-
-            @plgpu.nd_loop((m_iters * n_iters,), collective_axes="cluster_grid")
-            def _tile_loop(info):
-                @pl.when(lax.rem(info.local_index, 2) == wg)
-                def _my_tile():
-                    mi, ni = tile_coords(info.index[0])
-                    row0, col0 = mi * c.tile_m, ni * c.tile_n
-                    plgpu.copy_gmem_to_smem(
-                        a_scale_gmem.at[pl.ds(row0, c.tile_m)], a_scale_smem.at[wg], scale_barrier.at[wg]
-                    )
-                    plgpu.copy_gmem_to_smem(
-                        b_scale_gmem.at[pl.ds(col0, c.tile_n)], b_scale_smem.at[wg], scale_barrier.at[wg]
-                    )
-                    first_step = info.local_index * k_iters
-
-                    @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((c.tile_m, c.tile_n), jnp.float32))
-                    def _acc_scope(acc_ref):
-                        @pl.loop(0, k_iters)
-                        def _k_loop(kk):
-                            step = first_step + kk
-                            slot = lax.rem(step, stages)
-                            plgpu.barrier_wait(produced.at[wg * stages + slot])
-                            plgpu.wgmma(acc_ref, a_smem.at[slot], b_smem.at[slot].T)
-                            plgpu.wgmma_wait(1)  # the previous step's wgmma is done: release its slot
-
-                            @pl.when(kk > 0)
-                            def _():
-                                plgpu.barrier_arrive(consumed.at[lax.rem(step + stages - 1, stages)])
-
-                        acc = acc_ref[...]  # waits for the last wgmma
-                        plgpu.barrier_arrive(consumed.at[lax.rem(first_step + k_iters - 1, stages)])
-                        plgpu.barrier_wait(scale_barrier.at[wg])
-                        acc = acc * lax.broadcast_in_dim(a_scale_smem[wg], acc.shape, [0])
-                        acc = acc * lax.broadcast_in_dim(b_scale_smem[wg], acc.shape, [1])
-                        out = acc.astype(out_dtype)
-                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # this warpgroup's previous store is out
-                        for ei in range(c.tile_m // c.epi_m):
-                            for ej in range(c.tile_n // c.epi_n):
-                                slot = (ei * (c.tile_n // c.epi_n) + ej) % slots
-                                if slots > 1:
-                                    plgpu.wait_smem_to_gmem(1, wait_read_only=True)
-                                e_rows = pl.ds(row0 + ei * c.epi_m, c.epi_m)
-                                e_cols = pl.ds(col0 + ej * c.epi_n, c.epi_n)
-                                out_smem[wg, slot] = out[ei * c.epi_m : (ei + 1) * c.epi_m,
-                                                         ej * c.epi_n : (ej + 1) * c.epi_n]
-                                plgpu.commit_smem()
-                                plgpu.copy_smem_to_gmem(out_smem.at[wg, slot], out_gmem.at[e_rows, e_cols])
-
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
 def pallas_cover(
@@ -484,9 +308,7 @@ def pallas_cover(
         return (
             f"(M, N, K) = ({m}, {n}, {k}) must be multiples of ({c.cluster_tile_m}, {c.cluster_tile_n}, {c.tile_k})"
         )
-    if c.pingpong and c.stages < 2:
-        return f"the ping-pong schedule keeps one wgmma in flight: it needs >= 2 stages, got {c.stages}"
-    if not c.pingpong and c.stages <= c.delay_release:
+    if c.stages <= c.delay_release:
         return f"stages ({c.stages}) must exceed delay_release ({c.delay_release})"
     if c.smem_bytes(out_dtype) > _SMEM_BYTES:
         return f"config needs {c.smem_bytes(out_dtype)} B of shared memory (> {_SMEM_BYTES})"
@@ -529,7 +351,7 @@ def fp8_matmul_pallas(
     tiles = (m // config.cluster_tile_m) * (n // config.cluster_tile_n)
     grid = max(1, min(device.num_sms(interpret) // cluster_size, tiles))
     f = plgpu.kernel(
-        functools.partial(_pingpong_kernel if config.pingpong else _kernel, config=config),
+        functools.partial(_kernel, config=config),
         out_type=jax.ShapeDtypeStruct((m, n), out_dtype),
         grid=(grid,),
         grid_names=("cluster_grid",),

@@ -17,7 +17,6 @@ from pallas_kernels import interpret_compat
 fm = importlib.import_module("pallas_kernels.fp8_matmul")
 E4M3, E5M2 = jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2)
 SMALL = fm.TileConfig(tile_m=64, tile_n=64, tile_k=64, stages=2)  # CTA 64x128: several tiles per CTA at 256³
-PINGPONG = dataclasses.replace(SMALL, schedule="pingpong")  # one 64x64 tile per warpgroup
 BF16_RTOL = 2.0**-8  # a bf16 output is the f32 result rounded once (<= 2^-9 relative) plus f32 summation order
 
 
@@ -55,29 +54,7 @@ INTERPRET_CASES = [
     (128, 256, 256, E5M2, E4M3, False, SMALL, jnp.bfloat16),  # mixed operands: the tensorwise recipe's backward
     (128, 256, 256, E4M3, E4M3, False, fm.fit_config(fm.DEFAULT_CONFIG, jnp.float32), jnp.float32),
     (256, 128, 128, E4M3, E4M3, False, dataclasses.replace(SMALL, cluster="m", epi_tile_n=32), jnp.bfloat16),
-    # Chained tile pipelines (K steps a multiple of the stages): 4 tiles per CTA (START, STEADY, STEADY, STOP), and
-    # one tile per CTA (START alone); the same problem unchained.
-    (256, 256, 256, E4M3, E4M3, False, dataclasses.replace(SMALL, delay_release=0), jnp.bfloat16),
-    (64, 256, 128, E5M2, E5M2, True, dataclasses.replace(SMALL, delay_release=0), jnp.bfloat16),
-    (256, 256, 256, E4M3, E4M3, False, dataclasses.replace(SMALL, delay_release=0, chain=False), jnp.bfloat16),
-    # Ping-pong: 8 tiles per CTA (4 per warpgroup); 3 tiles per CTA with K steps not a multiple of the stages; a
-    # 3-deep ring with chunked epilogue stores and an f32 output.
-    (256, 256, 256, E4M3, E4M3, False, PINGPONG, jnp.bfloat16),
-    (192, 128, 192, E5M2, E5M2, True, PINGPONG, jnp.bfloat16),
-    (128, 256, 320, E4M3, E4M3, False, dataclasses.replace(PINGPONG, stages=3, epi_tile_n=32), jnp.float32),
-    # Ping-pong with 2-CTA clusters: the shared A (cluster along N) or B (along M) tile multicast into both CTAs.
-    (256, 256, 256, E4M3, E4M3, False, dataclasses.replace(PINGPONG, cluster="n"), jnp.bfloat16),
-    (256, 128, 192, E4M3, E4M3, True, dataclasses.replace(PINGPONG, cluster="m"), jnp.bfloat16),
 ]
-
-
-def test_which_configs_chain():
-    d0 = fm.TileConfig(delay_release=0)
-    assert d0.chains(6144) and not d0.chains(8192)  # 48 vs 64 K steps of 128 over 3 stages
-    assert dataclasses.replace(d0, stages=4).chains(8192)
-    assert not fm.TileConfig(stages=4).chains(8192)  # delay_release 1: jax's chained pipeline does not allow it
-    assert not dataclasses.replace(d0, stages=4, chain=False).chains(8192)
-    assert "unchained" in dataclasses.replace(d0, chain=False).name()
 
 
 @pytest.mark.parametrize("m,n,k,a_dtype,b_dtype,scalar,config,out_dtype", INTERPRET_CASES)
@@ -162,11 +139,7 @@ SWEEP = [
     fm.TileConfig(cluster="m"),
     fm.TileConfig(cluster="n", delay_release=0),
     fm.TileConfig(stages=4, epi_tile_m=64, epi_tile_n=64),
-    fm.TileConfig(stages=4, epi_tile_m=64, epi_tile_n=64, delay_release=0),  # chained at K = 8192
     fm.TileConfig(tile_k=64, stages=6),
-    fm.TileConfig(schedule="pingpong", stages=4),
-    fm.TileConfig(schedule="pingpong", stages=6, epi_tile_m=64, epi_tile_n=64),
-    fm.TileConfig(schedule="pingpong", stages=4, cluster="n"),
 ]
 
 
@@ -199,7 +172,7 @@ GPU_SHAPES = [(8192, 8192, 8192), (8192, 1024, 4096), (8192, 4096, 14336), (4096
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("m,n,k", GPU_SHAPES)
-@pytest.mark.parametrize("config", [*SWEEP[:3], *SWEEP[6:]], ids=lambda c: c.name())
+@pytest.mark.parametrize("config", SWEEP[:3], ids=lambda c: c.name())
 def test_gpu_pallas_matches_reference_and_xla(m, n, k, config):
     a, b, sa, sb = operands(jax.random.key(1), m, n, k)
     ref = fm.fp8_matmul_reference(a, b, sa, sb, out_dtype=jnp.float32)
