@@ -98,19 +98,14 @@ def gemm_shapes(quick: bool, smoke: bool) -> list[tuple[str, tuple[int, int, int
 
 
 def parse_config(text: str) -> fp8mm.TileConfig:
-    """'tile_m=64,tile_n=256,wg_split=m' -> TileConfig (ints where the field is an int, None for 'none', bools
-    for 'true' / 'false')."""
+    """'tile_m=64,tile_n=256,wg_split=m' -> TileConfig (ints where the field is an int, None for 'none')."""
     fields = {f.name: f for f in dataclasses.fields(fp8mm.TileConfig)}
     kw = {}
     for item in filter(None, text.split(",")):
         name, _, value = item.partition("=")
         if name not in fields:
             raise SystemExit(f"--config: unknown TileConfig field {name!r}; fields: {sorted(fields)}")
-        low = value.lower()
-        if low in ("none", "true", "false"):
-            kw[name] = {"none": None, "true": True, "false": False}[low]
-        else:
-            kw[name] = int(value) if value.lstrip("-").isdigit() else value
+        kw[name] = None if value.lower() == "none" else int(value) if value.lstrip("-").isdigit() else value
     return fp8mm.TileConfig(**kw)
 
 

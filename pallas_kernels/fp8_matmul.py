@@ -31,8 +31,9 @@ Kernel (Mosaic-GPU, `plgpu.kernel`; after jax's hopper_matmul_mgpu.py, adapted t
   so the next tile's loads overlap this epilogue) changed nothing beyond run-to-run noise, and a ping-pong schedule
   (each warpgroup owns whole 128x128 tiles, one's epilogue under the other's wgmmas; with or without 2-CTA
   multicast) lost 0-9% at K >= 8192: one warpgroup alone does not keep the tensor cores as busy as two (a 64x256
-  warpgroup tile alone ran at ~1,000 TFLOP/s). At K = 2048 (16 steps per tile) the per-tile cost shows. At the H200's 700 W limit the kernel, like cuBLASLt, runs at ~1,450 MHz, so
-  energy per FLOP sets its speed. Scalars are broadcast to vectors so one kernel serves both recipes.
+  warpgroup tile alone ran at ~1,000 TFLOP/s). At K = 2048 (16 steps per tile) the per-tile cost shows. At the
+  H200's 700 W limit the kernel, like cuBLASLt, runs at ~1,450 MHz, so energy per FLOP sets its speed. Scalars are
+  broadcast to vectors so one kernel serves both recipes.
 
 The dispatcher's `impl="xla"` is the best path without a custom kernel: `lax.dot_general` of the two fp8 operands
 contracting dim 1 of both with an f32 result (XLA emits cuBLASLt `__cublas$lt$matmul$f8`), scales applied by an XLA
