@@ -194,7 +194,7 @@ def bench_gemms(args, sets: int) -> list[GemmRow]:
         xla = lambda x, y, s, t: fp8mm.fp8_matmul(x, y, s, t, impl="xla")
         t_xla = record("xla fp8 rowwise", xla, ops, ref)
         row.cublas_f8 = t_xla is not None and "$f8" in t_xla.hlo  # cuBLASLt's `__cublas$lt$matmul$f8`
-        # Pallas: the whole sweep at the first shape, the best two elsewhere.
+        # Pallas: the whole sweep at the first shape, the best two elsewhere (every config with --every-config).
         candidates = configs if not ranked or args.every_config else ranked[:2]
         results = []
         for cfg in candidates:
