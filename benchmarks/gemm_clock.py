@@ -19,11 +19,19 @@ only the sustained rows' clock columns describe the kernel.
 
 --k-sweep times fp8 GEMMs of fixed M = N = 8192 and growing K in the burst protocol of `pallas_kernels.bench`: a
 kernel that lost time per output tile (epilogue, pipeline refill) would gain TFLOP/s as K grows.
+
+--sustained-sweep chooses between kernel configs the way a training run sees them: at every shape of
+`fp8_matmul.AUTO_TABLE` (or --shapes) it runs XLA's rowwise-scaled fp8 path, cuBLASLt without scales and each
+--config back to back for `--sweep-seconds`, and repeats the whole set `--rounds` times in the same order, so that
+every kernel is timed at the power limit and none inherits a cooler board than the others. The two rounds of one
+kernel agree within 0.5% at 2.5 s per run and within 2% at 1 s on an H200, where single 0.1-0.3 s bursts of `pallas_kernels.bench` move by up to 8%
+with the order they run in (benchmarks/RESULTS.md, eighth and ninth passes).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import statistics
 import subprocess
@@ -35,7 +43,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import grouped_matmul as gm
-from pallas_kernels.bench import fp8_operands, time_fn
+from pallas_kernels.bench import fp8_operands, parse_config, time_fn
 from pallas_kernels.bench_grouped import FULL, routings
 
 fp8mm = importlib.import_module("pallas_kernels.fp8_matmul")  # the module: the package re-exports the function
@@ -134,15 +142,75 @@ def k_sweep() -> None:
         print(f"| 8192 x 8192 x {k} | {flops / xla / 1e9:.0f} | {flops / ours / 1e9:.0f} |", flush=True)
 
 
+def _sustained(f, args, flops: float, seconds: float) -> float:
+    """TFLOP/s of `f(*args)` run back to back for `seconds`, after a 0.5 s pause."""
+    time.sleep(0.5)
+    reps = max(5, int(seconds / _calibrate(f, args)))
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        y = f(*args)
+    jax.block_until_ready(y)
+    return flops * reps / (time.perf_counter() - t0) / 1e12
+
+
+def _calibrate(f, args) -> float:
+    jax.block_until_ready(f(*args))
+    t0 = time.perf_counter()
+    for _ in range(5):
+        y = f(*args)
+    jax.block_until_ready(y)
+    return (time.perf_counter() - t0) / 5
+
+
+def sustained_sweep(shapes, configs: list[str], seconds: float, rounds: int) -> None:
+    """Per shape: XLA rowwise, XLA without scales and every config, `rounds` times in the same order."""
+    print(f"\nSustained fp8 GEMM TFLOP/s, {seconds:g} s per run, {rounds} rounds (each cell: the rounds' mean, then "
+          "their spread)")
+    print("| M x N x K | XLA rowwise | XLA no scales | " + " | ".join(configs) + " | best config | best / XLA rowwise |")
+    print("|---|---|---|" + "---|" * len(configs) + "---|---|")
+    for m, n, k in shapes:
+        (fp8_args,) = fp8_operands(jax.random.key(0), m, n, k, 1)
+        fns = {"XLA rowwise": jax.jit(fp8mm.fp8_matmul_xla), "XLA no scales": jax.jit(_xla_fp8_noscale)}
+        for c in configs:
+            cfg = parse_config(c)
+            if fp8mm.pallas_cover(m, n, k, fp8_args[0].dtype, fp8_args[1].dtype, jnp.bfloat16, cfg) is None:
+                fns[c] = jax.jit(functools.partial(fp8mm.fp8_matmul, impl="pallas", config=cfg))
+        runs = {name: [] for name in fns}
+        for _ in range(rounds):
+            for name, f in fns.items():
+                runs[name].append(_sustained(f, fp8_args, 2.0 * m * n * k, seconds))
+        mean = {name: statistics.mean(r) for name, r in runs.items()}
+        cell = lambda name: (f"{mean[name]:.0f} ±{(max(runs[name]) - min(runs[name])) / 2:.0f}"
+                             if name in runs else "not covered")
+        best = max((c for c in configs if c in mean), key=mean.get, default=None)
+        ratio = f"{mean[best] / mean['XLA rowwise']:.2f}" if best else "-"
+        print(f"| {m} x {n} x {k} | {cell('XLA rowwise')} | {cell('XLA no scales')} | "
+              + " | ".join(cell(c) for c in configs) + f" | {best} | {ratio} |", flush=True)
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seconds", default="0.3,3", help="comma-separated run lengths per row")
     ap.add_argument("--k-sweep", action="store_true", help="also time fp8 8192 x 8192 x K for K = 2048 ... 32768")
+    ap.add_argument("--sustained-sweep", action="store_true",
+                    help="only the sustained config sweep (--config, --shapes, --sweep-seconds, --rounds)")
+    ap.add_argument("--config", action="append", default=[],
+                    help="TileConfig fields, e.g. 'stages=4,epi_tile_m=64,epi_tile_n=64,cluster=m' (repeatable)")
+    ap.add_argument("--shapes", default="auto", help="'auto' (AUTO_TABLE's shapes) or MxNxK,MxNxK,...")
+    ap.add_argument("--sweep-seconds", type=float, default=1.5)
+    ap.add_argument("--rounds", type=int, default=2)
     args = ap.parse_args(argv)
     if jax.default_backend() != "gpu":
         sys.exit("gemm_clock.py times GPU kernels: run it on an NVIDIA Hopper GPU")
     dev = jax.devices()[0]
     print(f"{dev.device_kind}, jax {jax.__version__}, {dev.core_count} SMs")
+    if args.sustained_sweep:
+        if not args.config:
+            sys.exit("--sustained-sweep needs at least one --config")
+        shapes = (list(fp8mm.AUTO_TABLE) if args.shapes == "auto"
+                  else [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")])
+        sustained_sweep(shapes, args.config, args.sweep_seconds, args.rounds)
+        return
     table([float(s) for s in args.seconds.split(",")], dev.core_count)
     if args.k_sweep:
         k_sweep()

@@ -31,9 +31,16 @@ Kernel (Mosaic-GPU, `plgpu.kernel`; after jax's hopper_matmul_mgpu.py, adapted t
   so the next tile's loads overlap this epilogue) changed nothing beyond run-to-run noise, and a ping-pong schedule
   (each warpgroup owns whole 128x128 tiles, one's epilogue under the other's wgmmas; with or without 2-CTA
   multicast) lost 0-9% at K >= 8192: one warpgroup alone does not keep the tensor cores as busy as two (a 64x256
-  warpgroup tile alone ran at ~1,000 TFLOP/s). At K = 2048 (16 steps per tile) the per-tile cost shows. At the
-  H200's 700 W limit the kernel, like cuBLASLt, runs at ~1,450 MHz, so energy per FLOP sets its speed. Scalars are
-  broadcast to vectors so one kernel serves both recipes.
+  warpgroup tile alone ran at ~1,000 TFLOP/s). Nsight Compute later showed ping-pong with 5 stages needing 2-9%
+  fewer cycles than the cooperative kernel, but at the power limit it spent more energy per FLOP (twice the TMA
+  issue work, 128x128 tiles read 1.33x the operand bytes) and the clustered cooperative kernel outran it at every
+  shape tried (RESULTS.md, ninth pass). At K = 2048 (16 steps per tile) the per-tile cost shows. At the
+  H200's 700 W limit the kernel, like cuBLASLt, runs at ~1,400 MHz, so energy per FLOP sets its speed: impl="auto"
+  runs 2-CTA clusters along M (the B tile multicast, a third less L2 -> SMEM traffic), which gain 0-3% there.
+  Nsight Compute at 8192^3 (RESULTS.md, ninth pass): tensor pipe busy 94% of active cycles (cuBLASLt's
+  no-scale kernel, the same 128x256 tile with a 2-CTA cluster: 96%), 2.4x cuBLASLt's instruction count (stage index
+  arithmetic and barrier bookkeeping in the K loop), and ~7% of the compute warpgroups' time outside the K loop.
+  Scalars are broadcast to vectors so one kernel serves both recipes.
 
 The dispatcher's `impl="xla"` is the best path without a custom kernel: `lax.dot_general` of the two fp8 operands
 contracting dim 1 of both with an f32 result (XLA emits cuBLASLt `__cublas$lt$matmul$f8`), scales applied by an XLA
@@ -377,33 +384,35 @@ def fp8_matmul_xla(
     return (acc * _col(a_scale) * _row(b_scale)).astype(out_dtype)
 
 
-# Per-shape choice for impl="auto" on Hopper, from `python -m pallas_kernels.bench fp8` on an H200:
-# (M, N, K) -> the TileConfig that beat XLA there, or None where XLA won. Shapes not listed use AUTO_DEFAULT
-# when the kernel covers them (None there would mean "XLA unless listed").
-# Measured on an H200, jax 0.11.2, 2026-11-21, XLA's fp8 path on cuBLASLt (`XLA_FLAGS=--xla_gpu_enable_triton_gemm=false
-# python -m pallas_kernels.bench fp8`, benchmarks/RESULTS.md): the kernel won at every shape (1.01-1.37x).
-_D0 = TileConfig(delay_release=0)  # wg128x128x128/n, 3 stages, each stage released after its wgmma completes
-_S4 = TileConfig(stages=4, epi_tile_m=64, epi_tile_n=64)  # 4 stages, one wgmma group in flight, 64x64 epilogue
+# Per-shape choice for impl="auto" on Hopper: (M, N, K) -> the TileConfig to run, or None where XLA wins. Shapes not
+# listed use AUTO_DEFAULT when the kernel covers them. Chosen by sustained throughput at the H200's 700 W power
+# limit, the state a training run's GEMMs run in (`benchmarks/gemm_clock.py --sustained-sweep`, each kernel run 1 s,
+# all of them twice in the same order; benchmarks/RESULTS.md, ninth pass, jax 0.11.2, 2026-11-21). The comments give
+# those TFLOP/s: the chosen config vs XLA's fp8 path with the same rowwise scales. The 2-CTA cluster along M
+# multicasts the B tile into both CTAs: L2 -> SMEM traffic falls by a third and, at the power limit, TFLOP/s rises
+# 0.2-2.7% (median 2%) at every shape with N >= 4096; at N = 1024 (8 CTA columns) it lost up to 3%.
+_D0M = TileConfig(delay_release=0, cluster="m")  # wg128x128x128/n, 3 stages, stage released after its wgmma, 2-CTA M
+_D0 = TileConfig(delay_release=0)  # the same without the cluster
 AUTO_TABLE: dict[tuple[int, int, int], TileConfig | None] = {
-    (8192, 8192, 8192): _D0,  # 1351-1439 TFLOP/s vs _S4 1338-1393 in the same three runs, 2 of 3 won (sixth pass)
-    (8192, 4096, 4096): _D0,  # 1325 vs 972 (8B wo fwd and dgrad)
-    (8192, 1024, 4096): _D0,  # 1050 vs 765
-    (8192, 14336, 4096): _D0,  # 1316 vs 1137
-    (8192, 4096, 14336): _D0,  # 1387 vs 1258 (8B down fwd)
-    (8192, 1024, 8192): _S4,  # 1242 vs 918
-    (8192, 28672, 8192): _S4,  # 1271 vs 1212
-    (8192, 8192, 28672): _D0,  # 1320 vs 1304
-    (4096, 14336, 8192): _D0,  # 1403 vs 1197
-    (14336, 4096, 8192): _D0,  # 1390 vs 1201 (8B down wgrad)
-    (8192, 6144, 4096): _D0,  # 1289 vs 1099 (8B q|k|v fwd)
-    (8192, 4096, 6144): _D0,  # 1421 vs 1145 (q|k|v dgrad)
-    (4096, 6144, 8192): _S4,  # 1310 vs 1251 (q|k|v wgrad)
-    (8192, 28672, 4096): _S4,  # 1283 vs 1097 (8B gate|up fwd)
-    (8192, 4096, 28672): _S4,  # 1385 vs 1276 (gate|up dgrad)
-    (4096, 28672, 8192): _S4,  # 1313 vs 1213 (gate|up wgrad)
-    (4096, 4096, 8192): _D0,  # 1391 vs 1222 (wo wgrad)
+    (8192, 8192, 8192): _D0M,  # 1255 vs 1160
+    (8192, 4096, 4096): _D0M,  # 1217 vs 1011 (8B wo fwd and dgrad)
+    (8192, 1024, 4096): _D0,  # 1173 vs 958 (cluster: 1167)
+    (8192, 14336, 4096): _D0M,  # 1224 vs 1071 (8B FFN gate, up; dh)
+    (8192, 4096, 14336): _D0M,  # 1281 vs 1210 (8B FFN down fwd; dx)
+    (8192, 1024, 8192): _D0,  # 1269 vs 1145 (cluster: 1231)
+    (8192, 28672, 8192): _D0M,  # 1276 vs 1183
+    (8192, 8192, 28672): _D0M,  # 1304 vs 1264
+    (4096, 14336, 8192): _D0M,  # 1251 vs 1164 (8B FFN gate, up wgrad)
+    (14336, 4096, 8192): _D0M,  # 1262 vs 1148 (8B FFN down wgrad)
+    (8192, 6144, 4096): _D0M,  # 1220 vs 1057 (8B q|k|v fwd)
+    (8192, 4096, 6144): _D0M,  # 1244 vs 1094 (q|k|v dgrad)
+    (4096, 6144, 8192): _D0M,  # 1246 vs 1152 (q|k|v wgrad)
+    (8192, 28672, 4096): _D0M,  # 1244 vs 1072 (8B gate|up fwd)
+    (8192, 4096, 28672): _D0M,  # 1303 vs 1271 (gate|up dgrad)
+    (4096, 28672, 8192): _D0M,  # 1255 vs 1172 (gate|up wgrad)
+    (4096, 4096, 8192): _D0M,  # 1256 vs 1106 (wo wgrad)
 }
-AUTO_DEFAULT: TileConfig | None = _D0
+AUTO_DEFAULT: TileConfig | None = _D0M
 
 
 def auto_choice(m: int, n: int, k: int, a_dtype, b_dtype, out_dtype=jnp.bfloat16) -> TileConfig | None:
@@ -411,10 +420,14 @@ def auto_choice(m: int, n: int, k: int, a_dtype, b_dtype, out_dtype=jnp.bfloat16
     if not device.kernels_apply():
         return None
     config = AUTO_TABLE.get((m, n, k), AUTO_DEFAULT)
-    config = config and fit_config(config, out_dtype)
-    if config is None or pallas_cover(m, n, k, a_dtype, b_dtype, out_dtype, config) is not None:
+    if config is None:
         return None
-    return config
+    # A clustered config needs M (or N) to be a multiple of two CTA tiles; one CTA tile is enough without it.
+    for candidate in (config, dataclasses.replace(config, cluster=None)):
+        candidate = fit_config(candidate, out_dtype)
+        if pallas_cover(m, n, k, a_dtype, b_dtype, out_dtype, candidate) is None:
+            return candidate
+    return None
 
 
 def _check_args(a, b_t, a_scale, b_scale):

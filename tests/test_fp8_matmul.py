@@ -103,6 +103,10 @@ def test_uncovered_shape_raises_under_pallas_and_falls_back_under_auto(monkeypat
     monkeypatch.setitem(fm.AUTO_TABLE, (8192, 3072, 2048), None)
     assert fm.auto_choice(8192, 3072, 2048, E4M3, E4M3) is None  # where XLA won, auto takes XLA
     assert fm.auto_choice(8192, 8192, 8192, E4M3, E4M3, jnp.float32).epi_tile_n == 64  # f32 staging is chunked
+    # M = 8320 is one CTA tile but not a cluster pair's multiple: auto drops the cluster instead of taking XLA.
+    assert fm.AUTO_DEFAULT.cluster == "m" and "multiples" in fm.pallas_cover(
+        8320, 8192, 8192, E4M3, E4M3, config=fm.AUTO_DEFAULT)
+    assert fm.auto_choice(8320, 8192, 8192, E4M3, E4M3) == dataclasses.replace(fm.AUTO_DEFAULT, cluster=None)
     # Under a multi-device mesh (outside shard_map) the partitioner could not split the kernel: XLA.
     mesh = jax.make_mesh((len(jax.devices()),), ("d",), axis_types=(jax.sharding.AxisType.Auto,))
     with jax.set_mesh(mesh):
@@ -137,6 +141,7 @@ SWEEP = [
     fm.TileConfig(wg_split="m"),
     fm.TileConfig(tile_m=64, tile_n=256, wg_split="m"),
     fm.TileConfig(cluster="m"),
+    fm.TileConfig(cluster="m", delay_release=0),  # AUTO_DEFAULT
     fm.TileConfig(cluster="n", delay_release=0),
     fm.TileConfig(stages=4, epi_tile_m=64, epi_tile_n=64),
     fm.TileConfig(tile_k=64, stages=6),
@@ -172,7 +177,7 @@ GPU_SHAPES = [(8192, 8192, 8192), (8192, 1024, 4096), (8192, 4096, 14336), (4096
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("m,n,k", GPU_SHAPES)
-@pytest.mark.parametrize("config", SWEEP[:3], ids=lambda c: c.name())
+@pytest.mark.parametrize("config", SWEEP[:3] + [fm.AUTO_DEFAULT], ids=lambda c: c.name())
 def test_gpu_pallas_matches_reference_and_xla(m, n, k, config):
     a, b, sa, sb = operands(jax.random.key(1), m, n, k)
     ref = fm.fp8_matmul_reference(a, b, sa, sb, out_dtype=jnp.float32)

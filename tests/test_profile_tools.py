@@ -96,3 +96,39 @@ def test_profile_ffn_lists_the_last_calls_kernels_in_order(capsys):
     assert [ln.split()[:3] for ln in lines[1:]] == [["0.000", "0.100", "ms"], ["1.000", "0.700", "ms"],
                                                    ["2.000", "0.050", "ms"]]
     assert "amax" in lines[1] and "regs:168" in lines[2] and "add" in lines[3]
+
+
+_ncu_spec = importlib.util.spec_from_file_location(
+    "ncu_gemm", pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "ncu_gemm.py")
+ncu_gemm = importlib.util.module_from_spec(_ncu_spec)
+_ncu_spec.loader.exec_module(ncu_gemm)
+
+
+def _ncu_csv(launches):
+    """ncu --csv output (one line per kernel launch and metric) after the program's own ROW/SKIP lines."""
+    head = '"ID","Process ID","Kernel Name","Metric Name","Metric Unit","Metric Value"'
+    lines = [head]
+    for i, (kernel, cycles) in enumerate(launches):
+        values = dict.fromkeys(ncu_gemm.METRICS, "1")
+        values["gpc__cycles_elapsed.max"] = f"{cycles:,}"
+        lines += [f'"{i}","7","{kernel}","{name}","","{value}"' for name, value in values.items()]
+    return lines
+
+
+def test_ncu_table_skips_autotuning_candidates_and_takes_second_launches(tmp_path, capsys):
+    # Shape 1: XLA autotunes (two candidates), then runs its pick twice; two Pallas configs, two launches each.
+    # Shape 2: no autotuning; one config is not covered.
+    launches = [("nvjet_a", 900), ("nvjet_b", 800), ("nvjet_b", 810), ("nvjet_b", 820),
+                ("anonymous_mosaic_gpu_kernel", 1000), ("anonymous_mosaic_gpu_kernel", 1001),
+                ("anonymous_mosaic_gpu_kernel", 1100), ("anonymous_mosaic_gpu_kernel", 1101),
+                ("nvjet_c", 500), ("nvjet_c", 501),
+                ("anonymous_mosaic_gpu_kernel", 600), ("anonymous_mosaic_gpu_kernel", 601)]
+    program = ["ROW|8x8x8|cuBLASLt", "ROW|8x8x8|cfg A", "ROW|8x8x8|cfg B",
+               "ROW|4x4x4|cuBLASLt", "SKIP|4x4x4|cfg B|too small", "ROW|4x4x4|cfg A"]
+    path = tmp_path / "ncu.csv"
+    path.write_text("\n".join(program + _ncu_csv(launches)) + "\n")
+    ncu_gemm.table(str(path))
+    rows = [line.split(" | ") for line in capsys.readouterr().out.splitlines()[2:]]
+    assert [(r[0].strip("| "), r[1], r[2]) for r in rows] == [
+        ("8x8x8", "nvjet_b", "820"), ("8x8x8", "cfg A", "1,001"), ("8x8x8", "cfg B", "1,101"),
+        ("4x4x4", "nvjet_c", "501"), ("4x4x4", "cfg B", "not covered: too small |||||||"), ("4x4x4", "cfg A", "601")]
