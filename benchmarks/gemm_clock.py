@@ -25,7 +25,9 @@ kernel that lost time per output tile (epilogue, pipeline refill) would gain TFL
 --config back to back for `--sweep-seconds`, and repeats the whole set `--rounds` times in the same order, so that
 every kernel is timed at the power limit and none inherits a cooler board than the others. The two rounds of one
 kernel agree within 0.5% at 2.5 s per run and within 2% at 1 s on an H200, where single 0.1-0.3 s bursts of `pallas_kernels.bench` move by up to 8%
-with the order they run in (benchmarks/RESULTS.md, eighth and ninth passes).
+with the order they run in (benchmarks/RESULTS.md, eighth and ninth passes). With --grouped it does the same for
+the MoE grouped GEMM (bf16 `gmm`, the issue's E = 8 problem, balanced and skewed routing; `--config` then takes
+`grouped_matmul.TileConfig` fields, `default` for the built-in config) beside cuBLAS's dense GEMM of the same FLOPs.
 """
 
 from __future__ import annotations
@@ -188,6 +190,30 @@ def sustained_sweep(shapes, configs: list[str], seconds: float, rounds: int) -> 
               + " | ".join(cell(c) for c in configs) + f" | {best} | {ratio} |", flush=True)
 
 
+def grouped_sustained_sweep(configs: list[str], seconds: float, rounds: int) -> None:
+    """bf16 gmm at each config, balanced and skewed, beside cuBLAS's dense GEMM; `rounds` times in the same order."""
+    p = FULL
+    kx, kw = jax.random.split(jax.random.key(1))
+    x = jax.random.normal(kx, (p.m, p.k), jnp.bfloat16)
+    w = (jax.random.normal(kw, (p.e, p.k, p.n), jnp.float32) / p.k**0.5).astype(jnp.bfloat16)
+    flops = 2.0 * p.m * p.k * p.n
+    print(f"\nSustained bf16 grouped GEMM TFLOP/s (E={p.e}, M={p.m}, K={p.k}, N={p.n}), {seconds:g} s per run, "
+          f"{rounds} rounds (each cell: the rounds' mean, then their spread)")
+    print("| routing | cuBLAS dense | " + " | ".join(configs) + " |")
+    print("|---|---|" + "---|" * len(configs))
+    for name, sizes in routings(p).items():
+        fns = {"cuBLAS dense": (jax.jit(lambda a, b: a @ b), (x, w[0]))}
+        for c in configs:
+            cfg = None if c == "default" else parse_config(c, gm.TileConfig)
+            fns[c] = (jax.jit(functools.partial(gm.gmm, impl="pallas", config=cfg)), (x, w, sizes))
+        runs = {c: [] for c in fns}
+        for _ in range(rounds):
+            for c, (f, args) in fns.items():
+                runs[c].append(_sustained(f, args, flops, seconds))
+        cell = lambda c: f"{statistics.mean(runs[c]):.0f} ±{(max(runs[c]) - min(runs[c])) / 2:.0f}"
+        print(f"| {name} | {cell('cuBLAS dense')} | " + " | ".join(cell(c) for c in configs) + " |", flush=True)
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seconds", default="0.3,3", help="comma-separated run lengths per row")
@@ -197,6 +223,7 @@ def main(argv=None) -> None:
     ap.add_argument("--config", action="append", default=[],
                     help="TileConfig fields, e.g. 'stages=4,epi_tile_m=64,epi_tile_n=64,cluster=m' (repeatable)")
     ap.add_argument("--shapes", default="auto", help="'auto' (AUTO_TABLE's shapes) or MxNxK,MxNxK,...")
+    ap.add_argument("--grouped", action="store_true", help="--sustained-sweep over grouped GEMM configs instead")
     ap.add_argument("--sweep-seconds", type=float, default=1.5)
     ap.add_argument("--rounds", type=int, default=2)
     args = ap.parse_args(argv)
@@ -204,6 +231,9 @@ def main(argv=None) -> None:
         sys.exit("gemm_clock.py times GPU kernels: run it on an NVIDIA Hopper GPU")
     dev = jax.devices()[0]
     print(f"{dev.device_kind}, jax {jax.__version__}, {dev.core_count} SMs")
+    if args.sustained_sweep and args.grouped:
+        grouped_sustained_sweep(args.config or ["default"], args.sweep_seconds, args.rounds)
+        return
     if args.sustained_sweep:
         if not args.config:
             sys.exit("--sustained-sweep needs at least one --config")

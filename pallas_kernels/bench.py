@@ -97,16 +97,16 @@ def gemm_shapes(quick: bool, smoke: bool) -> list[tuple[str, tuple[int, int, int
     return shapes
 
 
-def parse_config(text: str) -> fp8mm.TileConfig:
-    """'tile_m=64,tile_n=256,wg_split=m' -> TileConfig (ints where the field is an int, None for 'none')."""
-    fields = {f.name: f for f in dataclasses.fields(fp8mm.TileConfig)}
+def parse_config(text: str, cls=fp8mm.TileConfig):
+    """'tile_m=64,tile_n=256,wg_split=m' -> `cls` (a TileConfig; ints where the value is an int, None for 'none')."""
+    fields = {f.name: f for f in dataclasses.fields(cls)}
     kw = {}
     for item in filter(None, text.split(",")):
         name, _, value = item.partition("=")
         if name not in fields:
             raise SystemExit(f"--config: unknown TileConfig field {name!r}; fields: {sorted(fields)}")
         kw[name] = None if value.lower() == "none" else int(value) if value.lstrip("-").isdigit() else value
-    return fp8mm.TileConfig(**kw)
+    return cls(**kw)
 
 
 def tile_sweep(args) -> list[fp8mm.TileConfig]:
