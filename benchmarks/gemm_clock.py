@@ -2,6 +2,8 @@
 
     python benchmarks/gemm_clock.py                  # fp8 8192^3 and the MoE grouped bf16 shape, 0.3 s and 3 s
     python benchmarks/gemm_clock.py --k-sweep        # + fp8 M = N = 8192 over K = 2048 ... 32768
+    python benchmarks/gemm_clock.py --sustained-sweep --config delay_release=0,cluster=m --config delay_release=0
+    python benchmarks/gemm_clock.py --sustained-sweep --grouped --config default --config cluster=n
 
 Why: an H200 running a large GEMM reaches its 700 W board limit and lowers the SM clock (nvidia-smi throttle reason
 0x4, software power cap), so TFLOP/s depends on how long the GEMM has run and on the host. Each row runs one GEMM
