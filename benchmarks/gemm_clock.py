@@ -26,10 +26,11 @@ kernel that lost time per output tile (epilogue, pipeline refill) would gain TFL
 `fp8_matmul.AUTO_TABLE` (or --shapes) it runs XLA's rowwise-scaled fp8 path, cuBLASLt without scales and each
 --config back to back for `--sweep-seconds`, and repeats the whole set `--rounds` times in the same order, so that
 every kernel is timed at the power limit and none inherits a cooler board than the others. The two rounds of one
-kernel agree within 0.5% at 2.5 s per run and within 2% at 1 s on an H200, where single 0.1-0.3 s bursts of `pallas_kernels.bench` move by up to 8%
-with the order they run in (benchmarks/RESULTS.md, eighth and ninth passes). With --grouped it does the same for
-the MoE grouped GEMM (bf16 `gmm`, the issue's E = 8 problem, balanced and skewed routing; `--config` then takes
-`grouped_matmul.TileConfig` fields, `default` for the built-in config) beside cuBLAS's dense GEMM of the same FLOPs.
+kernel agree within 0.5% at 2.5 s per run and within 2% at 1 s on an H200, where single 0.1-0.3 s bursts of
+`pallas_kernels.bench` move by up to 8% with the order they run in (benchmarks/RESULTS.md, eighth and ninth passes).
+With --grouped it does the same for the MoE grouped GEMM (bf16 `gmm`, the issue's E = 8 problem, balanced and skewed
+routing; `--config` then takes `grouped_matmul.TileConfig` fields, `default` for the built-in config) beside
+cuBLAS's dense GEMM of the same FLOPs.
 """
 
 from __future__ import annotations
@@ -170,26 +171,40 @@ def sustained_sweep(shapes, configs: list[str], seconds: float, rounds: int) -> 
     """Per shape: XLA rowwise, XLA without scales and every config, `rounds` times in the same order."""
     print(f"\nSustained fp8 GEMM TFLOP/s, {seconds:g} s per run, {rounds} rounds (each cell: the rounds' mean, then "
           "their spread)")
-    print("| M x N x K | XLA rowwise | XLA no scales | " + " | ".join(configs) + " | best config | best / XLA rowwise |")
+    print("| M x N x K | XLA rowwise | XLA no scales | " + " | ".join(configs)
+          + " | best config | best / XLA rowwise |")
     print("|---|---|---|" + "---|" * len(configs) + "---|---|")
     for m, n, k in shapes:
         (fp8_args,) = fp8_operands(jax.random.key(0), m, n, k, 1)
-        fns = {"XLA rowwise": jax.jit(fp8mm.fp8_matmul_xla), "XLA no scales": jax.jit(_xla_fp8_noscale)}
+        fns = {"XLA rowwise": (jax.jit(fp8mm.fp8_matmul_xla), fp8_args),
+               "XLA no scales": (jax.jit(_xla_fp8_noscale), fp8_args)}
         for c in configs:
             cfg = parse_config(c)
             if fp8mm.pallas_cover(m, n, k, fp8_args[0].dtype, fp8_args[1].dtype, jnp.bfloat16, cfg) is None:
-                fns[c] = jax.jit(functools.partial(fp8mm.fp8_matmul, impl="pallas", config=cfg))
-        runs = {name: [] for name in fns}
-        for _ in range(rounds):
-            for name, f in fns.items():
-                runs[name].append(_sustained(f, fp8_args, 2.0 * m * n * k, seconds))
+                fns[c] = (jax.jit(functools.partial(fp8mm.fp8_matmul, impl="pallas", config=cfg)), fp8_args)
+        runs = _alternate(fns, 2.0 * m * n * k, seconds, rounds)
         mean = {name: statistics.mean(r) for name, r in runs.items()}
-        cell = lambda name: (f"{mean[name]:.0f} ±{(max(runs[name]) - min(runs[name])) / 2:.0f}"
-                             if name in runs else "not covered")
         best = max((c for c in configs if c in mean), key=mean.get, default=None)
         ratio = f"{mean[best] / mean['XLA rowwise']:.2f}" if best else "-"
-        print(f"| {m} x {n} x {k} | {cell('XLA rowwise')} | {cell('XLA no scales')} | "
-              + " | ".join(cell(c) for c in configs) + f" | {best} | {ratio} |", flush=True)
+        print(f"| {m} x {n} x {k} | {_cell(runs, 'XLA rowwise')} | {_cell(runs, 'XLA no scales')} | "
+              + " | ".join(_cell(runs, c) for c in configs) + f" | {best} | {ratio} |", flush=True)
+
+
+def _alternate(fns: dict, flops: float, seconds: float, rounds: int) -> dict[str, list[float]]:
+    """{name: (f, args)} -> {name: TFLOP/s of each round}; every round runs all of them in the same order."""
+    runs = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, (f, args) in fns.items():
+            runs[name].append(_sustained(f, args, flops, seconds))
+    return runs
+
+
+def _cell(runs: dict[str, list[float]], name: str) -> str:
+    """'mean ±half the spread' of one kernel's rounds."""
+    if name not in runs:
+        return "not covered"
+    r = runs[name]
+    return f"{statistics.mean(r):.0f} ±{(max(r) - min(r)) / 2:.0f}"
 
 
 def grouped_sustained_sweep(configs: list[str], seconds: float, rounds: int) -> None:
@@ -208,12 +223,9 @@ def grouped_sustained_sweep(configs: list[str], seconds: float, rounds: int) -> 
         for c in configs:
             cfg = None if c == "default" else parse_config(c, gm.TileConfig)
             fns[c] = (jax.jit(functools.partial(gm.gmm, impl="pallas", config=cfg)), (x, w, sizes))
-        runs = {c: [] for c in fns}
-        for _ in range(rounds):
-            for c, (f, args) in fns.items():
-                runs[c].append(_sustained(f, args, flops, seconds))
-        cell = lambda c: f"{statistics.mean(runs[c]):.0f} ±{(max(runs[c]) - min(runs[c])) / 2:.0f}"
-        print(f"| {name} | {cell('cuBLAS dense')} | " + " | ".join(cell(c) for c in configs) + " |", flush=True)
+        runs = _alternate(fns, flops, seconds, rounds)
+        print(f"| {name} | {_cell(runs, 'cuBLAS dense')} | " + " | ".join(_cell(runs, c) for c in configs) + " |",
+              flush=True)
 
 
 def main(argv=None) -> None:
@@ -233,6 +245,8 @@ def main(argv=None) -> None:
         sys.exit("gemm_clock.py times GPU kernels: run it on an NVIDIA Hopper GPU")
     dev = jax.devices()[0]
     print(f"{dev.device_kind}, jax {jax.__version__}, {dev.core_count} SMs")
+    if args.grouped and not args.sustained_sweep:
+        sys.exit("--grouped selects what --sustained-sweep times: pass both")
     if args.sustained_sweep and args.grouped:
         grouped_sustained_sweep(args.config or ["default"], args.sweep_seconds, args.rounds)
         return

@@ -96,8 +96,9 @@ def table(path: str) -> None:
         v = vals[i]
         m, n, k = (int(x) for x in shape.split("x"))
         cyc = v["gpc__cycles_elapsed.max"]
-        print(f"| {shape} | {name} | {cyc:,.0f} | {v[METRICS[1]]:.1f} | {v[METRICS[2]]:.1f} | {v[METRICS[3]] / 1e9:.2f} "
-              f"| {2 * m * n * k / (cyc / 1.5e9) / 1e12:,.0f} | {v[METRICS[4]]:.1f} | {v[METRICS[5]] / 1e6:.1f} |")
+        print(f"| {shape} | {name} | {cyc:,.0f} | {v[METRICS[1]]:.1f} | {v[METRICS[2]]:.1f} "
+              f"| {v[METRICS[3]] / 1e9:.2f} | {2 * m * n * k / (cyc / 1.5e9) / 1e12:,.0f} | {v[METRICS[4]]:.1f} "
+              f"| {v[METRICS[5]] / 1e6:.1f} |")
 
 
 def main(argv: list[str]) -> None:
