@@ -48,7 +48,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import grouped_matmul as gm
-from pallas_kernels.bench import fp8_operands, parse_config, time_fn
+from pallas_kernels.bench import fp8_operands, parse_config, time_fn, xla_fp8_noscale
 from pallas_kernels.bench_grouped import FULL, routings
 
 fp8mm = importlib.import_module("pallas_kernels.fp8_matmul")  # the module: the package re-exports the function
@@ -105,11 +105,6 @@ def run(label: str, fn, args, flops: float, seconds: float, sms: int, flop_per_c
     print(f"| {seconds:g} s | {label} | {dt * 1e3:.3f} | {tflops:.0f} | {clock} |", flush=True)
 
 
-def _xla_fp8_noscale(a, b_t, sa, sb):
-    del sa, sb
-    return jax.lax.dot_general(a, b_t, (((1,), (1,)), ((), ())), preferred_element_type=jnp.bfloat16)
-
-
 def table(seconds_list, sms: int) -> None:
     print("| run | GEMM | ms | TFLOP/s | SM MHz | W | TFLOP/s per GHz | of peak per clock |")
     print("|---|---|---|---|---|---|---|---|")
@@ -123,7 +118,7 @@ def table(seconds_list, sms: int) -> None:
     w_dense = w[0]
     g_flops = 2.0 * p.m * p.k * p.n
     for seconds in seconds_list:
-        run("fp8 8192^3, XLA cuBLASLt, no scales", _xla_fp8_noscale, fp8_args, fp8_flops, seconds, sms, 8192)
+        run("fp8 8192^3, XLA cuBLASLt, no scales", xla_fp8_noscale, fp8_args, fp8_flops, seconds, sms, 8192)
         run("fp8 8192^3, XLA cuBLASLt, rowwise scales", fp8mm.fp8_matmul_xla, fp8_args, fp8_flops, seconds, sms, 8192)
         run("fp8 8192^3, Pallas rowwise (impl=auto)", fp8mm.fp8_matmul, fp8_args, fp8_flops, seconds, sms, 8192)
         run(f"bf16 {p.m}x{p.n}x{p.k} dense, XLA cuBLAS", lambda a, b: a @ b, (x, w_dense), g_flops, seconds, sms, 4096)
@@ -142,7 +137,7 @@ def k_sweep() -> None:
         # each timing starts after a pause, and the two kernels alternate which goes first.
         for name in (("xla", "ours") if i % 2 else ("ours", "xla")):
             time.sleep(1.0)
-            ms[name] = time_fn(_xla_fp8_noscale if name == "xla" else fp8mm.fp8_matmul, args).ms
+            ms[name] = time_fn(xla_fp8_noscale if name == "xla" else fp8mm.fp8_matmul, args).ms
         xla, ours = ms["xla"], ms["ours"]
         print(f"| 8192 x 8192 x {k} | {flops / xla / 1e9:.0f} | {flops / ours / 1e9:.0f} |", flush=True)
 
@@ -177,7 +172,7 @@ def sustained_sweep(shapes, configs: list[str], seconds: float, rounds: int) -> 
     for m, n, k in shapes:
         (fp8_args,) = fp8_operands(jax.random.key(0), m, n, k, 1)
         fns = {"XLA rowwise": (jax.jit(fp8mm.fp8_matmul_xla), fp8_args),
-               "XLA no scales": (jax.jit(_xla_fp8_noscale), fp8_args)}
+               "XLA no scales": (jax.jit(xla_fp8_noscale), fp8_args)}
         for c in configs:
             cfg = parse_config(c)
             if fp8mm.pallas_cover(m, n, k, fp8_args[0].dtype, fp8_args[1].dtype, jnp.bfloat16, cfg) is None:

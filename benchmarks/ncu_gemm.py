@@ -41,14 +41,13 @@ def run(shapes: str, configs: list[str]) -> None:
     import jax
     import jax.numpy as jnp
 
-    from pallas_kernels.bench import fp8_operands, parse_config
+    from pallas_kernels.bench import fp8_operands, parse_config, xla_fp8_noscale
 
     fp8mm = importlib.import_module("pallas_kernels.fp8_matmul")  # the module: the package re-exports the function
     for shape in shapes.split(","):
         m, n, k = (int(v) for v in shape.split("x"))
         (args,) = fp8_operands(jax.random.key(0), m, n, k, 1)
-        xla = jax.jit(lambda a, b, sa, sb: jax.lax.dot_general(
-            a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.bfloat16))
+        xla = jax.jit(xla_fp8_noscale)
         jax.block_until_ready(xla(*args))
         print(f"ROW|{shape}|cuBLASLt", flush=True)
         for c in configs:

@@ -135,6 +135,12 @@ def tile_sweep(args) -> list[fp8mm.TileConfig]:
     return configs
 
 
+def xla_fp8_noscale(a, b_t, *scales):
+    """XLA's fp8 dot of K-major operands without scales (cuBLASLt): the 'no scales' column of every GEMM table."""
+    del scales
+    return lax.dot_general(a, b_t, (((1,), (1,)), ((), ())), preferred_element_type=jnp.bfloat16)
+
+
 def fp8_operands(key, m, n, k, sets):
     """`sets` input sets of (a (M,K) e4m3, b_t (N,K) e4m3, a_scale (M,), b_scale (N,)) from normal bf16 data."""
     out = []
@@ -189,9 +195,8 @@ def bench_gemms(args, sets: int) -> list[GemmRow]:
         ref_bf = jnp.dot(bf_sets[0][0].astype(jnp.float32), bf_sets[0][1].astype(jnp.float32).T)
         record("xla bf16", lambda x, y: lax.dot_general(x, y, (((1,), (1,)), ((), ()))), bf_sets, ref_bf)
         # XLA fp8 without scales (bf16 out straight from cuBLASLt) and with rowwise scales (impl="xla").
-        noscale = lambda x, y: lax.dot_general(x, y, (((1,), (1,)), ((), ())), preferred_element_type=jnp.bfloat16)
         ref_ns = fp8mm.fp8_matmul_reference(a, b, 1.0, 1.0, out_dtype=jnp.float32)
-        record("xla fp8 (no scales)", noscale, [(x, y) for x, y, _, _ in ops], ref_ns)
+        record("xla fp8 (no scales)", xla_fp8_noscale, [(x, y) for x, y, _, _ in ops], ref_ns)
         xla = lambda x, y, s, t: fp8mm.fp8_matmul(x, y, s, t, impl="xla")
         t_xla = record("xla fp8 rowwise", xla, ops, ref)
         row.cublas_f8 = t_xla is not None and "$f8" in t_xla.hlo  # cuBLASLt's `__cublas$lt$matmul$f8`
