@@ -44,7 +44,11 @@ def run_variant(name: str, base: list[str], overrides: str, steps: int, log_ever
     if p.returncode != 0:
         return {"name": name, "error": (p.stderr.strip().splitlines() or ["?"])[-1][:160], "wall_s": wall}
     records = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    timed = [r for r in records if r.get("tokens_per_sec")][1:] or [r for r in records if r.get("tokens_per_sec")]
+    logged = [r for r in records if r.get("tokens_per_sec")]
+    if not logged:
+        return {"name": name, "error": f"no step was logged: --steps {steps} must reach --log-every {log_every}",
+                "wall_s": wall}
+    timed = logged[1:] or logged
     first = next((l for l in p.stdout.splitlines() if "first step (compile included)" in l), "")
     mean = lambda k: sum(r[k] for r in timed) / len(timed) if timed and timed[0].get(k) is not None else None
     return {"name": name, "tokens_per_sec": mean("tokens_per_sec"), "tflops_per_device": mean("tflops_per_device"),

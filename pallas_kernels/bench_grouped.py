@@ -3,10 +3,12 @@
     python -m pallas_kernels.bench grouped [--quick]     # through the bench driver (section "grouped")
     python -m pallas_kernels.bench_grouped [--quick]         # standalone, from the repo root
     python -m pallas_kernels.bench_grouped --cpu-smoke       # tiny shapes, kernels interpreted on CPU: checks the script
+    python -m pallas_kernels.bench_grouped --problem deepseek  # configs/deepseek_moe_16b.yaml's experts instead
 
 Forward grouped GEMM y = x @ w[e(r)] at E=8, M=16384 token rows, K=D=4096, N=F=14336 (the up/gate projection of a
 Mixtral-sized expert), balanced routing (2048 rows per expert) and skewed routing (one expert 40% of the rows, the
-rest split evenly), in TFLOP/s of 2*M*K*N:
+rest split evenly), in TFLOP/s of 2*M*K*N. `--problem deepseek`: E=64 fine-grained experts, K=2048, N=1408, M=24576
+(4096 tokens, top-6), where the skewed routing leaves 63 groups of ~234 rows, none a multiple of the tile:
     xla bf16       jax.lax.ragged_dot_general (what MaxText uses)
     pallas bf16    our Mosaic-GPU kernel, best of a small tile sweep (config printed)
     xla fp8        lax.ragged_dot_general on the e4m3 operands + the scales as an XLA fusion
@@ -59,6 +61,9 @@ class Problem:
 
 
 FULL = Problem(e=8, m=16384, k=4096, n=14336, samples=10, batch=10, sampled_rows=512)
+# configs/deepseek_moe_16b.yaml's routed experts (64, top-6, D=2048, d_expert=1408), 4096 tokens: M = 6 x 4096 rows.
+DEEPSEEK = Problem(e=64, m=24576, k=2048, n=1408, samples=10, batch=20, sampled_rows=512)
+PROBLEMS = {"mixtral": FULL, "deepseek": DEEPSEEK}
 SMOKE = Problem(e=4, m=256, k=128, n=256, samples=1, batch=1, sampled_rows=64)
 
 
@@ -73,8 +78,8 @@ def routings(p: Problem) -> dict[str, jax.Array]:
     return {"balanced": jnp.asarray(balanced, jnp.int32), "skewed": jnp.asarray(skewed, jnp.int32)}
 
 
-def sweep(dtype, quick: bool, smoke: bool) -> list[gm.TileConfig]:
-    """A few points around the default; each prints its TFLOP/s, the best one is reported."""
+def sweep(dtype, quick: bool, smoke: bool, n: int) -> list[gm.TileConfig]:
+    """A few points around the default that tile N; each prints its TFLOP/s, the best one is reported."""
     tk = 128 // jnp.dtype(dtype).itemsize
     if smoke:
         return [gm.TileConfig(tile_m=64, tile_n=64, tile_k=tk, stages=2)]
@@ -92,10 +97,19 @@ def sweep(dtype, quick: bool, smoke: bool) -> list[gm.TileConfig]:
             dataclasses.replace(wide, cluster="n"),
             dataclasses.replace(wide, grid_minor="n", grid_tile_width=8),
             gm.TileConfig(tile_k=tk, stages=4, epi_tile_n=64),  # one more stage, half-width epilogue chunks
-            gm.TileConfig(tile_k=tk, wg_split="m"),  # CTA 256x128
             gm.TileConfig(tile_k=tk, grid_minor="n", grid_tile_width=8),  # walk N-bands instead of M-bands
         ]
-    return configs
+    tall = gm.TileConfig(tile_k=tk, wg_split="m")  # CTA 256x128: the dispatcher's pick where 256 does not divide N
+    if quick:
+        configs += [] if n % 256 == 0 else [tall]
+    else:  # N tiles of 128 (DeepSeek's d_expert 1408 = 11 x 128)
+        configs += [
+            tall,
+            dataclasses.replace(tall, stages=4, epi_tile_n=64),
+            dataclasses.replace(tall, grid_minor="n", grid_tile_width=8),
+            gm.TileConfig(tile_m=64, tile_k=tk, wg_split="m"),  # CTA 128x128: more tiles for short K loops
+        ]
+    return [c for c in configs if n % (c.cta_tile_n * c.cluster_size) == 0]
 
 
 def _sampled_reference(p: Problem, sizes, x, w, **kw) -> tuple[jax.Array, jax.Array]:
@@ -156,7 +170,7 @@ def bench_forward(p: Problem, quick: bool, smoke: bool, dtypes=("bf16", "fp8")) 
         if r:
             results[(routing, "xla bf16")] = r
         best = None
-        for c in sweep(jnp.bfloat16, quick, smoke) if "bf16" in dtypes else ():
+        for c in sweep(jnp.bfloat16, quick, smoke, p.n) if "bf16" in dtypes else ():
             r = run("pallas bf16", routing, functools.partial(gm.gmm, impl="pallas", config=c), (x, w, sizes),
                     ref_bf16, c.name())
             if r and (best is None or r.tflops > best.tflops):
@@ -175,7 +189,7 @@ def bench_forward(p: Problem, quick: bool, smoke: bool, dtypes=("bf16", "fp8")) 
             if r:
                 results[(routing, "xla fp8")] = r
         best = None
-        for c in sweep(F8, quick, smoke):
+        for c in sweep(F8, quick, smoke, p.n):
             r = run("pallas fp8", routing, functools.partial(fp8_gemm, "pallas", c), fp8_args, ref_fp8, c.name())
             if r and (best is None or r.tflops > best.tflops):
                 best = r
@@ -226,9 +240,12 @@ def bench_ffn(p: Problem, quick: bool, smoke: bool) -> dict[tuple[str, str], tup
     return results
 
 
-def bench_grouped(quick: bool, cpu_smoke: bool = False, dtypes=("bf16", "fp8"), ffn: bool = True) -> dict:
+def bench_grouped(
+    quick: bool, cpu_smoke: bool = False, dtypes=("bf16", "fp8"), ffn: bool = True, problem: str = "mixtral"
+) -> dict:
     """Run the forward sweep and the FFN, print a compact table last; returns the numbers."""
-    p = SMOKE if cpu_smoke else FULL
+    p = SMOKE if cpu_smoke else PROBLEMS[problem]
+    targets = TARGETS if p is FULL else {"bf16": (0, 0), "fp8": (0, 0)}  # the issue's targets are Mixtral's
     t_start = time.perf_counter()
     _log(f"grouped GEMM: E={p.e} M={p.m} K={p.k} N={p.n}  ({jax.devices()[0].device_kind}, jax {jax.__version__})")
     fwd = bench_forward(p, quick, cpu_smoke, dtypes)
@@ -244,8 +261,8 @@ def bench_grouped(quick: bool, cpu_smoke: bool = False, dtypes=("bf16", "fp8"), 
         v = [fwd[(routing, c)].tflops if (routing, c) in fwd else float("nan") for c in cols]
         e = [fwd[(routing, c)].err if (routing, c) in fwd else float("nan") for c in ("pallas bf16", "pallas fp8")]
         cfg = [fwd[(routing, c)].config if (routing, c) in fwd else "-" for c in ("pallas bf16", "pallas fp8")]
-        _log(f"{routing:9s} | {v[0]:8.0f} {v[1]:8.0f} {TARGETS['bf16'][i]:6d} | {v[2]:8.0f} {v[3]:8.0f}"
-             f" {TARGETS['fp8'][i]:6d} | {e[0]:8.1e} {e[1]:8.1e} | {cfg[0]} / {cfg[1]}")
+        _log(f"{routing:9s} | {v[0]:8.0f} {v[1]:8.0f} {targets['bf16'][i]:6d} | {v[2]:8.0f} {v[3]:8.0f}"
+             f" {targets['fp8'][i]:6d} | {e[0]:8.1e} {e[1]:8.1e} | {cfg[0]} / {cfg[1]}")
     _log(f"expert FFN fwd+bwd (SwiGLU via grouped_linear, balanced, D={p.k} F={p.n}), ms "
          "(err: max rel. error of the 4 grads, Pallas vs XLA, same recipe)")
     for (recipe, impl), (ms, err) in ffn.items():
@@ -260,6 +277,8 @@ def main(argv=None) -> None:
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny shapes, Pallas kernels interpreted on CPU")
     ap.add_argument("--dtypes", default="bf16,fp8", help="comma-separated subset of bf16,fp8 to sweep")
     ap.add_argument("--no-ffn", action="store_true", help="skip the expert FFN fwd+bwd timing")
+    ap.add_argument("--problem", choices=sorted(PROBLEMS), default="mixtral",
+                    help="mixtral: the issue's E=8 D=4096 F=14336 (default); deepseek: E=64 D=2048 F=1408, M=24576")
     args = ap.parse_args(argv)
     ctx = contextlib.nullcontext()
     if args.cpu_smoke:
@@ -269,7 +288,8 @@ def main(argv=None) -> None:
         ctx = compat.force_gpu_interpret_mode(compat.InterpretGPUParams())
     _log(f"command: python -m pallas_kernels.bench_grouped {' '.join(sys.argv[1:] if argv is None else argv)}")
     with ctx:
-        bench_grouped(args.quick, cpu_smoke=args.cpu_smoke, dtypes=tuple(args.dtypes.split(",")), ffn=not args.no_ffn)
+        bench_grouped(args.quick, cpu_smoke=args.cpu_smoke, dtypes=tuple(args.dtypes.split(",")), ffn=not args.no_ffn,
+                      problem=args.problem)
 
 
 if __name__ == "__main__":

@@ -28,12 +28,17 @@ Kernels (Mosaic-GPU `plgpu.kernel`, persistent: one CTA per SM walks a list of o
   `stages`-deep TMA ring; two compute warpgroups split the CTA tile along M or N (`wg_split`) and each owns a
   (tile_m, tile_n) f32 wgmma accumulator. 8-bit wgmma needs both operands K-major (JAX_NOTES), so fp8 `gmm`
   requires `transpose_rhs` and fp8 `tgmm` runs on a K-major copy of the tokens (below).
-- `gmm` (after jax's ragged_dot_mgpu.py): the work list is the (row tile, column tile) pairs of the output where a
-  row tile is one (segment, CTA row block) pair. A block that straddles a group boundary appears once per group and
-  is computed once per group with that group's weights (at most E-1 extra blocks); each pass stores only its own
-  rows. Padding rows form segment E, whose tiles skip the matmul and store zeros. The row-tile list (segment, block,
-  first row, end row) is built by XLA outside the kernel, bounded by M / cta_tile_m + E entries.
-  TMA stores need static shapes, so a partial block is written by a ladder of power-of-two row stores from an
+- `gmm`: the work list is the (row tile, column tile) pairs of the output. Row tiles are anchored at each
+  group's first row, rounded down to the 8-row grid that TMA loads into the tiled SMEM operand need: group e owns
+  ceil((start_e % 8 + size_e) / cta_tile_m) tiles at rows 8 floor(start_e / 8) + i * cta_tile_m, so only its last
+  tile is partial; rows of a neighbouring group that a tile also loads are computed but not stored. (Aligned
+  blocks, as in jax's ragged_dot_mgpu.py, compute a block that straddles a boundary once per group: up to one
+  extra tile per group where anchored tiles cost half of one on average. E=8 with one group at 40% of M=16384:
+  135 row tiles aligned, 130 anchored, 128 full; 64 experts at 384 rows on average, Dirichlet-drawn sizes: 255 vs
+  227, 192 full.) Padding rows form segment E, whose tiles skip the matmul and store zeros. The row-tile list
+  (segment, first row / 8, row range [lo, hi) inside the tile) is built by XLA outside the kernel, fewer than
+  M / cta_tile_m + (E + 1)(1 + 6 / cta_tile_m) entries; a tile that would run past M moves back to end at M.
+  TMA stores need static shapes, so a partial tile is written by a ladder of power-of-two row stores from an
   unswizzled SMEM staging tile (at most log2(tile_m) + 1 stores; one for a full block). Optional 2-CTA clusters
   (`cluster="n"`) put one row tile's two neighbouring N blocks on a CTA pair that multicasts the shared A tile.
 - `tgmm` (after jax's transposed_ragged_dot_mgpu.py): one work item per (group, K tile, N tile); its pipeline runs
@@ -45,9 +50,9 @@ Kernels (Mosaic-GPU `plgpu.kernel`, persistent: one CTA per SM walks a list of o
     "aligned" - XLA first gathers the tokens into a K-major (K, M') copy where every group starts on a tile_k
                 boundary and the gaps are zero; no masking. fp8 always uses it (8-bit wgmma is K-major only); the
                 gather fuses into the quantization that produces the fp8 operands anyway.
-- Trade-offs: straddling blocks cost up to (E-1)/(M/cta_tile_m) extra work (5% at E=8, M=16384, 128-row blocks);
-  the staging tile is unswizzled so that partial blocks can be stored at any row (bank conflicts in the epilogue
-  in exchange for exact ragged stores); both compute warpgroups share one tile, so their epilogues do not overlap
+- Trade-offs: partial row tiles cost on average E/2 tiles of extra work over M/cta_tile_m (3% at E=8, M=16384,
+  128-row tiles); the staging tile is unswizzled so that partial tiles can be stored at any row (bank conflicts in
+  the epilogue in exchange for exact ragged stores); both compute warpgroups share one tile, so their epilogues do not overlap
   tensor-core work (the memory warpgroup does prefetch the next tile meanwhile).
 - Shared memory (defaults, CTA 128x256): ring 3 x (128 + 256) rows x 128 B = 144 KiB, staging 2 x 128 x 128 x 2 B
   = 64 KiB, fp8 scales 2 KiB: 210 KiB of the 227 KiB; a 4th stage fits only with 64-column epilogue chunks.
@@ -172,23 +177,57 @@ def row_groups(group_sizes: jax.Array, m: int) -> jax.Array:
     return jnp.searchsorted(ends, jnp.arange(m, dtype=jnp.int32), side="right").astype(jnp.int32)
 
 
-def _gmm_row_tiles(group_sizes: jax.Array, m: int, block_m: int) -> jax.Array:
-    """(4, M // block_m + E) int32 row-tile list of `_gmm_kernel`: segment, block, lo, hi (see the module doc)."""
+def _row_pieces(group_sizes: jax.Array, m: int, block: int) -> jax.Array:
+    """(4, M // block + E) int32: the (segment, block) pieces of M rows cut into aligned blocks of `block` rows:
+    segment (E = padding, -1 = unused entry), block index, and the segment's row range [lo, hi) inside the block."""
     e = group_sizes.shape[0]
     starts, ends = _group_bounds(group_sizes, m)
     starts = jnp.concatenate([starts, ends[-1:]])  # segment E: the padding rows
     ends = jnp.concatenate([ends, jnp.full((1,), m, jnp.int32)])
-    first = starts // block_m
-    nblk = jnp.where(ends > starts, (ends - 1) // block_m - first + 1, 0)
+    first = starts // block
+    nblk = jnp.where(ends > starts, (ends - 1) // block - first + 1, 0)
     cum = jnp.cumsum(nblk)
-    t = jnp.arange(m // block_m + e, dtype=jnp.int32)
-    seg = jnp.searchsorted(cum, t, side="right").astype(jnp.int32)  # E + 1 past the last tile
+    t = jnp.arange(m // block + e, dtype=jnp.int32)
+    seg = jnp.searchsorted(cum, t, side="right").astype(jnp.int32)  # E + 1 past the last piece
     s = jnp.minimum(seg, e)
     blk = first[s] + t - (cum[s] - nblk[s])
-    lo = jnp.clip(starts[s] - blk * block_m, 0, block_m)
-    hi = jnp.clip(ends[s] - blk * block_m, 0, block_m)
+    lo = jnp.clip(starts[s] - blk * block, 0, block)
+    hi = jnp.clip(ends[s] - blk * block, 0, block)
     seg = jnp.where(seg <= e, seg, -1)
     return jnp.stack([seg, blk, lo, hi]).astype(jnp.int32)
+
+
+_ROW_ALIGN = 8  # a TMA load into a tiled SMEM operand starts on a multiple of its 8-row tiling
+
+
+def _gmm_num_row_tiles(m: int, e: int, block_m: int) -> int:
+    """Length of `_gmm_row_tiles`' list: segment s (E groups + padding) takes ceil((a_s + size_s) / block_m) tiles
+    with a_s = start_s % 8 <= 7 and sum(size_s) = M, fewer than M / block_m + (E + 1) (block_m + 6) / block_m."""
+    return m // block_m + e + 1 + (6 * (e + 1)) // block_m
+
+
+def _gmm_row_tiles(group_sizes: jax.Array, m: int, block_m: int) -> jax.Array:
+    """(4, `_gmm_num_row_tiles`) int32 row-tile list of `_gmm_kernel`: segment (E = padding, -1 = unused entry),
+    the tile's first row / 8, and the segment's row range [lo, hi) inside the tile (see the module doc).
+
+    Segment s's tiles are anchored at its first row rounded down to a multiple of 8, so each segment's last tile is
+    its only partial one; a tile that would run past M is moved back to end at M (M is a multiple of block_m)."""
+    e = group_sizes.shape[0]
+    starts, ends = _group_bounds(group_sizes, m)
+    starts = jnp.concatenate([starts, ends[-1:]])  # segment E: the padding rows
+    ends = jnp.concatenate([ends, jnp.full((1,), m, jnp.int32)])
+    anchors = starts // _ROW_ALIGN * _ROW_ALIGN
+    ntiles = jnp.where(ends > starts, -(-(ends - anchors) // block_m), 0)
+    cum = jnp.cumsum(ntiles)
+    t = jnp.arange(_gmm_num_row_tiles(m, e, block_m), dtype=jnp.int32)
+    seg = jnp.searchsorted(cum, t, side="right").astype(jnp.int32)  # E + 1 past the last tile
+    s = jnp.minimum(seg, e)
+    first = anchors[s] + (t - (cum[s] - ntiles[s])) * block_m
+    row = jnp.clip(first, 0, m - block_m)
+    lo = jnp.clip(jnp.maximum(starts[s], first) - row, 0, block_m)  # a moved-back tile skips the rows already stored
+    hi = jnp.clip(ends[s] - row, 0, block_m)
+    seg = jnp.where(seg <= e, seg, -1)
+    return jnp.stack([seg, row // _ROW_ALIGN, lo, hi]).astype(jnp.int32)
 
 
 def aligned_token_layout(x: jax.Array, group_sizes: jax.Array, align: int) -> tuple[jax.Array, jax.Array]:
@@ -225,7 +264,7 @@ def _tgmm_group_meta(group_sizes: jax.Array, m: int, block: int, aligned_starts:
 def group_col_amax(t: jax.Array, group_sizes: jax.Array, *, block: int = 128) -> jax.Array:
     """(E, C) f32: max |t| over each group's rows of t (M, C), 0 for an empty group, in one pass over t.
 
-    Rows are sorted by group, so the row-tile list of `gmm` cuts them into at most M / block + E (group, block)
+    Rows are sorted by group, so aligned blocks of `block` rows cut them into at most M / block + E (group, block)
     pieces; each piece is max-reduced over its rows and the few pieces of a group are combined. (A segment_max over
     all M rows is a scatter with heavy atomic contention on the GPU.)"""
     m, c = t.shape
@@ -234,7 +273,7 @@ def group_col_amax(t: jax.Array, group_sizes: jax.Array, *, block: int = 128) ->
     if m % block:
         gid = row_groups(group_sizes, m)
         return jnp.maximum(jax.ops.segment_max(mag, gid, num_segments=e + 1)[:e], 0.0)
-    seg, blk, lo, hi = _gmm_row_tiles(group_sizes, m, block)
+    seg, blk, lo, hi = _row_pieces(group_sizes, m, block)
     pieces = mag.reshape(m // block, block, c)[jnp.clip(blk, 0, m // block - 1)]  # (T, block, C)
     r = jnp.arange(block, dtype=jnp.int32)[None, :, None]
     live = (r >= lo[:, None, None]) & (r < hi[:, None, None])
@@ -392,7 +431,7 @@ def _apply_scales(acc, scales, wg):
 
 
 def _gmm_kernel(meta_gmem, lhs_gmem, rhs_gmem, *refs, config: TileConfig, transpose_rhs: bool, scaled: bool):
-    """meta (4, T): per row tile its segment (E = padding, -1 = unused), CTA row block, and row range [lo, hi)."""
+    """meta (4, T): per row tile its segment (E = padding, -1 = unused), first row, and row range [lo, hi)."""
     c = config
     if scaled:
         lhs_scale_gmem, rhs_scale_gmem, out_gmem = refs
@@ -455,11 +494,12 @@ def _gmm_kernel(meta_gmem, lhs_gmem, rhs_gmem, *refs, config: TileConfig, transp
             (lin,) = info.index
             t, nj = _walk(lin, num_row_tiles, n_iters // cl, c.grid_minor, c.grid_tile_width)
             ni = nj * cl + cta
-            seg, blk, lo, hi = (meta_gmem[i, t] for i in range(4))
+            seg, row8, lo, hi = (meta_gmem[i, t] for i in range(4))
+            first_row = row8 * _ROW_ALIGN  # a multiple of 8 that Mosaic can see, as its TMA lowering requires
             wg_row, wg_col = (wg * c.tile_m, 0) if split_m else (0, wg * c.tile_n)
-            row0 = blk * c.cta_tile_m + wg_row
+            row0 = first_row + wg_row
             col0 = ni * c.cta_tile_n + wg_col
-            # This warpgroup's share of the segment's rows [lo, hi) of the CTA block, relative to its tile.
+            # This warpgroup's share of the segment's rows [lo, hi) of the CTA tile, relative to its own tile.
             w_lo = jnp.clip(lo - wg_row, 0, c.tile_m)
             w_count = jnp.clip(hi - wg_row, 0, c.tile_m) - w_lo
             dst = out_gmem.at[pl.ds(row0, c.tile_m), pl.ds(col0, c.tile_n)]
@@ -490,7 +530,7 @@ def _gmm_kernel(meta_gmem, lhs_gmem, rhs_gmem, *refs, config: TileConfig, transp
             @pl.when((seg >= 0) & (seg < num_groups))
             def _matmul():
                 pipeline(mma_body, compute_context)(
-                    lhs_gmem.at[pl.ds(blk * c.cta_tile_m, c.cta_tile_m), :],
+                    lhs_gmem.at[pl.ds(first_row, c.cta_tile_m), :],
                     rhs_window(seg, ni),
                     allocations=pipeline_allocs,
                 )

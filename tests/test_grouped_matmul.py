@@ -2,7 +2,8 @@
 
 CPU: the Mosaic-GPU kernels run in GPU interpret mode at E=4, M=256, K=N=128 with small tiles, each jitted variant
 compiled once and run on the ragged cases that matter: an empty group, groups that are not a multiple of the tile
-(blocks straddling a boundary), padding rows past sum(group_sizes), one group holding every row.
+(partial tiles that also load the next group's rows), padding rows past sum(group_sizes), one group holding every
+row.
 GPU (`gpu` marker, MX_JAX_TEST_GPU=1 on an H100/H200): the default tiles at MoE shapes, Pallas against XLA.
 """
 
@@ -27,7 +28,7 @@ BF16_TOL = dict(rtol=1e-2, atol=1e-2)
 F32_TOL = dict(rtol=1e-5, atol=1e-4)
 INTERPRET = compat.InterpretGPUParams()
 
-RAGGED = (69, 0, 123, 37)  # empty group, straddling blocks, 27 padding rows, partial blocks of 1..32 rows
+RAGGED = (69, 0, 123, 37)  # empty group, partial tiles, 27 padding rows (the last tile moves back to end at M)
 ONE_GROUP = (0, 0, M, 0)  # every row in one group, empties before and after
 SMALL = gm.TileConfig(tile_m=64, tile_n=64, tile_k=64, stages=2)  # CTA 64x128 (split n), 2 K steps
 SMALL_M = gm.TileConfig(tile_m=64, tile_n=64, tile_k=64, stages=2, wg_split="m")  # CTA 128x64
@@ -57,19 +58,28 @@ def _close(out, ref, tol):
 # ------------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("block", [64, 128])
 def test_row_tiles_cover_every_row_once(block):
+    """Each row is stored by exactly one tile of its own segment; a segment of s rows starting at row r gets
+    ceil((r % 8 + s) / block) tiles (anchored on the 8-row grid that TMA loads need), all inside [0, M)."""
     rng = np.random.default_rng()
     e, m = 6, 512
-    for _ in range(5):
-        sizes = rng.multinomial(int(rng.integers(0, m + 1)), rng.dirichlet(np.full(e, 0.3)))
+    for total in (*rng.integers(0, m + 1, size=5), m):
+        sizes = rng.multinomial(int(total), rng.dirichlet(np.full(e, 0.3)))
         meta = np.asarray(gm._gmm_row_tiles(_sizes(sizes), m, block))
         owner = np.full(m, -2)
-        for seg, blk, lo, hi in meta.T:
+        tiles = np.zeros(e + 1, int)
+        for seg, row8, lo, hi in meta.T:
             if seg < 0:
                 continue
-            rows = slice(blk * block + lo, blk * block + hi)
+            row = row8 * 8
+            assert 0 <= row <= m - block and 0 <= lo <= hi <= block, (row, lo, hi)
+            rows = slice(row + lo, row + hi)
             assert (owner[rows] == -2).all(), "a row is stored twice"
             owner[rows] = seg
+            tiles[seg] += 1
         np.testing.assert_array_equal(owner, np.asarray(gm.row_groups(_sizes(sizes), m)))
+        segment_rows = np.append(sizes, m - sizes.sum())
+        starts = np.cumsum(segment_rows) - segment_rows
+        np.testing.assert_array_equal(tiles, np.where(segment_rows > 0, -(-(starts % 8 + segment_rows) // block), 0))
 
 
 def test_group_col_amax_matches_segment_max():

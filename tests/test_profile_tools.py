@@ -132,3 +132,37 @@ def test_ncu_table_skips_autotuning_candidates_and_takes_second_launches(tmp_pat
     assert [(r[0].strip("| "), r[1], r[2]) for r in rows] == [
         ("8x8x8", "nvjet_b", "820"), ("8x8x8", "cfg A", "1,001"), ("8x8x8", "cfg B", "1,101"),
         ("4x4x4", "nvjet_c", "501"), ("4x4x4", "cfg B", "not covered: too small |||||||"), ("4x4x4", "cfg A", "601")]
+
+
+def test_grouped_bench_sweeps_only_configs_that_tile_n():
+    """DeepSeek's d_expert 1408 is 11 x 128: no 256-wide CTA tile may be timed there, and some config must be."""
+    import jax.numpy as jnp
+
+    from pallas_kernels import bench_grouped
+
+    for n in (bench_grouped.FULL.n, bench_grouped.DEEPSEEK.n):
+        for dtype in (jnp.bfloat16, jnp.float8_e4m3fn):
+            for quick in (True, False):
+                configs = bench_grouped.sweep(dtype, quick, False, n)
+                assert configs, (n, quick)
+                assert all(n % (c.cta_tile_n * c.cluster_size) == 0 for c in configs), [c.name() for c in configs]
+    assert len(bench_grouped.sweep(jnp.bfloat16, True, False, bench_grouped.FULL.n)) == 3  # quick stays quick
+
+
+def test_bench_train_reports_a_run_that_logged_no_step(tmp_path, monkeypatch):
+    """--steps below --log-every leaves metrics.jsonl empty: a row naming both flags, not a traceback."""
+    import subprocess
+
+    spec = importlib.util.spec_from_file_location(
+        "bench_train", pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "bench_train.py")
+    bench_train = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench_train)
+
+    def fake_run(cmd, **_):
+        run_dir = pathlib.Path(next(a for a in cmd if a.startswith("run_dir=")).split("=", 1)[1])
+        (run_dir / "metrics.jsonl").write_text("")
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(bench_train.subprocess, "run", fake_run)
+    row = bench_train.run_variant("v", [], "", steps=2, log_every=5, out_dir=tmp_path)
+    assert "--steps 2" in row["error"] and "--log-every 5" in row["error"]
