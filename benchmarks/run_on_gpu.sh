@@ -69,6 +69,8 @@ for s in "$@"; do
     train_blas) section train_blas 420 env CUDA_VISIBLE_DEVICES=0 $PY benchmarks/bench_train.py --out "$LOGS" --steps 20 --base "$DENSE8B model.scan_layers=false" --variant bf16: --variant bf16_cublaslt:@--xla_gpu_enable_cublaslt=true --variant bf16_blas1:@--xla_gpu_blas_max_algorithms=1 --variant bf16_again: ;;
     profile_unrolled) section profile_unrolled 240 $PY benchmarks/profile_step.py --steps 3 --top 30 ${DENSE8B} model.scan_layers=false ;;
     bench_grouped_quick) section bench_grouped_quick 240 $PY -m pallas_kernels.bench grouped --quick ;;
+    grouped_deepseek) section grouped_deepseek 240 env CUDA_VISIBLE_DEVICES=0 $PY -m pallas_kernels.bench_grouped --problem deepseek --no-ffn ;;
+    train_deepseek) section train_deepseek 240 env CUDA_VISIBLE_DEVICES=0 $PY benchmarks/bench_train.py --out "$LOGS" --steps 15 --log-every 5 --base "--config configs/deepseek_moe_16b.yaml model.n_layers=4 data.seq_len=4096 data.batch_size=2 mesh.fsdp=1 data.source=embedded" --variant deepseek4: ;;
     train_dense) section train_dense 480 $PY benchmarks/bench_train.py --out "$LOGS" --steps 20 --base "$DENSE8B" --variant bf16: ;;
     train_recipes) section train_recipes 420 $PY benchmarks/bench_train.py --out "$LOGS" --steps 15 --base "$DENSE8B" --variant bf16: --variant fp8_rowwise:quant.recipe=fp8_rowwise --variant mxfp8:quant.recipe=mxfp8 ;;
     profile_dense) section profile_dense 240 $PY benchmarks/profile_step.py --steps 3 --top 30 ${DENSE8B} ;;

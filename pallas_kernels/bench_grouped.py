@@ -1,9 +1,9 @@
 """Grouped-GEMM benchmark for MoE experts (issue 5 targets), run on one H100/H200.
 
-    python -m pallas_kernels.bench grouped [--quick]     # through the bench driver (section "grouped")
-    python -m pallas_kernels.bench_grouped [--quick]         # standalone, from the repo root
-    python -m pallas_kernels.bench_grouped --cpu-smoke       # tiny shapes, kernels interpreted on CPU: checks the script
-    python -m pallas_kernels.bench_grouped --problem deepseek  # configs/deepseek_moe_16b.yaml's experts instead
+    python -m pallas_kernels.bench grouped [--quick]          # through the bench driver (section "grouped")
+    python -m pallas_kernels.bench_grouped [--quick]          # standalone, from the repo root
+    python -m pallas_kernels.bench_grouped --cpu-smoke        # tiny shapes interpreted on CPU: checks the script
+    python -m pallas_kernels.bench_grouped --problem deepseek # configs/deepseek_moe_16b.yaml's experts instead
 
 Forward grouped GEMM y = x @ w[e(r)] at E=8, M=16384 token rows, K=D=4096, N=F=14336 (the up/gate projection of a
 Mixtral-sized expert), balanced routing (2048 rows per expert) and skewed routing (one expert 40% of the rows, the

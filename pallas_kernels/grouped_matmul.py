@@ -36,10 +36,10 @@ Kernels (Mosaic-GPU `plgpu.kernel`, persistent: one CTA per SM walks a list of o
   extra tile per group where anchored tiles cost half of one on average. E=8 with one group at 40% of M=16384:
   135 row tiles aligned, 130 anchored, 128 full; 64 experts at 384 rows on average, Dirichlet-drawn sizes: 255 vs
   227, 192 full.) Padding rows form segment E, whose tiles skip the matmul and store zeros. The row-tile list
-  (segment, first row / 8, row range [lo, hi) inside the tile) is built by XLA outside the kernel, fewer than
+  (segment, first row / 8, row range [lo, hi) inside the tile) is built by XLA outside the kernel, at most
   M / cta_tile_m + (E + 1)(1 + 6 / cta_tile_m) entries; a tile that would run past M moves back to end at M.
   TMA stores need static shapes, so a partial tile is written by a ladder of power-of-two row stores from an
-  unswizzled SMEM staging tile (at most log2(tile_m) + 1 stores; one for a full block). Optional 2-CTA clusters
+  unswizzled SMEM staging tile (at most log2(tile_m) + 1 stores; one for a full tile). Optional 2-CTA clusters
   (`cluster="n"`) put one row tile's two neighbouring N blocks on a CTA pair that multicasts the shared A tile.
 - `tgmm` (after jax's transposed_ragged_dot_mgpu.py): one work item per (group, K tile, N tile); its pipeline runs
   over the group's token blocks (a dynamic trip count). Two layouts:
@@ -52,8 +52,8 @@ Kernels (Mosaic-GPU `plgpu.kernel`, persistent: one CTA per SM walks a list of o
                 gather fuses into the quantization that produces the fp8 operands anyway.
 - Trade-offs: partial row tiles cost on average E/2 tiles of extra work over M/cta_tile_m (3% at E=8, M=16384,
   128-row tiles); the staging tile is unswizzled so that partial tiles can be stored at any row (bank conflicts in
-  the epilogue in exchange for exact ragged stores); both compute warpgroups share one tile, so their epilogues do not overlap
-  tensor-core work (the memory warpgroup does prefetch the next tile meanwhile).
+  the epilogue in exchange for exact ragged stores); both compute warpgroups share one tile, so their epilogues do
+  not overlap tensor-core work (the memory warpgroup does prefetch the next tile meanwhile).
 - Shared memory (defaults, CTA 128x256): ring 3 x (128 + 256) rows x 128 B = 144 KiB, staging 2 x 128 x 128 x 2 B
   = 64 KiB, fp8 scales 2 KiB: 210 KiB of the 227 KiB; a 4th stage fits only with 64-column epilogue chunks.
 - Every stage's wgmma is awaited before the stage is released (delay_release 0, as DeepGEMM and jax's
@@ -202,7 +202,7 @@ _ROW_ALIGN = 8  # a TMA load into a tiled SMEM operand starts on a multiple of i
 
 def _gmm_num_row_tiles(m: int, e: int, block_m: int) -> int:
     """Length of `_gmm_row_tiles`' list: segment s (E groups + padding) takes ceil((a_s + size_s) / block_m) tiles
-    with a_s = start_s % 8 <= 7 and sum(size_s) = M, fewer than M / block_m + (E + 1) (block_m + 6) / block_m."""
+    with a_s = start_s % 8 <= 7 and sum(size_s) = M: at most M / block_m + (E + 1) (block_m + 6) / block_m."""
     return m // block_m + e + 1 + (6 * (e + 1)) // block_m
 
 
@@ -431,7 +431,7 @@ def _apply_scales(acc, scales, wg):
 
 
 def _gmm_kernel(meta_gmem, lhs_gmem, rhs_gmem, *refs, config: TileConfig, transpose_rhs: bool, scaled: bool):
-    """meta (4, T): per row tile its segment (E = padding, -1 = unused), first row, and row range [lo, hi)."""
+    """meta (4, T): per row tile its segment (E = padding, -1 = unused), first row / 8, and row range [lo, hi)."""
     c = config
     if scaled:
         lhs_scale_gmem, rhs_scale_gmem, out_gmem = refs
