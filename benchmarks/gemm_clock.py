@@ -4,6 +4,8 @@
     python benchmarks/gemm_clock.py --k-sweep        # + fp8 M = N = 8192 over K = 2048 ... 32768
     python benchmarks/gemm_clock.py --sustained-sweep --config delay_release=0,cluster=m --config delay_release=0
     python benchmarks/gemm_clock.py --sustained-sweep --grouped --config default --config cluster=n
+    python benchmarks/gemm_clock.py --sustained-sweep --grouped --problem deepseek --config default \
+        --config tile_m=64,tile_n=128,wg_split=m,stages=4
 
 Why: an H200 running a large GEMM reaches its 700 W board limit and lowers the SM clock (nvidia-smi throttle reason
 0x4, software power cap), so TFLOP/s depends on how long the GEMM has run and on the host. Each row runs one GEMM
@@ -28,9 +30,9 @@ kernel that lost time per output tile (epilogue, pipeline refill) would gain TFL
 every kernel is timed at the power limit and none inherits a cooler board than the others. The two rounds of one
 kernel agree within 0.5% at 2.5 s per run and within 2% at 1 s on an H200, where single 0.1-0.3 s bursts of
 `pallas_kernels.bench` move by up to 8% with the order they run in (benchmarks/RESULTS.md, eighth and ninth passes).
-With --grouped it does the same for the MoE grouped GEMM (bf16 `gmm`, the issue's E = 8 problem, balanced and skewed
-routing; `--config` then takes `grouped_matmul.TileConfig` fields, `default` for the built-in config) beside
-cuBLAS's dense GEMM of the same FLOPs.
+With --grouped it does the same for the MoE grouped GEMM (bf16 `gmm`, the issue's E = 8 problem or `--problem
+deepseek`, balanced and skewed routing; `--config` then takes `grouped_matmul.TileConfig` fields, `default` for the
+built-in config) beside cuBLAS's dense GEMM of the same FLOPs.
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ import jax.numpy as jnp
 
 from pallas_kernels import grouped_matmul as gm
 from pallas_kernels.bench import fp8_operands, parse_config, time_fn, xla_fp8_noscale
-from pallas_kernels.bench_grouped import FULL, routings
+from pallas_kernels.bench_grouped import FULL, PROBLEMS, routings
 
 fp8mm = importlib.import_module("pallas_kernels.fp8_matmul")  # the module: the package re-exports the function
 F8 = jnp.float8_e4m3fn
@@ -202,9 +204,9 @@ def _cell(runs: dict[str, list[float]], name: str) -> str:
     return f"{statistics.mean(r):.0f} ±{(max(r) - min(r)) / 2:.0f}"
 
 
-def grouped_sustained_sweep(configs: list[str], seconds: float, rounds: int) -> None:
+def grouped_sustained_sweep(configs: list[str], seconds: float, rounds: int, problem: str = "mixtral") -> None:
     """bf16 gmm at each config, balanced and skewed, beside cuBLAS's dense GEMM; `rounds` times in the same order."""
-    p = FULL
+    p = PROBLEMS[problem]
     kx, kw = jax.random.split(jax.random.key(1))
     x = jax.random.normal(kx, (p.m, p.k), jnp.bfloat16)
     w = (jax.random.normal(kw, (p.e, p.k, p.n), jnp.float32) / p.k**0.5).astype(jnp.bfloat16)
@@ -217,6 +219,10 @@ def grouped_sustained_sweep(configs: list[str], seconds: float, rounds: int) -> 
         fns = {"cuBLAS dense": (jax.jit(lambda a, b: a @ b), (x, w[0]))}
         for c in configs:
             cfg = None if c == "default" else parse_config(c, gm.TileConfig)
+            if cfg is not None and (reason := gm.gmm_pallas_cover(
+                    x.shape, w.shape, x.dtype, w.dtype, transpose_rhs=False, out_dtype=jnp.bfloat16, scaled=False,
+                    config=cfg)) is not None:
+                sys.exit(f"--config {c}: {reason}")
             fns[c] = (jax.jit(functools.partial(gm.gmm, impl="pallas", config=cfg)), (x, w, sizes))
         runs = _alternate(fns, flops, seconds, rounds)
         print(f"| {name} | {_cell(runs, 'cuBLAS dense')} | " + " | ".join(_cell(runs, c) for c in configs) + " |",
@@ -233,6 +239,8 @@ def main(argv=None) -> None:
                     help="TileConfig fields, e.g. 'stages=4,epi_tile_m=64,epi_tile_n=64,cluster=m' (repeatable)")
     ap.add_argument("--shapes", default="auto", help="'auto' (AUTO_TABLE's shapes) or MxNxK,MxNxK,...")
     ap.add_argument("--grouped", action="store_true", help="--sustained-sweep over grouped GEMM configs instead")
+    ap.add_argument("--problem", choices=sorted(PROBLEMS), default="mixtral",
+                    help="with --grouped: bench_grouped's problem (mixtral: the issue's E=8; deepseek: E=64)")
     ap.add_argument("--sweep-seconds", type=float, default=1.5)
     ap.add_argument("--rounds", type=int, default=2)
     args = ap.parse_args(argv)
@@ -243,7 +251,7 @@ def main(argv=None) -> None:
     if args.grouped and not args.sustained_sweep:
         sys.exit("--grouped selects what --sustained-sweep times: pass both")
     if args.sustained_sweep and args.grouped:
-        grouped_sustained_sweep(args.config or ["default"], args.sweep_seconds, args.rounds)
+        grouped_sustained_sweep(args.config or ["default"], args.sweep_seconds, args.rounds, args.problem)
         return
     if args.sustained_sweep:
         if not args.config:

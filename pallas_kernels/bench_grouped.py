@@ -107,7 +107,8 @@ def sweep(dtype, quick: bool, smoke: bool, n: int) -> list[gm.TileConfig]:
             tall,
             dataclasses.replace(tall, stages=4, epi_tile_n=64),
             dataclasses.replace(tall, grid_minor="n", grid_tile_width=8),
-            gm.TileConfig(tile_m=64, tile_k=tk, wg_split="m"),  # CTA 128x128: more tiles for short K loops
+            gm.TileConfig(tile_m=64, tile_k=tk, wg_split="m"),  # CTA 128x128: half the partial-tile waste
+            gm.TileConfig(tile_m=64, tile_k=tk, wg_split="m", stages=4),
         ]
     return [c for c in configs if n % (c.cta_tile_n * c.cluster_size) == 0]
 

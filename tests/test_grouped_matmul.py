@@ -236,6 +236,14 @@ _LOWERING_CASES = {
         ),
         ((16384, 4096), (8, 14336, 4096)),
     ),
+    # N = 1408 (DeepSeek's d_expert): 256 does not divide it, the dispatcher takes the 256x128 CTA tile
+    "gmm_bf16_n1408": (lambda x, w, g: gm.gmm_pallas(x, w, g), ((24576, 2048), (8, 2048, 1408))),
+    "gmm_fp8_n1408": (
+        lambda x, w, g: gm.gmm_pallas(
+            x, w, g, transpose_rhs=True, lhs_scale=jnp.ones(x.shape[:1]), rhs_scale=jnp.ones(w.shape[:2])
+        ),
+        ((24576, 2048), (8, 1408, 2048)),
+    ),
     "tgmm_bf16_masked": (lambda x, d, g: gm.tgmm_pallas(x, d, g), ((16384, 4096), (16384, 14336))),
     "tgmm_fp8": (
         lambda x, d, g: gm.tgmm_pallas(x, d, g, lhs_scale=jnp.ones((8, 4096)), rhs_scale=jnp.ones((8, 14336))),
