@@ -177,23 +177,33 @@ def row_groups(group_sizes: jax.Array, m: int) -> jax.Array:
     return jnp.searchsorted(ends, jnp.arange(m, dtype=jnp.int32), side="right").astype(jnp.int32)
 
 
+def _segments(group_sizes: jax.Array, m: int) -> tuple[jax.Array, jax.Array]:
+    """starts, ends (E + 1,) int32: the E groups, then segment E = the padding rows [sum(group_sizes), M)."""
+    starts, ends = _group_bounds(group_sizes, m)
+    return jnp.concatenate([starts, ends[-1:]]), jnp.concatenate([ends, jnp.full((1,), m, jnp.int32)])
+
+
+def _list_entries(counts: jax.Array, length: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """A list of `length` entries where segment s owns counts[s] consecutive ones, the rest unused: per entry its
+    segment (-1 if unused), that segment clamped to a valid index, and the entry's index within its segment."""
+    last = counts.shape[0] - 1
+    cum = jnp.cumsum(counts)
+    t = jnp.arange(length, dtype=jnp.int32)
+    seg = jnp.searchsorted(cum, t, side="right").astype(jnp.int32)  # last + 1 past the final entry
+    s = jnp.minimum(seg, last)
+    return jnp.where(seg <= last, seg, -1), s, t - (cum[s] - counts[s])
+
+
 def _row_pieces(group_sizes: jax.Array, m: int, block: int) -> jax.Array:
     """(4, M // block + E) int32: the (segment, block) pieces of M rows cut into aligned blocks of `block` rows:
     segment (E = padding, -1 = unused entry), block index, and the segment's row range [lo, hi) inside the block."""
-    e = group_sizes.shape[0]
-    starts, ends = _group_bounds(group_sizes, m)
-    starts = jnp.concatenate([starts, ends[-1:]])  # segment E: the padding rows
-    ends = jnp.concatenate([ends, jnp.full((1,), m, jnp.int32)])
+    starts, ends = _segments(group_sizes, m)
     first = starts // block
     nblk = jnp.where(ends > starts, (ends - 1) // block - first + 1, 0)
-    cum = jnp.cumsum(nblk)
-    t = jnp.arange(m // block + e, dtype=jnp.int32)
-    seg = jnp.searchsorted(cum, t, side="right").astype(jnp.int32)  # E + 1 past the last piece
-    s = jnp.minimum(seg, e)
-    blk = first[s] + t - (cum[s] - nblk[s])
+    seg, s, i = _list_entries(nblk, m // block + group_sizes.shape[0])
+    blk = first[s] + i
     lo = jnp.clip(starts[s] - blk * block, 0, block)
     hi = jnp.clip(ends[s] - blk * block, 0, block)
-    seg = jnp.where(seg <= e, seg, -1)
     return jnp.stack([seg, blk, lo, hi]).astype(jnp.int32)
 
 
@@ -212,21 +222,14 @@ def _gmm_row_tiles(group_sizes: jax.Array, m: int, block_m: int) -> jax.Array:
 
     Segment s's tiles are anchored at its first row rounded down to a multiple of 8, so each segment's last tile is
     its only partial one; a tile that would run past M is moved back to end at M (M is a multiple of block_m)."""
-    e = group_sizes.shape[0]
-    starts, ends = _group_bounds(group_sizes, m)
-    starts = jnp.concatenate([starts, ends[-1:]])  # segment E: the padding rows
-    ends = jnp.concatenate([ends, jnp.full((1,), m, jnp.int32)])
+    starts, ends = _segments(group_sizes, m)
     anchors = starts // _ROW_ALIGN * _ROW_ALIGN
     ntiles = jnp.where(ends > starts, -(-(ends - anchors) // block_m), 0)
-    cum = jnp.cumsum(ntiles)
-    t = jnp.arange(_gmm_num_row_tiles(m, e, block_m), dtype=jnp.int32)
-    seg = jnp.searchsorted(cum, t, side="right").astype(jnp.int32)  # E + 1 past the last tile
-    s = jnp.minimum(seg, e)
-    first = anchors[s] + (t - (cum[s] - ntiles[s])) * block_m
+    seg, s, i = _list_entries(ntiles, _gmm_num_row_tiles(m, group_sizes.shape[0], block_m))
+    first = anchors[s] + i * block_m
     row = jnp.clip(first, 0, m - block_m)
     lo = jnp.clip(jnp.maximum(starts[s], first) - row, 0, block_m)  # a moved-back tile skips the rows already stored
     hi = jnp.clip(ends[s] - row, 0, block_m)
-    seg = jnp.where(seg <= e, seg, -1)
     return jnp.stack([seg, row // _ROW_ALIGN, lo, hi]).astype(jnp.int32)
 
 
