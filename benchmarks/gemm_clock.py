@@ -4,6 +4,8 @@
     python benchmarks/gemm_clock.py --k-sweep        # + fp8 M = N = 8192 over K = 2048 ... 32768
     python benchmarks/gemm_clock.py --sustained-sweep --config delay_release=0,cluster=m --config delay_release=0
     python benchmarks/gemm_clock.py --sustained-sweep --grouped --config default --config cluster=n
+    python benchmarks/gemm_clock.py --sustained-sweep --grouped --dtypes bf16,fp8 --config default \
+        --config delay_release=1
     python benchmarks/gemm_clock.py --sustained-sweep --grouped --problem deepseek --config default \
         --config tile_m=64,tile_n=128,wg_split=m,stages=4
 
@@ -32,12 +34,13 @@ kernel agree within 0.5% at 2.5 s per run and within 2% at 1 s on an H200, where
 `pallas_kernels.bench` move by up to 8% with the order they run in (benchmarks/RESULTS.md, eighth and ninth passes).
 With --grouped it does the same for the MoE grouped GEMM (bf16 `gmm`, the issue's E = 8 problem or `--problem
 deepseek`, balanced and skewed routing; `--config` then takes `grouped_matmul.TileConfig` fields, `default` for the
-built-in config) beside cuBLAS's dense GEMM of the same FLOPs.
+built-in config; `--dtypes bf16,fp8` adds the fp8 rowwise forward) beside the dense GEMM of the same FLOPs.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import importlib
 import statistics
@@ -204,29 +207,54 @@ def _cell(runs: dict[str, list[float]], name: str) -> str:
     return f"{statistics.mean(r):.0f} ±{(max(r) - min(r)) / 2:.0f}"
 
 
-def grouped_sustained_sweep(configs: list[str], seconds: float, rounds: int, problem: str = "mixtral") -> None:
-    """bf16 gmm at each config, balanced and skewed, beside cuBLAS's dense GEMM; `rounds` times in the same order."""
+def _grouped_config(text: str, fp8: bool) -> gm.TileConfig | None:
+    """None for 'default'; fp8 configs take 128-wide K steps (128 B rows) unless tile_k is given."""
+    if text == "default":
+        return None
+    cfg = parse_config(text, gm.TileConfig)
+    if fp8 and "tile_k=" not in text:
+        cfg = dataclasses.replace(cfg, tile_k=128)
+    return cfg
+
+
+def grouped_sustained_sweep(
+    configs: list[str], seconds: float, rounds: int, problem: str = "mixtral", dtypes: tuple[str, ...] = ("bf16",)
+) -> None:
+    """gmm at each config, balanced and skewed, beside the dense GEMM of the same FLOPs (cuBLAS bf16, cuBLASLt fp8
+    without scales); `rounds` times in the same order. fp8 is the rowwise W8A8 forward (weights stored K-major)."""
     p = PROBLEMS[problem]
-    kx, kw = jax.random.split(jax.random.key(1))
+    kx, kw, ks = jax.random.split(jax.random.key(1), 3)
     x = jax.random.normal(kx, (p.m, p.k), jnp.bfloat16)
     w = (jax.random.normal(kw, (p.e, p.k, p.n), jnp.float32) / p.k**0.5).astype(jnp.bfloat16)
     flops = 2.0 * p.m * p.k * p.n
-    print(f"\nSustained bf16 grouped GEMM TFLOP/s (E={p.e}, M={p.m}, K={p.k}, N={p.n}), {seconds:g} s per run, "
-          f"{rounds} rounds (each cell: the rounds' mean, then their spread)")
-    print("| routing | cuBLAS dense | " + " | ".join(configs) + " |")
-    print("|---|---|" + "---|" * len(configs))
-    for name, sizes in routings(p).items():
-        fns = {"cuBLAS dense": (jax.jit(lambda a, b: a @ b), (x, w[0]))}
-        for c in configs:
-            cfg = None if c == "default" else parse_config(c, gm.TileConfig)
-            if cfg is not None and (reason := gm.gmm_pallas_cover(
-                    x.shape, w.shape, x.dtype, w.dtype, transpose_rhs=False, out_dtype=jnp.bfloat16, scaled=False,
-                    config=cfg)) is not None:
-                sys.exit(f"--config {c}: {reason}")
-            fns[c] = (jax.jit(functools.partial(gm.gmm, impl="pallas", config=cfg)), (x, w, sizes))
-        runs = _alternate(fns, flops, seconds, rounds)
-        print(f"| {name} | {_cell(runs, 'cuBLAS dense')} | " + " | ".join(_cell(runs, c) for c in configs) + " |",
-              flush=True)
+    for dtype in dtypes:
+        fp8 = dtype == "fp8"
+        if fp8:
+            w_op = jnp.swapaxes(w, 1, 2).astype(F8)  # (E, N, K)
+            x_op = x.astype(F8)
+            scales = dict(lhs_scale=jax.random.uniform(ks, (p.m,), jnp.float32, 0.5, 2.0),
+                          rhs_scale=jnp.ones((p.e, p.n), jnp.float32))
+            dense = ("cuBLASLt fp8 dense", jax.jit(xla_fp8_noscale), (x_op, w_op[0]))
+        else:
+            w_op, x_op, scales = w, x, {}
+            dense = ("cuBLAS dense", jax.jit(lambda a, b: a @ b), (x, w[0]))
+        print(f"\nSustained {dtype} grouped GEMM TFLOP/s (E={p.e}, M={p.m}, K={p.k}, N={p.n}), {seconds:g} s per "
+              f"run, {rounds} rounds (each cell: the rounds' mean, then their spread)")
+        print(f"| routing | {dense[0]} | " + " | ".join(configs) + " |")
+        print("|---|---|" + "---|" * len(configs))
+        for name, sizes in routings(p).items():
+            fns = {dense[0]: dense[1:]}
+            for c in configs:
+                cfg = _grouped_config(c, fp8)
+                if cfg is not None and (reason := gm.gmm_pallas_cover(
+                        x_op.shape, w_op.shape, x_op.dtype, w_op.dtype, transpose_rhs=fp8, out_dtype=jnp.bfloat16,
+                        scaled=fp8, config=cfg)) is not None:
+                    sys.exit(f"--config {c}: {reason}")
+                f = functools.partial(gm.gmm, transpose_rhs=fp8, impl="pallas", config=cfg, **scales)
+                fns[c] = (jax.jit(f), (x_op, w_op, sizes))
+            runs = _alternate(fns, flops, seconds, rounds)
+            print(f"| {name} | {_cell(runs, dense[0])} | " + " | ".join(_cell(runs, c) for c in configs) + " |",
+                  flush=True)
 
 
 def main(argv=None) -> None:
@@ -241,6 +269,7 @@ def main(argv=None) -> None:
     ap.add_argument("--grouped", action="store_true", help="--sustained-sweep over grouped GEMM configs instead")
     ap.add_argument("--problem", choices=sorted(PROBLEMS), default="mixtral",
                     help="with --grouped: bench_grouped's problem (mixtral: the issue's E=8; deepseek: E=64)")
+    ap.add_argument("--dtypes", default="bf16", help="with --grouped: comma-separated, from bf16,fp8")
     ap.add_argument("--sweep-seconds", type=float, default=1.5)
     ap.add_argument("--rounds", type=int, default=2)
     args = ap.parse_args(argv)
@@ -251,7 +280,10 @@ def main(argv=None) -> None:
     if args.grouped and not args.sustained_sweep:
         sys.exit("--grouped selects what --sustained-sweep times: pass both")
     if args.sustained_sweep and args.grouped:
-        grouped_sustained_sweep(args.config or ["default"], args.sweep_seconds, args.rounds, args.problem)
+        dtypes = tuple(args.dtypes.split(","))
+        if unknown := set(dtypes) - {"bf16", "fp8"}:
+            sys.exit(f"--dtypes: unknown {sorted(unknown)}; choose from bf16, fp8")
+        grouped_sustained_sweep(args.config or ["default"], args.sweep_seconds, args.rounds, args.problem, dtypes)
         return
     if args.sustained_sweep:
         if not args.config:

@@ -84,8 +84,10 @@ def sweep(dtype, quick: bool, smoke: bool, n: int) -> list[gm.TileConfig]:
     if smoke:
         return [gm.TileConfig(tile_m=64, tile_n=64, tile_k=tk, stages=2)]
     wide = gm.TileConfig(tile_m=64, tile_n=256, tile_k=tk, wg_split="m")
+    deep = dict(stages=4, epi_tile_n=64, delay_release=1)  # gmm's default: 4 stages, each released a step late
     configs = [
-        gm.TileConfig(tile_k=tk),  # CTA 128x256 as two 128x128 warpgroup tiles side by side, 3 stages
+        gm.TileConfig(tile_k=tk, **deep),  # CTA 128x256 as two 128x128 warpgroup tiles side by side
+        gm.TileConfig(tile_k=tk),  # the same with 3 stages, each awaited (the 4-stage tile's fallback)
         gm.TileConfig(tile_k=tk, cluster="n"),  # 2-CTA clusters multicast A: 1/6 less L2->SMEM traffic
         # CTA 128x256 as two 64x256 warpgroup tiles stacked: each k-step's wgmma reads (64 + 256) rows of SMEM per
         # 64x256 outputs instead of 2 x (64 + 128) per 128x128, 17% less SMEM read per FLOP (cuBLAS's bf16 shape).
@@ -101,9 +103,10 @@ def sweep(dtype, quick: bool, smoke: bool, n: int) -> list[gm.TileConfig]:
         ]
     tall = gm.TileConfig(tile_k=tk, wg_split="m")  # CTA 256x128: the dispatcher's pick where 256 does not divide N
     if quick:
-        configs += [] if n % 256 == 0 else [tall]
+        configs += [] if n % 256 == 0 else [dataclasses.replace(tall, **deep), tall]
     else:  # 256x128 and 128x128 CTA tiles: the ones that tile N = 1408 (DeepSeek's d_expert, 11 x 128)
         configs += [
+            dataclasses.replace(tall, **deep),
             tall,
             dataclasses.replace(tall, stages=4, epi_tile_n=64),
             dataclasses.replace(tall, grid_minor="n", grid_tile_width=8),
@@ -275,7 +278,8 @@ def bench_grouped(
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="two tile configs per dtype, no XLA fp8 / XLA FFN")
+    ap.add_argument("--quick", action="store_true",
+                    help="four tile configs per dtype (the default first), no XLA fp8 / XLA FFN")
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny shapes, Pallas kernels interpreted on CPU")
     ap.add_argument("--dtypes", default="bf16,fp8", help="comma-separated subset of bf16,fp8 to sweep")
     ap.add_argument("--no-ffn", action="store_true", help="skip the expert FFN fwd+bwd timing")

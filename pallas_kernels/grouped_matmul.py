@@ -37,7 +37,11 @@ Kernels (Mosaic-GPU `plgpu.kernel`, persistent: one CTA per SM walks a list of o
   135 row tiles aligned, 130 anchored, 128 full; 64 experts at 384 rows on average, Dirichlet-drawn sizes: 255 vs
   227, 192 full.) Padding rows form segment E, whose tiles skip the matmul and store zeros. The row-tile list
   (segment, first row / 8, row range [lo, hi) inside the tile) is built by XLA outside the kernel, at most
-  M / cta_tile_m + (E + 1)(1 + 6 / cta_tile_m) entries; a tile that would run past M moves back to end at M.
+  M / cta_tile_m + (E + 1)(1 + 6 / cta_tile_m) entries, the used ones first; a tile that would run past M moves back
+  to end at M. The persistent walk deals out only the used tiles x N blocks, round-robin over the CTAs, in bands of
+  <= 16 row tiles of even width. (Walking the whole list, unused entries included, gave some CTAs two tiles more
+  than others: 57 vs a mean of 55.2 at the skewed Mixtral routing, 10 vs 8.5 at DeepSeek's; and bands of exactly
+  16 left a last band of 2 row tiles whose CTAs each read a different weight block.)
   TMA stores need static shapes, so a partial tile is written by a ladder of power-of-two row stores from an
   unswizzled SMEM staging tile (at most log2(tile_m) + 1 stores; one for a full tile). Optional 2-CTA clusters
   (`cluster="n"`) put one row tile's two neighbouring N blocks on a CTA pair that multicasts the shared A tile.
@@ -54,12 +58,16 @@ Kernels (Mosaic-GPU `plgpu.kernel`, persistent: one CTA per SM walks a list of o
   128-row tiles); the staging tile is unswizzled so that partial tiles can be stored at any row (bank conflicts in
   the epilogue in exchange for exact ragged stores); both compute warpgroups share one tile, so their epilogues do
   not overlap tensor-core work (the memory warpgroup does prefetch the next tile meanwhile).
-- Shared memory (defaults, CTA 128x256): ring 3 x (128 + 256) rows x 128 B = 144 KiB, staging 2 x 128 x 128 x 2 B
-  = 64 KiB, fp8 scales 2 KiB: 210 KiB of the 227 KiB; a 4th stage fits only with 64-column epilogue chunks.
-- Every stage's wgmma is awaited before the stage is released (delay_release 0, as DeepGEMM and jax's
-  hopper_matmul_mgpu.py do). emit_pipeline_warp_specialized's delay_release=1 is unsafe in a persistent loop
-  (jax 0.10.2 and 0.11.2): the last step's stage is never awaited by the memory warpgroup, whose next-tile prologue
-  may refill it under an in-flight wgmma. GPU interpret mode reports it (a group of one token block in `tgmm`).
+- Shared memory, `gmm`'s default CTA 128x256 tile: ring 4 x (128 + 256) rows x 128 B = 192 KiB, staging
+  2 x 128 x 64 x 2 B = 32 KiB (64-column epilogue chunks), fp8 scales 2 KiB: 226 KiB of the 227 KiB. The 3-stage
+  fallback (f32 outputs; `tgmm`'s default) has 144 KiB of ring beside 64 KiB of 128-column staging.
+- `gmm` releases a stage one K step late (`delay_release=1`): step i issues its wgmma group, waits until at most
+  that group is in flight (step i-1's is done) and releases step i-1's stage, so the tensor cores hold queued work
+  while the warpgroup waits. emit_pipeline_warp_specialized never marks a tile's last step consumed in that mode,
+  and in a persistent loop the memory warpgroup's next-tile prologue would refill that stage under the in-flight
+  wgmma (jax 0.11.2's GPU interpret mode reports it; tests/test_grouped_matmul.py). So both compute warpgroups
+  arrive on an `acc_done` barrier once their accumulator is read, and the memory warpgroup waits on it before the
+  next tile. `tgmm` awaits every stage (delay_release 0; not measured otherwise).
 
 The dispatchers' `impl="xla"` is `jax.lax.ragged_dot_general` (what MaxText uses), fp8 scales applied by an XLA
 fusion on its f32 result.
@@ -100,6 +108,7 @@ class TileConfig:
     grid_tile_width: int = 16  # band width of that walk, in CTA tiles (L2 reuse of the other operand)
     epi_tile_n: int | None = None  # epilogue store chunk cols; None = as wide as fits in 32 KiB per warpgroup
     cluster: Literal["n"] | None = None  # gmm only: 2-CTA clusters on neighbouring N blocks multicast the A tile
+    delay_release: int = 0  # gmm only: wgmma groups left in flight before a stage is released (module doc)
     tgmm_layout: Literal["masked", "aligned"] = "masked"  # 16-bit tgmm only; fp8 is always "aligned"
 
     @property
@@ -121,7 +130,7 @@ class TileConfig:
         ring = self.stages * (self.cta_tile_m + self.cta_tile_n) * self.tile_k * jnp.dtype(in_dtype).itemsize
         staging = 2 * self.tile_m * self.epi_n(out_dtype) * jnp.dtype(out_dtype).itemsize
         scales = 2 * (self.tile_m + self.tile_n) * 4 if scaled else 0
-        return ring + staging + scales + 512  # + mbarriers
+        return ring + staging + scales + 1024  # + mbarriers and their alignment (~600 B measured)
 
     def name(self) -> str:
         s = f"wg{self.tile_m}x{self.tile_n}x{self.tile_k}/{self.wg_split} s{self.stages}"
@@ -130,6 +139,8 @@ class TileConfig:
             s += f" epi{self.epi_tile_n}"
         if self.cluster:
             s += f" cl2{self.cluster}"
+        if self.delay_release:
+            s += f" d{self.delay_release}"
         return s
 
     @property
@@ -137,24 +148,34 @@ class TileConfig:
         return 2 if self.cluster else 1
 
 
-def default_configs(dtype) -> tuple[TileConfig, ...]:
+def default_configs(dtype, op: Literal["gmm", "tgmm"] = "gmm") -> tuple[TileConfig, ...]:
     """Configs tried in order when none is given: 128 B of contraction per stage (tile_k 64 for 16-bit operands,
-    128 for fp8); a 128x256 CTA tile, then 256x128, then 64-wide warpgroup tiles for small dims."""
+    128 for fp8); a 128x256 CTA tile, then 256x128, then 64-wide warpgroup tiles for small dims.
+
+    `gmm` tries each tile first with 4 stages and one wgmma group left in flight (delay_release 1; the 4th stage
+    fits beside 64-column epilogue chunks), then with 3 stages each awaited: the first ran 1-2% faster sustained at
+    Mixtral's shape, bf16 and fp8 (benchmarks/RESULTS.md, MoE eleventh pass); with 3 stages, delay_release 1 was
+    2% slower (one stage fewer in flight). Outputs whose staging does not fit beside 4 stages (f32) take the second;
+    a K of fewer steps than stages shrinks the ring (emit_pipeline_warp_specialized does)."""
     tk = 128 // jnp.dtype(dtype).itemsize
-    return (
+    tiles = (
         TileConfig(tile_k=tk),
         TileConfig(tile_k=tk, wg_split="m"),
         TileConfig(tile_m=64, tile_n=64, tile_k=tk),
         TileConfig(tile_m=64, tile_n=64, tile_k=tk, wg_split="m"),
     )
+    if op == "tgmm":
+        return tiles
+    deep = lambda c: dataclasses.replace(c, stages=4, epi_tile_n=64, delay_release=1)
+    return tuple(x for c in tiles for x in (deep(c), c))
 
 
-def _pick(cover, dtype, config: TileConfig | None) -> tuple[TileConfig, str | None]:
+def _pick(cover, dtype, config: TileConfig | None, op: Literal["gmm", "tgmm"]) -> tuple[TileConfig, str | None]:
     """(config, None) for the given config or the first default that `cover(config)` accepts, else (the first
     default, its reason)."""
     if config is not None:
         return config, cover(config)
-    candidates = default_configs(dtype)
+    candidates = default_configs(dtype, op)
     for c in candidates:
         if cover(c) is None:
             return c, None
@@ -358,15 +379,21 @@ def _in_transforms(dtype, minor: int):
     return (plgpu.TilingTransform((8, elems)), plgpu.SwizzleTransform(swizzle))
 
 
-def _walk(lin, rows: int, cols: int, minor: str, width: int):
-    """Linear work index -> (row tile, col tile). Bands of `width` tiles along the minor axis; inside a band the
-    minor index runs fastest, so the CTAs resident at one time share the major operand's tiles in L2."""
+def _walk(lin, rows, cols, minor: str, width: int):
+    """Linear work index -> (row tile, col tile) of a rows x cols grid (`rows` may be a traced count). The minor
+    axis is cut into ceil(size / width) bands of equal width (the last one narrower by less than the band count);
+    inside a band the minor index runs fastest, so the CTAs resident at one time share the major operand's tiles in
+    L2. (Bands of exactly `width` could leave a last band of 1-2 tiles, whose resident CTAs would each read a
+    different major tile from HBM.)"""
     minor_size, major_size = (rows, cols) if minor == "m" else (cols, rows)
-    width = min(width, minor_size)
+    minor_size = jnp.maximum(jnp.asarray(minor_size, jnp.int32), 1)
+    major_size = jnp.asarray(major_size, jnp.int32)
+    bands = lax.div(minor_size + (width - 1), jnp.int32(width))
+    width = lax.div(minor_size + bands - 1, bands)
     band_size = width * major_size
-    band = lax.div(lin, jnp.int32(band_size))
-    within = lax.rem(lin, jnp.int32(band_size))
-    band_width = jnp.minimum(jnp.int32(width), jnp.int32(minor_size) - band * width)  # the last band may be narrow
+    band = lax.div(lin, band_size)
+    within = lax.rem(lin, band_size)
+    band_width = jnp.minimum(width, minor_size - band * width)
     minor_idx = band * width + lax.rem(within, band_width)
     major_idx = lax.div(within, band_width)
     return (minor_idx, major_idx) if minor == "m" else (major_idx, minor_idx)
@@ -433,8 +460,12 @@ def _apply_scales(acc, scales, wg):
     return acc * lax.broadcast_in_dim(col, acc.shape, [1])
 
 
-def _gmm_kernel(meta_gmem, lhs_gmem, rhs_gmem, *refs, config: TileConfig, transpose_rhs: bool, scaled: bool):
-    """meta (4, T): per row tile its segment (E = padding, -1 = unused), first row / 8, and row range [lo, hi)."""
+def _gmm_kernel(
+    meta_gmem, count_gmem, lhs_gmem, rhs_gmem, *refs, config: TileConfig, transpose_rhs: bool, scaled: bool
+):
+    """meta (4, T): per row tile its segment (E = padding, -1 = unused), first row / 8, and row range [lo, hi);
+    count (1,): the used entries, which come first. The walk covers count x N-blocks work items, so the round-robin
+    split of the persistent loop deals out only real tiles; the remaining loop indices do nothing."""
     c = config
     if scaled:
         lhs_scale_gmem, rhs_scale_gmem, out_gmem = refs
@@ -461,12 +492,14 @@ def _gmm_kernel(meta_gmem, lhs_gmem, rhs_gmem, *refs, config: TileConfig, transp
                     (c.cta_tile_m, c.tile_k),
                     lambda kk: (0, kk),
                     transforms=a_transforms,
+                    delay_release=c.delay_release,
                     collective_axes=("cluster",) if cl > 1 else (),
                 ),
                 plgpu.BlockSpec(  # B: (cta_tile_n, tile_k) K-major, or (tile_k, cta_tile_n)
                     (c.cta_tile_n, c.tile_k) if transpose_rhs else (c.tile_k, c.cta_tile_n),
                     (lambda kk: (0, kk)) if transpose_rhs else (lambda kk: (kk, 0)),
                     transforms=b_transforms,
+                    delay_release=c.delay_release,
                 ),
             ],
             wg_axis="wg",
@@ -486,18 +519,30 @@ def _gmm_kernel(meta_gmem, lhs_gmem, rhs_gmem, *refs, config: TileConfig, transp
         pipeline_allocs=pipeline(ignore, ignore).get_allocations(lhs_gmem, rhs_window(0, 0)),
         staging=plgpu.SMEM((2, c.tile_m, c.epi_n(out_dtype)), out_dtype),
         scales=_scale_scratch(c, scaled),
+        # Both compute warpgroups of every CTA of the cluster arrive once their accumulator is drained (a multicast
+        # load writes the peer's stage too). Used with delay_release only.
+        acc_done=(
+            plgpu.ClusterBarrier(collective_axes=("cluster",), num_arrivals=2)
+            if cl > 1
+            else plgpu.Barrier(num_arrivals=2)
+        ),
         collective_axes="wg",
     )
-    def _scope(pipeline_allocs, staging, scales):
+    def _scope(pipeline_allocs, staging, scales, acc_done):
         wg = lax.axis_index("wg")
         cta = lax.axis_index("cluster")
+
+        count = count_gmem[0]
+        live_items = count * (n_iters // cl)
 
         @plgpu.nd_loop((num_row_tiles * (n_iters // cl),), collective_axes="sm")
         def _tile_loop(info):
             (lin,) = info.index
-            t, nj = _walk(lin, num_row_tiles, n_iters // cl, c.grid_minor, c.grid_tile_width)
+            live = lin < live_items
+            t, nj = _walk(jnp.minimum(lin, live_items - 1), count, n_iters // cl, c.grid_minor, c.grid_tile_width)
             ni = nj * cl + cta
             seg, row8, lo, hi = (meta_gmem[i, t] for i in range(4))
+            seg = jnp.where(live, seg, -1)
             first_row = row8 * _ROW_ALIGN  # a multiple of 8 that Mosaic can see, as its TMA lowering requires
             wg_row, wg_col = (wg * c.tile_m, 0) if split_m else (0, wg * c.tile_n)
             row0 = first_row + wg_row
@@ -516,6 +561,8 @@ def _gmm_kernel(meta_gmem, lhs_gmem, rhs_gmem, *refs, config: TileConfig, transp
                 def _acc_scope(acc_ref):
                     eval_pipeline(acc_ref)
                     acc = acc_ref[...]  # waits for the last wgmma
+                    if c.delay_release:
+                        plgpu.barrier_arrive(acc_done)
                     if scaled:
                         acc = _apply_scales(acc, scales, wg)
                     _store_rows(acc, staging.at[wg], dst, w_lo, w_count, full=False)
@@ -527,7 +574,7 @@ def _gmm_kernel(meta_gmem, lhs_gmem, rhs_gmem, *refs, config: TileConfig, transp
                 else:
                     b = b_smem if split_m else b_smem.at[:, pl.ds(wg * c.tile_n, c.tile_n)]
                 plgpu.wgmma(acc_ref, a, b)
-                plgpu.wgmma_wait(0)  # the stage is released on return (module doc)
+                plgpu.wgmma_wait(c.delay_release)  # the stage `delay_release` steps back is released on return
                 return acc_ref
 
             @pl.when((seg >= 0) & (seg < num_groups))
@@ -537,6 +584,12 @@ def _gmm_kernel(meta_gmem, lhs_gmem, rhs_gmem, *refs, config: TileConfig, transp
                     rhs_window(seg, ni),
                     allocations=pipeline_allocs,
                 )
+                if c.delay_release:
+                    # The pipeline never marks the last `delay_release` stages consumed: the memory warpgroup
+                    # must not refill them for the next tile until the accumulators are drained.
+                    @pl.when(wg == 2)
+                    def _():
+                        plgpu.barrier_wait(acc_done)
 
             @pl.when((seg == num_groups) & (wg < 2))
             def _padding():
@@ -670,10 +723,16 @@ def _check_config(c: TileConfig, in_dtype, out_dtype, scaled: bool) -> str | Non
     if (c.tile_k * jnp.dtype(in_dtype).itemsize) % 32:
         return f"tile_k={c.tile_k} of {jnp.dtype(in_dtype)} is not a multiple of 32 bytes"
     epi_n = c.epi_n(out_dtype)
-    if c.tile_n % epi_n or epi_n % 8:
-        return f"epilogue chunk {epi_n} must divide tile_n={c.tile_n} and be a multiple of 8"
+    if c.tile_n % epi_n or (epi_n * jnp.dtype(out_dtype).itemsize) % 128:
+        # A partial tile is stored from any row of the staging tile; TMA needs 128 B-aligned shared-memory sources.
+        return (
+            f"epilogue chunk {epi_n} must divide tile_n={c.tile_n} and span a multiple of 128 B of "
+            f"{jnp.dtype(out_dtype)} (TMA alignment of partial-tile row stores)"
+        )
     if c.stages < 2:
         return f"stages={c.stages}: the TMA ring needs at least 2 stages"
+    if not 0 <= c.delay_release < c.stages:
+        return f"delay_release={c.delay_release} must be >= 0 and below stages={c.stages}"
     if (need := c.smem_bytes(in_dtype, out_dtype, scaled)) > _SMEM_BYTES:
         return f"config {c.name()} needs {need} B of shared memory (> {_SMEM_BYTES})"
     return None
@@ -718,6 +777,8 @@ def tgmm_pallas_cover(
         return reason
     if config.cluster:
         return "clusters are implemented for gmm only"
+    if config.delay_release:
+        return "delay_release is implemented for gmm only (tgmm's trip count is dynamic)"
     if k % config.cta_tile_m or n % config.cta_tile_n:
         return f"(K, N) = ({k}, {n}) must be multiples of ({config.cta_tile_m}, {config.cta_tile_n})"
     if _tgmm_aligned(lhs_dtype, config):
@@ -793,16 +854,17 @@ def gmm_pallas(
     config None: the first of `default_configs` that covers the problem.
     `interpret`: None on the GPU, or a `compat.InterpretGPUParams` to run the kernel on CPU."""
     scales = _scale_args(lhs_scale, rhs_scale)
-    config, reason = _pick(_gmm_cover_fn(lhs, rhs, transpose_rhs, out_dtype, bool(scales)), lhs.dtype, config)
+    config, reason = _pick(_gmm_cover_fn(lhs, rhs, transpose_rhs, out_dtype, bool(scales)), lhs.dtype, config, "gmm")
     if reason is not None:
         raise NotImplementedError(f"gmm_pallas: {reason}")
     m = lhs.shape[0]
     n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
     meta = _gmm_row_tiles(group_sizes, m, config.cta_tile_m)
+    count = jnp.sum(meta[0] >= 0, dtype=jnp.int32, keepdims=True)  # used entries come first
     body = functools.partial(_gmm_kernel, config=config, transpose_rhs=transpose_rhs, scaled=bool(scales))
     work = meta.shape[1] * (n // (config.cta_tile_n * config.cluster_size))
     out_type = jax.ShapeDtypeStruct((m, n), out_dtype)
-    return _launch(body, out_type, work, (meta, lhs, rhs, *scales), interpret, config.cluster_size)
+    return _launch(body, out_type, work, (meta, count, lhs, rhs, *scales), interpret, config.cluster_size)
 
 
 @device.lowered_once(('out_dtype', 'config', 'interpret'))
@@ -819,7 +881,7 @@ def tgmm_pallas(
 ) -> jax.Array:
     """The Mosaic-GPU `tgmm` kernel. Raises NotImplementedError outside its cover (see `tgmm_pallas_cover`)."""
     scales = _scale_args(lhs_scale, rhs_scale)
-    config, reason = _pick(_tgmm_cover_fn(lhs, rhs, out_dtype, bool(scales)), lhs.dtype, config)
+    config, reason = _pick(_tgmm_cover_fn(lhs, rhs, out_dtype, bool(scales)), lhs.dtype, config, "tgmm")
     if reason is not None:
         raise NotImplementedError(f"tgmm_pallas: {reason}")
     (m, k), n, e = lhs.shape, rhs.shape[1], group_sizes.shape[0]
@@ -909,7 +971,8 @@ def gmm(
     _check_scales(lhs_scale, rhs_scale, (lhs.shape[0],), (e, n))
     kw = dict(transpose_rhs=transpose_rhs, lhs_scale=lhs_scale, rhs_scale=rhs_scale, out_dtype=out_dtype)
     if impl == "auto":
-        _, reason = _pick(_gmm_cover_fn(lhs, rhs, transpose_rhs, out_dtype, lhs_scale is not None), lhs.dtype, config)
+        cover = _gmm_cover_fn(lhs, rhs, transpose_rhs, out_dtype, lhs_scale is not None)
+        _, reason = _pick(cover, lhs.dtype, config, "gmm")
         impl = "pallas" if reason is None and device.kernels_apply() else "xla"
     if impl == "pallas":
         return gmm_pallas(lhs, rhs, group_sizes, config=config, **kw)
@@ -943,7 +1006,7 @@ def tgmm(
     _check_scales(lhs_scale, rhs_scale, (e, lhs.shape[1]), (e, rhs.shape[1]))
     kw = dict(lhs_scale=lhs_scale, rhs_scale=rhs_scale, out_dtype=out_dtype)
     if impl == "auto":
-        _, reason = _pick(_tgmm_cover_fn(lhs, rhs, out_dtype, lhs_scale is not None), lhs.dtype, config)
+        _, reason = _pick(_tgmm_cover_fn(lhs, rhs, out_dtype, lhs_scale is not None), lhs.dtype, config, "tgmm")
         impl = "pallas" if reason is None and device.kernels_apply() else "xla"
     if impl == "pallas":
         return tgmm_pallas(lhs, rhs, group_sizes, config=config, **kw)

@@ -7,6 +7,7 @@ row.
 GPU (`gpu` marker, MX_JAX_TEST_GPU=1 on an H100/H200): the default tiles at MoE shapes, Pallas against XLA.
 """
 
+import dataclasses
 import functools
 
 import jax
@@ -59,12 +60,15 @@ def _close(out, ref, tol):
 @pytest.mark.parametrize("block", [64, 128])
 def test_row_tiles_cover_every_row_once(block):
     """Each row is stored by exactly one tile of its own segment; a segment of s rows starting at row r gets
-    ceil((r % 8 + s) / block) tiles (anchored on the 8-row grid that TMA loads need), all inside [0, M)."""
+    ceil((r % 8 + s) / block) tiles (anchored on the 8-row grid that TMA loads need), all inside [0, M). The used
+    entries come first (the kernel walks only that prefix)."""
     rng = np.random.default_rng()
     e, m = 6, 512
     for total in (*rng.integers(0, m + 1, size=5), m):
         sizes = rng.multinomial(int(total), rng.dirichlet(np.full(e, 0.3)))
         meta = np.asarray(gm._gmm_row_tiles(_sizes(sizes), m, block))
+        used = meta[0] >= 0
+        assert used[: used.sum()].all(), "unused entries must come last"
         owner = np.full(m, -2)
         tiles = np.zeros(e + 1, int)
         for seg, row8, lo, hi in meta.T:
@@ -80,6 +84,21 @@ def test_row_tiles_cover_every_row_once(block):
         segment_rows = np.append(sizes, m - sizes.sum())
         starts = np.cumsum(segment_rows) - segment_rows
         np.testing.assert_array_equal(tiles, np.where(segment_rows > 0, -(-(starts % 8 + segment_rows) // block), 0))
+
+
+def test_walk_visits_each_tile_once_in_even_bands():
+    """Every (row, col) tile once, band after band along the minor axis; the bands differ in width by less than
+    their count (130 row tiles in bands of <= 16: eight of 15 and one of 10, not eight of 16 and one of 2)."""
+    for rows, cols, minor, width in ((130, 56, "m", 16), (128, 56, "m", 16), (7, 11, "m", 16), (102, 11, "n", 4)):
+        seen = [tuple(int(v) for v in gm._walk(jnp.int32(i), rows, cols, minor, width)) for i in range(rows * cols)]
+        assert sorted(seen) == [(r, c) for r in range(rows) for c in range(cols)]
+        size = rows if minor == "m" else cols
+        bands = -(-size // width)
+        w = -(-size // bands)
+        band_of = [(r if minor == "m" else c) // w for r, c in seen]
+        assert band_of == sorted(band_of), "bands are walked one after another"
+        widths = [len({(r if minor == "m" else c) for (r, c), b in zip(seen, band_of) if b == k}) for k in range(bands)]
+        assert max(widths) <= width and min(widths) > w - bands, widths
 
 
 def test_group_col_amax_matches_segment_max():
@@ -175,6 +194,21 @@ def test_gmm_pallas_cluster_multicast():
     _close(out, gm.gmm_reference(x, w, _sizes(RAGGED)), BF16_TOL)
 
 
+@pytest.mark.parametrize("cluster", [None, "n"])
+def test_gmm_pallas_delay_release(cluster):
+    """One wgmma group left in flight per step: each tile's last stage is released only after its accumulator is
+    drained, before the memory warpgroup refills the ring for the CTA's next tile (4 K steps over a 3-stage ring)."""
+    if cluster and not compat.MGPU_INTERPRET_CLUSTERS:
+        pytest.skip("this jax's GPU interpreter has no clusters")
+    x, w = _inputs(27, (M, 2 * K), (E, 2 * K, 2 * N))
+    config = gm.TileConfig(tile_m=64, tile_n=64, tile_k=64, stages=3, delay_release=1, cluster=cluster)
+    f = _gmm_fn(config, False)
+    for sizes in (RAGGED, ONE_GROUP):
+        out = f(x, w, _sizes(sizes))
+        _close(out, gm.gmm_reference(x, w, _sizes(sizes)), BF16_TOL)
+        assert not np.asarray(out[sum(sizes) :], np.float32).any(), "padding rows must be exactly zero"
+
+
 def test_gmm_pallas_fp8_rowwise():
     x, w_t = _inputs(12, (M, K), (E, N, K), dtype=F8)
     xs, ws = _scales(13, (M,), (E, N))
@@ -244,6 +278,10 @@ _LOWERING_CASES = {
         ),
         ((24576, 2048), (8, 1408, 2048)),
     ),
+    "gmm_bf16_3_stages": (  # the fallback of the default 4-stage tile (which the cases above take)
+        lambda x, w, g: gm.gmm_pallas(x, w, g, config=gm.TileConfig()),
+        ((16384, 4096), (8, 4096, 14336)),
+    ),
     "tgmm_bf16_masked": (lambda x, d, g: gm.tgmm_pallas(x, d, g), ((16384, 4096), (16384, 14336))),
     "tgmm_fp8": (
         lambda x, d, g: gm.tgmm_pallas(x, d, g, lhs_scale=jnp.ones((8, 4096)), rhs_scale=jnp.ones((8, 14336))),
@@ -275,6 +313,12 @@ def test_pallas_refuses_uncovered_shapes():
         gm.gmm(x8, w8, _sizes(RAGGED), impl="pallas")
     with pytest.raises(NotImplementedError, match="shared memory"):
         gm.gmm_pallas(*_inputs(18, (M, K), (E, K, N)), _sizes(RAGGED), config=gm.TileConfig(stages=5))
+    with pytest.raises(NotImplementedError, match="128 B"):  # 32 bf16 columns: 64 B staging rows
+        gm.gmm_pallas(x, w, _sizes(RAGGED), config=dataclasses.replace(SMALL, epi_tile_n=32))
+    with pytest.raises(NotImplementedError, match="delay_release=2 must be >= 0 and below stages=2"):
+        gm.gmm_pallas(x, w, _sizes(RAGGED), config=dataclasses.replace(SMALL, delay_release=2))
+    with pytest.raises(NotImplementedError, match="delay_release is implemented for gmm only"):
+        gm.tgmm_pallas(x, x, _sizes(RAGGED), config=dataclasses.replace(SMALL, delay_release=1))
 
 
 def test_bad_arguments_name_the_argument():
@@ -308,13 +352,14 @@ def _worst_row_err(out, ref) -> float:
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("config", [None, gm.TileConfig()], ids=["default", "3_stages"])
 @pytest.mark.parametrize("direction", ["forward", "grad_input"])
-def test_gpu_gmm_bf16(direction):
+def test_gpu_gmm_bf16(direction, config):
     k, n = (GPU_D, GPU_F) if direction == "forward" else (GPU_F, GPU_D)
     transpose_rhs = direction == "grad_input"  # dx = dy @ w^T reads w (E, D, F) as the K-major (E, N, K) operand
     x, w = _inputs(20, (GPU_M, k), (GPU_E, n, k) if transpose_rhs else (GPU_E, k, n))
     sizes = _sizes(GPU_SIZES)
-    out = jax.jit(functools.partial(gm.gmm, transpose_rhs=transpose_rhs, impl="pallas"))(x, w, sizes)
+    out = jax.jit(functools.partial(gm.gmm, transpose_rhs=transpose_rhs, impl="pallas", config=config))(x, w, sizes)
     ref = jax.jit(functools.partial(gm.gmm, transpose_rhs=transpose_rhs, impl="xla"))(x, w, sizes)
     assert _worst_row_err(out[: sum(GPU_SIZES)], ref[: sum(GPU_SIZES)]) < GPU_ROW_TOL
     assert not np.asarray(out[sum(GPU_SIZES) :], np.float32).any(), "padding rows must be exactly zero"
