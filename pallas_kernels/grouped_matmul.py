@@ -778,7 +778,7 @@ def tgmm_pallas_cover(
     if config.cluster:
         return "clusters are implemented for gmm only"
     if config.delay_release:
-        return "delay_release is implemented for gmm only (tgmm's trip count is dynamic)"
+        return "delay_release is implemented for gmm only (tgmm awaits every stage; see the module doc)"
     if k % config.cta_tile_m or n % config.cta_tile_n:
         return f"(K, N) = ({k}, {n}) must be multiples of ({config.cta_tile_m}, {config.cta_tile_n})"
     if _tgmm_aligned(lhs_dtype, config):
