@@ -1,6 +1,7 @@
 """Where the FFN block's fwd+bwd time goes, per kernel: the block `python -m pallas_kernels.bench fp8` times.
 
     PYTHONPATH=. python benchmarks/profile_ffn.py --recipe fp8_rowwise --recipe bf16
+    PYTHONPATH=. python benchmarks/profile_ffn.py --moe mixtral --recipe fp8_rowwise   # the whole MoE layer instead
 
 Runs the SwiGLU block of `pallas_kernels.bench` (T=8192, D=4096, F=14336, bf16 weights, every cast included)
 forward and backward under jit, traces `--steps` calls with jax.profiler and prints, per recipe: the untraced wall
@@ -8,7 +9,8 @@ time per call, the device time per op and category (`profile_step.summarize`), t
 launch order with their durations and register counts. Every Mosaic-GPU kernel is named
 `anonymous_mosaic_gpu_kernel`, so the per-op table lumps the fp8 GEMMs, amax passes and cast passes together; the
 launch-order list tells them apart (GEMMs run ~0.7 ms with 168 registers, the amax and cast passes tens of
-microseconds with 72 and 96).
+microseconds with 72 and 96). `--moe mixtral|deepseek` profiles the whole MoE layer of `pallas_kernels.bench_grouped`
+(router, sort, grouped GEMMs, combine, shared experts; `--impl` goes to the layer) instead of the dense block.
 
 The wall time covers only `--steps` calls right after a short warm-up, while the clock is still high; the bench's
 median sample comes later in a longer burst, under the 700 W power cap, and reads a few percent slower.
@@ -29,6 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from profile_step import summarize  # noqa: E402
 
 from pallas_kernels.bench import ffn_inputs, ffn_step  # noqa: E402
+from pallas_kernels.bench_grouped import LAYER_CONFIGS, moe_layer_step  # noqa: E402
 
 
 def main() -> None:
@@ -39,10 +42,15 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=30)
     ap.add_argument("--trace-dir", default="/tmp/mx_jax_ffn_trace")
     ap.add_argument("--small", action="store_true", help="T=256, D=256, F=512 (a CPU check of the script)")
+    ap.add_argument("--moe", choices=sorted(LAYER_CONFIGS), help="profile that problem's whole MoE layer instead")
     args = ap.parse_args()
-    inputs = ffn_inputs(jax.random.key(2), 2, small=args.small)
     for recipe in args.recipe or ["fp8_rowwise"]:
-        fn = jax.jit(ffn_step(recipe, args.impl))
+        if args.moe:
+            step, layer_args, _ = moe_layer_step(args.moe, recipe, args.impl, smoke=args.small)
+            inputs = [layer_args] * 2
+        else:
+            step, inputs = ffn_step(recipe, args.impl), ffn_inputs(jax.random.key(2), 2, small=args.small)
+        fn = jax.jit(step)
         for i in range(3):
             jax.block_until_ready(fn(*inputs[i % 2]))
         t0 = time.perf_counter()
@@ -56,7 +64,8 @@ def main() -> None:
             out = fn(*inputs[i % 2])
         jax.block_until_ready(out)
         jax.profiler.stop_trace()
-        print(f"\n===== {recipe} (impl={args.impl}): {1000 * wall:.3f} ms per fwd+bwd call (untraced wall)")
+        what = f"MoE layer of {LAYER_CONFIGS[args.moe]}" if args.moe else "FFN block"
+        print(f"\n===== {what}, {recipe} (impl={args.impl}): {1000 * wall:.3f} ms per fwd+bwd call (untraced wall)")
         summarize(trace_dir, args.steps, args.top)
         paths = glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True)
         kernel_sequence(ProfileData.from_file(sorted(paths)[-1]), args.steps)

@@ -27,6 +27,11 @@ Exchanges move rows to peers inside a group of the expert axis (all of it, a rai
     "ragged" jax.lax.ragged_all_to_all moves only real rows; the receive buffer holds the worst case (every peer
              sends every row it has), so nothing is ever dropped. Chosen for larger groups on GPU.
 Both have the same semantics; tests/test_moe.py checks flat == hierarchical == single device (outputs, gradients).
+
+Sorting by expert (`ExpertFFN`) uses gathers only, forward and backward (`take_rows`, whose transpose is a gather by
+the inverse permutation): XLA transposes a gather into a scatter-add with atomics on every element. Without expert
+parallelism the rows are gathered straight from the n tokens (each read k times) instead of from a repeated copy.
+On an H200 that took the Mixtral layer's fwd+bwd from 30.9 to 29.9 ms and DeepSeekMoE's from 5.65 to 5.05 ms (bf16).
 """
 
 from __future__ import annotations
@@ -45,6 +50,30 @@ from pallas_kernels.all_to_all import all_to_all
 ROW_MULTIPLE = 256
 
 
+@jax.custom_vjp
+def take_rows(x: jax.Array, src: jax.Array, back: jax.Array) -> jax.Array:
+    """x[src]: rows of x (S, D) gathered by src (R,) int32, in range.
+
+    `back` (S, f) int32 lists, for every row of x, the f output rows that read it (-1: none). The transpose is then
+    a gather too: dx[s] = sum_j dout[back[s, j]], instead of the scatter-add XLA emits for a gather's transpose
+    (atomics on every element). An output row that `back` does not list (padding that reads some row so that it
+    holds finite values) must get a zero cotangent, as the grouped GEMMs give their padding rows."""
+    return _take_rows_fwd(x, src, back)[0]
+
+
+def _take_rows_fwd(x, src, back):
+    return jnp.take(x, src, axis=0, mode="clip"), back
+
+
+def _take_rows_bwd(back, dout):
+    got = jnp.take(dout, jnp.clip(back, 0, dout.shape[0] - 1), axis=0, mode="clip")  # (S, f, D)
+    dx = jnp.sum(jnp.where((back >= 0)[..., None], got.astype(jnp.float32), 0.0), axis=1).astype(dout.dtype)
+    return dx, None, None
+
+
+take_rows.defvjp(_take_rows_fwd, _take_rows_bwd)
+
+
 @dataclasses.dataclass(frozen=True)
 class ExpertFFN:
     """SwiGLU experts as grouped GEMMs. w_gate, w_up (E_l,D,F), w_down (E_l,F,D): this device's experts."""
@@ -59,26 +88,30 @@ class ExpertFFN:
     def n_local(self) -> int:
         return self.w_gate.shape[0]
 
-    def __call__(self, rows: jax.Array, local_expert: jax.Array) -> jax.Array:
-        """rows (R,D) with local expert ids (R,) in [0, E_l]; id E_l marks padding (output zero) -> (R,D)."""
+    def __call__(self, rows: jax.Array, local_expert: jax.Array, fan_out: int = 1) -> jax.Array:
+        """Row a of the result is Expert_{local_expert[a]}(rows[a // fan_out]), zero where local_expert[a] = E_l
+        (padding, dropped). rows (S, D), local_expert (S fan_out,) in [0, E_l] -> (S fan_out, D).
+
+        The rows are sorted by expert with gathers only (`take_rows`): in by source row, out by sorted position,
+        and the backward likewise, so no (S fan_out, D) copy of the repeated rows and no scatter is ever made."""
         e = self.n_local
-        r = rows.shape[0]
-        pad = -r % ROW_MULTIPLE  # the grouped-GEMM kernels tile rows by up to 256; padding rows output zero
-        if pad:
-            rows = jnp.concatenate([rows, jnp.zeros((pad, rows.shape[1]), rows.dtype)])
-            local_expert = jnp.concatenate([local_expert, jnp.full((pad,), e, local_expert.dtype)])
-        order = jnp.argsort(local_expert, stable=True)  # padding (id E_l) sorts last
+        s, r = rows.shape[0], local_expert.shape[0]
+        if r != s * fan_out:
+            raise ValueError(f"ExpertFFN: {r} expert ids for {s} rows x fan_out {fan_out}")
+        r_pad = r + (-r % ROW_MULTIPLE)  # the grouped-GEMM kernels tile rows by up to 256; padding rows output zero
+        ids = jnp.concatenate([local_expert, jnp.full((r_pad - r,), e, local_expert.dtype)])
+        order = jnp.argsort(ids, stable=True).astype(jnp.int32)  # sorted position -> assignment (>= r: padding)
+        pos = jnp.zeros((r_pad,), jnp.int32).at[order].set(jnp.arange(r_pad, dtype=jnp.int32))[:r]  # its inverse
         sizes = jnp.bincount(local_expert, length=e + 1)[:e].astype(jnp.int32)
-        xs = rows[order]
+        real = order < r
+        xs = take_rows(rows, jnp.where(real, order // fan_out, 0), pos.reshape(s, fan_out))
 
         def gl(a, w):
             return grouped_linear.grouped_linear(a, w, sizes, recipe=self.recipe, impl=self.impl)
 
         h = jax.nn.silu(gl(xs, self.w_gate)) * gl(xs, self.w_up)
-        ys = gl(h.astype(rows.dtype), self.w_down)
-        valid = (jnp.arange(rows.shape[0]) < jnp.sum(sizes))[:, None]
-        ys = jnp.where(valid, ys, 0).astype(rows.dtype)
-        return jnp.zeros_like(ys).at[order].set(ys, unique_indices=True)[:r]
+        ys = gl(h.astype(rows.dtype), self.w_down).astype(rows.dtype)  # zero past sum(sizes): padding, dropped
+        return take_rows(ys, pos, jnp.where(real, order, -1)[:, None])
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -265,7 +298,7 @@ def dispatch_combine(x: jax.Array, idx: jax.Array, g: jax.Array, keep: jax.Array
     e_l = ffn.n_local
     eid = jnp.where(keep, idx, -1)  # (n,k); -1: dropped by capacity
     if axis is None:
-        out = ffn(jnp.repeat(x, k, axis=0), jnp.where(eid >= 0, eid, e_l).reshape(-1))
+        out = ffn(x, jnp.where(eid >= 0, eid, e_l).reshape(-1), fan_out=k)
         zero = jnp.zeros((), jnp.int32)
         return _combine(out, g, x.dtype), {"rows_cross_node": zero, "rows_intra_node": zero}
     if method == "flat":

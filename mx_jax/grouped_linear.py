@@ -20,12 +20,14 @@ Three grouped GEMMs (pallas_kernels/grouped_matmul.py), each contracting a diffe
 
 Every fp8 operand is scaled along its own GEMM's contraction axis (for grad_w: the group's rows, TorchAO's
 "per group colwise" scales), so the scales factor out of the sums and the kernels apply them in the epilogue.
+grad_w's quantization and its K-major token layout are one step (`grouped_matmul.tgmm_fp8_rowwise`).
 Scales are dynamic, amax floored at 1e-12, rounded to powers of two, casts saturate (pallas_kernels/quantize.py).
 Accumulation is f32; y and dx come out in x.dtype, dw in w.dtype. The forward keeps x and w in high precision as
 residuals and the backward requantizes them, because grad_w needs x scaled along a different axis than the forward.
 Trade-off: with f32 master weights every fp8 pass reads w (E, K, N) in f32 twice (amax, then cast): for a
-Mixtral-sized SwiGLU expert layer (3 projections, fwd + bwd) ~23 GB of HBM reads, ~5 ms on an H200 next to ~15 ms of
-fp8 GEMMs (the bf16 recipe's casts cost about half that). Quantizing both layouts in the forward and keeping the
+Mixtral-sized SwiGLU expert layer (3 projections, fwd + bwd) ~23 GB of HBM reads, ~6 ms of the 23.5 ms fp8 expert
+FFN fwd+bwd on an H200 (profiled: 3 x 1.0 ms forward, 3 x 1.0 ms backward) next to ~15 ms of fp8 GEMMs (the bf16
+recipe's casts cost about half that). Quantizing both layouts in the forward and keeping the
 backward's fp8 w as a residual would save a third of it at E*K*N bytes of memory per projection; bf16 master
 weights would halve it. Both are trainer-level choices; TorchAO also requantizes from the high-precision weight.
 
@@ -55,6 +57,12 @@ RECIPES = ("bf16", "fp8_rowwise")
 E4M3 = jnp.dtype(jnp.float8_e4m3fn)
 
 
+def recipe_for(recipe: str) -> str | None:
+    """The grouped recipe that a model-wide `quant.recipe` (mx_jax.quant.RECIPES) gives the routed experts, or None
+    when the grouped GEMMs have no such recipe (fp8_tensorwise, fp8_rowwise_gw_hp, mxfp8: the experts stay bf16)."""
+    return recipe if recipe in RECIPES else None
+
+
 def _quant_impl(impl: str) -> str:
     """The cast dispatcher's impl: its own Pallas kernels where the GEMMs may use ours, plain XLA otherwise."""
     return "xla" if impl in ("xla", "reference") else "auto"
@@ -67,16 +75,7 @@ def _rowwise(t: jax.Array, axis: int, impl: str) -> tuple[jax.Array, jax.Array]:
     return qz.quantize_reference(t, axis=axis, dtype=E4M3, pow2_scale=True)
 
 
-def quantize_group_cols(t: jax.Array, group_sizes: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """t (M, C) -> (e4m3 (M, C), scale (E, C)): one power-of-two scale per (group, column), the amax over the
-    group's rows. Padding rows are cast with multiplier 1 (the grouped GEMMs never read them into a sum)."""
-    m = t.shape[0]
-    gid = gmm_ops.row_groups(group_sizes, m)  # (M,), E for padding rows
-    amax = gmm_ops.group_col_amax(t, group_sizes)  # (E, C)
-    q, scale = qz.amax_to_scales(amax, E4M3, True)
-    q_rows = jnp.concatenate([q, jnp.ones((1, t.shape[1]), jnp.float32)])[gid]  # (M, C)
-    f = qz.fp8_max(E4M3)
-    return jnp.clip(t.astype(jnp.float32) * q_rows, -f, f).astype(E4M3), scale
+quantize_group_cols = gmm_ops.quantize_group_cols  # t (M, C) -> e4m3 (M, C), per (group, column) scales (E, C)
 
 
 def _forward(x, w, group_sizes, recipe: str, impl: str):
@@ -101,9 +100,8 @@ def _backward(x, w, group_sizes, dy, recipe: str, impl: str):
     dx = gmm_ops.gmm(
         dyq, wq, group_sizes, transpose_rhs=True, lhs_scale=dys, rhs_scale=ws, out_dtype=x.dtype, impl=impl
     )
-    xg, xgs = quantize_group_cols(x, group_sizes)  # (M, K), (E, K)
-    dyg, dygs = quantize_group_cols(dy, group_sizes)  # (M, N), (E, N)
-    dw = gmm_ops.tgmm(xg, dyg, group_sizes, lhs_scale=xgs, rhs_scale=dygs, out_dtype=w.dtype, impl=impl)
+    # x and dy in e4m3 per (group, column), cast straight into the kernel's token layout where it runs
+    dw = gmm_ops.tgmm_fp8_rowwise(x, dy, group_sizes, out_dtype=w.dtype, impl=impl)
     return dx, dw
 
 

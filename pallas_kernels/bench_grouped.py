@@ -14,7 +14,11 @@ rest split evenly), in TFLOP/s of 2*M*K*N. `--problem deepseek`: E=64 fine-grain
     xla fp8        lax.ragged_dot_general on the e4m3 operands + the scales as an XLA fusion
     pallas fp8     our kernel, rowwise W8A8: x e4m3 per row, w e4m3 per (expert, output channel), K-major
 Then fwd+bwd of the expert FFN, SwiGLU through mx_jax.grouped_linear (gate/up (E, D, F), down (E, F, D), f32
-master weights), in ms, for bf16 and fp8_rowwise.
+master weights), in ms, for bf16 and fp8_rowwise; and fwd+bwd of the whole MoE layer (`mx_jax.moe.MoE` built from
+configs/mixtral_8x7b.yaml or configs/deepseek_moe_16b.yaml: router, top-k, sort by expert, the three grouped GEMMs,
+weighted combine, shared experts, aux loss) on M / top_k tokens, so its grouped GEMMs see the same M rows. The
+layer's routing is what its freshly initialized router picks (near balanced; the max / mean load is printed). Its
+"overhead" column is the layer's time minus the expert FFN's: routing, the row permutations and the combine.
 
 Timing: compile once, 3 warm-up calls, then the median over `samples` of the mean of `batch` back-to-back calls
 ended by block_until_ready; inputs are random normal (operands are far larger than L2, one input set suffices).
@@ -29,15 +33,20 @@ import argparse
 import contextlib
 import dataclasses
 import functools
+import os
 import sys
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from mx_jax import compat
+from mx_jax.config import QuantConfig, load_config
 from mx_jax.grouped_linear import grouped_linear
+from mx_jax.llama import plan_linears
+from mx_jax.moe import MoE
 from pallas_kernels import grouped_matmul as gm
 from pallas_kernels.bench import rel_err, time_fn
 
@@ -64,6 +73,8 @@ FULL = Problem(e=8, m=16384, k=4096, n=14336, samples=10, batch=10, sampled_rows
 # configs/deepseek_moe_16b.yaml's routed experts (64, top-6, D=2048, d_expert=1408), 4096 tokens: M = 6 x 4096 rows.
 DEEPSEEK = Problem(e=64, m=24576, k=2048, n=1408, samples=10, batch=20, sampled_rows=512)
 PROBLEMS = {"mixtral": FULL, "deepseek": DEEPSEEK}
+_CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+LAYER_CONFIGS = {"mixtral": "mixtral_8x7b.yaml", "deepseek": "deepseek_moe_16b.yaml"}  # the MoE layer of each
 SMOKE = Problem(e=4, m=256, k=128, n=256, samples=1, batch=1, sampled_rows=64)
 
 
@@ -244,36 +255,121 @@ def bench_ffn(p: Problem, quick: bool, smoke: bool) -> dict[tuple[str, str], tup
     return results
 
 
+def moe_layer_step(problem: str, recipe: str, impl: str, smoke: bool = False):
+    """fwd+bwd of one MoE layer of `problem`'s config: (fn, args, info).
+
+    fn(params, x, cot) -> ((loss, load), (dparams, dx)) with loss = sum(y * cot) + aux_loss_coef * aux_loss; x (1, T,
+    D) bf16 with T = M / top_k tokens, f32 master weights as in the model. info: tokens, top_k, the recipe the
+    routed experts run, and the layer's GEMM FLOPs (routed and shared experts, forward + both backward GEMMs; the
+    router's 2 T D E are left out)."""
+    p = SMOKE if smoke else PROBLEMS[problem]
+    over = [f"quant.recipe={recipe}"]
+    if smoke:
+        over += [f"model.d_model={p.k}", f"model.moe.d_expert={p.n}", f"model.moe.n_experts={p.e}",
+                 "model.moe.top_k=2", "model.n_heads=4", "model.n_kv_heads=4"]
+    cfg = load_config(os.path.join(_CONFIGS, LAYER_CONFIGS[problem]), over)
+    m = cfg.model
+    plan = plan_linears(m, QuantConfig(recipe=recipe))
+    shared = {n: plan.recipes[f"shared.{n}"] for n in ("w_gate", "w_up", "w_down")} if m.moe.n_shared else {}
+    layer = MoE(m, plan.recipes["experts"], impl, shared, rngs=nnx.Rngs(0))
+    graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
+    tokens = p.m // m.moe.top_k
+    kx, kc = jax.random.split(jax.random.key(3))
+    x = jax.random.normal(kx, (1, tokens, m.d_model), jnp.float32).astype(jnp.bfloat16)
+    cot = jax.random.normal(kc, (1, tokens, m.d_model), jnp.float32)
+    coef = m.moe.aux_loss_coef
+
+    def loss(params, x, cot):
+        y, stats = nnx.merge(graphdef, params, rest)(x)
+        return jnp.sum(y.astype(jnp.float32) * cot) + coef * stats["aux_loss"], stats["load"]
+
+    def fn(params, x, cot):
+        return jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(params, x, cot)
+
+    f = m.moe.d_expert or m.d_ff
+    flops = 18.0 * tokens * m.d_model * f * (m.moe.top_k + m.moe.n_shared)
+    info = {"tokens": tokens, "top_k": m.moe.top_k, "experts_recipe": plan.recipes["experts"], "flops": flops}
+    return fn, (params, x, cot), info
+
+
+def bench_layer(problem: str, quick: bool, smoke: bool) -> dict[tuple[str, str], tuple[float, float, float]]:
+    """fwd+bwd of the whole MoE layer: {(recipe, impl): (ms, TFLOP/s, max rel. error of dx vs XLA, same recipe)}.
+
+    impl "auto" is what the model runs (the grouped-GEMM kernels, our fp8 linears for the shared experts where they
+    apply); "xla" runs jax.lax.ragged_dot and XLA's dots (bf16 always, fp8 in the full run)."""
+    p = SMOKE if smoke else PROBLEMS[problem]
+    timing = dict(samples=max(1, p.samples // 2), batch=max(1, p.batch // 2))
+    results = {}
+    for recipe in ("bf16", "fp8_rowwise"):
+        dx = {}
+        for impl in ("auto", "xla"):
+            if impl == "xla" and quick and recipe != "bf16" and not smoke:
+                continue
+            fn, args, info = moe_layer_step(problem, recipe, "pallas" if smoke and impl == "auto" else impl, smoke)
+            try:
+                t = time_fn(fn, [args], **timing)
+            except Exception as e:  # noqa: BLE001
+                _log(f"  layer {recipe:12s} {impl:7s} FAILED: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+                continue
+            (_, load), (_, dx[impl]) = t.out
+            load = np.asarray(load)
+            tflops = info["flops"] / (t.ms * 1e-3) / 1e12
+            results[(recipe, impl)] = (t.ms, tflops, float("nan"))
+            _log(f"  layer {recipe:12s} {impl:7s} fwd+bwd {t.ms:9.3f} ms {tflops:6.0f} TFLOP/s  {info['tokens']} tokens"
+                 f" top-{info['top_k']}, experts {info['experts_recipe']}, max/mean load {load.max() / load.mean():.2f}"
+                 f"  (compile {t.compile_s:.1f}s)")
+            del args, t
+        if "auto" in dx and "xla" in dx:
+            ms, tflops, _ = results[(recipe, "auto")]
+            results[(recipe, "auto")] = (ms, tflops, rel_err(dx["auto"], dx["xla"]))
+    return results
+
+
 def bench_grouped(
-    quick: bool, cpu_smoke: bool = False, dtypes=("bf16", "fp8"), ffn: bool = True, problem: str = "mixtral"
+    quick: bool, cpu_smoke: bool = False, dtypes=("bf16", "fp8"), ffn: bool = True, problem: str = "mixtral",
+    forward: bool = True,
 ) -> dict:
-    """Run the forward sweep and the FFN, print a compact table last; returns the numbers."""
+    """Run the forward sweep, the expert FFN and the whole MoE layer, print a compact table last; returns the
+    numbers. ffn=False skips both fwd+bwd timings, forward=False the forward GEMM sweep."""
     p = SMOKE if cpu_smoke else PROBLEMS[problem]
     # The issue's targets are Mixtral's; other problems print "-" there.
     targets = {d: [f"{t:6d}" for t in ts] if p is FULL else ["     -"] * 2 for d, ts in TARGETS.items()}
     t_start = time.perf_counter()
     _log(f"grouped GEMM: E={p.e} M={p.m} K={p.k} N={p.n}  ({jax.devices()[0].device_kind}, jax {jax.__version__})")
-    fwd = bench_forward(p, quick, cpu_smoke, dtypes)
+    fwd = bench_forward(p, quick, cpu_smoke, dtypes) if forward else {}
+    lay = bench_layer(problem, quick, cpu_smoke) if ffn else {}
     ffn = bench_ffn(p, quick, cpu_smoke) if ffn else {}
 
     _log("\n" + "=" * 118)
-    _log(f"grouped GEMM forward, E={p.e} M={p.m} K={p.k} N={p.n}, {jax.devices()[0].device_kind}, jax {jax.__version__}"
-         f" -- TFLOP/s (err: rel. Frobenius vs f32 reference; section {time.perf_counter() - t_start:.0f}s)")
-    cols = ("xla bf16", "pallas bf16", "xla fp8", "pallas fp8")
-    _log(f"{'routing':9s} | {'xla bf16':>8s} {'pal bf16':>8s} {'target':>6s} | {'xla fp8':>8s} {'pal fp8':>8s}"
-         f" {'target':>6s} | {'err bf16':>8s} {'err fp8':>8s} | best bf16 config / best fp8 config")
-    for i, routing in enumerate(("balanced", "skewed")):
-        v = [fwd[(routing, c)].tflops if (routing, c) in fwd else float("nan") for c in cols]
-        e = [fwd[(routing, c)].err if (routing, c) in fwd else float("nan") for c in ("pallas bf16", "pallas fp8")]
-        cfg = [fwd[(routing, c)].config if (routing, c) in fwd else "-" for c in ("pallas bf16", "pallas fp8")]
-        _log(f"{routing:9s} | {v[0]:8.0f} {v[1]:8.0f} {targets['bf16'][i]} | {v[2]:8.0f} {v[3]:8.0f}"
-             f" {targets['fp8'][i]} | {e[0]:8.1e} {e[1]:8.1e} | {cfg[0]} / {cfg[1]}")
-    _log(f"expert FFN fwd+bwd (SwiGLU via grouped_linear, balanced, D={p.k} F={p.n}), ms "
-         "(err: max rel. error of the 4 grads, Pallas vs XLA, same recipe)")
+    if fwd:
+        _log(f"grouped GEMM forward, E={p.e} M={p.m} K={p.k} N={p.n}, {jax.devices()[0].device_kind},"
+             f" jax {jax.__version__} -- TFLOP/s (err: rel. Frobenius vs f32 reference;"
+             f" section {time.perf_counter() - t_start:.0f}s)")
+        cols = ("xla bf16", "pallas bf16", "xla fp8", "pallas fp8")
+        _log(f"{'routing':9s} | {'xla bf16':>8s} {'pal bf16':>8s} {'target':>6s} | {'xla fp8':>8s} {'pal fp8':>8s}"
+             f" {'target':>6s} | {'err bf16':>8s} {'err fp8':>8s} | best bf16 config / best fp8 config")
+        for i, routing in enumerate(("balanced", "skewed")):
+            v = [fwd[(routing, c)].tflops if (routing, c) in fwd else float("nan") for c in cols]
+            e = [fwd[(routing, c)].err if (routing, c) in fwd else float("nan") for c in ("pallas bf16", "pallas fp8")]
+            cfg = [fwd[(routing, c)].config if (routing, c) in fwd else "-" for c in ("pallas bf16", "pallas fp8")]
+            _log(f"{routing:9s} | {v[0]:8.0f} {v[1]:8.0f} {targets['bf16'][i]} | {v[2]:8.0f} {v[3]:8.0f}"
+                 f" {targets['fp8'][i]} | {e[0]:8.1e} {e[1]:8.1e} | {cfg[0]} / {cfg[1]}")
+    if ffn:
+        _log(f"expert FFN fwd+bwd (SwiGLU via grouped_linear, balanced, D={p.k} F={p.n}), ms "
+             "(err: max rel. error of the 4 grads, Pallas vs XLA, same recipe)")
     for (recipe, impl), (ms, err) in ffn.items():
         _log(f"  {recipe:12s} {impl:7s} {ms:9.3f} ms" + (f"   err {err:.1e}" if err == err else ""))
+    if lay:
+        _log(f"whole MoE layer fwd+bwd ({LAYER_CONFIGS[problem]}, {p.m} expert rows), ms and GEMM TFLOP/s; overhead ="
+             " layer - expert FFN (err: rel. error of dx, ours vs XLA, same recipe)")
+    for (recipe, impl), (ms, tflops, err) in lay.items():
+        key = (recipe, "pallas" if impl == "auto" else impl)
+        extra = f"   overhead {ms - ffn[key][0]:7.3f} ms" if key in ffn else ""
+        _log(f"  {recipe:12s} {impl:7s} {ms:9.3f} ms {tflops:6.0f} TFLOP/s{extra}"
+             + (f"   err {err:.1e}" if err == err else ""))
     return {"forward": {f"{r}/{c}": dataclasses.asdict(v) for (r, c), v in fwd.items()},
-            "ffn_ms": {f"{r}/{i}": v[0] for (r, i), v in ffn.items()}}
+            "ffn_ms": {f"{r}/{i}": v[0] for (r, i), v in ffn.items()},
+            "layer_ms": {f"{r}/{i}": v[0] for (r, i), v in lay.items()}}
 
 
 def main(argv=None) -> None:
@@ -282,7 +378,9 @@ def main(argv=None) -> None:
                     help="four tile configs per dtype (the default first), no XLA fp8 / XLA FFN")
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny shapes, Pallas kernels interpreted on CPU")
     ap.add_argument("--dtypes", default="bf16,fp8", help="comma-separated subset of bf16,fp8 to sweep")
-    ap.add_argument("--no-ffn", action="store_true", help="skip the expert FFN fwd+bwd timing")
+    ap.add_argument("--no-ffn", action="store_true", help="skip the expert FFN and MoE layer fwd+bwd timings")
+    ap.add_argument("--layer-only", action="store_true",
+                    help="only the fwd+bwd timings: the whole MoE layer and the expert FFN (no forward GEMM sweep)")
     ap.add_argument("--problem", choices=sorted(PROBLEMS), default="mixtral",
                     help="mixtral: the issue's E=8 D=4096 F=14336 (default); deepseek: E=64 D=2048 F=1408, M=24576")
     args = ap.parse_args(argv)
@@ -294,8 +392,8 @@ def main(argv=None) -> None:
         ctx = compat.force_gpu_interpret_mode(compat.InterpretGPUParams())
     _log(f"command: python -m pallas_kernels.bench_grouped {' '.join(sys.argv[1:] if argv is None else argv)}")
     with ctx:
-        bench_grouped(args.quick, cpu_smoke=args.cpu_smoke, dtypes=tuple(args.dtypes.split(",")), ffn=not args.no_ffn,
-                      problem=args.problem)
+        bench_grouped(args.quick, cpu_smoke=args.cpu_smoke, dtypes=tuple(args.dtypes.split(",")),
+                      ffn=not args.no_ffn, problem=args.problem, forward=not args.layer_only)
 
 
 if __name__ == "__main__":

@@ -212,7 +212,9 @@ def _cast_kernel(x_gmem, *refs, want_rows: bool, want_cols: bool, bm: int, bn: i
     if want_rows:
         plgpu.copy_gmem_to_smem(q_refs.pop(0).at[pl.ds(i * bm, bm)], q_row_smem, barrier)
     if want_cols:
-        plgpu.copy_gmem_to_smem(q_refs.pop(0).at[pl.ds(j * bn, bn)], q_col_smem, barrier)
+        q_col = q_refs.pop(0)  # (C,), or (R // bm, C): one set of column multipliers per row tile
+        q_col = q_col.at[pl.ds(j * bn, bn)] if len(q_col.shape) == 1 else q_col.at[i, pl.ds(j * bn, bn)]
+        plgpu.copy_gmem_to_smem(q_col, q_col_smem, barrier)
     plgpu.barrier_wait(barrier)
     if want_rows:
         x = x_smem[...].astype(jnp.float32)  # (bm, bn)
@@ -231,7 +233,8 @@ def _cast_kernel(x_gmem, *refs, want_rows: bool, want_cols: bool, bm: int, bn: i
 
 
 def _cast_pallas(x, q_row, q_col, *, dtype, config: CastConfig, interpret):
-    """x (R, C), q_row (R,) | None, q_col (C,) | None -> [x*q_row as (R, C) fp8], [(x*q_col)ᵀ as (C, R) fp8]."""
+    """x (R, C), q_row (R,) | None, q_col (C,) | (R // cast_bm, C) | None -> [x*q_row as (R, C) fp8],
+    [(x*q_col)ᵀ as (C, R) fp8]; a 2-D q_col gives each tile of cast_bm rows its own column multipliers."""
     r, c = x.shape
     bm, bn = config.cast_bm, config.cast_bn
     want_rows, want_cols = q_row is not None, q_col is not None

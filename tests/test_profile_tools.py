@@ -151,6 +151,26 @@ def test_grouped_bench_sweeps_only_configs_that_tile_n():
     assert quick[0] == bench_grouped.gm.default_configs(jnp.bfloat16)[0], "the dispatcher's default is timed first"
 
 
+@pytest.mark.parametrize("problem", ["mixtral", "deepseek"])
+def test_moe_layer_bench_times_the_configs_layer(problem):
+    """The whole-layer bench builds the MoE layer of the problem's config (shared experts for DeepSeek) under the
+    fp8 recipe, differentiates params and x, and counts every routed and shared expert GEMM."""
+    import jax
+    import numpy as np
+
+    from pallas_kernels import bench_grouped
+
+    fn, args, info = bench_grouped.moe_layer_step(problem, "fp8_rowwise", "xla", smoke=True)
+    (loss, load), (dparams, dx) = jax.jit(fn)(*args)
+    p, shared = bench_grouped.SMOKE, 2 if problem == "deepseek" else 0
+    assert info["tokens"] == p.m // 2 and info["experts_recipe"] == "fp8_rowwise"
+    assert float(np.asarray(load).sum()) == p.m  # tokens x top-2
+    assert info["flops"] == 18.0 * info["tokens"] * p.k * p.n * (2 + shared)
+    assert ("shared" in dparams) == bool(shared)
+    assert np.isfinite(float(loss)) and dx.shape == args[1].shape
+    assert float(np.abs(np.asarray(dx, np.float32)).max()) > 0
+
+
 def test_bench_train_reports_a_run_that_logged_no_step(tmp_path, monkeypatch):
     """--steps below --log-every leaves metrics.jsonl empty: a row naming both flags, not a traceback."""
     import subprocess
