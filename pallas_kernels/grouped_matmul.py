@@ -264,6 +264,11 @@ def _gmm_row_tiles(group_sizes: jax.Array, m: int, block_m: int) -> jax.Array:
     return jnp.stack([seg, row // _ROW_ALIGN, lo, hi]).astype(jnp.int32)
 
 
+def _aligned_len(m: int, e: int, align: int) -> int:
+    """M' of the aligned token layout: room for M rows whose E groups each start on a multiple of `align`."""
+    return -(-(m + e * (align - 1)) // align) * align
+
+
 def _aligned_rows(x: jax.Array, group_sizes: jax.Array, align: int) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Token rows with every group starting on a multiple of `align`: (rows (M', C), zero outside the groups;
     aligned group starts (E,) int32; the group whose aligned region holds each row (M',)), M' = roundup(M + E *
@@ -273,8 +278,7 @@ def _aligned_rows(x: jax.Array, group_sizes: jax.Array, align: int) -> tuple[jax
     starts, ends = _group_bounds(group_sizes, m)
     sizes = ends - starts
     a_starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(-(-sizes // align) * align)[:-1]])
-    mp = -(-(m + e * (align - 1)) // align) * align
-    j = jnp.arange(mp, dtype=jnp.int32)
+    j = jnp.arange(_aligned_len(m, e, align), dtype=jnp.int32)
     g = jnp.searchsorted(a_starts, j, side="right").astype(jnp.int32) - 1  # last group starting at or before j
     off = j - a_starts[g]
     valid = off < sizes[g]
@@ -324,9 +328,10 @@ def group_col_amax(t: jax.Array, group_sizes: jax.Array, *, block: int = 128) ->
         2. the partial pieces' maxima, over their own rows of the <= 2 (E + 1) blocks they cut (a gather of those
            blocks only);
         3. per segment, the max over its pieces, a segmented max-scan over the M / block + E piece rows.
-    Gathering every piece's block of t (as before) wrote (M / block + E) x block x C f32 and cost 5 ms of a 30 ms
-    Mixtral MoE layer fwd+bwd on an H200; a segment_max over rows or pieces is a scatter with heavy atomic
-    contention on the GPU. The result is exact (a max), whatever the order."""
+    The previous form gathered every piece's block of t into a (M / block + E) x block x C f32 array; swapping it
+    for this one did not change the Mixtral MoE layer's time measurably on an H200 (RESULTS.md, twelfth pass), but
+    it never writes that array (1 GB at Mixtral's dgate). A segment_max over rows or pieces is a scatter with heavy
+    atomic contention on the GPU. The result is exact (a max), whatever the order."""
     m, c = t.shape
     e = group_sizes.shape[0]
     if m % block:
@@ -982,9 +987,9 @@ def tgmm_fp8_rowwise_pallas(lhs, rhs, group_sizes, *, out_dtype=jnp.float32, con
     if reason is None and config.tile_k % bm:
         reason = f"tile_k={config.tile_k} must be a multiple of the transposed cast's {bm}-row tiles"
     if reason is None:
-        for shape in ((m, k), (m, n)):
-            mp = -(-(m + group_sizes.shape[0] * (config.tile_k - 1)) // config.tile_k) * config.tile_k
-            if (why := qz.pallas_cover((mp, shape[1]), lhs.dtype, transposed=True)) is not None:
+        mp = _aligned_len(m, group_sizes.shape[0], config.tile_k)
+        for cols in (k, n):
+            if (why := qz.pallas_cover((mp, cols), lhs.dtype, transposed=True)) is not None:
                 reason = f"the transposed cast: {why}"
     if reason is not None:
         raise NotImplementedError(f"tgmm_fp8_rowwise_pallas: {reason}")
