@@ -22,14 +22,17 @@ Every fp8 operand is scaled along its own GEMM's contraction axis (for grad_w: t
 "per group colwise" scales), so the scales factor out of the sums and the kernels apply them in the epilogue.
 grad_w's quantization and its K-major token layout are one step (`grouped_matmul.tgmm_fp8_rowwise`).
 Scales are dynamic, amax floored at 1e-12, rounded to powers of two, casts saturate (pallas_kernels/quantize.py).
-Accumulation is f32; y and dx come out in x.dtype, dw in w.dtype. The forward keeps x and w in high precision as
-residuals and the backward requantizes them, because grad_w needs x scaled along a different axis than the forward.
-Trade-off: with f32 master weights every fp8 pass reads w (E, K, N) in f32 twice (amax, then cast): for a
-Mixtral-sized SwiGLU expert layer (3 projections, fwd + bwd) ~23 GB of HBM reads, ~6 ms of the 23.5 ms fp8 expert
-FFN fwd+bwd on an H200 (profiled: 3 x 1.0 ms forward, 3 x 1.0 ms backward) next to ~15 ms of fp8 GEMMs (the bf16
-recipe's casts cost about half that). Quantizing both layouts in the forward and keeping the
-backward's fp8 w as a residual would save a third of it at E*K*N bytes of memory per projection; bf16 master
-weights would halve it. Both are trainer-level choices; TorchAO also requantizes from the high-precision weight.
+Accumulation is f32; y and dx come out in x.dtype, dw in w.dtype.
+
+Weights. Every GEMM reads w's compute-dtype copy w.astype(x.dtype) (bf16 in training), and the fp8 operands are
+quantized from that copy, as TorchAO's are from the bf16 parameter that FSDP's mixed precision hands it. The
+forward quantizes both layouts the two GEMMs need in one `quantize_dual` over the batch of experts, rounding the
+f32 master to bf16 inside the kernels (one read of w for both amaxes, one for both casts, no bf16 copy in HBM),
+and keeps the backward's layout as a residual, as mx_jax.quant does for a dense linear: 1 byte per weight element
+held from forward to backward (fp8_rowwise; the bf16 recipe holds the bf16 copy, 2 bytes), instead of quantizing
+the f32 master again in the backward. HBM bytes per f32 weight element: 4 + 4+1+1 = 10, where converting to bf16
+first costs 4+2 + 2 + 2+1+1 = 12, and each direction reading the f32 weight twice (amax, then cast) costs 18.
+x is kept in high precision and requantized by the backward, because grad_w needs it scaled along another axis.
 
 Source: TorchAO's fp8 rowwise MoE training, torchao/prototype/moe_training/fp8_grouped_mm.py (`_Float8GroupedMM`,
 pytorch/ao): A rowwise and B_t per output column for the forward; grad_output rowwise and B per output column of
@@ -68,56 +71,60 @@ def _quant_impl(impl: str) -> str:
     return "xla" if impl in ("xla", "reference") else "auto"
 
 
-def _rowwise(t: jax.Array, axis: int, impl: str) -> tuple[jax.Array, jax.Array]:
-    """e4m3 along `axis` with power-of-two scales: (t_fp8 shaped like t, scale = t.shape without axis)."""
-    if axis == t.ndim - 1:
-        return qz.quantize(t, axis=axis, dtype=E4M3, pow2_scale=True, impl=_quant_impl(impl))
-    return qz.quantize_reference(t, axis=axis, dtype=E4M3, pow2_scale=True)
+def _rowwise(t: jax.Array, impl: str) -> tuple[jax.Array, jax.Array]:
+    """t (M, C) in e4m3 along its last axis with power-of-two scales: (t_fp8 (M, C), scale (M,))."""
+    return qz.quantize(t, axis=1, dtype=E4M3, pow2_scale=True, impl=_quant_impl(impl))
 
 
 quantize_group_cols = gmm_ops.quantize_group_cols  # t (M, C) -> e4m3 (M, C), per (group, column) scales (E, C)
 
 
 def _forward(x, w, group_sizes, recipe: str, impl: str):
+    """y and the residuals of the backward: (x, w's compute copy) for bf16, (x, (w e4m3 (E, K, N), scales (E, K)))
+    for fp8_rowwise."""
     if recipe == "bf16":
-        return gmm_ops.gmm(x, w.astype(x.dtype), group_sizes, out_dtype=x.dtype, impl=impl)
-    xq, xs = _rowwise(x, 1, impl)  # (M, K), (M,)
-    wq, ws = _rowwise(w, 1, impl)  # (E, K, N) scaled along K, ws (E, N)
-    wq_t = jnp.swapaxes(wq, 1, 2)  # (E, N, K): 8-bit wgmma reads K-major operands only
-    return gmm_ops.gmm(
-        xq, wq_t, group_sizes, transpose_rhs=True, lhs_scale=xs, rhs_scale=ws, out_dtype=x.dtype, impl=impl
+        w_c = w.astype(x.dtype)
+        return gmm_ops.gmm(x, w_c, group_sizes, out_dtype=x.dtype, impl=impl), (x, w_c)
+    xq, xs = _rowwise(x, impl)  # (M, K), (M,)
+    # (E, K, N) scaled along N for grad_x, and the (E, N, K) copy scaled along K that the forward's 8-bit wgmma
+    # reads (K-major operands only), from the same two passes over w, rounded to x.dtype on the way.
+    w_k, (w_n, ws_n) = qz.quantize_dual(w, dtype=E4M3, pow2_scale=True, impl=_quant_impl(impl), round_to=x.dtype)
+    y = gmm_ops.gmm(
+        xq, w_n, group_sizes, transpose_rhs=True, lhs_scale=xs, rhs_scale=ws_n, out_dtype=x.dtype, impl=impl
     )
+    return y, (x, w_k)
 
 
-def _backward(x, w, group_sizes, dy, recipe: str, impl: str):
+def _backward(x, w_res, group_sizes, dy, recipe: str, impl: str, w_dtype):
     if recipe == "bf16":
         dy = dy.astype(x.dtype)
-        dx = gmm_ops.gmm(dy, w.astype(x.dtype), group_sizes, transpose_rhs=True, out_dtype=x.dtype, impl=impl)
-        dw = gmm_ops.tgmm(x, dy, group_sizes, out_dtype=w.dtype, impl=impl)
+        dx = gmm_ops.gmm(dy, w_res, group_sizes, transpose_rhs=True, out_dtype=x.dtype, impl=impl)
+        dw = gmm_ops.tgmm(x, dy, group_sizes, out_dtype=w_dtype, impl=impl)
         return dx, dw
-    dyq, dys = _rowwise(dy, 1, impl)  # (M, N), (M,)
-    wq, ws = _rowwise(w, 2, impl)  # (E, K, N) scaled along N, ws (E, K)
+    wq, ws = w_res  # (E, K, N) scaled along N, ws (E, K): quantized by the forward
+    dyq, dys = _rowwise(dy, impl)  # (M, N), (M,)
     dx = gmm_ops.gmm(
         dyq, wq, group_sizes, transpose_rhs=True, lhs_scale=dys, rhs_scale=ws, out_dtype=x.dtype, impl=impl
     )
     # x and dy in e4m3 per (group, column), cast straight into the kernel's token layout where it runs
-    dw = gmm_ops.tgmm_fp8_rowwise(x, dy, group_sizes, out_dtype=w.dtype, impl=impl)
+    dw = gmm_ops.tgmm_fp8_rowwise(x, dy, group_sizes, out_dtype=w_dtype, impl=impl)
     return dx, dw
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
 def _grouped_linear(x, w, group_sizes, recipe, impl):
-    return _forward(x, w, group_sizes, recipe, impl)
+    return _forward(x, w, group_sizes, recipe, impl)[0]
 
 
 def _grouped_linear_fwd(x, w, group_sizes, recipe, impl):
-    return _forward(x, w, group_sizes, recipe, impl), (x, w, group_sizes)
+    y, (x_res, w_res) = _forward(x, w, group_sizes, recipe, impl)
+    return y, (x_res, w_res, group_sizes, jnp.zeros((0,), w.dtype))  # the empty array carries w's dtype
 
 
 def _grouped_linear_bwd(recipe, impl, res, dy):
-    x, w, group_sizes = res
-    dx, dw = _backward(x, w, group_sizes, dy, recipe, impl)
-    return dx.astype(x.dtype), dw.astype(w.dtype), None
+    x, w_res, group_sizes, w_tag = res
+    dx, dw = _backward(x, w_res, group_sizes, dy, recipe, impl, w_tag.dtype)
+    return dx.astype(x.dtype), dw.astype(w_tag.dtype), None
 
 
 _grouped_linear.defvjp(_grouped_linear_fwd, _grouped_linear_bwd)

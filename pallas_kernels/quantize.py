@@ -16,11 +16,13 @@ _round_scale_down_to_power_of_2); the scale is used as the reciprocal passed to 
 Layouts. An fp8 GEMM operand must be K-major (the contraction axis last). `quantize` keeps x's layout;
 `quantize_t` scales a 2-D x along axis 0 and writes the transposed (C, R) copy the backward GEMMs need;
 `quantize_dual` produces both (rowwise along axis 1 as (R, C), rowwise along axis 0 as (C, R)) from the same reads
-of x, which is what the rowwise recipe needs for every tensor (x, w and the output gradient).
+of x, which is what the rowwise recipe needs for every tensor (x, w and the output gradient). It also takes a batch
+of matrices (B, R, C), each entry scaled on its own: the MoE experts' weights (E, K, N), whose forward GEMM wants
+(E, N, K) scaled per (e, n) and whose grad-input GEMM wants (E, K, N) scaled per (e, k).
 
 Implementations. The jnp reference is also the "xla" path: XLA fuses it (an amax reduction fusion, then a cast
-fusion with the transpose folded in). The Pallas kernels (Mosaic-GPU, one CTA per tile) take a 2-D x whose dims are
-multiples of the tiles: pass 1 reads each (64, 128) tile once and max-reduces it into per-row and per-column amax
+fusion with the transpose folded in). The Pallas kernels (Mosaic-GPU, one CTA per tile) take a 2-D x (or a batch
+of them) whose dims are multiples of the tiles: pass 1 reads each (64, 128) tile once and max-reduces it into per-row and per-column amax
 partials (a tiny XLA max finishes them; the column maxima are taken as row maxima of the transposed SMEM view, see
 `_amax_kernel`); pass 2 reads each tile again and writes the fp8 tile and/or its transpose,
 the transposed tile read through a transposed SMEM view (which Mosaic-GPU lowers for 16-bit x only). Bytes per
@@ -71,6 +73,16 @@ def amax_to_scales(amax: jax.Array, dtype, pow2_scale: bool) -> tuple[jax.Array,
     return q, 1.0 / q
 
 
+def rounded(x: jax.Array, dtype) -> jax.Array:
+    """x rounded to a narrower float dtype (x.astype(dtype)), spelled so that XLA keeps the rounding: on GPU its
+    excess-precision rewrite removes a convert round trip (f32 -> bf16 -> f32) and would quantize the f32 values
+    instead (about 4% of e4m3 values one step apart, from double rounding at bf16 ties). reduce_precision stays."""
+    if jnp.finfo(x.dtype).bits > jnp.finfo(dtype).bits:
+        fi = jnp.finfo(dtype)
+        x = lax.reduce_precision(x, exponent_bits=fi.nexp, mantissa_bits=fi.nmant)
+    return x.astype(dtype)
+
+
 def _cast(x: jax.Array, q: jax.Array, dtype) -> jax.Array:
     f = fp8_max(dtype)
     return jnp.clip(x.astype(jnp.float32) * q, -f, f).astype(dtype)
@@ -113,14 +125,15 @@ def quantize_dual_reference(
 ) -> tuple[tuple[jax.Array, jax.Array], tuple[jax.Array, jax.Array]]:
     """x (R, C) -> ((x_fp8 (R, C) along axis 1, scale (R,)), (x_fp8ᵀ (C, R) along axis 0, scale (C,))).
 
+    A batch x (B, R, C), rowwise only: the same for each entry, ((B, R, C), (B, R)), ((B, C, R), (B, C)).
     Tensorwise: one amax; the second pair is the transpose of the first with the same scalar scale.
     """
     if scaling == "tensorwise":
         x_fp8, scale = quantize_reference(x, axis=0, dtype=dtype, scaling="tensorwise", pow2_scale=pow2_scale)
         return (x_fp8, scale), (x_fp8.T, scale)
-    rows = quantize_reference(x, axis=1, dtype=dtype, pow2_scale=pow2_scale)
-    cols = quantize_t_reference(x, dtype=dtype, pow2_scale=pow2_scale)
-    return rows, cols
+    rows = quantize_reference(x, axis=-1, dtype=dtype, pow2_scale=pow2_scale)
+    cols_fp8, cols_scale = quantize_reference(x, axis=-2, dtype=dtype, pow2_scale=pow2_scale)
+    return rows, (jnp.swapaxes(cols_fp8, -1, -2), cols_scale)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -150,8 +163,26 @@ def _compiler_params():
     return plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup)
 
 
+def _staged(x_smem, stage_smem: list):
+    """The tile to read: x_smem itself, or (an f32 tile with a 16-bit `round_to`) its rounded copy, written to the
+    16-bit staging tile and made visible to the whole warpgroup (commit_smem ends in a warpgroup barrier)."""
+    if not stage_smem:
+        return x_smem
+    (stage,) = stage_smem
+    stage[...] = x_smem[...].astype(stage.dtype)
+    plgpu.commit_smem()
+    return stage
+
+
+def _stage_scratch(x_dtype, round_to, shape) -> list:
+    if round_to is None or jnp.dtype(round_to) == jnp.dtype(x_dtype):
+        return []
+    return [plgpu.SMEM(shape, round_to, transforms=_smem_transforms(shape[1], round_to))]
+
+
 def _amax_kernel(x_gmem, *refs, want_rows: bool, want_cols: bool, bm: int, bn: int):
-    """One (bm, bn) tile of |x|: its row maxima -> rows_part[j, i*bm:(i+1)*bm], column maxima -> cols_part[i, ...].
+    """One (bm, bn) tile of |x[b]|: its row maxima -> rows_part[b, j, i*bm:(i+1)*bm], column maxima ->
+    cols_part[b, i, j*bn:(j+1)*bn].
 
     The column maxima are the row maxima of the tile read through its transposed SMEM view (16-bit x, which every
     transposed cast needs anyway): a row of the register tile lives in one warp's quad, so its max is a few
@@ -159,31 +190,34 @@ def _amax_kernel(x_gmem, *refs, want_rows: bool, want_cols: bool, bm: int, bn: i
     pass at ~1.6 TB/s, under half the cast pass's ~3.7 (RESULTS.md, seventh pass).
     """
     outs = list(refs[: want_rows + want_cols])
-    x_smem, rows_smem, cols_smem, barrier = refs[want_rows + want_cols :]
-    i, j = lax.axis_index("i"), lax.axis_index("j")
-    plgpu.copy_gmem_to_smem(x_gmem.at[pl.ds(i * bm, bm), pl.ds(j * bn, bn)], x_smem, barrier)
+    x_smem, rows_smem, cols_smem, barrier, *stage_smem = refs[want_rows + want_cols :]
+    i, j, b = lax.axis_index("i"), lax.axis_index("j"), lax.axis_index("b")
+    plgpu.copy_gmem_to_smem(x_gmem.at[b, pl.ds(i * bm, bm), pl.ds(j * bn, bn)], x_smem, barrier)
     plgpu.barrier_wait(barrier)
+    x_smem = _staged(x_smem, stage_smem)
     if want_rows:
         rows_smem[...] = jnp.max(jnp.abs(x_smem[...].astype(jnp.float32)), axis=1)  # (bm,)
     if want_cols:
         cols_smem[...] = jnp.max(jnp.abs(x_smem.T[...].astype(jnp.float32)), axis=1)  # (bn,)
     plgpu.commit_smem()
     if want_rows:
-        plgpu.copy_smem_to_gmem(rows_smem, outs.pop(0).at[j, pl.ds(i * bm, bm)])
+        plgpu.copy_smem_to_gmem(rows_smem, outs.pop(0).at[b, j, pl.ds(i * bm, bm)])
     if want_cols:
-        plgpu.copy_smem_to_gmem(cols_smem, outs.pop(0).at[i, pl.ds(j * bn, bn)])
+        plgpu.copy_smem_to_gmem(cols_smem, outs.pop(0).at[b, i, pl.ds(j * bn, bn)])
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-def _amax_pallas(x, *, want_rows: bool, want_cols: bool, config: CastConfig, interpret):
-    """x (R, C) -> row amax (R,) and/or column amax (C,), f32: per-tile partials in Pallas, a tiny max in XLA."""
-    r, c = x.shape
+def _amax_pallas(x, *, want_rows: bool, want_cols: bool, config: CastConfig, interpret, round_to=None):
+    """x (B, R, C) -> row amax (B, R) and/or column amax (B, C), f32: per-tile partials in Pallas, a tiny max in
+    XLA. Each batch entry is its own matrix (an expert's weight): a column's amax never crosses entries. With
+    `round_to` (16-bit, x f32), the maxima of x rounded to it."""
+    nb, r, c = x.shape
     bm, bn = config.amax_bm, config.amax_bn
     out_type = []
     if want_rows:
-        out_type.append(jax.ShapeDtypeStruct((c // bn, r), jnp.float32))
+        out_type.append(jax.ShapeDtypeStruct((nb, c // bn, r), jnp.float32))
     if want_cols:
-        out_type.append(jax.ShapeDtypeStruct((r // bm, c), jnp.float32))
+        out_type.append(jax.ShapeDtypeStruct((nb, r // bm, c), jnp.float32))
     parts = plgpu.kernel(
         functools.partial(_amax_kernel, want_rows=want_rows, want_cols=want_cols, bm=bm, bn=bn),
         out_type=tuple(out_type),
@@ -192,30 +226,33 @@ def _amax_pallas(x, *, want_rows: bool, want_cols: bool, config: CastConfig, int
             plgpu.SMEM((bm,), jnp.float32),
             plgpu.SMEM((bn,), jnp.float32),
             plgpu.Barrier(),
+            *_stage_scratch(x.dtype, round_to, (bm, bn)),
         ],
-        grid=(r // bm, c // bn),
-        grid_names=("i", "j"),
+        grid=(r // bm, c // bn, nb),
+        grid_names=("i", "j", "b"),
         compiler_params=_compiler_params(),
         interpret=interpret,
     )(x)
-    return tuple(jnp.max(p, axis=0) for p in parts)
+    return tuple(jnp.max(p, axis=1) for p in parts)
 
 
 def _cast_kernel(x_gmem, *refs, want_rows: bool, want_cols: bool, bm: int, bn: int, dtype):
-    """One (bm, bn) tile: rows output x*q_row cast (bm, bn) at [i, j]; cols output (x*q_col)ᵀ (bn, bm) at [j, i]."""
+    """One (bm, bn) tile of x[b]: rows output x*q_row cast (bm, bn) at [b, i, j]; cols output (x*q_col)ᵀ (bn, bm)
+    at [b, j, i]."""
     n_in, n_out = want_rows + want_cols, want_rows + want_cols
     q_refs, out_refs = list(refs[:n_in]), list(refs[n_in : n_in + n_out])
-    x_smem, q_row_smem, q_col_smem, o_smem, ot_smem, barrier = refs[n_in + n_out :]
-    i, j = lax.axis_index("i"), lax.axis_index("j")
+    x_smem, q_row_smem, q_col_smem, o_smem, ot_smem, barrier, *stage_smem = refs[n_in + n_out :]
+    i, j, b = lax.axis_index("i"), lax.axis_index("j"), lax.axis_index("b")
     f = fp8_max(dtype)
-    plgpu.copy_gmem_to_smem(x_gmem.at[pl.ds(i * bm, bm), pl.ds(j * bn, bn)], x_smem, barrier)
+    plgpu.copy_gmem_to_smem(x_gmem.at[b, pl.ds(i * bm, bm), pl.ds(j * bn, bn)], x_smem, barrier)
     if want_rows:
-        plgpu.copy_gmem_to_smem(q_refs.pop(0).at[pl.ds(i * bm, bm)], q_row_smem, barrier)
+        plgpu.copy_gmem_to_smem(q_refs.pop(0).at[b, pl.ds(i * bm, bm)], q_row_smem, barrier)
     if want_cols:
-        q_col = q_refs.pop(0)  # (C,), or (R // bm, C): one set of column multipliers per row tile
-        q_col = q_col.at[pl.ds(j * bn, bn)] if len(q_col.shape) == 1 else q_col.at[i, pl.ds(j * bn, bn)]
+        q_col = q_refs.pop(0)  # (B, C), or (B, R // bm, C): one set of column multipliers per row tile
+        q_col = q_col.at[b, pl.ds(j * bn, bn)] if len(q_col.shape) == 2 else q_col.at[b, i, pl.ds(j * bn, bn)]
         plgpu.copy_gmem_to_smem(q_col, q_col_smem, barrier)
     plgpu.barrier_wait(barrier)
+    x_smem = _staged(x_smem, stage_smem)
     if want_rows:
         x = x_smem[...].astype(jnp.float32)  # (bm, bn)
         y = x * lax.broadcast_in_dim(q_row_smem[...], x.shape, [0])
@@ -226,24 +263,30 @@ def _cast_kernel(x_gmem, *refs, want_rows: bool, want_cols: bool, bm: int, bn: i
         ot_smem[...] = jnp.clip(yt, -f, f).astype(dtype)
     plgpu.commit_smem()
     if want_rows:
-        plgpu.copy_smem_to_gmem(o_smem, out_refs.pop(0).at[pl.ds(i * bm, bm), pl.ds(j * bn, bn)])
+        plgpu.copy_smem_to_gmem(o_smem, out_refs.pop(0).at[b, pl.ds(i * bm, bm), pl.ds(j * bn, bn)])
     if want_cols:
-        plgpu.copy_smem_to_gmem(ot_smem, out_refs.pop(0).at[pl.ds(j * bn, bn), pl.ds(i * bm, bm)])
+        plgpu.copy_smem_to_gmem(ot_smem, out_refs.pop(0).at[b, pl.ds(j * bn, bn), pl.ds(i * bm, bm)])
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-def _cast_pallas(x, q_row, q_col, *, dtype, config: CastConfig, interpret):
-    """x (R, C), q_row (R,) | None, q_col (C,) | (R // cast_bm, C) | None -> [x*q_row as (R, C) fp8],
-    [(x*q_col)ᵀ as (C, R) fp8]; a 2-D q_col gives each tile of cast_bm rows its own column multipliers."""
-    r, c = x.shape
+def _cast_pallas(x, q_row, q_col, *, dtype, config: CastConfig, interpret, round_to=None):
+    """x (R, C) or (B, R, C); q_row (R,) | (B, R) | None; q_col (C,) | (B, C), or per row tile (R // cast_bm, C) |
+    (B, R // cast_bm, C), | None -> [x*q_row as (R, C) fp8], [(x*q_col)ᵀ as (C, R) fp8] (each with the leading B
+    of a 3-D x): a per-row-tile q_col gives each tile of cast_bm rows its own column multipliers. With `round_to`
+    (16-bit, x f32) x is rounded to it in SMEM first."""
+    batched = x.ndim == 3
+    if not batched:
+        x = x[None]
+        q_row, q_col = (None if q is None else q[None] for q in (q_row, q_col))
+    nb, r, c = x.shape
     bm, bn = config.cast_bm, config.cast_bn
     want_rows, want_cols = q_row is not None, q_col is not None
     out_type = []
     if want_rows:
-        out_type.append(jax.ShapeDtypeStruct((r, c), dtype))
+        out_type.append(jax.ShapeDtypeStruct((nb, r, c), dtype))
     if want_cols:
-        out_type.append(jax.ShapeDtypeStruct((c, r), dtype))
-    return plgpu.kernel(
+        out_type.append(jax.ShapeDtypeStruct((nb, c, r), dtype))
+    outs = plgpu.kernel(
         functools.partial(
             _cast_kernel, want_rows=want_rows, want_cols=want_cols, bm=bm, bn=bn, dtype=jnp.dtype(dtype)
         ),
@@ -255,60 +298,72 @@ def _cast_pallas(x, q_row, q_col, *, dtype, config: CastConfig, interpret):
             plgpu.SMEM((bm, bn), dtype, transforms=_smem_transforms(bn, dtype)),
             plgpu.SMEM((bn, bm), dtype, transforms=_smem_transforms(bm, dtype)),
             plgpu.Barrier(num_arrivals=1 + want_rows + want_cols),
+            *_stage_scratch(x.dtype, round_to, (bm, bn)),
         ],
-        grid=(r // bm, c // bn),
-        grid_names=("i", "j"),
+        grid=(r // bm, c // bn, nb),
+        grid_names=("i", "j", "b"),
         compiler_params=_compiler_params(),
         interpret=interpret,
     )(x, *[q for q in (q_row, q_col) if q is not None])
+    return tuple(outs) if batched else tuple(o[0] for o in outs)
 
 
 def pallas_cover(
-    shape: tuple[int, ...], x_dtype, *, transposed: bool, config: CastConfig = DEFAULT_CAST_CONFIG
+    shape: tuple[int, ...], x_dtype, *, transposed: bool, config: CastConfig = DEFAULT_CAST_CONFIG, round_to=None
 ) -> str | None:
-    """None when the Pallas cast kernels take a 2-D x of this shape and dtype, else the reason.
+    """None when the Pallas cast kernels take an x (R, C) or a batch of them (B, R, C) of this shape and dtype,
+    else the reason.
 
     `transposed`: a (C, R) output is wanted; it is read through a transposed SMEM view, which Mosaic-GPU lowers
-    for 16-bit tiles only (an f32 tile fails layout inference on jax 0.11.2).
+    for 16-bit tiles only (an f32 tile fails layout inference on jax 0.11.2), so an f32 x needs a 16-bit
+    `round_to`: the kernels then round each tile into a 16-bit SMEM copy and read that.
     """
-    if len(shape) != 2:
-        return f"x must be 2-D, got shape {shape}"
+    if len(shape) not in (2, 3):
+        return f"x must be 2-D or 3-D, got shape {shape}"
     if jnp.dtype(x_dtype) not in _HP_DTYPES:
         return f"x must be bf16, f16 or f32, got {jnp.dtype(x_dtype)}"
-    if transposed and jnp.dtype(x_dtype).itemsize != 2:
-        return f"a transposed output needs a 16-bit x, got {jnp.dtype(x_dtype)}"
+    if round_to is not None and jnp.dtype(round_to) not in _HP_DTYPES[:2]:
+        return f"round_to must be bf16 or f16, got {jnp.dtype(round_to)}"
+    if transposed and jnp.dtype(x_dtype).itemsize != 2 and round_to is None:
+        return f"a transposed output needs a 16-bit x (or a 16-bit round_to), got {jnp.dtype(x_dtype)}"
     tile_r, tile_c = math.lcm(config.amax_bm, config.cast_bm), math.lcm(config.amax_bn, config.cast_bn)
-    if shape[0] % tile_r or shape[1] % tile_c:
-        return f"x shape {shape} must be a multiple of ({tile_r}, {tile_c})"
+    if shape[-2] % tile_r or shape[-1] % tile_c:
+        return f"x shape {shape} must be a multiple of ({tile_r}, {tile_c}) in its last two dims"
     return None
 
 
-@device.lowered_once(('rows', 'cols', 'dtype', 'scaling', 'pow2_scale', 'config', 'interpret'))
-def _pallas_quantize(x, *, rows: bool, cols: bool, dtype, scaling, pow2_scale, config, interpret):
-    """Both passes. Returns [(x_fp8 (R, C), scale)] for rows and/or [(x_fp8ᵀ (C, R), scale)] for cols."""
-    if (reason := pallas_cover(x.shape, x.dtype, transposed=cols, config=config)) is not None:
+@device.lowered_once(('rows', 'cols', 'dtype', 'scaling', 'pow2_scale', 'config', 'interpret', 'round_to'))
+def _pallas_quantize(x, *, rows: bool, cols: bool, dtype, scaling, pow2_scale, config, interpret, round_to=None):
+    """Both passes. Returns [(x_fp8 (R, C), scale)] for rows and/or [(x_fp8ᵀ (C, R), scale)] for cols; for a
+    batch x (B, R, C) (rowwise only) each entry is its own matrix: (B, R, C) with (B, R), (B, C, R) with (B, C).
+    With `round_to`, of x rounded to that 16-bit dtype (in SMEM, no rounded copy of x in HBM)."""
+    if (reason := pallas_cover(x.shape, x.dtype, transposed=cols, config=config, round_to=round_to)) is not None:
         raise NotImplementedError(f"quantize (pallas): {reason}")
-    r, c = x.shape
+    rt = dict(round_to=round_to)
+    batched = x.ndim == 3
+    x = x if batched else x[None]
+    nb, r, c = x.shape
     if scaling == "tensorwise":
-        (row_amax,) = _amax_pallas(x, want_rows=True, want_cols=False, config=config, interpret=interpret)
+        assert not batched, "tensorwise scaling of a batch has no per-entry meaning; flatten it"
+        (row_amax,) = _amax_pallas(x, want_rows=True, want_cols=False, config=config, interpret=interpret, **rt)
         q, scale = amax_to_scales(jnp.max(row_amax), dtype, pow2_scale)
-        q_row = jnp.broadcast_to(q, (r,)) if rows else None
-        q_col = jnp.broadcast_to(q, (c,)) if cols else None
-        outs = _cast_pallas(x, q_row, q_col, dtype=dtype, config=config, interpret=interpret)
-        return [(o, scale) for o in outs]
-    amaxes = list(_amax_pallas(x, want_rows=rows, want_cols=cols, config=config, interpret=interpret))
+        q_row = jnp.broadcast_to(q, (1, r)) if rows else None
+        q_col = jnp.broadcast_to(q, (1, c)) if cols else None
+        outs = _cast_pallas(x, q_row, q_col, dtype=dtype, config=config, interpret=interpret, **rt)
+        return [(o[0], scale) for o in outs]
+    amaxes = list(_amax_pallas(x, want_rows=rows, want_cols=cols, config=config, interpret=interpret, **rt))
     q_row = s_row = q_col = s_col = None
     if rows:
         q_row, s_row = amax_to_scales(amaxes.pop(0), dtype, pow2_scale)
     if cols:
         q_col, s_col = amax_to_scales(amaxes.pop(0), dtype, pow2_scale)
-    outs = list(_cast_pallas(x, q_row, q_col, dtype=dtype, config=config, interpret=interpret))
+    outs = list(_cast_pallas(x, q_row, q_col, dtype=dtype, config=config, interpret=interpret, **rt))
     result = []
     if rows:
         result.append((outs.pop(0), s_row))
     if cols:
         result.append((outs.pop(0), s_col))
-    return result
+    return result if batched else [(o[0], s[0]) for o, s in result]
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -324,14 +379,14 @@ def _pallas_quantize(x, *, rows: bool, cols: bool, dtype, scaling, pow2_scale, c
 AUTO_PALLAS = {"rows": True, "cols_t": False, "dual": True}
 
 
-def _use_pallas(variant: str, impl: Impl, shape, x_dtype, config: CastConfig) -> bool:
+def _use_pallas(variant: str, impl: Impl, shape, x_dtype, config: CastConfig, round_to=None) -> bool:
     if impl == "pallas":
         return True
     if impl != "auto" or not AUTO_PALLAS[variant]:
         return False
     if not device.kernels_apply():
         return False
-    return pallas_cover(shape, x_dtype, transposed=variant != "rows", config=config) is None
+    return pallas_cover(shape, x_dtype, transposed=variant != "rows", config=config, round_to=round_to) is None
 
 
 def quantize(
@@ -399,15 +454,28 @@ def quantize_dual(
     impl: Impl = "auto",
     config: CastConfig = DEFAULT_CAST_CONFIG,
     interpret=None,
+    round_to=None,
 ) -> tuple[tuple[jax.Array, jax.Array], tuple[jax.Array, jax.Array]]:
-    """x (R, C) -> ((x_fp8 (R, C) along axis 1, scale), (x_fp8ᵀ (C, R) along axis 0, scale)) from one read of x."""
-    if x.ndim != 2:
-        raise ValueError(f"quantize_dual: `x` must be 2-D, got shape {x.shape} dtype {x.dtype}")
+    """x (R, C) -> ((x_fp8 (R, C) along axis 1, scale), (x_fp8ᵀ (C, R) along axis 0, scale)) from one read of x.
+
+    x may be a batch of matrices (B, R, C) (the experts' weights), rowwise only: each entry is quantized on its
+    own, ((B, R, C), (B, R)), ((B, C, R), (B, C)). `round_to` (bf16 or f16): quantize `rounded(x, round_to)`,
+    the compute copy of an f32 master weight, bit for bit; the kernels round each f32 tile in SMEM, so the copy
+    is never written to HBM (per element 4 + 4+1+1 bytes instead of 4+2 for the copy, then 2 + 2+1+1)."""
+    if x.ndim not in (2, 3) or (x.ndim == 3 and scaling != "rowwise"):
+        raise ValueError(
+            f"quantize_dual: `x` must be 2-D, or 3-D with rowwise scaling, got shape {x.shape} dtype {x.dtype} "
+            f"with scaling={scaling!r}"
+        )
     _check(x, 0, dtype, scaling, "quantize_dual")
-    if _use_pallas("dual", impl, x.shape, x.dtype, config):
+    if round_to is not None and jnp.dtype(x.dtype).itemsize <= jnp.dtype(round_to).itemsize:
+        x, round_to = x.astype(round_to), None  # nothing to round away
+    if _use_pallas("dual", impl, x.shape, x.dtype, config, round_to):
         rows, cols = _pallas_quantize(
             x, rows=True, cols=True, dtype=dtype, scaling=scaling, pow2_scale=pow2_scale, config=config,
-            interpret=interpret,
+            interpret=interpret, round_to=None if round_to is None else jnp.dtype(round_to),
         )
         return rows, cols
+    if round_to is not None:
+        x = rounded(x, round_to)
     return quantize_dual_reference(x, dtype=dtype, scaling=scaling, pow2_scale=pow2_scale)

@@ -82,6 +82,16 @@ def test_fp8_recipe_xla_matches_reference_gemms():
         np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), **SAME_OPERANDS_TOL)
 
 
+@pytest.mark.parametrize("impl", ["xla", "reference"])
+def test_fp8_quantizes_the_weights_compute_copy(impl):
+    """fp8_rowwise quantizes w.astype(x.dtype): f32 master weights give the same y, bit for bit, as their bf16 copy
+    (on GPU XLA would otherwise drop the f32 -> bf16 -> f32 round trip and quantize the f32 values)."""
+    x, w, _ = _inputs(7)
+    sizes = jnp.asarray(SIZES, jnp.int32)
+    f = jax.jit(lambda x, w: grouped_linear(x, w, sizes, recipe="fp8_rowwise", impl=impl))
+    np.testing.assert_array_equal(np.asarray(f(x, w), np.float32), np.asarray(f(x, w.astype(x.dtype)), np.float32))
+
+
 def test_group_column_scales():
     x, _, _ = _inputs(2)
     sizes = jnp.asarray(SIZES, jnp.int32)

@@ -25,8 +25,11 @@ def _interpreter():
 
 
 def sample(key, shape, dtype=jnp.bfloat16):
-    """Normal data with column-dependent magnitudes, a zero row, a zero column and a large outlier."""
+    """Normal data with column-dependent magnitudes, a zero row, a zero column and a large outlier; a 3-D batch's
+    entries also differ in magnitude (16x apart), so an amax taken across entries changes the scales."""
     x = jax.random.normal(key, shape) * jnp.logspace(-3, 3, shape[-1])
+    if len(shape) == 3:
+        x = x * (16.0 ** jnp.arange(shape[0]))[:, None, None]
     x = x.at[1].set(0.0).at[:, 2].set(0.0).at[4, 5].set(3e4)
     return x.astype(dtype)
 
@@ -90,6 +93,9 @@ PALLAS_CASES = [
     ("dual", (128, 256), jnp.bfloat16, E5M2, "tensorwise", False),
     ("t", (384, 128), jnp.bfloat16, E4M3, "rowwise", False),
     ("rows", (2, 128, 256), jnp.float32, E5M2, "rowwise", True),
+    ("dual", (3, 128, 256), jnp.bfloat16, E4M3, "rowwise", True),  # a batch: the experts' weights (E, K, N)
+    ("dual_bf16", (3, 128, 256), jnp.float32, E4M3, "rowwise", True),  # f32 master weights, rounded in SMEM
+    ("dual_bf16", (128, 384), jnp.float32, E5M2, "rowwise", False),
 ]
 
 
@@ -101,6 +107,10 @@ def test_pallas_interpreted_is_bit_exact(fn, shape, x_dtype, dtype, scaling, pow
     if fn == "dual":
         got = qz.quantize_dual(x, impl="pallas", interpret=ip, **kw)
         want = qz.quantize_dual_reference(x, **kw)
+    elif fn == "dual_bf16":  # the same function as quantizing x's bf16 copy
+        got = qz.quantize_dual(x, impl="pallas", interpret=ip, round_to=jnp.bfloat16, **kw)
+        want = qz.quantize_dual_reference(x.astype(jnp.bfloat16), **kw)
+        assert same(got[1][0], qz.quantize_dual(x, impl="xla", round_to=jnp.bfloat16, **kw)[1][0])
     elif fn == "t":
         got = qz.quantize_t(x, impl="pallas", interpret=ip, **kw)
         want = qz.quantize_t_reference(x, **kw)
@@ -117,6 +127,8 @@ def test_cover_and_fallback():
     x32 = sample(jax.random.key(2), (128, 256), jnp.float32)
     with pytest.raises(NotImplementedError, match="16-bit"):
         qz.quantize_t(x32, dtype=E4M3, impl="pallas")  # transposed SMEM reads lower for 16-bit tiles only
+    with pytest.raises(NotImplementedError, match="16-bit"):
+        qz.quantize_dual(x32, dtype=E4M3, impl="pallas")  # f32 dual needs round_to (a 16-bit copy in SMEM)
     with pytest.raises(NotImplementedError, match="must be a multiple of"):
         qz.quantize_dual(sample(jax.random.key(3), (96, 256)), dtype=E4M3, impl="pallas")
     with pytest.raises(NotImplementedError, match="last axis"):
@@ -134,18 +146,23 @@ def test_bad_arguments_name_the_argument():
     with pytest.raises(ValueError, match="`axis`"):
         qz.quantize(x, axis=2, dtype=E4M3)
     with pytest.raises(ValueError, match="`x`.*2-D"):
-        qz.quantize_dual(x[None], dtype=E4M3)
+        qz.quantize_dual(x[None, None], dtype=E4M3)
+    with pytest.raises(ValueError, match="3-D with rowwise"):
+        qz.quantize_dual(x[None], dtype=E4M3, scaling="tensorwise")
 
 
 H200 = AbstractMesh((), (), abstract_device=AbstractDevice(device_kind="NVIDIA H200", platform="gpu", num_cores=132))
 
 
 @pytest.mark.skipif(compat.JAX_VERSION < (0, 11, 0), reason="checks the GPU image's jax (0.11) Mosaic-GPU lowering")
-@pytest.mark.parametrize("fn", ["dual", "t", "rows"])
+@pytest.mark.parametrize("fn", ["dual", "t", "rows", "dual_batch", "dual_f32"])
 def test_lowers_for_h200(fn):
-    x = jax.ShapeDtypeStruct((8192, 14336), jnp.bfloat16)
+    shape = (8, 4096, 14336) if fn in ("dual_batch", "dual_f32") else (8192, 14336)
+    x = jax.ShapeDtypeStruct(shape, jnp.float32 if fn == "dual_f32" else jnp.bfloat16)
     f = {
+        "dual_f32": lambda x: qz.quantize_dual(x, dtype=E4M3, pow2_scale=True, impl="pallas", round_to=jnp.bfloat16),
         "dual": lambda x: qz.quantize_dual(x, dtype=E4M3, pow2_scale=True, impl="pallas"),
+        "dual_batch": lambda x: qz.quantize_dual(x, dtype=E4M3, pow2_scale=True, impl="pallas"),
         "t": lambda x: qz.quantize_t(x, dtype=E5M2, scaling="tensorwise", impl="pallas"),
         "rows": lambda x: qz.quantize(x.astype(jnp.float32), axis=1, dtype=E4M3, impl="pallas"),
     }[fn]
@@ -175,3 +192,15 @@ def test_gpu_pallas_matches_xla_bit_exact(shape, scaling, dtype, pow2):
                 # A free f32 scale 1 / (F / amax) may differ in its last bit: XLA simplifies the division chain
                 # differently in the two programs (seen: 0.52232146 vs 0.5223214). The payloads above use q itself.
                 assert np.max(np.abs(np.asarray(g).view(np.int32) - np.asarray(w).view(np.int32))) <= 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(8, 4096, 14336), (64, 1408, 2048)])  # Mixtral's and DeepSeekMoE's experts
+def test_gpu_batched_dual_matches_xla_bit_exact(shape):
+    x = sample(jax.random.key(6), shape, jnp.float32)  # f32 master weights, quantized from their bf16 copy
+    kw = dict(dtype=E4M3, pow2_scale=True)
+    for x_in, rt in ((x.astype(jnp.bfloat16), None), (x, jnp.bfloat16)):
+        got = qz.quantize_dual(x_in, impl="pallas", round_to=rt, **kw)
+        want = qz.quantize_dual(x_in, impl="xla", round_to=rt, **kw)
+        for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+            assert g.shape == w.shape and same(g, w)
