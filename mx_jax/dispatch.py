@@ -48,6 +48,7 @@ from pallas_kernels.all_to_all import all_to_all
 
 
 ROW_MULTIPLE = 256
+FP8_GROUP_ALIGN = 64  # the fp8 transposed cast's row tile: expert rows padded to it are cast in place
 
 
 @jax.custom_vjp
@@ -83,35 +84,53 @@ class ExpertFFN:
     w_down: jax.Array
     recipe: str
     impl: str
+    group_align: int | None = None  # None: 64 for fp8_rowwise, 1 otherwise (see __call__)
 
     @property
     def n_local(self) -> int:
         return self.w_gate.shape[0]
+
+    @property
+    def align(self) -> int:
+        if self.group_align is not None:
+            return self.group_align
+        return FP8_GROUP_ALIGN if self.recipe == "fp8_rowwise" else 1
 
     def __call__(self, rows: jax.Array, local_expert: jax.Array, fan_out: int = 1) -> jax.Array:
         """Row a of the result is Expert_{local_expert[a]}(rows[a // fan_out]), zero where local_expert[a] = E_l
         (padding, dropped). rows (S, D), local_expert (S fan_out,) in [0, E_l] -> (S fan_out, D).
 
         The rows are sorted by expert with gathers only (`take_rows`): in by source row, out by sorted position,
-        and the backward likewise, so no (S fan_out, D) copy of the repeated rows and no scatter is ever made."""
-        e = self.n_local
+        and the backward likewise, so no (S fan_out, D) copy of the repeated rows and no scatter is ever made.
+        With `align` > 1 each expert's rows are padded with zero rows to a multiple of it (at most align - 1 per
+        expert), so that the fp8 grad-weight casts read every expert's rows in place (`grouped_linear`'s
+        group_align); the padding rows compute zeros and get no gradient."""
+        e, a = self.n_local, self.align
         s, r = rows.shape[0], local_expert.shape[0]
         if r != s * fan_out:
             raise ValueError(f"ExpertFFN: {r} expert ids for {s} rows x fan_out {fan_out}")
-        r_pad = r + (-r % ROW_MULTIPLE)  # the grouped-GEMM kernels tile rows by up to 256; padding rows output zero
+        r_pad = r + e * (a - 1)  # room for every expert's padding rows
+        r_pad += -r_pad % ROW_MULTIPLE  # the grouped-GEMM kernels tile rows by up to 256; the tail outputs zero
+        counts = jnp.bincount(local_expert, length=e + 1)[:e].astype(jnp.int32)
+        sizes = counts + (-counts % a)  # a multiple of `a`, the excess zero rows
+        # position of each assignment: its expert's (padded) start + its rank among that expert's assignments
         ids = jnp.concatenate([local_expert, jnp.full((r_pad - r,), e, local_expert.dtype)])
-        order = jnp.argsort(ids, stable=True).astype(jnp.int32)  # sorted position -> assignment (>= r: padding)
-        pos = jnp.zeros((r_pad,), jnp.int32).at[order].set(jnp.arange(r_pad, dtype=jnp.int32))[:r]  # its inverse
-        sizes = jnp.bincount(local_expert, length=e + 1)[:e].astype(jnp.int32)
-        real = order < r
-        xs = take_rows(rows, jnp.where(real, order // fan_out, 0), pos.reshape(s, fan_out))
+        order = jnp.argsort(ids, stable=True).astype(jnp.int32)  # sorted -> assignment (>= r: the tail)
+        rank = jnp.zeros((r_pad,), jnp.int32).at[order].set(jnp.arange(r_pad, dtype=jnp.int32))[:r]
+        shift = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(sizes - counts)])  # padding before expert
+        pos = rank + shift[local_expert]  # assignment -> row of the expert layout
+        src = jnp.full((r_pad,), r, jnp.int32).at[pos].set(jnp.arange(r, dtype=jnp.int32))  # row -> assignment
+        real = src < r
+        xs = take_rows(rows, jnp.where(real, src // fan_out, 0), pos.reshape(s, fan_out))
+        if a > 1:
+            xs = jnp.where(real[:, None], xs, jnp.zeros((), xs.dtype))  # padding rows inside a group must be zero
 
-        def gl(a, w):
-            return grouped_linear.grouped_linear(a, w, sizes, recipe=self.recipe, impl=self.impl)
+        def gl(a_, w):
+            return grouped_linear.grouped_linear(a_, w, sizes, recipe=self.recipe, impl=self.impl, group_align=a)
 
         h = jax.nn.silu(gl(xs, self.w_gate)) * gl(xs, self.w_up)
         ys = gl(h.astype(rows.dtype), self.w_down).astype(rows.dtype)  # zero past sum(sizes): padding, dropped
-        return take_rows(ys, pos, jnp.where(real, order, -1)[:, None])
+        return take_rows(ys, pos, jnp.where(real, src, -1)[:, None])
 
 
 # ---------------------------------------------------------------------------------------------------------------

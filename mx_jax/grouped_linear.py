@@ -95,7 +95,7 @@ def _forward(x, w, group_sizes, recipe: str, impl: str):
     return y, (x, w_k)
 
 
-def _backward(x, w_res, group_sizes, dy, recipe: str, impl: str, w_dtype):
+def _backward(x, w_res, group_sizes, dy, recipe: str, impl: str, w_dtype, group_align: int):
     if recipe == "bf16":
         dy = dy.astype(x.dtype)
         dx = gmm_ops.gmm(dy, w_res, group_sizes, transpose_rhs=True, out_dtype=x.dtype, impl=impl)
@@ -107,23 +107,23 @@ def _backward(x, w_res, group_sizes, dy, recipe: str, impl: str, w_dtype):
         dyq, wq, group_sizes, transpose_rhs=True, lhs_scale=dys, rhs_scale=ws, out_dtype=x.dtype, impl=impl
     )
     # x and dy in e4m3 per (group, column), cast straight into the kernel's token layout where it runs
-    dw = gmm_ops.tgmm_fp8_rowwise(x, dy, group_sizes, out_dtype=w_dtype, impl=impl)
+    dw = gmm_ops.tgmm_fp8_rowwise(x, dy, group_sizes, out_dtype=w_dtype, impl=impl, group_align=group_align)
     return dx, dw
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _grouped_linear(x, w, group_sizes, recipe, impl):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _grouped_linear(x, w, group_sizes, recipe, impl, group_align):
     return _forward(x, w, group_sizes, recipe, impl)[0]
 
 
-def _grouped_linear_fwd(x, w, group_sizes, recipe, impl):
+def _grouped_linear_fwd(x, w, group_sizes, recipe, impl, group_align):
     y, (x_res, w_res) = _forward(x, w, group_sizes, recipe, impl)
     return y, (x_res, w_res, group_sizes, jnp.zeros((0,), w.dtype))  # the empty array carries w's dtype
 
 
-def _grouped_linear_bwd(recipe, impl, res, dy):
+def _grouped_linear_bwd(recipe, impl, group_align, res, dy):
     x, w_res, group_sizes, w_tag = res
-    dx, dw = _backward(x, w_res, group_sizes, dy, recipe, impl, w_tag.dtype)
+    dx, dw = _backward(x, w_res, group_sizes, dy, recipe, impl, w_tag.dtype, group_align)
     return dx.astype(x.dtype), dw.astype(w_tag.dtype), None
 
 
@@ -131,12 +131,16 @@ _grouped_linear.defvjp(_grouped_linear_fwd, _grouped_linear_bwd)
 
 
 def grouped_linear(
-    x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, recipe: str = "bf16", impl: str = "auto"
+    x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, recipe: str = "bf16", impl: str = "auto",
+    group_align: int = 1,
 ) -> jax.Array:
     """y (M, N) = x[r] @ w[e(r)] per token row, zero on padding rows; differentiable in x and w.
 
     x (M, K) float (bf16 in training), w (E, K, N) float, group_sizes (E,) integer. recipe: "bf16" (operands in
-    x.dtype) | "fp8_rowwise". impl ("auto" | "pallas" | "xla" | "reference") goes to the grouped GEMMs."""
+    x.dtype) | "fp8_rowwise". impl ("auto" | "pallas" | "xla" | "reference") goes to the grouped GEMMs.
+    group_align: the caller's promise that every group size is a multiple of it, with the rows that pad a group to
+    it zero (mx_jax.dispatch.ExpertFFN lays rows out so); 64 lets the fp8 backward cast tokens in place
+    (`grouped_matmul.tgmm_fp8_rowwise`). The result does not depend on it."""
     if recipe not in RECIPES:
         raise ValueError(f"grouped_linear: unknown recipe {recipe!r}; choose from {RECIPES}")
     if impl not in ("auto", "pallas", "xla", "reference"):
@@ -152,4 +156,6 @@ def grouped_linear(
             f"grouped_linear: group_sizes must be ({w.shape[0]},) integer for w {w.shape}, "
             f"got {group_sizes.shape} {group_sizes.dtype}"
         )
-    return _grouped_linear(x, w, group_sizes.astype(jnp.int32), recipe, impl)
+    if not isinstance(group_align, int) or group_align < 1:
+        raise ValueError(f"grouped_linear: group_align must be a positive int, got {group_align!r}")
+    return _grouped_linear(x, w, group_sizes.astype(jnp.int32), recipe, impl, group_align)

@@ -976,9 +976,29 @@ def _group_cast_t(t, group_sizes, q, align: int, interpret) -> tuple[jax.Array, 
     return out, a_starts
 
 
-@device.lowered_once(('out_dtype', 'config', 'interpret'))
+def _group_cast_t_in_place(t, group_sizes, q, align: int, interpret) -> tuple[jax.Array, jax.Array]:
+    """`_group_cast_t` for groups whose sizes are multiples of the cast's 64-row tiles: no gathered copy of t. Each
+    64-row tile of the aligned layout is a whole 64-row tile of t (`_cast_pallas`'s src_tiles) or, in the gaps,
+    any tile times zero multipliers."""
+    m, c = t.shape
+    bm = qz.DEFAULT_CAST_CONFIG.cast_bm
+    starts, ends = _group_bounds(group_sizes, m)
+    sizes = ends - starts
+    a_starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(-(-sizes // align) * align)[:-1]])
+    tile0 = jnp.arange(_aligned_len(m, group_sizes.shape[0], align) // bm, dtype=jnp.int32) * bm
+    g = jnp.searchsorted(a_starts, tile0, side="right").astype(jnp.int32) - 1
+    off = tile0 - a_starts[g]
+    valid = off < sizes[g]  # the whole tile: sizes are multiples of bm
+    src_tiles = jnp.where(valid, (starts[g] + off) // bm, 0)
+    q_tiles = jnp.where(valid[:, None], q[g], 0.0)
+    (out,) = qz._cast_pallas(t, None, q_tiles, dtype=E4M3, config=qz.DEFAULT_CAST_CONFIG, interpret=interpret,
+                             src_tiles=src_tiles)
+    return out, a_starts.astype(jnp.int32)
+
+
+@device.lowered_once(('out_dtype', 'config', 'interpret', 'group_align'))
 def tgmm_fp8_rowwise_pallas(lhs, rhs, group_sizes, *, out_dtype=jnp.float32, config: TileConfig | None = None,
-                            interpret=None) -> jax.Array:
+                            interpret=None, group_align: int = 1) -> jax.Array:
     """`tgmm_fp8_rowwise` on the kernels; NotImplementedError outside their cover."""
     (m, k), n = lhs.shape, rhs.shape[1]
     f8 = (jax.ShapeDtypeStruct((m, k), E4M3), jax.ShapeDtypeStruct((m, n), E4M3))
@@ -995,24 +1015,28 @@ def tgmm_fp8_rowwise_pallas(lhs, rhs, group_sizes, *, out_dtype=jnp.float32, con
         raise NotImplementedError(f"tgmm_fp8_rowwise_pallas: {reason}")
     ql, sl = qz.amax_to_scales(group_col_amax(lhs, group_sizes), E4M3, True)
     qr, sr = qz.amax_to_scales(group_col_amax(rhs, group_sizes), E4M3, True)
-    lhs_t, a_starts = _group_cast_t(lhs, group_sizes, ql, config.tile_k, interpret)
-    rhs_t, _ = _group_cast_t(rhs, group_sizes, qr, config.tile_k, interpret)
+    cast_t = _group_cast_t_in_place if group_align % bm == 0 and m % bm == 0 else _group_cast_t
+    lhs_t, a_starts = cast_t(lhs, group_sizes, ql, config.tile_k, interpret)
+    rhs_t, _ = cast_t(rhs, group_sizes, qr, config.tile_k, interpret)
     return _tgmm_launch(lhs_t, rhs_t, group_sizes, m, a_starts, (sl, sr), out_dtype, config, interpret)
 
 
 def tgmm_fp8_rowwise(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, out_dtype=jnp.float32,
-                     impl: Impl = "auto", config: TileConfig | None = None) -> jax.Array:
+                     impl: Impl = "auto", config: TileConfig | None = None, group_align: int = 1) -> jax.Array:
     """The fp8 rowwise recipe's grad-weight GEMM: lhs (M, K), rhs (M, N) high precision, each cast to e4m3 with one
     power-of-two scale per (group, column) (`quantize_group_cols`), then `tgmm` with the scales -> (E, K, N).
 
     impl "pallas" (and "auto" where the kernels apply) casts straight into the kernel's aligned K-major token layout
     (`_group_cast_t`); the others quantize row-major and call `tgmm` with that impl. Same fp8 operands and scales
-    either way, so the same result up to the GEMMs' summation order."""
+    either way, so the same result up to the GEMMs' summation order. `group_align`: the caller's promise that every
+    group size is a multiple of it (padding rows inside a group must then be zero); a multiple of 64 lets the
+    cast read each group's rows in place instead of gathering them first (`_group_cast_t_in_place`)."""
+    kw = dict(out_dtype=out_dtype, config=config, group_align=group_align)
     if impl == "pallas":
-        return tgmm_fp8_rowwise_pallas(lhs, rhs, group_sizes, out_dtype=out_dtype, config=config)
+        return tgmm_fp8_rowwise_pallas(lhs, rhs, group_sizes, **kw)
     if impl == "auto" and device.kernels_apply():
         try:
-            return tgmm_fp8_rowwise_pallas(lhs, rhs, group_sizes, out_dtype=out_dtype, config=config)
+            return tgmm_fp8_rowwise_pallas(lhs, rhs, group_sizes, **kw)
         except NotImplementedError:
             pass  # tgmm below picks its own path for the row-major operands
     xq, xs = quantize_group_cols(lhs, group_sizes)

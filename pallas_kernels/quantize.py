@@ -236,15 +236,16 @@ def _amax_pallas(x, *, want_rows: bool, want_cols: bool, config: CastConfig, int
     return tuple(jnp.max(p, axis=1) for p in parts)
 
 
-def _cast_kernel(x_gmem, *refs, want_rows: bool, want_cols: bool, bm: int, bn: int, dtype):
+def _cast_kernel(x_gmem, *refs, want_rows: bool, want_cols: bool, bm: int, bn: int, dtype, tiled_src: bool):
     """One (bm, bn) tile of x[b]: rows output x*q_row cast (bm, bn) at [b, i, j]; cols output (x*q_col)ᵀ (bn, bm)
-    at [b, j, i]."""
-    n_in, n_out = want_rows + want_cols, want_rows + want_cols
+    at [b, j, i]. With `tiled_src` the tile's rows are x[b, src[i]*bm : (src[i]+1)*bm] instead of row tile i."""
+    n_in, n_out = want_rows + want_cols + tiled_src, want_rows + want_cols
     q_refs, out_refs = list(refs[:n_in]), list(refs[n_in : n_in + n_out])
     x_smem, q_row_smem, q_col_smem, o_smem, ot_smem, barrier, *stage_smem = refs[n_in + n_out :]
     i, j, b = lax.axis_index("i"), lax.axis_index("j"), lax.axis_index("b")
     f = fp8_max(dtype)
-    plgpu.copy_gmem_to_smem(x_gmem.at[b, pl.ds(i * bm, bm), pl.ds(j * bn, bn)], x_smem, barrier)
+    row0 = q_refs.pop()[i] * bm if tiled_src else i * bm  # a multiple of bm that Mosaic's TMA lowering can see
+    plgpu.copy_gmem_to_smem(x_gmem.at[b, pl.ds(row0, bm), pl.ds(j * bn, bn)], x_smem, barrier)
     if want_rows:
         plgpu.copy_gmem_to_smem(q_refs.pop(0).at[b, pl.ds(i * bm, bm)], q_row_smem, barrier)
     if want_cols:
@@ -269,11 +270,13 @@ def _cast_kernel(x_gmem, *refs, want_rows: bool, want_cols: bool, bm: int, bn: i
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-def _cast_pallas(x, q_row, q_col, *, dtype, config: CastConfig, interpret, round_to=None):
+def _cast_pallas(x, q_row, q_col, *, dtype, config: CastConfig, interpret, round_to=None, src_tiles=None):
     """x (R, C) or (B, R, C); q_row (R,) | (B, R) | None; q_col (C,) | (B, C), or per row tile (R // cast_bm, C) |
     (B, R // cast_bm, C), | None -> [x*q_row as (R, C) fp8], [(x*q_col)ᵀ as (C, R) fp8] (each with the leading B
     of a 3-D x): a per-row-tile q_col gives each tile of cast_bm rows its own column multipliers. With `round_to`
-    (16-bit, x f32) x is rounded to it in SMEM first."""
+    (16-bit, x f32) x is rounded to it in SMEM first. `src_tiles` (T,) int32 (cols output of a 2-D x only): output
+    row tile i is read from x's row tile src_tiles[i], so the (C, T cast_bm) output can reorder and repeat x's row
+    tiles (q_col then has one row per output tile)."""
     batched = x.ndim == 3
     if not batched:
         x = x[None]
@@ -281,6 +284,10 @@ def _cast_pallas(x, q_row, q_col, *, dtype, config: CastConfig, interpret, round
     nb, r, c = x.shape
     bm, bn = config.cast_bm, config.cast_bn
     want_rows, want_cols = q_row is not None, q_col is not None
+    tiled_src = src_tiles is not None
+    if tiled_src:
+        assert not want_rows and nb == 1, "src_tiles reorders the transposed output of one matrix only"
+        r, src_tiles = src_tiles.shape[0] * bm, src_tiles.astype(jnp.int32)
     out_type = []
     if want_rows:
         out_type.append(jax.ShapeDtypeStruct((nb, r, c), dtype))
@@ -288,7 +295,8 @@ def _cast_pallas(x, q_row, q_col, *, dtype, config: CastConfig, interpret, round
         out_type.append(jax.ShapeDtypeStruct((nb, c, r), dtype))
     outs = plgpu.kernel(
         functools.partial(
-            _cast_kernel, want_rows=want_rows, want_cols=want_cols, bm=bm, bn=bn, dtype=jnp.dtype(dtype)
+            _cast_kernel, want_rows=want_rows, want_cols=want_cols, bm=bm, bn=bn, dtype=jnp.dtype(dtype),
+            tiled_src=tiled_src,
         ),
         out_type=tuple(out_type),
         scratch_types=[
@@ -304,7 +312,7 @@ def _cast_pallas(x, q_row, q_col, *, dtype, config: CastConfig, interpret, round
         grid_names=("i", "j", "b"),
         compiler_params=_compiler_params(),
         interpret=interpret,
-    )(x, *[q for q in (q_row, q_col) if q is not None])
+    )(x, *[q for q in (q_row, q_col, src_tiles) if q is not None])
     return tuple(outs) if batched else tuple(o[0] for o in outs)
 
 

@@ -42,9 +42,9 @@ def _reference_loss(x, w, sizes, cot):
     return jnp.sum(y * cot)
 
 
-def _value_and_grads(recipe, impl, x, w, sizes, cot):
+def _value_and_grads(recipe, impl, x, w, sizes, cot, group_align=1):
     def loss(x, w):
-        y = grouped_linear(x, w, sizes, recipe=recipe, impl=impl)
+        y = grouped_linear(x, w, sizes, recipe=recipe, impl=impl, group_align=group_align)
         return jnp.sum(y.astype(jnp.float32) * cot), y
 
     (_, y), (dx, dw) = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(x, w)
@@ -111,13 +111,14 @@ def test_group_column_scales():
     assert (amax[used] / np.asarray(scale)[used] <= 448).all() and (amax[used] / np.asarray(scale)[used] > 224).all()
 
 
-@pytest.mark.parametrize("recipe", ["bf16", "fp8_rowwise"])
-def test_pallas_kernels_in_interpret_mode(recipe):
-    """All three grouped GEMMs on the Pallas kernels (GPU interpret mode) against the same recipe on the reference."""
+@pytest.mark.parametrize("recipe,align", [("bf16", 1), ("fp8_rowwise", 1), ("fp8_rowwise", 64)])
+def test_pallas_kernels_in_interpret_mode(recipe, align):
+    """All three grouped GEMMs on the Pallas kernels (GPU interpret mode) against the same recipe on the reference;
+    with group_align=64 (group sizes multiples of 64) the fp8 grad-weight operands are cast in place."""
     x, w, cot = _inputs(3)
-    sizes = jnp.asarray(SIZES, jnp.int32)
+    sizes = jnp.asarray(SIZES if align == 1 else (64, 0, 128, 64), jnp.int32)
     with compat.force_gpu_interpret_mode(compat.InterpretGPUParams()):
-        got = _value_and_grads(recipe, "pallas", x, w, sizes, cot)
+        got = _value_and_grads(recipe, "pallas", x, w, sizes, cot, group_align=align)
     want = _value_and_grads(recipe, "reference", x, w, sizes, cot)
     for g, r in zip(got, want):
         np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(r, np.float32), **SAME_OPERANDS_TOL)
@@ -179,6 +180,8 @@ def test_bad_arguments():
         grouped_linear(x, w, sizes.astype(jnp.float32))
     with pytest.raises(ValueError, match=r"x \(M, K\)"):
         grouped_linear(x[:, :64], w, sizes)
+    with pytest.raises(ValueError, match="group_align"):
+        grouped_linear(x, w, sizes, group_align=0)
 
 
 # ------------------------------------------------------------------------------------------------------------

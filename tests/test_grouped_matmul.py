@@ -271,12 +271,27 @@ def test_group_cast_t_equals_quantize_then_layout():
         np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
 
 
+def test_group_cast_t_in_place_equals_gathered():
+    """Groups sized in multiples of 64 rows (an empty one, a 64-row one): the cast that reads each group's row tiles
+    in place writes the bytes of the gathered version, zero gaps included."""
+    (t,) = _inputs(22, (M, K))
+    for sizes in ((64, 0, 128, 64), (0, 192, 64, 0)):
+        q, _ = gm.qz.amax_to_scales(gm.group_col_amax(t, _sizes(sizes)), F8, True)
+        got, a_starts = jax.jit(lambda t, g: gm._group_cast_t_in_place(t, g, q, 128, INTERPRET))(t, _sizes(sizes))
+        want, want_starts = jax.jit(lambda t, g: gm._group_cast_t(t, g, q, 128, INTERPRET))(t, _sizes(sizes))
+        np.testing.assert_array_equal(a_starts, want_starts)
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
 def test_tgmm_fp8_rowwise_pallas_matches_reference():
     x, dy = _inputs(21, (M, K), (M, N))
     f = jax.jit(functools.partial(gm.tgmm_fp8_rowwise_pallas, config=SMALL_F8, interpret=INTERPRET))
     out = f(x, dy, _sizes(RAGGED))
     _close(out, gm.tgmm_fp8_rowwise(x, dy, _sizes(RAGGED), impl="reference"), F32_TOL)
     assert not np.asarray(out[1]).any(), "the empty group's gradient is zero"
+    aligned = _sizes((64, 0, 128, 64))  # with group_align=64 the operands are cast in place
+    g = jax.jit(functools.partial(gm.tgmm_fp8_rowwise_pallas, config=SMALL_F8, interpret=INTERPRET, group_align=64))
+    _close(g(x, dy, aligned), gm.tgmm_fp8_rowwise(x, dy, aligned, impl="reference"), F32_TOL)
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -317,6 +332,8 @@ _LOWERING_CASES = {
     ),
     # bf16 operands cast into the aligned K-major layout by the transposed-cast kernel, then the fp8 tgmm
     "tgmm_fp8_rowwise_bf16_in": (lambda x, d, g: gm.tgmm_fp8_rowwise_pallas(x, d, g), ((16384, 4096), (16384, 14336))),
+    "tgmm_fp8_rowwise_bf16_in_place": (lambda x, d, g: gm.tgmm_fp8_rowwise_pallas(x, d, g, group_align=64),
+                                  ((16384, 4096), (16384, 14336))),
 }
 
 

@@ -184,10 +184,11 @@ def test_quantized_recipe_reaches_the_routed_experts(recipe, experts):
     assert abs(losses[recipe] - losses["bf16"]) < 0.02 * abs(losses["bf16"])
 
 
-@pytest.mark.parametrize("fan_out", [1, 3])
-def test_expert_ffn_gathers_equal_a_per_row_loop(fan_out):
+@pytest.mark.parametrize("fan_out,align", [(1, 1), (3, 1), (3, 8)])
+def test_expert_ffn_gathers_equal_a_per_row_loop(fan_out, align):
     """ExpertFFN (sort by gathers, take_rows' gather transposes) against each row through its own expert, values
-    and gradients, with dropped assignments (id E_l) and an expert that gets no row."""
+    and gradients, with dropped assignments (id E_l) and an expert that gets no row; align > 1 pads every expert's
+    rows with zero rows to a multiple of it (the fp8 recipe's layout)."""
     from mx_jax import dispatch
 
     rng = np.random.default_rng()
@@ -200,7 +201,8 @@ def test_expert_ffn_gathers_equal_a_per_row_loop(fan_out):
     cot = jnp.asarray(rng.standard_normal((s * fan_out, d)), jnp.float32)
 
     def ours(rows, wg, wu, wd):
-        return jnp.sum(dispatch.ExpertFFN(wg, wu, wd, "bf16", "reference")(rows, ids, fan_out=fan_out) * cot)
+        ffn = dispatch.ExpertFFN(wg, wu, wd, "bf16", "reference", group_align=align)
+        return jnp.sum(ffn(rows, ids, fan_out=fan_out) * cot)
 
     def loop(rows, wg, wu, wd):
         x = jnp.repeat(rows, fan_out, axis=0)
