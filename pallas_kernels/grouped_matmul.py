@@ -269,6 +269,12 @@ def _aligned_len(m: int, e: int, align: int) -> int:
     return -(-(m + e * (align - 1)) // align) * align
 
 
+def _aligned_starts(sizes: jax.Array, align: int) -> jax.Array:
+    """(E,) int32: each group's first row in the aligned token layout (groups of `sizes` rows, in order, each
+    starting on a multiple of `align`)."""
+    return jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(-(-sizes // align) * align)[:-1]]).astype(jnp.int32)
+
+
 def _aligned_rows(x: jax.Array, group_sizes: jax.Array, align: int) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Token rows with every group starting on a multiple of `align`: (rows (M', C), zero outside the groups;
     aligned group starts (E,) int32; the group whose aligned region holds each row (M',)), M' = roundup(M + E *
@@ -277,14 +283,14 @@ def _aligned_rows(x: jax.Array, group_sizes: jax.Array, align: int) -> tuple[jax
     e = group_sizes.shape[0]
     starts, ends = _group_bounds(group_sizes, m)
     sizes = ends - starts
-    a_starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(-(-sizes // align) * align)[:-1]])
+    a_starts = _aligned_starts(sizes, align)
     j = jnp.arange(_aligned_len(m, e, align), dtype=jnp.int32)
     g = jnp.searchsorted(a_starts, j, side="right").astype(jnp.int32) - 1  # last group starting at or before j
     off = j - a_starts[g]
     valid = off < sizes[g]
     src = jnp.where(valid, starts[g] + off, 0)
     rows = jnp.where(valid[:, None], x[src], jnp.zeros((), x.dtype))
-    return rows, a_starts.astype(jnp.int32), g
+    return rows, a_starts, g
 
 
 def aligned_token_layout(x: jax.Array, group_sizes: jax.Array, align: int) -> tuple[jax.Array, jax.Array]:
@@ -984,7 +990,7 @@ def _group_cast_t_in_place(t, group_sizes, q, align: int, interpret) -> tuple[ja
     bm = qz.DEFAULT_CAST_CONFIG.cast_bm
     starts, ends = _group_bounds(group_sizes, m)
     sizes = ends - starts
-    a_starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(-(-sizes // align) * align)[:-1]])
+    a_starts = _aligned_starts(sizes, align)
     tile0 = jnp.arange(_aligned_len(m, group_sizes.shape[0], align) // bm, dtype=jnp.int32) * bm
     g = jnp.searchsorted(a_starts, tile0, side="right").astype(jnp.int32) - 1
     off = tile0 - a_starts[g]
@@ -993,7 +999,7 @@ def _group_cast_t_in_place(t, group_sizes, q, align: int, interpret) -> tuple[ja
     q_tiles = jnp.where(valid[:, None], q[g], 0.0)
     (out,) = qz._cast_pallas(t, None, q_tiles, dtype=E4M3, config=qz.DEFAULT_CAST_CONFIG, interpret=interpret,
                              src_tiles=src_tiles)
-    return out, a_starts.astype(jnp.int32)
+    return out, a_starts
 
 
 @device.lowered_once(('out_dtype', 'config', 'interpret', 'group_align'))
