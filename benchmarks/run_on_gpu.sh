@@ -84,6 +84,8 @@ for s in "$@"; do
     dispatch_decomposer) section dispatch_decomposer 200 env XLA_FLAGS="--xla_gpu_unsupported_enable_ragged_all_to_all_decomposer=true" $PY benchmarks/bench_dispatch.py ;;
     moe_1gpu) section moe_1gpu 200 env CUDA_VISIBLE_DEVICES=0 $PY benchmarks/profile_step.py --steps 3 --top 15 $MOE data.batch_size=1 mesh.expert=1 ;;
     moe_ep_xla) section moe_ep_xla 200 $PY benchmarks/profile_step.py --steps 3 --top 15 $MOE data.batch_size="$(nvidia-smi -L | wc -l)" mesh.expert="$(nvidia-smi -L | wc -l)" model.moe.all_to_all=xla ;;
+    moe_recipes) section moe_recipes 300 env CUDA_VISIBLE_DEVICES=0 $PY benchmarks/bench_train.py --steps 20 --base "$MOE data.batch_size=1 mesh.expert=1" --variant bf16: --variant fp8_rowwise:quant.recipe=fp8_rowwise ;;
+    moe_ep_recipes) section moe_ep_recipes 300 $PY benchmarks/bench_train.py --steps 20 --base "$MOE data.batch_size=$(nvidia-smi -L | wc -l) mesh.expert=$(nvidia-smi -L | wc -l)" --variant bf16: --variant fp8_rowwise:quant.recipe=fp8_rowwise ;;
     moe_ep) section moe_ep 200 $PY benchmarks/profile_step.py --steps 3 --top 15 $MOE data.batch_size="$(nvidia-smi -L | wc -l)" mesh.expert="$(nvidia-smi -L | wc -l)" ;;
     loss_curves) section loss_curves 420 bash benchmarks/loss_curves.sh "$LOGS" ;;
     *) echo "unknown section $s" ;;

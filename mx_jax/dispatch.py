@@ -109,6 +109,8 @@ class ExpertFFN:
         s, r = rows.shape[0], local_expert.shape[0]
         if r != s * fan_out:
             raise ValueError(f"ExpertFFN: {r} expert ids for {s} rows x fan_out {fan_out}")
+        if fan_out == 1 and a == 1:
+            return self._by_scatter(rows, local_expert)
         r_pad = r + e * (a - 1)  # room for every expert's padding rows
         r_pad += -r_pad % ROW_MULTIPLE  # the grouped-GEMM kernels tile rows by up to 256; the tail outputs zero
         counts = jnp.bincount(local_expert, length=e + 1)[:e].astype(jnp.int32)
@@ -131,6 +133,27 @@ class ExpertFFN:
         h = jax.nn.silu(gl(xs, self.w_gate)) * gl(xs, self.w_up)
         ys = gl(h.astype(rows.dtype), self.w_down).astype(rows.dtype)  # zero past sum(sizes): padding, dropped
         return take_rows(ys, pos, jnp.where(real, src, -1)[:, None])
+
+    def _by_scatter(self, rows: jax.Array, local_expert: jax.Array) -> jax.Array:
+        """`__call__` for fan_out 1 without padding (the expert-parallel path in bf16): sorted by a gather, put back
+        by a scatter, whose transposes XLA derives (a scatter-add and a gather). The gathers-only form made XLA's
+        GPU compiler (jax 0.11.2) segfault on the bf16 Mixtral model with mesh.expert=4 (4 x H200, 2026-11-22; the
+        fp8 model compiled and ran); this is the form that model was measured with before."""
+        e, r = self.n_local, rows.shape[0]
+        pad = -r % ROW_MULTIPLE
+        if pad:
+            rows = jnp.concatenate([rows, jnp.zeros((pad, rows.shape[1]), rows.dtype)])
+            local_expert = jnp.concatenate([local_expert, jnp.full((pad,), e, local_expert.dtype)])
+        order = jnp.argsort(local_expert, stable=True)  # padding (id E_l) sorts last
+        sizes = jnp.bincount(local_expert, length=e + 1)[:e].astype(jnp.int32)
+        xs = rows[order]
+
+        def gl(a_, w):
+            return grouped_linear.grouped_linear(a_, w, sizes, recipe=self.recipe, impl=self.impl)
+
+        h = jax.nn.silu(gl(xs, self.w_gate)) * gl(xs, self.w_up)
+        ys = gl(h.astype(rows.dtype), self.w_down).astype(rows.dtype)  # zero past sum(sizes)
+        return jnp.zeros_like(ys).at[order].set(ys, unique_indices=True)[:r]
 
 
 # ---------------------------------------------------------------------------------------------------------------
