@@ -32,6 +32,10 @@ Sorting by expert (`ExpertFFN`) uses gathers only, forward and backward (`take_r
 the inverse permutation): XLA transposes a gather into a scatter-add with atomics on every element. Without expert
 parallelism the rows are gathered straight from the n tokens (each read k times) instead of from a repeated copy.
 On an H200 that took the Mixtral layer's fwd+bwd from 30.9 to 29.9 ms and DeepSeekMoE's from 5.65 to 5.05 ms (bf16).
+The exception is one row per assignment without padding (expert parallelism in bf16): there XLA's GPU compiler
+segfaulted on the gathers-only form (jax 0.11.2, 4 x H200), so that case sorts by a gather and unsorts by a scatter.
+Under fp8_rowwise every expert's rows are padded with zero rows to a multiple of 64, so that the grad-weight casts
+read them in place (`ExpertFFN.align`).
 """
 
 from __future__ import annotations
@@ -101,7 +105,8 @@ class ExpertFFN:
         (padding, dropped). rows (S, D), local_expert (S fan_out,) in [0, E_l] -> (S fan_out, D).
 
         The rows are sorted by expert with gathers only (`take_rows`): in by source row, out by sorted position,
-        and the backward likewise, so no (S fan_out, D) copy of the repeated rows and no scatter is ever made.
+        and the backward likewise, so no (S fan_out, D) copy of the repeated rows and no scatter is ever made
+        (except fan_out 1 without padding: `_by_scatter`).
         With `align` > 1 each expert's rows are padded with zero rows to a multiple of it (at most align - 1 per
         expert), so that the fp8 grad-weight casts read every expert's rows in place (`grouped_linear`'s
         group_align); the padding rows compute zeros and get no gradient."""
