@@ -131,13 +131,18 @@ class ExpertFFN:
         xs = take_rows(rows, jnp.where(real, src // fan_out, 0), pos.reshape(s, fan_out))
         if a > 1:
             xs = jnp.where(real[:, None], xs, jnp.zeros((), xs.dtype))  # padding rows inside a group must be zero
+        ys = self._swiglu(xs, sizes, a)
+        return take_rows(ys, pos, jnp.where(real, src, -1)[:, None])
 
-        def gl(a_, w):
-            return grouped_linear.grouped_linear(a_, w, sizes, recipe=self.recipe, impl=self.impl, group_align=a)
+    def _swiglu(self, xs: jax.Array, sizes: jax.Array, group_align: int = 1) -> jax.Array:
+        """The experts on rows sorted by expert (group sizes `sizes`); zero past sum(sizes) (padding, dropped)."""
+
+        def gl(a, w):
+            return grouped_linear.grouped_linear(a, w, sizes, recipe=self.recipe, impl=self.impl,
+                                                 group_align=group_align)
 
         h = jax.nn.silu(gl(xs, self.w_gate)) * gl(xs, self.w_up)
-        ys = gl(h.astype(rows.dtype), self.w_down).astype(rows.dtype)  # zero past sum(sizes): padding, dropped
-        return take_rows(ys, pos, jnp.where(real, src, -1)[:, None])
+        return gl(h.astype(xs.dtype), self.w_down).astype(xs.dtype)
 
     def _by_scatter(self, rows: jax.Array, local_expert: jax.Array) -> jax.Array:
         """`__call__` for fan_out 1 without padding (the expert-parallel path in bf16): sorted by a gather, put back
@@ -151,13 +156,7 @@ class ExpertFFN:
             local_expert = jnp.concatenate([local_expert, jnp.full((pad,), e, local_expert.dtype)])
         order = jnp.argsort(local_expert, stable=True)  # padding (id E_l) sorts last
         sizes = jnp.bincount(local_expert, length=e + 1)[:e].astype(jnp.int32)
-        xs = rows[order]
-
-        def gl(a_, w):
-            return grouped_linear.grouped_linear(a_, w, sizes, recipe=self.recipe, impl=self.impl)
-
-        h = jax.nn.silu(gl(xs, self.w_gate)) * gl(xs, self.w_up)
-        ys = gl(h.astype(rows.dtype), self.w_down).astype(rows.dtype)  # zero past sum(sizes)
+        ys = self._swiglu(rows[order], sizes)
         return jnp.zeros_like(ys).at[order].set(ys, unique_indices=True)[:r]
 
 

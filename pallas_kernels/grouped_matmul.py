@@ -269,10 +269,17 @@ def _aligned_len(m: int, e: int, align: int) -> int:
     return -(-(m + e * (align - 1)) // align) * align
 
 
-def _aligned_starts(sizes: jax.Array, align: int) -> jax.Array:
-    """(E,) int32: each group's first row in the aligned token layout (groups of `sizes` rows, in order, each
-    starting on a multiple of `align`)."""
-    return jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(-(-sizes // align) * align)[:-1]]).astype(jnp.int32)
+def _aligned_source(group_sizes: jax.Array, m: int, align: int, j: jax.Array):
+    """Where rows j of the aligned token layout come from: (aligned group starts (E,) int32; for each j its group,
+    its source row of the (M, C) tokens (0 where none) and whether it holds one)."""
+    starts, ends = _group_bounds(group_sizes, m)
+    sizes = ends - starts
+    a_starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(-(-sizes // align) * align)[:-1]])
+    a_starts = a_starts.astype(jnp.int32)
+    g = jnp.searchsorted(a_starts, j, side="right").astype(jnp.int32) - 1  # last group starting at or before j
+    off = j - a_starts[g]
+    valid = off < sizes[g]
+    return a_starts, g, jnp.where(valid, starts[g] + off, 0), valid
 
 
 def _aligned_rows(x: jax.Array, group_sizes: jax.Array, align: int) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -280,15 +287,8 @@ def _aligned_rows(x: jax.Array, group_sizes: jax.Array, align: int) -> tuple[jax
     aligned group starts (E,) int32; the group whose aligned region holds each row (M',)), M' = roundup(M + E *
     (align - 1), align). Padding rows of x are dropped. Row-major, so the gather reads whole rows."""
     m = x.shape[0]
-    e = group_sizes.shape[0]
-    starts, ends = _group_bounds(group_sizes, m)
-    sizes = ends - starts
-    a_starts = _aligned_starts(sizes, align)
-    j = jnp.arange(_aligned_len(m, e, align), dtype=jnp.int32)
-    g = jnp.searchsorted(a_starts, j, side="right").astype(jnp.int32) - 1  # last group starting at or before j
-    off = j - a_starts[g]
-    valid = off < sizes[g]
-    src = jnp.where(valid, starts[g] + off, 0)
+    j = jnp.arange(_aligned_len(m, group_sizes.shape[0], align), dtype=jnp.int32)
+    a_starts, g, src, valid = _aligned_source(group_sizes, m, align, j)
     rows = jnp.where(valid[:, None], x[src], jnp.zeros((), x.dtype))
     return rows, a_starts, g
 
@@ -986,16 +986,11 @@ def _group_cast_t_in_place(t, group_sizes, q, align: int, interpret) -> tuple[ja
     """`_group_cast_t` for groups whose sizes are multiples of the cast's 64-row tiles: no gathered copy of t. Each
     64-row tile of the aligned layout is a whole 64-row tile of t (`_cast_pallas`'s src_tiles) or, in the gaps,
     any tile times zero multipliers."""
-    m, c = t.shape
+    m = t.shape[0]
     bm = qz.DEFAULT_CAST_CONFIG.cast_bm
-    starts, ends = _group_bounds(group_sizes, m)
-    sizes = ends - starts
-    a_starts = _aligned_starts(sizes, align)
     tile0 = jnp.arange(_aligned_len(m, group_sizes.shape[0], align) // bm, dtype=jnp.int32) * bm
-    g = jnp.searchsorted(a_starts, tile0, side="right").astype(jnp.int32) - 1
-    off = tile0 - a_starts[g]
-    valid = off < sizes[g]  # the whole tile: sizes are multiples of bm
-    src_tiles = jnp.where(valid, (starts[g] + off) // bm, 0)
+    a_starts, g, src, valid = _aligned_source(group_sizes, m, align, tile0)  # valid: the whole tile (sizes % bm == 0)
+    src_tiles = src // bm
     q_tiles = jnp.where(valid[:, None], q[g], 0.0)
     (out,) = qz._cast_pallas(t, None, q_tiles, dtype=E4M3, config=qz.DEFAULT_CAST_CONFIG, interpret=interpret,
                              src_tiles=src_tiles)
