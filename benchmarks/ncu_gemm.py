@@ -8,6 +8,9 @@ or by hand (ncu needs the Firecracker GPU runtime, see the device notes; clock c
         python3 benchmarks/ncu_gemm.py run 8192x8192x8192 delay_release=0,cluster=m delay_release=0 > ncu.csv
     python3 benchmarks/ncu_gemm.py table ncu.csv
 
+`run-grouped [CONFIG ...]` does the same for the MoE grouped GEMM (bf16 `gmm` of the E = 8 problem, balanced and
+skewed routing) beside cuBLAS's dense bf16 GEMM of the same FLOPs (`bash benchmarks/run_on_gpu.sh ncu_grouped`).
+
 Why: under the H200's 700 W limit a 0.1-0.3 s timing inherits the clock of whatever ran before it (up to 8% between
 runs of one kernel), so it cannot rank two configs a few percent apart. SM cycles per kernel do not depend on the
 clock (memory latency in cycles does, a little), so they show how much work per clock a config gets done; the
@@ -23,6 +26,7 @@ crossbar busy share and warp instructions executed.
 from __future__ import annotations
 
 import csv
+import importlib
 import sys
 
 METRICS = (
@@ -59,6 +63,34 @@ def run(shapes: str, configs: list[str]) -> None:
             for _ in range(2):
                 jax.block_until_ready(f(*args))
             print(f"ROW|{shape}|{cfg.name()}", flush=True)
+
+
+def run_grouped(configs: list[str]) -> None:
+    """The MoE grouped GEMM (bf16 `gmm`, the issue's E = 8 problem, balanced then skewed routing) beside cuBLAS's dense
+    bf16 GEMM of the same FLOPs (x (M, K) @ w[0]); configs as in gemm_clock.py --grouped ('default': the built-in)."""
+    import jax
+    import jax.numpy as jnp
+
+    from pallas_kernels import grouped_matmul as gm
+    from pallas_kernels.bench_grouped import FULL, routings
+
+    gemm_clock = importlib.import_module("gemm_clock")  # benchmarks/ is this script's directory
+    p = FULL
+    kx, kw = jax.random.split(jax.random.key(0))
+    x = jax.random.normal(kx, (p.m, p.k), jnp.float32).astype(jnp.bfloat16)
+    w = (jax.random.normal(kw, (p.e, p.k, p.n), jnp.float32) / p.k**0.5).astype(jnp.bfloat16)
+    shape = f"{p.m}x{p.n}x{p.k}"
+    dense = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32).astype(jnp.bfloat16))
+    for routing, sizes in routings(p).items():
+        for _ in range(3):
+            jax.block_until_ready(dense(x, w[0]))
+        print(f"ROW|{shape}|cuBLASLt", flush=True)
+        for c in configs:
+            cfg = gemm_clock._grouped_config(c, fp8=False)
+            f = jax.jit(lambda x, w, s, cfg=cfg: gm.gmm(x, w, s, impl="pallas", config=cfg))
+            for _ in range(2):
+                jax.block_until_ready(f(x, w, sizes))
+            print(f"ROW|{shape}|gmm bf16 {routing} {c}", flush=True)
 
 
 def table(path: str) -> None:
@@ -105,6 +137,8 @@ def main(argv: list[str]) -> None:
         print(",".join(METRICS))
     elif argv[:1] == ["run"] and len(argv) >= 2:
         run(argv[1], argv[2:])
+    elif argv[:1] == ["run-grouped"]:
+        run_grouped(argv[1:] or ["default"])
     elif argv[:1] == ["table"] and len(argv) == 2:
         table(argv[1])
     else:

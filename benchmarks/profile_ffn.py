@@ -43,10 +43,13 @@ def main() -> None:
     ap.add_argument("--trace-dir", default="/tmp/mx_jax_ffn_trace")
     ap.add_argument("--small", action="store_true", help="T=256, D=256, F=512 (a CPU check of the script)")
     ap.add_argument("--moe", choices=sorted(LAYER_CONFIGS), help="profile that problem's whole MoE layer instead")
+    ap.add_argument("--expert-min-rows", type=int, default=None,
+                    help="with --moe: quant.expert_min_rows (0 = the routed experts in fp8 at any size)")
     args = ap.parse_args()
     for recipe in args.recipe or ["fp8_rowwise"]:
         if args.moe:
-            step, layer_args, _ = moe_layer_step(args.moe, recipe, args.impl, smoke=args.small)
+            step, layer_args, _ = moe_layer_step(args.moe, recipe, args.impl, smoke=args.small,
+                                                   expert_min_rows=args.expert_min_rows)
             inputs = [layer_args] * 2
         else:
             step, inputs = ffn_step(recipe, args.impl), ffn_inputs(jax.random.key(2), 2, small=args.small)

@@ -124,6 +124,12 @@ class QuantConfig:
     # Which linears convert: any of attn (q/k/v/o), mlp (gate/up/down), experts (MoE), head (the output head).
     modules: tuple[str, ...] = ("attn", "mlp", "experts")
     impl: Literal["auto", "pallas", "xla", "reference"] = "auto"
+    # MoE: the routed experts run an fp8 recipe only where a device's experts average at least this many rows a
+    # step (token assignments / local experts); below it they run bf16, with a warning. fp8 quantizes every expert
+    # weight each step (cost ~ parameters) to save GEMM time (~ rows): a DeepSeekMoE-16B layer fwd+bwd on an H200 ran
+    # at 0.86x bf16's speed with 384 rows per expert, 1.01x with 768, 1.15x with 1536 (Mixtral: 1.26x with 1024;
+    # benchmarks/RESULTS.md). 0 = always fp8.
+    expert_min_rows: int = 768
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -360,3 +366,5 @@ def validate(cfg: TrainConfig) -> None:
     allowed = {"attn", "mlp", "experts", "head"}
     bad = [x for x in cfg.quant.modules if x not in allowed]
     _check(not bad, "quant.modules", f"unknown module kind(s) {bad}; choose from {sorted(allowed)}")
+    _check(isinstance(cfg.quant.expert_min_rows, int) and cfg.quant.expert_min_rows >= 0, "quant.expert_min_rows",
+           f"must be an integer >= 0, got {cfg.quant.expert_min_rows!r}")

@@ -36,11 +36,17 @@ The exception is one row per assignment without padding (expert parallelism in b
 segfaulted on the gathers-only form (jax 0.11.2, 4 x H200), so that case sorts by a gather and unsorts by a scatter.
 Under fp8_rowwise every expert's rows are padded with zero rows to a multiple of 64, so that the grad-weight casts
 read them in place (`ExpertFFN.align`).
+
+An fp8 recipe pays for quantizing every expert weight each step (~ parameters) and gains GEMM time (~ rows), so
+`expert_recipe` picks bf16 where a device's experts average fewer than `min_rows` rows each (quant.expert_min_rows):
+with R rows expected on a device for its E_l experts, fp8 runs iff R >= min_rows * E_l (moe.MoE decides it).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import logging
 import math
 from typing import Callable
 
@@ -77,6 +83,23 @@ def _take_rows_bwd(back, dout):
 
 
 take_rows.defvjp(_take_rows_fwd, _take_rows_bwd)
+
+
+def expert_recipe(recipe: str, rows: int, n_local: int, min_rows: int) -> str:
+    """The recipe for `n_local` experts that expect `rows` rows between them: `recipe`, or bf16 where they average
+    fewer than `min_rows` rows each (module doc), which logs a warning once per case."""
+    if recipe == "bf16" or rows >= min_rows * n_local:
+        return recipe
+    _warn_bf16(recipe, rows, n_local, min_rows)
+    return "bf16"
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_bf16(recipe: str, rows: int, n_local: int, min_rows: int) -> None:
+    logging.getLogger("mx_jax").warning(
+        "MoE: the routed experts run bf16 instead of %s: %d rows for %d experts is %.0f rows each, below "
+        "quant.expert_min_rows=%d, where fp8's per-step weight quantization costs more than its GEMMs save "
+        "(quant.expert_min_rows=0 forces %s)", recipe, rows, n_local, rows / n_local, min_rows, recipe)
 
 
 @dataclasses.dataclass(frozen=True)

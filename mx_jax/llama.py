@@ -46,6 +46,7 @@ class LinearPlan:
 
     recipes: dict[str, str]
     notes: tuple[str, ...]
+    expert_min_rows: int = 0  # quant.expert_min_rows, for the routed experts (dispatch.expert_recipe)
 
 
 def plan_linears(cfg: ModelConfig, qcfg: QuantConfig) -> LinearPlan:
@@ -79,7 +80,7 @@ def plan_linears(cfg: ModelConfig, qcfg: QuantConfig) -> LinearPlan:
             notes.append(f"routed experts stay bf16: no grouped-GEMM kernel for recipe {qcfg.recipe}")
         else:
             recipes["experts"] = grouped
-    return LinearPlan(recipes, tuple(notes))
+    return LinearPlan(recipes, tuple(notes), qcfg.expert_min_rows)
 
 
 class Block(nnx.Module):
@@ -93,7 +94,7 @@ class Block(nnx.Module):
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, pd)
         if moe:
             shared = {n: r[f"shared.{n}"] for n in MLP_LINEARS} if cfg.moe.n_shared else {}
-            self.moe = MoE(cfg, r["experts"], impl, shared, rngs=rngs)
+            self.moe = MoE(cfg, r["experts"], impl, shared, min_rows=plan.expert_min_rows, rngs=rngs)
         else:
             self.mlp = SwiGLU(cfg, cfg.d_ff, {n: r[n] for n in MLP_LINEARS}, impl, rngs=rngs)
 

@@ -7,7 +7,9 @@ For N tokens x (N,D), E routed experts of hidden width F, top-k:
     g      = s[idx], divided by its row sum when normalize_top_k
     y      = sum_j g_j Expert_{idx_j}(x) + sum_shared Expert_shared(x)  (DeepSeekMoE shared experts)
     Expert(x) = (silu(x W_gate) * (x W_up)) W_down, run for all experts at once as a grouped GEMM over the tokens
-    sorted by expert (mx_jax.grouped_linear: Pallas on Hopper, jax.lax.ragged_dot elsewhere).
+    sorted by expert (mx_jax.grouped_linear: Pallas on Hopper, jax.lax.ragged_dot elsewhere). Under fp8_rowwise
+    the experts run fp8 where they average at least quant.expert_min_rows rows each, else bf16
+    (dispatch.expert_recipe).
 
 Balancing, each optional:
     aux loss   coef * E * sum_e f_e P_e,  f_e = share of the N k assignments that chose e, P_e = mean_n s[n,e]
@@ -65,7 +67,7 @@ def capacity_keep(idx: jax.Array, n_experts: int, capacity: int) -> jax.Array:
 
 class MoE(nnx.Module):
     def __init__(self, cfg: ModelConfig, recipe: str, impl: str, shared_recipes: dict[str, str], *,
-                 rngs: nnx.Rngs):
+                 min_rows: int = 0, rngs: nnx.Rngs):
         m = cfg.moe
         d, e = cfg.d_model, m.n_experts
         f = m.d_expert or cfg.d_ff
@@ -78,6 +80,7 @@ class MoE(nnx.Module):
         self.bias = RouterBias(jnp.zeros((e,), jnp.float32), logical_axes=("router",))
         self.shared = SwiGLU(cfg, m.n_shared * f, shared_recipes, impl, rngs=rngs) if m.n_shared else None
         self.cfg, self.recipe, self.impl = m, recipe, impl
+        self.min_rows = min_rows  # quant.expert_min_rows: fewer rows per expert run the experts in bf16
 
     def __call__(self, x: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
         """x (B,T,D) -> (y (B,T,D), stats). stats: aux_loss, z_loss (scalars), load (E,) assignment counts, dropped."""
@@ -123,8 +126,10 @@ class MoE(nnx.Module):
         z = psum(jnp.sum(jax.nn.logsumexp(logits, axis=-1) ** 2)) / n_global
         dropped = psum(jnp.sum(~keep).astype(jnp.float32)) / (n_global * m.top_k)
 
-        ffn = dispatch.ExpertFFN(w_gate, w_up, w_down, self.recipe, self.impl)
         ep = "expert" in axes and jax.lax.axis_size("expert") > 1  # no exchange at all without expert parallelism
+        # n k rows arrive on a device on average (all of its own without expert parallelism) for its E / P experts
+        recipe = dispatch.expert_recipe(self.recipe, n * m.top_k, w_gate.shape[0], self.min_rows)
+        ffn = dispatch.ExpertFFN(w_gate, w_up, w_down, recipe, self.impl)
         y, traffic = dispatch.dispatch_combine(xt, idx, g, keep, ffn, axis="expert" if ep else None,
                                                method=m.dispatch, gpus_per_node=m.gpus_per_node,
                                                a2a_impl=m.all_to_all)

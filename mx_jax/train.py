@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 import math
 import os
 import pathlib
@@ -49,6 +50,14 @@ def log(msg: str) -> None:
         except ImportError:
             print(msg, flush=True)
         sys.stdout.flush()
+
+
+class _LogLines(logging.Handler):
+    """mx_jax's logged warnings (some come at trace time, e.g. dispatch.expert_recipe's) as log lines, above the
+    progress bar instead of through it."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        log(f"warn   | {record.getMessage()}")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -285,6 +294,10 @@ class TrainResult:
 
 def train(cfg: TrainConfig, devices: list[jax.Device] | None = None) -> TrainResult:
     """Run (or resume) training on `devices` (default: all)."""
+    logger = logging.getLogger("mx_jax")
+    if not any(isinstance(h, _LogLines) for h in logger.handlers):
+        logger.addHandler(_LogLines())
+        logger.propagate = False
     mesh = sharding.make_mesh(cfg.mesh, devices)
     check_batch(cfg, mesh)
     dataset = open_dataset(cfg.data)

@@ -44,8 +44,9 @@ from flax import nnx
 
 from mx_jax import compat
 from mx_jax.config import QuantConfig, load_config
+from mx_jax.dispatch import expert_recipe
 from mx_jax.grouped_linear import grouped_linear
-from mx_jax.llama import plan_linears
+from mx_jax.llama import compute_copies, plan_linears, with_compute
 from mx_jax.moe import MoE
 from pallas_kernels import grouped_matmul as gm
 from pallas_kernels.bench import rel_err, time_fn
@@ -225,9 +226,10 @@ def bench_ffn(p: Problem, quick: bool, smoke: bool) -> dict[tuple[str, str], tup
     d, f = p.k, p.n
     keys = jax.random.split(jax.random.key(1), 5)
     x = jax.random.normal(keys[0], (p.m, d), jnp.float32).astype(jnp.bfloat16)
-    w_gate = jax.random.normal(keys[1], (p.e, d, f), jnp.float32) / np.sqrt(d)
-    w_up = jax.random.normal(keys[2], (p.e, d, f), jnp.float32) / np.sqrt(d)
-    w_down = jax.random.normal(keys[3], (p.e, f, d), jnp.float32) / np.sqrt(f)
+    # bf16 weights: the compute copies the train step feeds the experts (llama.compute_copies)
+    w_gate = (jax.random.normal(keys[1], (p.e, d, f), jnp.float32) / np.sqrt(d)).astype(jnp.bfloat16)
+    w_up = (jax.random.normal(keys[2], (p.e, d, f), jnp.float32) / np.sqrt(d)).astype(jnp.bfloat16)
+    w_down = (jax.random.normal(keys[3], (p.e, f, d), jnp.float32) / np.sqrt(f)).astype(jnp.bfloat16)
     cot = jax.random.normal(keys[4], (p.m, d), jnp.float32)
     sizes = routings(p)["balanced"]
     args = (x, w_gate, w_up, w_down, sizes, cot)
@@ -255,13 +257,15 @@ def bench_ffn(p: Problem, quick: bool, smoke: bool) -> dict[tuple[str, str], tup
     return results
 
 
-def moe_layer_step(problem: str, recipe: str, impl: str, smoke: bool = False):
+def moe_layer_step(problem: str, recipe: str, impl: str, smoke: bool = False, expert_min_rows: int | None = None):
     """fwd+bwd of one MoE layer of `problem`'s config: (fn, args, info).
 
     fn(params, x, cot) -> ((loss, load), (dparams, dx)) with loss = sum(y * cot) + aux_loss_coef * aux_loss; x (1, T,
-    D) bf16 with T = M / top_k tokens, f32 master weights as in the model. info: tokens, top_k, the recipe the
-    routed experts run, and the layer's GEMM FLOPs (routed and shared experts, forward + both backward GEMMs; the
-    router's 2 T D E are left out)."""
+    D) bf16 with T = M / top_k tokens; the GEMM weights come as the train step feeds them, the compute-dtype (bf16)
+    copies of the f32 masters that AdamW writes (llama.compute_copies; the router stays f32). info: tokens, top_k,
+    the recipe the routed experts run (bf16 below quant.expert_min_rows rows per expert: `expert_min_rows`, None =
+    the config's default), and the layer's GEMM FLOPs (routed and shared experts, forward + both backward GEMMs;
+    the router's 2 T D E are left out)."""
     p = SMOKE if smoke else PROBLEMS[problem]
     over = [f"quant.recipe={recipe}"]
     if smoke:
@@ -269,10 +273,15 @@ def moe_layer_step(problem: str, recipe: str, impl: str, smoke: bool = False):
                  "model.moe.top_k=2", "model.n_heads=4", "model.n_kv_heads=4"]
     cfg = load_config(os.path.join(_CONFIGS, LAYER_CONFIGS[problem]), over)
     m = cfg.model
-    plan = plan_linears(m, QuantConfig(recipe=recipe))
+    qcfg = QuantConfig(recipe=recipe)
+    if expert_min_rows is not None:
+        qcfg = dataclasses.replace(qcfg, expert_min_rows=expert_min_rows)
+    plan = plan_linears(m, qcfg)
     shared = {n: plan.recipes[f"shared.{n}"] for n in ("w_gate", "w_up", "w_down")} if m.moe.n_shared else {}
-    layer = MoE(m, plan.recipes["experts"], impl, shared, rngs=nnx.Rngs(0))
+    layer = MoE(m, plan.recipes["experts"], impl, shared, min_rows=plan.expert_min_rows, rngs=nnx.Rngs(0))
     graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
+    pure = nnx.to_pure_dict(params)
+    nnx.replace_by_pure_dict(params, with_compute(pure, compute_copies(m, pure)))
     tokens = p.m // m.moe.top_k
     kx, kc = jax.random.split(jax.random.key(3))
     x = jax.random.normal(kx, (1, tokens, m.d_model), jnp.float32).astype(jnp.bfloat16)
@@ -288,24 +297,32 @@ def moe_layer_step(problem: str, recipe: str, impl: str, smoke: bool = False):
 
     f = m.moe.d_expert or m.d_ff
     flops = 18.0 * tokens * m.d_model * f * (m.moe.top_k + m.moe.n_shared)
-    info = {"tokens": tokens, "top_k": m.moe.top_k, "experts_recipe": plan.recipes["experts"], "flops": flops}
+    experts = expert_recipe(plan.recipes["experts"], tokens * m.moe.top_k, m.moe.n_experts, plan.expert_min_rows)
+    info = {"tokens": tokens, "top_k": m.moe.top_k, "experts_recipe": experts, "flops": flops}
     return fn, (params, x, cot), info
 
 
-def bench_layer(problem: str, quick: bool, smoke: bool) -> dict[tuple[str, str], tuple[float, float, float]]:
-    """fwd+bwd of the whole MoE layer: {(recipe, impl): (ms, TFLOP/s, max rel. error of dx vs XLA, same recipe)}.
+def bench_layer(problem: str, quick: bool, smoke: bool) -> dict[tuple[str, str], tuple[float, float, float, str]]:
+    """fwd+bwd of the whole MoE layer: {(label, impl): (ms, TFLOP/s, max rel. error of dx vs XLA, same recipe, the
+    routed experts' recipe)}.
 
     impl "auto" is what the model runs (the grouped-GEMM kernels, our fp8 linears for the shared experts where they
-    apply); "xla" runs jax.lax.ragged_dot and XLA's dots (bf16 always, fp8 in the full run)."""
+    apply); "xla" runs jax.lax.ragged_dot and XLA's dots (bf16 always, fp8 in the full run). Where fp8_rowwise
+    leaves the routed experts in bf16 (quant.expert_min_rows), "fp8_forced" is the same layer with them in fp8."""
     p = SMOKE if smoke else PROBLEMS[problem]
     timing = dict(samples=max(1, p.samples // 2), batch=max(1, p.batch // 2))
     results = {}
-    for recipe in ("bf16", "fp8_rowwise"):
+    variants = [("bf16", "bf16", None), ("fp8_rowwise", "fp8_rowwise", None)]
+    while variants:
+        label, recipe, min_rows = variants.pop(0)
         dx = {}
         for impl in ("auto", "xla"):
             if impl == "xla" and quick and recipe != "bf16" and not smoke:
                 continue
-            fn, args, info = moe_layer_step(problem, recipe, "pallas" if smoke and impl == "auto" else impl, smoke)
+            fn, args, info = moe_layer_step(problem, recipe, "pallas" if smoke and impl == "auto" else impl, smoke,
+                                            min_rows)
+            if label == "fp8_rowwise" and impl == "auto" and info["experts_recipe"] == "bf16":
+                variants.append(("fp8_forced", recipe, 0))
             try:
                 t = time_fn(fn, [args], **timing)
             except Exception as e:  # noqa: BLE001
@@ -314,14 +331,14 @@ def bench_layer(problem: str, quick: bool, smoke: bool) -> dict[tuple[str, str],
             (_, load), (_, dx[impl]) = t.out
             load = np.asarray(load)
             tflops = info["flops"] / (t.ms * 1e-3) / 1e12
-            results[(recipe, impl)] = (t.ms, tflops, float("nan"))
-            _log(f"  layer {recipe:12s} {impl:7s} fwd+bwd {t.ms:9.3f} ms {tflops:6.0f} TFLOP/s  {info['tokens']} tokens"
+            results[(label, impl)] = (t.ms, tflops, float("nan"), info["experts_recipe"])
+            _log(f"  layer {label:12s} {impl:7s} fwd+bwd {t.ms:9.3f} ms {tflops:6.0f} TFLOP/s  {info['tokens']} tokens"
                  f" top-{info['top_k']}, experts {info['experts_recipe']}, max/mean load {load.max() / load.mean():.2f}"
                  f"  (compile {t.compile_s:.1f}s)")
             del args, t
         if "auto" in dx and "xla" in dx:
-            ms, tflops, _ = results[(recipe, "auto")]
-            results[(recipe, "auto")] = (ms, tflops, rel_err(dx["auto"], dx["xla"]))
+            ms, tflops, _, experts = results[(label, "auto")]
+            results[(label, "auto")] = (ms, tflops, rel_err(dx["auto"], dx["xla"]), experts)
     return results
 
 
@@ -362,10 +379,10 @@ def bench_grouped(
     if lay:
         _log(f"whole MoE layer fwd+bwd ({LAYER_CONFIGS[problem]}, {p.m} expert rows), ms and GEMM TFLOP/s; overhead ="
              " layer - expert FFN (err: rel. error of dx, ours vs XLA, same recipe)")
-    for (recipe, impl), (ms, tflops, err) in lay.items():
-        key = (recipe, "pallas" if impl == "auto" else impl)
+    for (label, impl), (ms, tflops, err, experts) in lay.items():
+        key = (experts, "pallas" if impl == "auto" else impl)
         extra = f"   overhead {ms - ffn[key][0]:7.3f} ms" if key in ffn else ""
-        _log(f"  {recipe:12s} {impl:7s} {ms:9.3f} ms {tflops:6.0f} TFLOP/s{extra}"
+        _log(f"  {label:12s} {impl:7s} {ms:9.3f} ms {tflops:6.0f} TFLOP/s  experts {experts:11s}{extra}"
              + (f"   err {err:.1e}" if err == err else ""))
     return {"forward": {f"{r}/{c}": dataclasses.asdict(v) for (r, c), v in fwd.items()},
             "ffn_ms": {f"{r}/{i}": v[0] for (r, i), v in ffn.items()},

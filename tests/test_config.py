@@ -39,6 +39,8 @@ def test_unknown_key_names_it_and_suggests(tmp_path):
     ("data.grad_accum_steps=5", "data.grad_accum_steps"),  # does not divide batch 32
     ("ckpt.resume=yesterday", "ckpt.resume"),
     ("quant.recipe=fp4", "quant.recipe"),
+    ("quant.expert_min_rows=-1", "quant.expert_min_rows"),
+    ("quant.expert_min_rows=many", "quant.expert_min_rows"),
 ])
 def test_bad_values_name_the_key(override, key):
     with pytest.raises(ConfigError, match=f"'{key}'"):

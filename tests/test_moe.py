@@ -168,7 +168,8 @@ def test_quantized_recipe_reaches_the_routed_experts(recipe, experts):
     model takes a gradient step under it; the fp8 loss stays near the bf16 one."""
     from mx_jax.llama import plan_linears
 
-    cfg = load_config(None, MOE + [f"quant.recipe={recipe}", "model.compute_dtype=bfloat16"])
+    fp8 = ["quant.expert_min_rows=0"]  # 16 rows per expert here; the default would run them in bf16
+    cfg = load_config(None, MOE + [f"quant.recipe={recipe}", "model.compute_dtype=bfloat16"] + fp8)
     plan = plan_linears(cfg.model, cfg.quant)
     assert plan.recipes["experts"] == experts
     assert any("routed experts stay bf16" in n for n in plan.notes) == (experts == "bf16")
@@ -176,7 +177,7 @@ def test_quantized_recipe_reaches_the_routed_experts(recipe, experts):
     mesh = sharding.make_mesh(MeshConfig(fsdp=1), jax.devices()[:1])
     losses = {}
     for r in (recipe, "bf16"):
-        c = load_config(None, MOE + [f"quant.recipe={r}", "model.compute_dtype=bfloat16"])
+        c = load_config(None, MOE + [f"quant.recipe={r}", "model.compute_dtype=bfloat16"] + fp8)
         model = Llama(c.model, c.quant, rngs=nnx.Rngs(0))
         losses[r], load, grads = _loss_and_grads(c, params_of(model), buffers_of(model), tokens, mesh)
         assert load.sum() == 2 * 4 * 16 * 2
@@ -216,3 +217,36 @@ def test_expert_ffn_gathers_equal_a_per_row_loop(fan_out, align):
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=2e-5)
     assert np.abs(np.asarray(got[1][1][2])).max() == 0  # the expert without rows
+
+
+
+def test_fp8_experts_run_bf16_below_expert_min_rows(caplog):
+    """Where a device's experts average fewer rows than quant.expert_min_rows, fp8_rowwise runs them in bf16 (the
+    bf16 recipe's values exactly) and warns, naming the key; at the threshold they run fp8 (other values, close)."""
+    import logging
+
+    from mx_jax import dispatch
+    from mx_jax.moe import MoE
+
+    cfg = load_config(None, MOE + ["model.compute_dtype=bfloat16"]).model
+    x = jax.random.normal(jax.random.key(2), (2, 16, cfg.d_model), jnp.float32).astype(jnp.bfloat16)
+    # 32 tokens x top-2 = 64 rows for 8 experts: 8 rows each
+
+    def run(recipe, min_rows):
+        layer = MoE(cfg, recipe, "xla", {}, min_rows=min_rows, rngs=nnx.Rngs(0))
+        return np.asarray(jax.jit(lambda x: layer(x)[0])(x), np.float32)
+
+    bf16 = run("bf16", 0)
+    logger = logging.getLogger("mx_jax")  # train() stops its propagation to the root, where caplog listens
+    dispatch._warn_bf16.cache_clear()  # warned once per case and process
+    logger.addHandler(caplog.handler)
+    try:
+        with caplog.at_level(logging.WARNING, logger="mx_jax"):
+            below = run("fp8_rowwise", 9)
+    finally:
+        logger.removeHandler(caplog.handler)
+    np.testing.assert_array_equal(below, bf16)
+    assert "run bf16 instead of fp8_rowwise" in caplog.text and "quant.expert_min_rows=9" in caplog.text
+    at = run("fp8_rowwise", 8)
+    assert not np.array_equal(at, bf16)
+    np.testing.assert_allclose(at, bf16, rtol=0, atol=0.1 * np.abs(bf16).max())

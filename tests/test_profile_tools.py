@@ -160,10 +160,12 @@ def test_moe_layer_bench_times_the_configs_layer(problem):
 
     from pallas_kernels import bench_grouped
 
-    fn, args, info = bench_grouped.moe_layer_step(problem, "fp8_rowwise", "xla", smoke=True)
+    fn, args, info = bench_grouped.moe_layer_step(problem, "fp8_rowwise", "xla", smoke=True, expert_min_rows=0)
     (loss, load), (dparams, dx) = jax.jit(fn)(*args)
     p, shared = bench_grouped.SMOKE, 2 if problem == "deepseek" else 0
     assert info["tokens"] == p.m // 2 and info["experts_recipe"] == "fp8_rowwise"
+    # the config's default quant.expert_min_rows leaves the smoke problem's 64 rows per expert in bf16
+    assert bench_grouped.moe_layer_step(problem, "fp8_rowwise", "xla", smoke=True)[2]["experts_recipe"] == "bf16"
     assert float(np.asarray(load).sum()) == p.m  # tokens x top-2
     assert info["flops"] == 18.0 * info["tokens"] * p.k * p.n * (2 + shared)
     assert ("shared" in dparams) == bool(shared)
