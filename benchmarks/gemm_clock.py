@@ -21,7 +21,9 @@ Two kernels compared at one clock differ in work per clock; at the same power th
 which is what decides throughput once the board is at its limit.
 
 The clock and power of a 0.3 s row are not its own: nvidia-smi's readings trail the load by about a second, so
-only the sustained rows' clock columns describe the kernel.
+only the sustained rows' clock columns describe the kernel. Even those are samples of a clock the power cap moves
+many times a second: they put the bf16 grouped GEMM 9% behind cuBLAS per clock where Nsight Compute's cycle counts
+show it level (benchmarks/RESULTS.md, MoE fourteenth pass). Compare work per clock with benchmarks/ncu_gemm.py.
 
 --k-sweep times fp8 GEMMs of fixed M = N = 8192 and growing K in the burst protocol of `pallas_kernels.bench`: a
 kernel that lost time per output tile (epilogue, pipeline refill) would gain TFLOP/s as K grows.
