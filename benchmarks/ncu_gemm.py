@@ -40,8 +40,6 @@ METRICS = (
 
 
 def run(shapes: str, configs: list[str]) -> None:
-    import importlib
-
     import jax
     import jax.numpy as jnp
 

@@ -219,7 +219,6 @@ def test_expert_ffn_gathers_equal_a_per_row_loop(fan_out, align):
     assert np.abs(np.asarray(got[1][1][2])).max() == 0  # the expert without rows
 
 
-
 def test_fp8_experts_run_bf16_below_expert_min_rows(caplog):
     """Where a device's experts average fewer rows than quant.expert_min_rows, fp8_rowwise runs them in bf16 (the
     bf16 recipe's values exactly) and warns, naming the key; at the threshold they run fp8 (other values, close)."""
