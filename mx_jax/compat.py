@@ -74,6 +74,10 @@ def enable_mgpu_interpret_layout_cast() -> None:
 #   fails on the cluster barrier ("NotImplementedError: nan + cluster_barrier"). Tests of clustered configs run
 #   where MGPU_INTERPRET_CLUSTERS holds; the GPU lowering is the same in both versions.
 MGPU_INTERPRET_CLUSTERS = JAX_VERSION >= (0, 11, 0)
+# - Single-warp regions (plgpu.warp_map, the fp8 GEMM's producer warp): 0.11's GPU interpreter runs them; 0.10.2's
+#   fails ("Higher-order primitive core_map"). Where MGPU_INTERPRET_WARP_MAP does not hold, the interpreted kernel
+#   runs that region on the whole warpgroup (the same loads and barrier waits, issued by its leader thread).
+MGPU_INTERPRET_WARP_MAP = JAX_VERSION >= (0, 11, 0)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -117,7 +117,7 @@ def tile_sweep(args) -> list[fp8mm.TileConfig]:
     base = fp8mm.DEFAULT_CONFIG
     r = dataclasses.replace
     configs = [
-        fp8mm.AUTO_DEFAULT,  # the landed choice: 3 stages, each released after its wgmma, 2-CTA clusters along M
+        fp8mm.AUTO_DEFAULT,  # the landed choice: static 4-stage ring, 64x256 warpgroup tiles, 2-CTA clusters along M
         base,  # CTA 128x256: each warpgroup 128x128, 3 stages, whole-tile epilogue
         r(base, wg_split="m"),  # CTA 256x128
         r(base, tile_m=64, tile_n=256, wg_split="m"),  # CTA 128x256, each warpgroup 64x256

@@ -14,6 +14,10 @@ Kernel (Mosaic-GPU, `plgpu.kernel`; after jax's hopper_matmul_mgpu.py, adapted t
   passed to wgmma as `b_smem.T` (a layout transform, no data movement). tile_k = 128 fp8 = 128 B rows -> 128 B swizzle.
 - Warp specialization: one memory warpgroup issues the TMA loads of a `stages`-deep ring; two compute warpgroups
   split the CTA tile along M or N (`wg_split`) and each owns a (tile_m, tile_n) f32 accumulator.
+- Two rings (`ring`): jax's `emit_pipeline_warp_specialized` ("pipeline"), or a hand-rolled one ("static",
+  `_static_ring_kernel`) whose K loop is unrolled by `stages` so every slot index and wgmma descriptor is a
+  constant, and whose loads are issued by one warp instead of the whole memory warpgroup. impl="auto" runs the
+  static ring with 64x256 warpgroup tiles (CTA 128x256, 4 stages) wherever the K steps divide by 4.
 - Persistent grid: min(#SMs, #tiles) CTAs walk the output tiles along a planar snake (`grid_minor`,
   `grid_tile_width`) so that neighbouring CTAs share A rows / B columns in L2. Optional 2-CTA clusters multicast
   the shared operand (`cluster`).
@@ -37,9 +41,12 @@ Kernel (Mosaic-GPU, `plgpu.kernel`; after jax's hopper_matmul_mgpu.py, adapted t
   shape tried (RESULTS.md, ninth pass). At K = 2048 (16 steps per tile) the per-tile cost shows. At the
   H200's 700 W limit the kernel, like cuBLASLt, runs at ~1,400 MHz, so energy per FLOP sets its speed: impl="auto"
   runs 2-CTA clusters along M (the B tile multicast, a third less L2 -> SMEM traffic), which gain 0-3% there.
-  Nsight Compute at 8192^3 (RESULTS.md, ninth pass): tensor pipe busy 94% of active cycles (cuBLASLt's
-  no-scale kernel, the same 128x256 tile with a 2-CTA cluster: 96%), 2.4x cuBLASLt's instruction count (stage index
-  arithmetic and barrier bookkeeping in the K loop), and ~7% of the compute warpgroups' time outside the K loop.
+  Nsight Compute at 8192^3 (RESULTS.md, ninth and fifteenth passes): jax's pipeline ring with 128x128 warpgroup
+  tiles executes 125 M warp instructions, 2.4x cuBLASLt's 51 M: `step % 3` and slot addresses in every K step, and
+  all four warps of the memory warpgroup running the load loop. The static ring with 64x256 warpgroup tiles
+  executes 48 M, takes 1% fewer cycles (tensor pipe busy 95% of active cycles; cuBLASLt 96%) and, at the power
+  limit, runs 0.6-3.4% faster at 14 of the 17 AUTO_TABLE shapes. Its 64x256 wgmmas read each B row from SMEM once
+  per K step; two 64x128 wgmmas per 128x128 tile read it twice.
   Scalars are broadcast to vectors so one kernel serves both recipes.
 
 The dispatcher's `impl="xla"` is the best path without a custom kernel: `lax.dot_general` of the two fp8 operands
@@ -65,6 +72,7 @@ from pallas_kernels import device
 FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
 Impl = Literal["auto", "pallas", "xla", "reference"]
 _SMEM_BYTES = 227 * 1024  # Hopper opt-in shared memory per block
+_BARRIER_BYTES = 1024  # mbarriers and their alignment (measured: ~600 B beyond the buffers)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -82,6 +90,7 @@ class TileConfig:
     grid_tile_width: int = 8  # planar-snake band width, in CTA (cluster) tiles
     cluster: Literal["m", "n"] | None = None  # 2-CTA cluster along this dim; the shared operand is multicast
     delay_release: int = 1  # wgmma groups left in flight before a stage is released (0 = wait for each)
+    ring: Literal["pipeline", "static"] = "pipeline"  # "static": hand-rolled ring, K loop unrolled by `stages`
 
     @property
     def cta_tile_m(self) -> int:
@@ -112,11 +121,11 @@ class TileConfig:
         return 1 if self.epi_m * self.epi_n == self.tile_m * self.tile_n else 2
 
     def smem_bytes(self, out_dtype=jnp.bfloat16) -> int:
-        """Shared memory the kernel allocates (operand ring + epilogue staging + scale vectors), excluding barriers."""
+        """Shared memory the kernel allocates: operand ring + epilogue staging + scale vectors + a barrier reserve."""
         ring = self.stages * (self.cta_tile_m + self.cta_tile_n) * self.tile_k  # fp8: 1 byte per element
         out = 2 * self.out_slots() * self.epi_m * self.epi_n * jnp.dtype(out_dtype).itemsize
         scales = 2 * (self.tile_m + self.tile_n) * 4
-        return ring + out + scales
+        return ring + out + scales + _BARRIER_BYTES
 
     def name(self) -> str:
         s = f"wg{self.tile_m}x{self.tile_n}x{self.tile_k}/{self.wg_split} s{self.stages} d{self.delay_release}"
@@ -125,6 +134,8 @@ class TileConfig:
         s += f" snake-{self.grid_minor}{self.grid_tile_width}"
         if self.cluster:
             s += f" cl2{self.cluster}"
+        if self.ring == "static":
+            s += " static"
         return s
 
 
@@ -153,8 +164,76 @@ def _row(s: jax.Array) -> jax.Array:
 
 
 # --------------------------------------------------------------------------------------------------------------
-# Mosaic-GPU kernel.
+# Mosaic-GPU kernels.
 # --------------------------------------------------------------------------------------------------------------
+def _smem_transforms(c: TileConfig, out_dtype):
+    """SMEM layouts of the fp8 operand tiles (tile_k bytes per row) and of the epilogue's staging chunks."""
+    swizzle = plgpu.find_swizzle(c.tile_k * 8)
+    in_transforms = (plgpu.TilingTransform((8, swizzle)), plgpu.SwizzleTransform(swizzle))
+    out_bits = jnp.dtype(out_dtype).itemsize * 8
+    out_swizzle = plgpu.find_swizzle(c.epi_n * out_bits)
+    out_transforms = (plgpu.TilingTransform((8, out_swizzle * 8 // out_bits)), plgpu.SwizzleTransform(out_swizzle))
+    return in_transforms, out_transforms
+
+
+@dataclasses.dataclass(frozen=True)
+class _Tile:
+    """Where one output tile lies: the CTA's rows and columns, this warpgroup's part of them, its first row and
+    column in the output."""
+
+    cta_rows: pl.Slice
+    cta_cols: pl.Slice
+    wg_rows: pl.Slice | slice
+    wg_cols: pl.Slice | slice
+    row0: jax.Array
+    col0: jax.Array
+
+
+def _tile(c: TileConfig, lin, wg, m_iters: int, n_iters: int) -> _Tile:
+    """The `lin`-th output tile of the planar snake, for compute warpgroup `wg`."""
+    mi, ni = plgpu.planar_snake(lin, (m_iters, n_iters), 0 if c.grid_minor == "m" else 1, c.grid_tile_width)
+    cta = lax.axis_index("cluster")
+    if c.cluster == "m":
+        mi = mi * 2 + cta
+    elif c.cluster == "n":
+        ni = ni * 2 + cta
+    cta_rows = pl.ds(mi * c.cta_tile_m, c.cta_tile_m)
+    cta_cols = pl.ds(ni * c.cta_tile_n, c.cta_tile_n)
+    if c.wg_split == "m":
+        return _Tile(cta_rows, cta_cols, pl.ds(wg * c.tile_m, c.tile_m), slice(None),
+                     mi * c.cta_tile_m + wg * c.tile_m, ni * c.cta_tile_n)
+    return _Tile(cta_rows, cta_cols, slice(None), pl.ds(wg * c.tile_n, c.tile_n),
+                 mi * c.cta_tile_m, ni * c.cta_tile_n + wg * c.tile_n)
+
+
+def _load_scales(c: TileConfig, t: _Tile, wg, a_scale_gmem, b_scale_gmem, a_scale_smem, b_scale_smem, scale_barrier):
+    """Start the TMA loads of this warpgroup's scale slices; they land while the K loop runs."""
+    plgpu.copy_gmem_to_smem(a_scale_gmem.at[pl.ds(t.row0, c.tile_m)], a_scale_smem.at[wg], scale_barrier.at[wg])
+    plgpu.copy_gmem_to_smem(b_scale_gmem.at[pl.ds(t.col0, c.tile_n)], b_scale_smem.at[wg], scale_barrier.at[wg])
+
+
+def _store_tile(c: TileConfig, t: _Tile, wg, acc, out_gmem, out_smem, a_scale_smem, b_scale_smem, scale_barrier):
+    """Epilogue: acc (tile_m, tile_n) f32 times both scale slices, cast, staged in SMEM chunks and TMA-stored."""
+    plgpu.barrier_wait(scale_barrier.at[wg])
+    acc = acc * lax.broadcast_in_dim(a_scale_smem[wg], acc.shape, [0])  # (tile_m,)
+    acc = acc * lax.broadcast_in_dim(b_scale_smem[wg], acc.shape, [1])  # (tile_n,)
+    out = acc.astype(out_gmem.dtype)
+    slots = c.out_slots()
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous tile's store left out_smem
+    for ei in range(c.tile_m // c.epi_m):
+        for ej in range(c.tile_n // c.epi_n):
+            slot = (ei * (c.tile_n // c.epi_n) + ej) % slots
+            if slots > 1:
+                plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+            e_rows = slice(ei * c.epi_m, (ei + 1) * c.epi_m)
+            e_cols = slice(ej * c.epi_n, (ej + 1) * c.epi_n)
+            out_smem[wg, slot] = out[e_rows, e_cols]
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(
+                out_smem.at[wg, slot], out_gmem.at[t.cta_rows, t.cta_cols].at[t.wg_rows, t.wg_cols].at[e_rows, e_cols]
+            )
+
+
 def _kernel(a_gmem, b_gmem, a_scale_gmem, b_scale_gmem, out_gmem, *, config: TileConfig):
     """One persistent CTA: walks its output tiles; per tile a warp-specialized TMA/wgmma pipeline over K."""
     c = config
@@ -162,14 +241,7 @@ def _kernel(a_gmem, b_gmem, a_scale_gmem, b_scale_gmem, out_gmem, *, config: Til
     n = b_gmem.shape[0]
     out_dtype = out_gmem.dtype
     m_iters, n_iters, k_iters = m // c.cluster_tile_m, n // c.cluster_tile_n, k // c.tile_k
-
-    swizzle = plgpu.find_swizzle(c.tile_k * 8)  # fp8: tile_k bytes per smem row
-    in_transforms = (plgpu.TilingTransform((8, swizzle)), plgpu.SwizzleTransform(swizzle))
-    out_bits = c.epi_n * jnp.dtype(out_dtype).itemsize * 8
-    out_swizzle = plgpu.find_swizzle(out_bits)
-    out_swizzle_elems = out_swizzle * 8 // (jnp.dtype(out_dtype).itemsize * 8)
-    out_transforms = (plgpu.TilingTransform((8, out_swizzle_elems)), plgpu.SwizzleTransform(out_swizzle))
-    slots = c.out_slots()
+    in_transforms, out_transforms = _smem_transforms(c, out_dtype)
 
     def pipeline(body, compute_context):
         return plgpu.emit_pipeline_warp_specialized(
@@ -205,7 +277,7 @@ def _kernel(a_gmem, b_gmem, a_scale_gmem, b_scale_gmem, out_gmem, *, config: Til
     @functools.partial(
         pl.run_scoped,
         pipeline_allocs=pipeline(ignore, ignore).get_allocations(a_gmem, b_gmem),
-        out_smem=plgpu.SMEM((2, slots, c.epi_m, c.epi_n), out_dtype, transforms=out_transforms),
+        out_smem=plgpu.SMEM((2, c.out_slots(), c.epi_m, c.epi_n), out_dtype, transforms=out_transforms),
         a_scale_smem=plgpu.SMEM((2, c.tile_m), jnp.float32),
         b_scale_smem=plgpu.SMEM((2, c.tile_n), jnp.float32),
         scale_barrier=plgpu.Barrier(num_arrivals=2, num_barriers=2),
@@ -220,33 +292,13 @@ def _kernel(a_gmem, b_gmem, a_scale_gmem, b_scale_gmem, out_gmem, *, config: Til
     )
     def _scope(pipeline_allocs, out_smem, a_scale_smem, b_scale_smem, scale_barrier, acc_done_barrier):
         wg = lax.axis_index("wg")
-        cta = lax.axis_index("cluster")
 
         @plgpu.nd_loop((m_iters * n_iters,), collective_axes="cluster_grid")
         def _tile_loop(info):
-            (lin,) = info.index
-            mi, ni = plgpu.planar_snake(lin, (m_iters, n_iters), 0 if c.grid_minor == "m" else 1, c.grid_tile_width)
-            if c.cluster == "m":
-                mi = mi * 2 + cta
-            elif c.cluster == "n":
-                ni = ni * 2 + cta
-            cta_rows = pl.ds(mi * c.cta_tile_m, c.cta_tile_m)
-            cta_cols = pl.ds(ni * c.cta_tile_n, c.cta_tile_n)
-            if c.wg_split == "m":
-                wg_rows, wg_cols = pl.ds(wg * c.tile_m, c.tile_m), slice(None)
-                row0, col0 = mi * c.cta_tile_m + wg * c.tile_m, ni * c.cta_tile_n
-            else:
-                wg_rows, wg_cols = slice(None), pl.ds(wg * c.tile_n, c.tile_n)
-                row0, col0 = mi * c.cta_tile_m, ni * c.cta_tile_n + wg * c.tile_n
+            t = _tile(c, info.index[0], wg, m_iters, n_iters)
 
             def compute_context(eval_pipeline):
-                # The scale slices land while the K loop runs; the barrier is waited on in the epilogue.
-                plgpu.copy_gmem_to_smem(
-                    a_scale_gmem.at[pl.ds(row0, c.tile_m)], a_scale_smem.at[wg], scale_barrier.at[wg]
-                )
-                plgpu.copy_gmem_to_smem(
-                    b_scale_gmem.at[pl.ds(col0, c.tile_n)], b_scale_smem.at[wg], scale_barrier.at[wg]
-                )
+                _load_scales(c, t, wg, a_scale_gmem, b_scale_gmem, a_scale_smem, b_scale_smem, scale_barrier)
 
                 @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((c.tile_m, c.tile_n), jnp.float32))
                 def _acc_scope(acc_ref):
@@ -254,35 +306,15 @@ def _kernel(a_gmem, b_gmem, a_scale_gmem, b_scale_gmem, out_gmem, *, config: Til
                     acc = acc_ref[...]  # (tile_m, tile_n) f32; waits for the last wgmma
                     if c.delay_release:
                         plgpu.barrier_arrive(acc_done_barrier)
-                    plgpu.barrier_wait(scale_barrier.at[wg])
-                    row_scale = a_scale_smem[wg]  # (tile_m,)
-                    col_scale = b_scale_smem[wg]  # (tile_n,)
-                    acc = acc * lax.broadcast_in_dim(row_scale, acc.shape, [0])
-                    acc = acc * lax.broadcast_in_dim(col_scale, acc.shape, [1])
-                    out = acc.astype(out_dtype)
-                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous tile's store left out_smem
-                    for ei in range(c.tile_m // c.epi_m):
-                        for ej in range(c.tile_n // c.epi_n):
-                            chunk = ei * (c.tile_n // c.epi_n) + ej
-                            slot = chunk % slots
-                            if slots > 1:
-                                plgpu.wait_smem_to_gmem(1, wait_read_only=True)
-                            e_rows = slice(ei * c.epi_m, (ei + 1) * c.epi_m)
-                            e_cols = slice(ej * c.epi_n, (ej + 1) * c.epi_n)
-                            out_smem[wg, slot] = out[e_rows, e_cols]
-                            plgpu.commit_smem()
-                            plgpu.copy_smem_to_gmem(
-                                out_smem.at[wg, slot],
-                                out_gmem.at[cta_rows, cta_cols].at[wg_rows, wg_cols].at[e_rows, e_cols],
-                            )
+                    _store_tile(c, t, wg, acc, out_gmem, out_smem, a_scale_smem, b_scale_smem, scale_barrier)
 
             def mma_body(_, a_smem, b_smem, acc_ref):
-                plgpu.wgmma(acc_ref, a_smem.at[wg_rows], b_smem.at[wg_cols].T)
+                plgpu.wgmma(acc_ref, a_smem.at[t.wg_rows], b_smem.at[t.wg_cols].T)
                 plgpu.wgmma_wait(c.delay_release)
                 return acc_ref
 
             pipeline(mma_body, compute_context)(
-                a_gmem.at[cta_rows, :], b_gmem.at[cta_cols, :], allocations=pipeline_allocs
+                a_gmem.at[t.cta_rows, :], b_gmem.at[t.cta_cols, :], allocations=pipeline_allocs
             )
             if c.delay_release:
                 # With delay_release the pipeline never marks the last K step's stage consumed, so the memory
@@ -294,6 +326,124 @@ def _kernel(a_gmem, b_gmem, a_scale_gmem, b_scale_gmem, out_gmem, *, config: Til
                     plgpu.barrier_wait(acc_done_barrier)
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def _static_ring_kernel(
+    a_gmem, b_gmem, a_scale_gmem, b_scale_gmem, out_gmem, *, config: TileConfig, producer_warp: bool = True
+):
+    """The cooperative kernel of `_kernel` with a hand-rolled TMA ring: K loop unrolled by `stages`, one producer warp.
+
+    Every tile's K steps are a multiple of `stages`, so step s of an unrolled group always uses ring slot s: slot
+    indices, SMEM addresses and wgmma descriptors are compile-time constants, where jax's pipeline computes
+    `step % stages` (64-bit multiply-high sequences at 3 stages) and the slot's addresses at run time in every K step.
+    One warp of the memory warpgroup issues the loads (`plgpu.warp_map`); in the pipeline all four run the loop and
+    spin on its barriers. It waits for a slot's release from the kernel's second round on and drains the last round
+    before the CTA exits (with a cluster the peer CTA arrives on this CTA's barriers remotely). Nsight Compute at
+    8192^3 (RESULTS.md, fifteenth pass): 125 M warp instructions (the pipeline, 3 stages) -> 91 M (this kernel, the
+    same 128x128 warpgroup tiles) -> 48 M with 64x256 warpgroup tiles, whose wgmmas read each B row from SMEM once
+    instead of twice (cuBLASLt: 51 M).
+    """
+    c = config
+    m, k = a_gmem.shape
+    n = b_gmem.shape[0]
+    out_dtype = out_gmem.dtype
+    m_iters, n_iters, k_iters = m // c.cluster_tile_m, n // c.cluster_tile_n, k // c.tile_k
+    stages = c.stages
+    rounds = k_iters // stages
+    in_transforms, out_transforms = _smem_transforms(c, out_dtype)
+
+    @functools.partial(
+        pl.run_scoped,
+        a_smem=plgpu.SMEM((stages, c.cta_tile_m, c.tile_k), a_gmem.dtype, transforms=in_transforms),
+        b_smem=plgpu.SMEM((stages, c.cta_tile_n, c.tile_k), b_gmem.dtype, transforms=in_transforms),
+        out_smem=plgpu.SMEM((2, c.out_slots(), c.epi_m, c.epi_n), out_dtype, transforms=out_transforms),
+        a_scale_smem=plgpu.SMEM((2, c.tile_m), jnp.float32),
+        b_scale_smem=plgpu.SMEM((2, c.tile_n), jnp.float32),
+        produced=plgpu.Barrier(num_arrivals=2, num_barriers=stages),  # the A and B loads of a slot
+        # Released by both compute warpgroups of every CTA of the cluster (a multicast load writes the peer's slot).
+        consumed=(
+            plgpu.ClusterBarrier(collective_axes=("cluster",), num_arrivals=2, num_barriers=stages)
+            if c.cluster
+            else plgpu.Barrier(num_arrivals=2, num_barriers=stages)
+        ),
+        scale_barrier=plgpu.Barrier(num_arrivals=2, num_barriers=2),
+        collective_axes="wg",
+    )
+    def _scope(a_smem, b_smem, out_smem, a_scale_smem, b_scale_smem, produced, consumed, scale_barrier):
+        wg = lax.axis_index("wg")
+
+        def producer():
+            @plgpu.nd_loop((m_iters * n_iters,), collective_axes="cluster_grid")
+            def _tile_loop(info):
+                t = _tile(c, info.index[0], 0, m_iters, n_iters)  # the CTA's rows and columns
+
+                @pl.loop(0, rounds)
+                def _round(r):
+                    refill = jnp.logical_or(r > 0, info.local_index > 0)
+                    for s in range(stages):
+                        @pl.when(refill)
+                        def _():
+                            plgpu.barrier_wait(consumed.at[s])
+
+                        ks = pl.ds((r * stages + s) * c.tile_k, c.tile_k)
+                        plgpu.copy_gmem_to_smem(
+                            a_gmem.at[t.cta_rows, ks], a_smem.at[s], produced.at[s],
+                            collective_axes="cluster" if c.cluster == "n" else None,
+                        )
+                        plgpu.copy_gmem_to_smem(
+                            b_gmem.at[t.cta_cols, ks], b_smem.at[s], produced.at[s],
+                            collective_axes="cluster" if c.cluster == "m" else None,
+                        )
+
+            for s in range(stages):  # the last round's releases (remote ones too) land before this CTA exits
+                plgpu.barrier_wait(consumed.at[s])
+
+        @pl.when(wg == 2)
+        def _memory():
+            plgpu.set_max_registers(40, action="decrease")
+
+            if not producer_warp:  # jax 0.10.2's interpreter (compat.MGPU_INTERPRET_WARP_MAP)
+                producer()
+                return
+
+            # One warp issues the loads; the warpgroup's other three wait at a hardware barrier meanwhile instead of
+            # running (and spinning in) the same loop.
+            @plgpu.warp_map
+            def _per_warp(warp):
+                pl.when(warp == 0)(producer)
+
+        @pl.when(wg < 2)
+        def _compute():
+            plgpu.set_max_registers(232, action="increase")
+
+            @plgpu.nd_loop((m_iters * n_iters,), collective_axes="cluster_grid")
+            def _tile_loop(info):
+                t = _tile(c, info.index[0], wg, m_iters, n_iters)
+                _load_scales(c, t, wg, a_scale_gmem, b_scale_gmem, a_scale_smem, b_scale_smem, scale_barrier)
+
+                @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((c.tile_m, c.tile_n), jnp.float32))
+                def _acc_scope(acc_ref):
+                    @pl.loop(0, rounds)
+                    def _round(r):
+                        for s in range(stages):
+                            plgpu.barrier_wait(produced.at[s])
+                            plgpu.wgmma(acc_ref, a_smem.at[s].at[t.wg_rows], b_smem.at[s].at[t.wg_cols].T)
+                            plgpu.wgmma_wait(c.delay_release)
+                            if not c.delay_release:
+                                plgpu.barrier_arrive(consumed.at[s])
+                            elif s:
+                                plgpu.barrier_arrive(consumed.at[s - 1])
+                            else:
+                                @pl.when(r > 0)
+                                def _():
+                                    plgpu.barrier_arrive(consumed.at[stages - 1])
+
+                    acc = acc_ref[...]  # waits for the last wgmma
+                    if c.delay_release:
+                        plgpu.barrier_arrive(consumed.at[stages - 1])
+                    _store_tile(c, t, wg, acc, out_gmem, out_smem, a_scale_smem, b_scale_smem, scale_barrier)
+
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
 def pallas_cover(
@@ -318,6 +468,8 @@ def pallas_cover(
         )
     if c.stages <= c.delay_release:
         return f"stages ({c.stages}) must exceed delay_release ({c.delay_release})"
+    if c.ring == "static" and (k // c.tile_k) % c.stages:
+        return f"the static ring needs K / tile_k ({k // c.tile_k}) to be a multiple of the stages ({c.stages})"
     if c.smem_bytes(out_dtype) > _SMEM_BYTES:
         return f"config needs {c.smem_bytes(out_dtype)} B of shared memory (> {_SMEM_BYTES})"
     return None
@@ -325,11 +477,15 @@ def pallas_cover(
 
 def fit_config(config: TileConfig, out_dtype) -> TileConfig:
     """`config`, made to fit SMEM for this output dtype: the epilogue staged in 64x64 chunks when a whole-tile
-    staging buffer would overflow (an f32 output: 2 x 128x128x4 B next to a 144 KiB operand ring), then fewer
-    pipeline stages while it still does (a 4-stage config measured with bf16 output, run for an f32 weight grad)."""
-    if config.smem_bytes(out_dtype) > _SMEM_BYTES and config.epi_tile_m is None and config.epi_tile_n is None:
-        config = dataclasses.replace(config, epi_tile_m=64, epi_tile_n=64)
-    while config.smem_bytes(out_dtype) > _SMEM_BYTES and config.stages > max(2, config.delay_release + 1):
+    staging buffer would overflow (an f32 output: 2 x 128x128x4 B next to a 144 KiB operand ring); then, for the
+    static ring (whose stages must divide the K steps), the chunk's columns halved down to 16; then fewer pipeline stages
+    while it still does (a 4-stage config measured with bf16 output, run for an f32 weight grad)."""
+    fits = lambda c: c.smem_bytes(out_dtype) <= _SMEM_BYTES
+    if not fits(config) and config.epi_tile_m is None and config.epi_tile_n is None:
+        config = dataclasses.replace(config, epi_tile_m=min(64, config.tile_m), epi_tile_n=min(64, config.tile_n))
+    while not fits(config) and config.ring == "static" and config.epi_n > 16:  # rows stay 64 (the wgmma layout's)
+        config = dataclasses.replace(config, epi_tile_n=config.epi_n // 2)
+    while not fits(config) and config.stages > max(2, config.delay_release + 1):
         config = dataclasses.replace(config, stages=config.stages - 1)
     return config
 
@@ -358,8 +514,14 @@ def fp8_matmul_pallas(
     cluster_size = 2 if config.cluster else 1
     tiles = (m // config.cluster_tile_m) * (n // config.cluster_tile_n)
     grid = max(1, min(device.num_sms(interpret) // cluster_size, tiles))
+    if config.ring == "static":
+        body = functools.partial(
+            _static_ring_kernel, config=config, producer_warp=interpret is None or compat.MGPU_INTERPRET_WARP_MAP
+        )
+    else:
+        body = functools.partial(_kernel, config=config)
     f = plgpu.kernel(
-        functools.partial(_kernel, config=config),
+        body,
         out_type=jax.ShapeDtypeStruct((m, n), out_dtype),
         grid=(grid,),
         grid_names=("cluster_grid",),
@@ -387,32 +549,37 @@ def fp8_matmul_xla(
 # Per-shape choice for impl="auto" on Hopper: (M, N, K) -> the TileConfig to run, or None where XLA wins. Shapes not
 # listed use AUTO_DEFAULT when the kernel covers them. Chosen by sustained throughput at the H200's 700 W power
 # limit, the state a training run's GEMMs run in (`benchmarks/gemm_clock.py --sustained-sweep`, each kernel run 1 s,
-# all of them twice in the same order; benchmarks/RESULTS.md, ninth pass, jax 0.11.2, 2026-11-21). The comments give
-# those TFLOP/s: the chosen config vs XLA's fp8 path with the same rowwise scales. The 2-CTA cluster along M
-# multicasts the B tile into both CTAs: L2 -> SMEM traffic falls by a third and, at the power limit, TFLOP/s rises
-# 0.2-2.7% (median 2%) at every shape with N >= 4096; at N = 1024 (8 CTA columns) it lost up to 3%.
-_D0M = TileConfig(delay_release=0, cluster="m")  # wg128x128x128/n, 3 stages, stage released after its wgmma, 2-CTA M
+# all of them twice in the same order; benchmarks/RESULTS.md, fifteenth pass, jax 0.11.2, 2026-11-22). The comments
+# give those TFLOP/s: the chosen config vs the jax-pipeline kernel chosen before (ninth pass) and XLA's fp8 path with
+# the same rowwise scales. The static ring with 64x256 warpgroup tiles (`_W64`) won 0.6-3.4% at 14 of the 17 shapes;
+# per clock it is within 1% of the pipeline kernel (Nsight Compute), so what it saves is energy per FLOP: 2.6x fewer
+# warp instructions (half of them wgmmas' operand setup), each B row read from SMEM once per K step, one load warp.
+# The 2-CTA cluster along M multicasts the B tile into both CTAs (a third less L2 -> SMEM traffic).
+_D0M = TileConfig(delay_release=0, cluster="m")  # wg128x128x128/n, 3 stages, jax's pipeline, 2-CTA M
 _D0 = TileConfig(delay_release=0)  # the same without the cluster
+_W64 = TileConfig(tile_m=64, tile_n=256, wg_split="m", stages=4, epi_tile_m=64, epi_tile_n=32, delay_release=0,
+                  cluster="m", ring="static")  # CTA 128x256 as two 64x256 warpgroup tiles, 4-stage static ring
+_W64N = dataclasses.replace(_W64, cluster=None)
 AUTO_TABLE: dict[tuple[int, int, int], TileConfig | None] = {
-    (8192, 8192, 8192): _D0M,  # 1255 vs 1160
-    (8192, 4096, 4096): _D0M,  # 1217 vs 1011 (8B wo fwd and dgrad)
-    (8192, 1024, 4096): _D0,  # 1173 vs 958 (cluster: 1167)
-    (8192, 14336, 4096): _D0M,  # 1224 vs 1071 (8B FFN gate, up; dh)
-    (8192, 4096, 14336): _D0M,  # 1281 vs 1210 (8B FFN down fwd; dx)
-    (8192, 1024, 8192): _D0,  # 1269 vs 1145 (cluster: 1231)
-    (8192, 28672, 8192): _D0M,  # 1276 vs 1183
-    (8192, 8192, 28672): _D0M,  # 1304 vs 1264
-    (4096, 14336, 8192): _D0M,  # 1251 vs 1164 (8B FFN gate, up wgrad)
-    (14336, 4096, 8192): _D0M,  # 1262 vs 1148 (8B FFN down wgrad)
-    (8192, 6144, 4096): _D0M,  # 1220 vs 1057 (8B q|k|v fwd)
-    (8192, 4096, 6144): _D0M,  # 1244 vs 1094 (q|k|v dgrad)
-    (4096, 6144, 8192): _D0M,  # 1246 vs 1152 (q|k|v wgrad)
-    (8192, 28672, 4096): _D0M,  # 1244 vs 1072 (8B gate|up fwd)
-    (8192, 4096, 28672): _D0M,  # 1303 vs 1271 (gate|up dgrad)
-    (4096, 28672, 8192): _D0M,  # 1255 vs 1172 (gate|up wgrad)
-    (4096, 4096, 8192): _D0M,  # 1256 vs 1106 (wo wgrad)
+    (8192, 8192, 8192): _W64,  # 1287 (pipeline 1276, XLA 1190)
+    (8192, 4096, 4096): _W64,  # 1275 (1233, 1034) (8B wo fwd and dgrad)
+    (8192, 1024, 4096): _W64,  # 1231 (1200, 936)
+    (8192, 14336, 4096): _W64,  # 1262 (1245, 1087) (8B FFN gate, up; dh)
+    (8192, 4096, 14336): _W64,  # 1313 (1301, 1210) (8B FFN down fwd; dx)
+    (8192, 1024, 8192): _D0,  # 1292 (_W64: 1284, XLA 1169)
+    (8192, 28672, 8192): _W64,  # 1305 (1294, 1204)
+    (8192, 8192, 28672): _W64,  # 1333 (1324, 1300)
+    (4096, 14336, 8192): _W64,  # 1284 (1279, 1185) (8B FFN gate, up wgrad)
+    (14336, 4096, 8192): _W64,  # 1292 (1276, 1176) (8B FFN down wgrad)
+    (8192, 6144, 4096): _W64,  # 1254 (1240, 1071) (8B q|k|v fwd)
+    (8192, 4096, 6144): _W64,  # 1290 (1260, 1111) (q|k|v dgrad)
+    (4096, 6144, 8192): _W64,  # 1282 (1285, 1163; all configs within their spread) (q|k|v wgrad)
+    (8192, 28672, 4096): _W64,  # 1276 (1260, 1090) (8B gate|up fwd)
+    (8192, 4096, 28672): _W64,  # 1334 (1327, 1285) (gate|up dgrad)
+    (4096, 28672, 8192): _W64,  # 1288 (1273, 1197) (gate|up wgrad)
+    (4096, 4096, 8192): _W64N,  # 1297 (1272, 1130) (wo wgrad)
 }
-AUTO_DEFAULT: TileConfig | None = _D0M
+AUTO_DEFAULT: TileConfig | None = _W64
 
 
 def auto_choice(m: int, n: int, k: int, a_dtype, b_dtype, out_dtype=jnp.bfloat16) -> TileConfig | None:
@@ -422,8 +589,9 @@ def auto_choice(m: int, n: int, k: int, a_dtype, b_dtype, out_dtype=jnp.bfloat16
     config = AUTO_TABLE.get((m, n, k), AUTO_DEFAULT)
     if config is None:
         return None
-    # A clustered config needs M (or N) to be a multiple of two CTA tiles; one CTA tile is enough without it.
-    for candidate in (config, dataclasses.replace(config, cluster=None)):
+    # A clustered config needs M (or N) to be a multiple of two CTA tiles, one CTA tile is enough without it; the
+    # static ring needs the K steps to be a multiple of its stages, jax's pipeline does not.
+    for candidate in dict.fromkeys((config, dataclasses.replace(config, cluster=None), _D0M, _D0)):
         candidate = fit_config(candidate, out_dtype)
         if pallas_cover(m, n, k, a_dtype, b_dtype, out_dtype, candidate) is None:
             return candidate

@@ -54,6 +54,16 @@ INTERPRET_CASES = [
     (128, 256, 256, E5M2, E4M3, False, SMALL, jnp.bfloat16),  # mixed operands: the tensorwise recipe's backward
     (128, 256, 256, E4M3, E4M3, False, fm.fit_config(fm.DEFAULT_CONFIG, jnp.float32), jnp.float32),
     (256, 128, 128, E4M3, E4M3, False, dataclasses.replace(SMALL, cluster="m", epi_tile_n=32), jnp.bfloat16),
+    # The static ring: two and three stages, each release schedule, both splits, clusters along M and N.
+    (256, 256, 256, E4M3, E4M3, False, dataclasses.replace(SMALL, ring="static"), jnp.bfloat16),
+    (256, 128, 256, E5M2, E5M2, True, dataclasses.replace(SMALL, ring="static", wg_split="m", delay_release=0),
+     jnp.bfloat16),
+    (128, 256, 384, E4M3, E4M3, False, dataclasses.replace(SMALL, ring="static", stages=3, delay_release=0),
+     jnp.float32),
+    (256, 128, 128, E4M3, E4M3, False, dataclasses.replace(SMALL, ring="static", cluster="m", epi_tile_n=32),
+     jnp.bfloat16),
+    (256, 256, 256, E4M3, E4M3, False, dataclasses.replace(SMALL, ring="static", cluster="n", delay_release=0),
+     jnp.bfloat16),
 ]
 
 
@@ -102,7 +112,10 @@ def test_uncovered_shape_raises_under_pallas_and_falls_back_under_auto(monkeypat
     assert fm.auto_choice(8192, 3072, 2048, E4M3, E4M3) == fm.AUTO_DEFAULT  # not in the table
     monkeypatch.setitem(fm.AUTO_TABLE, (8192, 3072, 2048), None)
     assert fm.auto_choice(8192, 3072, 2048, E4M3, E4M3) is None  # where XLA won, auto takes XLA
-    assert fm.auto_choice(8192, 8192, 8192, E4M3, E4M3, jnp.float32).epi_tile_n == 64  # f32 staging is chunked
+    f32 = fm.auto_choice(8192, 8192, 8192, E4M3, E4M3, jnp.float32)  # f32 staging is chunked to fit SMEM
+    assert f32.ring == "static" and f32.epi_n < 32 and f32.smem_bytes(jnp.float32) <= fm._SMEM_BYTES
+    # 65 K steps do not divide into the static ring's 4 stages: auto runs jax's pipeline kernel instead of XLA.
+    assert fm.AUTO_DEFAULT.ring == "static" and fm.auto_choice(8192, 8192, 8320, E4M3, E4M3).ring == "pipeline"
     # M = 8320 is one CTA tile but not a cluster pair's multiple: auto drops the cluster instead of taking XLA.
     assert fm.AUTO_DEFAULT.cluster == "m" and "multiples" in fm.pallas_cover(
         8320, 8192, 8192, E4M3, E4M3, config=fm.AUTO_DEFAULT)
@@ -121,6 +134,9 @@ def test_cover_reasons():
     assert "shared memory" in fm.pallas_cover(8192, 8192, 8192, E4M3, E4M3, jnp.float32)  # unchunked f32 staging
     assert "float8" in fm.pallas_cover(8192, 8192, 8192, jnp.bfloat16, E4M3)
     assert "delay_release" in fm.pallas_cover(8192, 8192, 8192, E4M3, E4M3, config=fm.TileConfig(stages=1))
+    static3 = fm.TileConfig(ring="static", delay_release=0)
+    assert "multiple of the stages" in fm.pallas_cover(8192, 8192, 8192, E4M3, E4M3, config=static3)  # 64 K steps
+    assert fm.pallas_cover(8192, 8192, 6144, E4M3, E4M3, config=static3) is None  # 48
 
 
 def test_bad_arguments_name_the_argument():
@@ -141,10 +157,13 @@ SWEEP = [
     fm.TileConfig(wg_split="m"),
     fm.TileConfig(tile_m=64, tile_n=256, wg_split="m"),
     fm.TileConfig(cluster="m"),
-    fm.TileConfig(cluster="m", delay_release=0),  # AUTO_DEFAULT
+    fm.TileConfig(cluster="m", delay_release=0),  # AUTO_DEFAULT before the static ring
     fm.TileConfig(cluster="n", delay_release=0),
     fm.TileConfig(stages=4, epi_tile_m=64, epi_tile_n=64),
     fm.TileConfig(tile_k=64, stages=6),
+    fm.TileConfig(stages=4, epi_tile_m=64, epi_tile_n=64, delay_release=0, cluster="m", ring="static"),
+    fm.TileConfig(stages=4, epi_tile_m=64, epi_tile_n=64, cluster="m", ring="static"),
+    fm.AUTO_DEFAULT,  # the static ring, 64x256 warpgroup tiles, cluster along M
 ]
 
 
@@ -177,7 +196,7 @@ GPU_SHAPES = [(8192, 8192, 8192), (8192, 1024, 4096), (8192, 4096, 14336), (4096
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("m,n,k", GPU_SHAPES)
-@pytest.mark.parametrize("config", SWEEP[:3] + [fm.AUTO_DEFAULT], ids=lambda c: c.name())
+@pytest.mark.parametrize("config", SWEEP[:3] + [fm.AUTO_DEFAULT] + SWEEP[-3:], ids=lambda c: c.name())
 def test_gpu_pallas_matches_reference_and_xla(m, n, k, config):
     a, b, sa, sb = operands(jax.random.key(1), m, n, k)
     ref = fm.fp8_matmul_reference(a, b, sa, sb, out_dtype=jnp.float32)
@@ -197,9 +216,10 @@ def test_gpu_pallas_matches_reference_and_xla(m, n, k, config):
 def test_gpu_dtypes_and_scales(a_dtype, b_dtype, scalar, out_dtype):
     a, b, sa, sb = operands(jax.random.key(2), 4096, 4096, 4096, a_dtype, b_dtype, scalar)
     ref = fm.fp8_matmul_reference(a, b, sa, sb, out_dtype=jnp.float32)
-    out = fm.fp8_matmul(a, b, sa, sb, out_dtype=out_dtype, impl="pallas")
-    assert out.dtype == out_dtype
-    assert float(jnp.linalg.norm(out.astype(jnp.float32) - ref) / jnp.linalg.norm(ref)) < 2e-2
+    for impl in ("pallas", "auto"):  # DEFAULT_CONFIG (jax's pipeline); AUTO_DEFAULT (the static ring), fit to out_dtype
+        out = fm.fp8_matmul(a, b, sa, sb, out_dtype=out_dtype, impl=impl)
+        assert out.dtype == out_dtype
+        assert float(jnp.linalg.norm(out.astype(jnp.float32) - ref) / jnp.linalg.norm(ref)) < 2e-2, impl
 
 
 @pytest.mark.gpu
