@@ -478,8 +478,8 @@ def pallas_cover(
 def fit_config(config: TileConfig, out_dtype) -> TileConfig:
     """`config`, made to fit SMEM for this output dtype: the epilogue staged in 64x64 chunks when a whole-tile
     staging buffer would overflow (an f32 output: 2 x 128x128x4 B next to a 144 KiB operand ring); then, for the
-    static ring (whose stages must divide the K steps), the chunk's columns halved down to 16; then fewer pipeline stages
-    while it still does (a 4-stage config measured with bf16 output, run for an f32 weight grad)."""
+    static ring (whose stages must divide the K steps), the chunk's columns halved down to 16; then fewer pipeline
+    stages while it still does (a 4-stage config measured with bf16 output, run for an f32 weight grad)."""
     fits = lambda c: c.smem_bytes(out_dtype) <= _SMEM_BYTES
     if not fits(config) and config.epi_tile_m is None and config.epi_tile_n is None:
         config = dataclasses.replace(config, epi_tile_m=min(64, config.tile_m), epi_tile_n=min(64, config.tile_n))
@@ -553,7 +553,7 @@ def fp8_matmul_xla(
 # give those TFLOP/s: the chosen config vs the jax-pipeline kernel chosen before (ninth pass) and XLA's fp8 path with
 # the same rowwise scales. The static ring with 64x256 warpgroup tiles (`_W64`) won 0.6-3.4% at 14 of the 17 shapes;
 # per clock it is within 1% of the pipeline kernel (Nsight Compute), so what it saves is energy per FLOP: 2.6x fewer
-# warp instructions (half of them wgmmas' operand setup), each B row read from SMEM once per K step, one load warp.
+# warp instructions, each B row read from SMEM once per K step, one load warp.
 # The 2-CTA cluster along M multicasts the B tile into both CTAs (a third less L2 -> SMEM traffic).
 _D0M = TileConfig(delay_release=0, cluster="m")  # wg128x128x128/n, 3 stages, jax's pipeline, 2-CTA M
 _D0 = TileConfig(delay_release=0)  # the same without the cluster
