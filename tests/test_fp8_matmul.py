@@ -196,7 +196,7 @@ GPU_SHAPES = [(8192, 8192, 8192), (8192, 1024, 4096), (8192, 4096, 14336), (4096
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("m,n,k", GPU_SHAPES)
-@pytest.mark.parametrize("config", SWEEP[:3] + [fm.AUTO_DEFAULT] + SWEEP[-3:], ids=lambda c: c.name())
+@pytest.mark.parametrize("config", SWEEP[:3] + SWEEP[-3:], ids=lambda c: c.name())  # SWEEP[-1]: AUTO_DEFAULT
 def test_gpu_pallas_matches_reference_and_xla(m, n, k, config):
     a, b, sa, sb = operands(jax.random.key(1), m, n, k)
     ref = fm.fp8_matmul_reference(a, b, sa, sb, out_dtype=jnp.float32)
