@@ -237,6 +237,83 @@ def _make_linear2d(recipe_name: str, impl: str):
     return linear2d
 
 
+# --------------------------------------------------------------------------------------------------------------
+# The SwiGLU block as one custom_vjp: the SwiGLU itself is computed inside the casts of h and of its gradient.
+# --------------------------------------------------------------------------------------------------------------
+FUSED_SWIGLU_RECIPES = ("fp8_tensorwise", "fp8_rowwise")  # every operand dual-cast (one cast for both layouts)
+
+
+@functools.lru_cache(maxsize=None)
+def _make_swiglu2d(recipe_name: str, impl: str):
+    r = RECIPE_TABLE[recipe_name]
+    (x_c, w_c), (g_c, _), p2 = r.out, r.grad_x, r.pow2_scale
+    assert x_c == r.grad_w[0] and w_c == r.grad_x[1] and g_c == r.grad_w[1], "a dual-cast recipe"
+
+    def forward(x, w_gu, w_d):
+        x_op, x_res = _both(x, x_c, p2, impl)
+        wgu_res, wgu_op = _both(w_gu, w_c, p2, impl)
+        gu = _gemm_fp8(x_op, wgu_op, x.dtype, impl)  # (T, 2F) = x [W_gate | W_up]
+        h_op, h_res = qz.quantize_dual_swiglu(gu, dtype=x_c.dtype, scaling=x_c.scaling, pow2_scale=p2, impl=impl)
+        wd_res, wd_op = _both(w_d, w_c, p2, impl)
+        y = _gemm_fp8(h_op, wd_op, x.dtype, impl)
+        return y, (x_res, wgu_res, gu, h_res, wd_res)
+
+    def backward(res, gy, gw_dtypes):
+        x_res, wgu_res, gu, h_res, wd_res = res
+        gy_rows, gy_cols = _both(gy, g_c, p2, impl)
+        dh = _gemm_fp8(gy_rows, wd_res, gy.dtype, impl)  # (T, F) = dy W_downᵀ
+        dwd = _gemm_fp8(h_res, gy_cols, gw_dtypes[1], impl)  # (F, D) = hᵀ dy
+        dgu_rows, dgu_cols = qz.quantize_dual_swiglu(gu, dh, dtype=g_c.dtype, scaling=g_c.scaling, pow2_scale=p2,
+                                                     impl=impl)
+        dx = _gemm_fp8(dgu_rows, wgu_res, gy.dtype, impl)  # (T, D) = dgu [W_gate | W_up]ᵀ
+        dwgu = _gemm_fp8(x_res, dgu_cols, gw_dtypes[0], impl)  # (D, 2F) = xᵀ dgu
+        return dx, dwgu, dwd
+
+    @jax.custom_vjp
+    def swiglu2d(x, w_gu, w_d):
+        return forward(x, w_gu, w_d)[0]
+
+    def fwd(x, w_gu, w_d):
+        y, res = forward(x, w_gu, w_d)
+        return y, (res, *(jnp.zeros((0,), a.dtype) for a in (x, w_gu, w_d)))
+
+    def bwd(saved, g):
+        res, x_tag, wgu_tag, wd_tag = saved  # empty arrays carrying the primal dtypes
+        gw = (_grad_w_dtype(wgu_tag.dtype), _grad_w_dtype(wd_tag.dtype))
+        dx, dwgu, dwd = backward(res, g.astype(x_tag.dtype), gw)
+        return dx.astype(x_tag.dtype), dwgu.astype(wgu_tag.dtype), dwd.astype(wd_tag.dtype)
+
+    swiglu2d.defvjp(fwd, bwd)
+    return swiglu2d
+
+
+def swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, *, recipe: str,
+           impl: str = "auto") -> jax.Array:
+    """y = (silu(x W_gate) * (x W_up)) W_down under `recipe` (all three linears), gate and up as one GEMM over
+    [W_gate | W_up] (a concatenate in the step; per-column weight scales are unchanged by it, a gradient row's scale
+    spans both halves).
+
+    Under FUSED_SWIGLU_RECIPES the block is one custom_vjp and h = silu(g) u never reaches HBM in bf16: the fp8
+    casts of h compute it from g|u tile by tile, and in the backward the casts of [dg | du] compute them from g|u
+    and dh = dy W_downᵀ (`pallas_kernels.quantize.quantize_dual_swiglu`). In the isolated block this saves the
+    SwiGLU pass and the dx sum; in a model, where XLA cannot fuse the forward and backward SwiGLU passes, it saves
+    a write and a read of h and of [dg | du]. Other recipes compose `linear`.
+    """
+    if recipe not in RECIPES:
+        raise ValueError(f"swiglu: unknown recipe {recipe!r}; choose from {RECIPES}")
+    d, f = w_gate.shape
+    if w_up.shape != (d, f) or w_down.shape != (f, d) or x.shape[-1] != d:
+        raise ValueError(f"swiglu: need x (..., D), W_gate and W_up (D, F), W_down (F, D), got x {x.shape}, "
+                         f"W_gate {w_gate.shape}, W_up {w_up.shape}, W_down {w_down.shape}")
+    w_gu = jnp.concatenate([w_gate, w_up], axis=1)
+    if recipe not in FUSED_SWIGLU_RECIPES:
+        g, u = jnp.split(linear(x, w_gu, recipe=recipe, impl=impl), 2, axis=-1)
+        return linear(jax.nn.silu(g) * u, w_down, recipe=recipe, impl=impl)
+    lead = x.shape[:-1]
+    y = _make_swiglu2d(recipe, impl)(x.reshape(math.prod(lead), d), w_gu, w_down)
+    return y.reshape(*lead, d)
+
+
 def linear(x: jax.Array, w: jax.Array, *, recipe: str, impl: str = "auto") -> jax.Array:
     """y = x @ w under `recipe`, differentiable in x and w (grads in x's and w's dtypes).
 
