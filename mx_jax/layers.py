@@ -23,8 +23,7 @@ Attention: softmax(q k^T / sqrt(K) + causal mask) v with G key/value heads share
            cuDNN flash attention on GPU (jax.nn.dot_product_attention(implementation="cudnn")), XLA elsewhere.
            With a `context` mesh axis the sequence is split; each shard all-gathers K and V over the axis and
            masks by global position, which is exact (ring attention would trade the gather for overlap).
-SwiGLU:    y = (silu(x W_gate) * (x W_up)) W_down                     (Shazeer 2020). Under fp8_rowwise and
-           fp8_tensorwise the block is one custom_vjp that computes the SwiGLU inside the fp8 casts (quant.swiglu).
+SwiGLU:    y = (silu(x W_gate) * (x W_up)) W_down                     (Shazeer 2020).
 
 Fused projections: q, k and v (and gate and up) are one GEMM, x [W_q | W_k | W_v], whose output is split. The
 parameters stay separate (checkpoints and Hugging Face names are unchanged) and are concatenated inside the step,
@@ -196,9 +195,5 @@ class SwiGLU(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         r = self.recipes
-        if r["w_gate"] == r["w_up"] == r["w_down"] in quant.FUSED_SWIGLU_RECIPES:  # one custom_vjp (quant.swiglu)
-            y = quant.swiglu(x, self.w_gate[...], self.w_up[...], self.w_down[...], recipe=r["w_down"],
-                             impl=self.impl)
-            return checkpoint_name(y, "matmul")
         gate, up = fused_linear(x, (self.w_gate, self.w_up), (r["w_gate"], r["w_up"]), self.impl)
         return linear(jax.nn.silu(gate) * up, self.w_down, r["w_down"], self.impl)

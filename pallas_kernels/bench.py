@@ -274,47 +274,11 @@ def bench_casts(args, sets: int) -> list[tuple[str, str, str | None, float, floa
                 )
                 gbs = (nbytes / res["xla"].ms / 1e6, nbytes / res["pallas"].ms / 1e6)
                 out.append((f"{r}x{c}", name, auto_key, *gbs, diff))
-    out += _bench_swiglu_casts(args, sets)
     return out
 
 
-def _bench_swiglu_casts(args, sets: int) -> list[tuple[str, str, str | None, float, float, float]]:
-    """The fused SwiGLU casts (quantize_dual_swiglu) at the FFN's gu (T, 2F), forward (h) and backward (dgu from
-    gu and dh), Pallas vs XLA's fusion of the jnp reference; the AUTO_PALLAS["swiglu"] rows of bench_casts."""
-    t_, _, f = FFN_SMALL if args.cpu_smoke else FFN_SHAPE
-    key = jax.random.key(3)
-    gus = [jax.random.normal(jax.random.fold_in(key, i), (t_, 2 * f), jnp.bfloat16) for i in range(sets)]
-    dhs = [jax.random.normal(jax.random.fold_in(key, 100 + i), (t_, f), jnp.bfloat16) for i in range(sets)]
-    out = []
-    log(f"\n== fused SwiGLU casts, gu ({t_}, {2 * f}) bf16 -> e4m3")
-    for name, arg_sets, nbytes in (
-        ("swiglu h (fwd)", [(g,) for g in gus], t_ * f * (4 + 2)),  # read gu, write h's two fp8 layouts
-        ("swiglu dgu (bwd)", list(zip(gus, dhs)), t_ * f * (4 + 2 + 4)),  # read gu and dh, write dgu's two layouts
-    ):
-        res = {}
-        for impl in ("xla", "pallas"):
-            fn = lambda *a, impl=impl: qz.quantize_dual_swiglu(*a, dtype=E4M3, pow2_scale=True, impl=impl)
-            try:
-                res[impl] = t = time_fn(fn, arg_sets, samples=args.samples, batch=args.batch)
-                log(f"  {name:24s} {impl:6s} {t.ms * 1e3:8.1f} us {nbytes / t.ms / 1e6:8.1f} GB/s"
-                    f"  (compile {t.compile_s:.1f}s)")
-            except Exception as e:  # noqa: BLE001
-                log(f"  {name:24s} {impl:6s} FAILED: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
-        if len(res) == 2:
-            # Payloads may differ by an fp8 step where tanh.approx moves h across a bf16 rounding boundary.
-            diff = max(float(jnp.max(jnp.abs(jnp.asarray(p, jnp.float32) - jnp.asarray(q, jnp.float32))))
-                       for p, q in zip(jax.tree.leaves(res["xla"].out), jax.tree.leaves(res["pallas"].out)))
-            out.append((f"{t_}x{2 * f}", name, "swiglu", nbytes / res["xla"].ms / 1e6,
-                        nbytes / res["pallas"].ms / 1e6, diff))
-    return out
-
-
-def _ffn(x, w_gate, w_up, w_down, recipe, impl, *, separate: bool = False):
-    """SwiGLU block: (silu(x W_gate) * (x W_up)) W_down; x (T, D), W_gate/W_up (D, F), W_down (F, D). As the
-    model runs it (`quant.swiglu`: gate|up one GEMM; under fp8 one custom_vjp with the SwiGLU inside the casts),
-    or `separate`: three `quant.linear` calls and the SwiGLU in XLA (the block before that fusion)."""
-    if not separate:
-        return quant.swiglu(x, w_gate, w_up, w_down, recipe=recipe, impl=impl)
+def _ffn(x, w_gate, w_up, w_down, recipe, impl):
+    """SwiGLU block: (silu(x W_gate) * (x W_up)) W_down; x (T, D), W_gate/W_up (D, F), W_down (F, D)."""
     g = quant.linear(x, w_gate, recipe=recipe, impl=impl)
     u = quant.linear(x, w_up, recipe=recipe, impl=impl)
     h = jax.nn.silu(g) * u
@@ -340,10 +304,10 @@ def ffn_inputs(key, sets: int, *, small: bool = False, wdtype=jnp.bfloat16) -> l
     return [make(i) for i in range(sets)]
 
 
-def ffn_step(recipe: str, impl: str, *, separate: bool = False) -> Callable:
+def ffn_step(recipe: str, impl: str) -> Callable:
     """(x, W_gate, W_up, W_down, dy) -> (y, (dx, dW_gate, dW_up, dW_down)): the block's forward and backward."""
     def run(x, wg, wu, wd, dy):
-        y, pull = jax.vjp(lambda *p: _ffn(*p, recipe, impl, separate=separate), x, wg, wu, wd)
+        y, pull = jax.vjp(lambda *p: _ffn(*p, recipe, impl), x, wg, wu, wd)
         return y, pull(dy)
     return run
 
@@ -352,26 +316,24 @@ def bench_ffn(args, sets: int) -> list[tuple[str, float, float, float]]:
     """FFN fwd+bwd ms per recipe, every cast included; (name, ms, rel.err y, rel.err dx)."""
     t_, d, f = FFN_SMALL if args.cpu_smoke else FFN_SHAPE
     key = jax.random.key(2)
-    variants = [  # name, recipe, impl, weight dtype, three separate linears
-        ("bf16", "bf16", "auto", jnp.bfloat16, False),
-        ("fp8_tensorwise", "fp8_tensorwise", "auto", jnp.bfloat16, False),
-        ("fp8_rowwise", "fp8_rowwise", "auto", jnp.bfloat16, False),
-        ("fp8_rowwise separate", "fp8_rowwise", "auto", jnp.bfloat16, True),
-        ("fp8_rowwise_gw_hp", "fp8_rowwise_gw_hp", "auto", jnp.bfloat16, False),
-        ("fp8_rowwise xla-only", "fp8_rowwise", "xla", jnp.bfloat16, False),
-        ("fp8_rowwise f32 master w", "fp8_rowwise", "auto", jnp.float32, False),
+    variants = [
+        ("bf16", "bf16", "auto", jnp.bfloat16),
+        ("fp8_tensorwise", "fp8_tensorwise", "auto", jnp.bfloat16),
+        ("fp8_rowwise", "fp8_rowwise", "auto", jnp.bfloat16),
+        ("fp8_rowwise_gw_hp", "fp8_rowwise_gw_hp", "auto", jnp.bfloat16),
+        ("fp8_rowwise xla-only", "fp8_rowwise", "xla", jnp.bfloat16),
+        ("fp8_rowwise f32 master w", "fp8_rowwise", "auto", jnp.float32),
     ]
     if args.quick:
-        variants = variants[:4]
-    log(f"\n== FFN fwd+bwd: T={t_} D={d} F={f} (SwiGLU as quant.swiglu runs it, every cast included)")
+        variants = variants[:3]
+    log(f"\n== FFN fwd+bwd: T={t_} D={d} F={f} (SwiGLU, 3 linears through quant.linear, every cast included)")
     inputs = {wd: ffn_inputs(key, sets, small=args.cpu_smoke, wdtype=wd) for wd in {v[3] for v in variants}}
     ref_args = [a.astype(jnp.float32) for a in inputs[jnp.bfloat16][0]]
     y_ref, grads_ref = ffn_step("bf16", "reference")(*ref_args)  # f32 operands: bf16 recipe then computes in f32
     out = []
-    for name, recipe, impl, wd, separate in variants:
+    for name, recipe, impl, wd in variants:
         try:
-            t = time_fn(ffn_step(recipe, impl, separate=separate), inputs[wd], samples=args.samples,
-                        batch=max(1, args.batch // 2))
+            t = time_fn(ffn_step(recipe, impl), inputs[wd], samples=args.samples, batch=max(1, args.batch // 2))
         except Exception as e:  # noqa: BLE001
             log(f"  {name:26s} FAILED: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
             continue

@@ -163,51 +163,15 @@ def _compiler_params():
     return plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup)
 
 
-def _sigmoid(g):
-    """1 / (1 + e^-g) as 0.5 tanh(g / 2) + 0.5: one tanh (a single MUFU instruction with approx_math) instead of
-    an exp and a division. Below g ~ -15 it loses relative precision (f32 spacing next to tanh = -1), where
-    |silu(g)| < 1e-5: values that no fp8 row scale resolves next to the O(1) entries of their row."""
-    return 0.5 * jnp.tanh(0.5 * g) + 0.5
-
-
-def swiglu_tiles(prologue: str, tiles: list) -> list:
-    """The f32 value tiles `prologue` makes from its f32 source tiles (the module docstring's SwiGLU formulas):
-    "swiglu": (g, u) -> [h]; "swiglu_grad": (g, u, dh) -> [dg, du]. Shared by the kernels and the references."""
-    if prologue == "swiglu":
-        g, u = tiles
-        return [g * _sigmoid(g) * u]
-    g, u, dh = tiles
-    s = _sigmoid(g)
-    gs = g * s
-    return [dh * u * (s + gs * (1.0 - s)), dh * gs]
-
-
-# prologue -> (source tiles read per output column block, value tiles made from them)
-_PROLOGUES = {None: (1, 1), "swiglu": (2, 1), "swiglu_grad": (3, 2)}
-
-
-def _src_blocks(prologue, j, nf: int) -> list[tuple[int, object]]:
-    """(input array, column block) of each source tile for grid column j: x at j; g at j and u at j + nf of gu
-    (= [g | u], nf column blocks each), and dh at j."""
-    if prologue is None:
-        return [(0, j)]
-    return [(0, j), (0, j + nf)] + ([(1, j)] if prologue == "swiglu_grad" else [])
-
-
-def _staged(src_smem: list, stage_smem: list, prologue):
-    """The tiles to read: x_smem itself; or (an f32 tile with a 16-bit `round_to`) its rounded copy; or the
-    prologue's value tiles, rounded to the source dtype. Copies go to the 16-bit staging tiles and are made
-    visible to the whole warpgroup (commit_smem ends in a warpgroup barrier)."""
-    if prologue is None and not stage_smem:
-        return src_smem
-    if prologue is None:
-        values = [src_smem[0][...]]
-    else:
-        values = swiglu_tiles(prologue, [s[...].astype(jnp.float32) for s in src_smem])
-    for stage, v in zip(stage_smem, values):
-        stage[...] = v.astype(stage.dtype)
+def _staged(x_smem, stage_smem: list):
+    """The tile to read: x_smem itself, or (an f32 tile with a 16-bit `round_to`) its rounded copy, written to the
+    16-bit staging tile and made visible to the whole warpgroup (commit_smem ends in a warpgroup barrier)."""
+    if not stage_smem:
+        return x_smem
+    (stage,) = stage_smem
+    stage[...] = x_smem[...].astype(stage.dtype)
     plgpu.commit_smem()
-    return stage_smem
+    return stage
 
 
 def _stage_scratch(x_dtype, round_to, shape) -> list:
@@ -216,194 +180,139 @@ def _stage_scratch(x_dtype, round_to, shape) -> list:
     return [plgpu.SMEM(shape, round_to, transforms=_smem_transforms(shape[1], round_to))]
 
 
-def _amax_kernel(*refs, want_rows: bool, want_cols: bool, bm: int, bn: int, prologue=None, nf: int = 0):
+def _amax_kernel(x_gmem, *refs, want_rows: bool, want_cols: bool, bm: int, bn: int):
     """One (bm, bn) tile of |x[b]|: its row maxima -> rows_part[b, j, i*bm:(i+1)*bm], column maxima ->
-    cols_part[b, i, j*bn:(j+1)*bn]. With a prologue, of its value tiles instead (value tile k lands in column
-    block j + k nf; the row maxima are taken over all of them).
+    cols_part[b, i, j*bn:(j+1)*bn].
 
     The column maxima are the row maxima of the tile read through its transposed SMEM view (16-bit x, which every
     transposed cast needs anyway): a row of the register tile lives in one warp's quad, so its max is a few
     shuffles, where a column max crosses the four warps of the warpgroup. Reducing along axis 0 directly ran this
     pass at ~1.6 TB/s, under half the cast pass's ~3.7 (RESULTS.md, seventh pass).
     """
-    n_src, n_val = _PROLOGUES[prologue]
-    n_in = 2 if prologue == "swiglu_grad" else 1
-    ins, refs = refs[:n_in], refs[n_in:]
-    outs, refs = list(refs[: want_rows + want_cols]), refs[want_rows + want_cols :]
-    src_smem, (rows_smem, *refs) = refs[:n_src], refs[n_src:]
-    cols_smem, (barrier, *stage_smem) = refs[:n_val], refs[n_val:]
+    outs = list(refs[: want_rows + want_cols])
+    x_smem, rows_smem, cols_smem, barrier, *stage_smem = refs[want_rows + want_cols :]
     i, j, b = lax.axis_index("i"), lax.axis_index("j"), lax.axis_index("b")
-    for (k, blk), smem in zip(_src_blocks(prologue, j, nf), src_smem):
-        plgpu.copy_gmem_to_smem(ins[k].at[b, pl.ds(i * bm, bm), pl.ds(blk * bn, bn)], smem, barrier)
+    plgpu.copy_gmem_to_smem(x_gmem.at[b, pl.ds(i * bm, bm), pl.ds(j * bn, bn)], x_smem, barrier)
     plgpu.barrier_wait(barrier)
-    tiles = _staged(list(src_smem), stage_smem, prologue)
+    x_smem = _staged(x_smem, stage_smem)
     if want_rows:
-        row_max = [jnp.max(jnp.abs(t[...].astype(jnp.float32)), axis=1) for t in tiles]  # (bm,) each
-        rows_smem[...] = functools.reduce(jnp.maximum, row_max)
+        rows_smem[...] = jnp.max(jnp.abs(x_smem[...].astype(jnp.float32)), axis=1)  # (bm,)
     if want_cols:
-        for t, cols in zip(tiles, cols_smem):
-            cols[...] = jnp.max(jnp.abs(t.T[...].astype(jnp.float32)), axis=1)  # (bn,)
+        cols_smem[...] = jnp.max(jnp.abs(x_smem.T[...].astype(jnp.float32)), axis=1)  # (bn,)
     plgpu.commit_smem()
     if want_rows:
         plgpu.copy_smem_to_gmem(rows_smem, outs.pop(0).at[b, j, pl.ds(i * bm, bm)])
     if want_cols:
-        cols_part = outs.pop(0)
-        for k, cols in enumerate(cols_smem):
-            plgpu.copy_smem_to_gmem(cols, cols_part.at[b, i, pl.ds((j + k * nf) * bn, bn)])
+        plgpu.copy_smem_to_gmem(cols_smem, outs.pop(0).at[b, i, pl.ds(j * bn, bn)])
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-def _grid_cols(c: int, bn: int, prologue) -> tuple[int, int, int]:
-    """(grid columns, nf, output columns) for an input of c columns: x itself; gu = [g | u] (nf = c / 2 / bn
-    column blocks per half) -> h (c / 2 columns) or dgu = [dg | du] (c columns)."""
-    if prologue is None:
-        return c // bn, 0, c
-    nf = c // 2 // bn
-    return nf, nf, c // 2 if prologue == "swiglu" else c
-
-
-def _compiler_params_for(prologue):
-    # approx_math: tanh.approx for the sigmoid (rel. error ~2^-11, below the bf16 rounding that follows).
-    if prologue is None:
-        return _compiler_params()
-    return plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup, approx_math=True)
-
-
-def _amax_pallas(x, *, want_rows: bool, want_cols: bool, config: CastConfig, interpret, round_to=None,
-                 prologue=None, dh=None):
+def _amax_pallas(x, *, want_rows: bool, want_cols: bool, config: CastConfig, interpret, round_to=None):
     """x (B, R, C) -> row amax (B, R) and/or column amax (B, C), f32: per-tile partials in Pallas, a tiny max in
     XLA. Each batch entry is its own matrix (an expert's weight): a column's amax never crosses entries. With
-    `round_to` (16-bit, x f32), the maxima of x rounded to it. With a prologue, x is gu (1, R, 2F) (and dh
-    (1, R, F)) and the maxima are those of h (B, R, F) or dgu (B, R, 2F)."""
+    `round_to` (16-bit, x f32), the maxima of x rounded to it."""
     nb, r, c = x.shape
     bm, bn = config.amax_bm, config.amax_bn
-    grid_j, nf, out_c = _grid_cols(c, bn, prologue)
-    n_src, n_val = _PROLOGUES[prologue]
     out_type = []
     if want_rows:
-        out_type.append(jax.ShapeDtypeStruct((nb, grid_j, r), jnp.float32))
+        out_type.append(jax.ShapeDtypeStruct((nb, c // bn, r), jnp.float32))
     if want_cols:
-        out_type.append(jax.ShapeDtypeStruct((nb, r // bm, out_c), jnp.float32))
-    stage = ([plgpu.SMEM((bm, bn), x.dtype, transforms=_smem_transforms(bn, x.dtype))] * n_val if prologue
-             else _stage_scratch(x.dtype, round_to, (bm, bn)))
+        out_type.append(jax.ShapeDtypeStruct((nb, r // bm, c), jnp.float32))
     parts = plgpu.kernel(
-        functools.partial(_amax_kernel, want_rows=want_rows, want_cols=want_cols, bm=bm, bn=bn, prologue=prologue,
-                          nf=nf),
+        functools.partial(_amax_kernel, want_rows=want_rows, want_cols=want_cols, bm=bm, bn=bn),
         out_type=tuple(out_type),
         scratch_types=[
-            *[plgpu.SMEM((bm, bn), x.dtype, transforms=_smem_transforms(bn, x.dtype))] * n_src,
+            plgpu.SMEM((bm, bn), x.dtype, transforms=_smem_transforms(bn, x.dtype)),
             plgpu.SMEM((bm,), jnp.float32),
-            *[plgpu.SMEM((bn,), jnp.float32)] * n_val,
-            plgpu.Barrier(num_arrivals=n_src),
-            *stage,
+            plgpu.SMEM((bn,), jnp.float32),
+            plgpu.Barrier(),
+            *_stage_scratch(x.dtype, round_to, (bm, bn)),
         ],
-        grid=(r // bm, grid_j, nb),
+        grid=(r // bm, c // bn, nb),
         grid_names=("i", "j", "b"),
-        compiler_params=_compiler_params_for(prologue),
+        compiler_params=_compiler_params(),
         interpret=interpret,
-    )(x, *([dh] if dh is not None else []))
+    )(x)
     return tuple(jnp.max(p, axis=1) for p in parts)
 
 
-def _cast_kernel(*refs, want_rows: bool, want_cols: bool, bm: int, bn: int, dtype, tiled_src: bool, prologue=None,
-                 nf: int = 0):
+def _cast_kernel(x_gmem, *refs, want_rows: bool, want_cols: bool, bm: int, bn: int, dtype, tiled_src: bool):
     """One (bm, bn) tile of x[b]: rows output x*q_row cast (bm, bn) at [b, i, j]; cols output (x*q_col)ᵀ (bn, bm)
-    at [b, j, i]. With `tiled_src` the tile's rows are x[b, src[i]*bm : (src[i]+1)*bm] instead of row tile i.
-    With a prologue, the same for each value tile k, at column block j + k nf of the outputs."""
-    n_src, n_val = _PROLOGUES[prologue]
-    n_in = 2 if prologue == "swiglu_grad" else 1
-    ins, refs = refs[:n_in], refs[n_in:]
-    n_q, n_out = want_rows + want_cols + tiled_src, want_rows + want_cols
-    q_refs, out_refs, refs = list(refs[:n_q]), list(refs[n_q : n_q + n_out]), refs[n_q + n_out :]
-    src_smem, (q_row_smem, *refs) = refs[:n_src], refs[n_src:]
-    q_col_smem, o_smem, ot_smem = refs[:n_val], refs[n_val : 2 * n_val], refs[2 * n_val : 3 * n_val]
-    barrier, *stage_smem = refs[3 * n_val :]
+    at [b, j, i]. With `tiled_src` the tile's rows are x[b, src[i]*bm : (src[i]+1)*bm] instead of row tile i."""
+    n_in, n_out = want_rows + want_cols + tiled_src, want_rows + want_cols
+    q_refs, out_refs = list(refs[:n_in]), list(refs[n_in : n_in + n_out])
+    x_smem, q_row_smem, q_col_smem, o_smem, ot_smem, barrier, *stage_smem = refs[n_in + n_out :]
     i, j, b = lax.axis_index("i"), lax.axis_index("j"), lax.axis_index("b")
     f = fp8_max(dtype)
     row0 = q_refs.pop()[i] * bm if tiled_src else i * bm  # a multiple of bm that Mosaic's TMA lowering can see
-    for (k, blk), smem in zip(_src_blocks(prologue, j, nf), src_smem):
-        plgpu.copy_gmem_to_smem(ins[k].at[b, pl.ds(row0, bm), pl.ds(blk * bn, bn)], smem, barrier)
+    plgpu.copy_gmem_to_smem(x_gmem.at[b, pl.ds(row0, bm), pl.ds(j * bn, bn)], x_smem, barrier)
     if want_rows:
         plgpu.copy_gmem_to_smem(q_refs.pop(0).at[b, pl.ds(i * bm, bm)], q_row_smem, barrier)
     if want_cols:
         q_col = q_refs.pop(0)  # (B, C), or (B, R // bm, C): one set of column multipliers per row tile
-        for k, smem in enumerate(q_col_smem):
-            cols = pl.ds((j + k * nf) * bn, bn)
-            plgpu.copy_gmem_to_smem(q_col.at[b, cols] if len(q_col.shape) == 2 else q_col.at[b, i, cols], smem,
-                                    barrier)
+        q_col = q_col.at[b, pl.ds(j * bn, bn)] if len(q_col.shape) == 2 else q_col.at[b, i, pl.ds(j * bn, bn)]
+        plgpu.copy_gmem_to_smem(q_col, q_col_smem, barrier)
     plgpu.barrier_wait(barrier)
-    tiles = _staged(list(src_smem), stage_smem, prologue)
-    for t, qc, o, ot in zip(tiles, q_col_smem, o_smem, ot_smem):
-        if want_rows:
-            x = t[...].astype(jnp.float32)  # (bm, bn)
-            y = x * lax.broadcast_in_dim(q_row_smem[...], x.shape, [0])
-            o[...] = jnp.clip(y, -f, f).astype(dtype)
-        if want_cols:
-            xt = t.T[...].astype(jnp.float32)  # (bn, bm): the tile transposed, read through a transposed view
-            yt = xt * lax.broadcast_in_dim(qc[...], xt.shape, [0])
-            ot[...] = jnp.clip(yt, -f, f).astype(dtype)
+    x_smem = _staged(x_smem, stage_smem)
+    if want_rows:
+        x = x_smem[...].astype(jnp.float32)  # (bm, bn)
+        y = x * lax.broadcast_in_dim(q_row_smem[...], x.shape, [0])
+        o_smem[...] = jnp.clip(y, -f, f).astype(dtype)
+    if want_cols:
+        xt = x_smem.T[...].astype(jnp.float32)  # (bn, bm): the tile transposed, read through a transposed view
+        yt = xt * lax.broadcast_in_dim(q_col_smem[...], xt.shape, [0])
+        ot_smem[...] = jnp.clip(yt, -f, f).astype(dtype)
     plgpu.commit_smem()
-    rows_out = out_refs.pop(0) if want_rows else None
-    cols_out = out_refs.pop(0) if want_cols else None
-    for k, (o, ot) in enumerate(zip(o_smem, ot_smem)):
-        cols = pl.ds((j + k * nf) * bn, bn)
-        if want_rows:
-            plgpu.copy_smem_to_gmem(o, rows_out.at[b, pl.ds(i * bm, bm), cols])
-        if want_cols:
-            plgpu.copy_smem_to_gmem(ot, cols_out.at[b, cols, pl.ds(i * bm, bm)])
+    if want_rows:
+        plgpu.copy_smem_to_gmem(o_smem, out_refs.pop(0).at[b, pl.ds(i * bm, bm), pl.ds(j * bn, bn)])
+    if want_cols:
+        plgpu.copy_smem_to_gmem(ot_smem, out_refs.pop(0).at[b, pl.ds(j * bn, bn), pl.ds(i * bm, bm)])
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-def _cast_pallas(x, q_row, q_col, *, dtype, config: CastConfig, interpret, round_to=None, src_tiles=None,
-                 prologue=None, dh=None):
+def _cast_pallas(x, q_row, q_col, *, dtype, config: CastConfig, interpret, round_to=None, src_tiles=None):
     """x (R, C) or (B, R, C); q_row (R,) | (B, R) | None; q_col (C,) | (B, C), or per row tile (R // cast_bm, C) |
     (B, R // cast_bm, C), | None -> [x*q_row as (R, C) fp8], [(x*q_col)ᵀ as (C, R) fp8] (each with the leading B
     of a 3-D x): a per-row-tile q_col gives each tile of cast_bm rows its own column multipliers. With `round_to`
     (16-bit, x f32) x is rounded to it in SMEM first. `src_tiles` (T,) int32 (cols output of a 2-D x only): output
     row tile i is read from x's row tile src_tiles[i], so the (C, T cast_bm) output can reorder and repeat x's row
-    tiles (q_col then has one row per output tile). With a prologue, x is gu (R, 2F) (and dh (R, F)) and the
-    outputs are those of h (R, F) or dgu (R, 2F), q_col shaped to match."""
+    tiles (q_col then has one row per output tile)."""
     batched = x.ndim == 3
     if not batched:
         x = x[None]
         q_row, q_col = (None if q is None else q[None] for q in (q_row, q_col))
-        dh = None if dh is None else dh[None]
     nb, r, c = x.shape
     bm, bn = config.cast_bm, config.cast_bn
-    grid_j, nf, out_c = _grid_cols(c, bn, prologue)
-    n_src, n_val = _PROLOGUES[prologue]
     want_rows, want_cols = q_row is not None, q_col is not None
     tiled_src = src_tiles is not None
     if tiled_src:
-        assert not want_rows and nb == 1 and prologue is None, "src_tiles reorders the cols output of one matrix"
+        assert not want_rows and nb == 1, "src_tiles reorders the transposed output of one matrix only"
         r, src_tiles = src_tiles.shape[0] * bm, src_tiles.astype(jnp.int32)
     out_type = []
     if want_rows:
-        out_type.append(jax.ShapeDtypeStruct((nb, r, out_c), dtype))
+        out_type.append(jax.ShapeDtypeStruct((nb, r, c), dtype))
     if want_cols:
-        out_type.append(jax.ShapeDtypeStruct((nb, out_c, r), dtype))
-    stage = ([plgpu.SMEM((bm, bn), x.dtype, transforms=_smem_transforms(bn, x.dtype))] * n_val if prologue
-             else _stage_scratch(x.dtype, round_to, (bm, bn)))
+        out_type.append(jax.ShapeDtypeStruct((nb, c, r), dtype))
     outs = plgpu.kernel(
         functools.partial(
             _cast_kernel, want_rows=want_rows, want_cols=want_cols, bm=bm, bn=bn, dtype=jnp.dtype(dtype),
-            tiled_src=tiled_src, prologue=prologue, nf=nf,
+            tiled_src=tiled_src,
         ),
         out_type=tuple(out_type),
         scratch_types=[
-            *[plgpu.SMEM((bm, bn), x.dtype, transforms=_smem_transforms(bn, x.dtype))] * n_src,
+            plgpu.SMEM((bm, bn), x.dtype, transforms=_smem_transforms(bn, x.dtype)),
             plgpu.SMEM((bm,), jnp.float32),
-            *[plgpu.SMEM((bn,), jnp.float32)] * n_val,
-            *[plgpu.SMEM((bm, bn), dtype, transforms=_smem_transforms(bn, dtype))] * n_val,
-            *[plgpu.SMEM((bn, bm), dtype, transforms=_smem_transforms(bm, dtype))] * n_val,
-            plgpu.Barrier(num_arrivals=n_src + want_rows + want_cols * n_val),
-            *stage,
+            plgpu.SMEM((bn,), jnp.float32),
+            plgpu.SMEM((bm, bn), dtype, transforms=_smem_transforms(bn, dtype)),
+            plgpu.SMEM((bn, bm), dtype, transforms=_smem_transforms(bm, dtype)),
+            plgpu.Barrier(num_arrivals=1 + want_rows + want_cols),
+            *_stage_scratch(x.dtype, round_to, (bm, bn)),
         ],
-        grid=(r // bm, grid_j, nb),
+        grid=(r // bm, c // bn, nb),
         grid_names=("i", "j", "b"),
-        compiler_params=_compiler_params_for(prologue),
+        compiler_params=_compiler_params(),
         interpret=interpret,
-    )(x, *([dh] if dh is not None else []), *[q for q in (q_row, q_col, src_tiles) if q is not None])
+    )(x, *[q for q in (q_row, q_col, src_tiles) if q is not None])
     return tuple(outs) if batched else tuple(o[0] for o in outs)
 
 
@@ -431,46 +340,17 @@ def pallas_cover(
     return None
 
 
-# The fused SwiGLU casts read 2 (forward) or 3 (backward) source tiles and keep 2 to 5 f32 tiles live: 64 x 64
-# tiles keep that within the registers (64 x 128 spills).
-SWIGLU_CAST_CONFIG = CastConfig(amax_bm=64, amax_bn=64, cast_bm=64, cast_bn=64)
-
-
-def swiglu_pallas_cover(gu_shape, gu_dtype, dh=None, config: CastConfig = SWIGLU_CAST_CONFIG) -> str | None:
-    """None when the fused SwiGLU casts take gu (R, 2F) (and dh = (shape, dtype) of the (R, F) gradient), else
-    the reason."""
-    if len(gu_shape) != 2 or gu_shape[1] % 2:
-        return f"gu must be 2-D (R, 2F), got shape {gu_shape}"
-    if jnp.dtype(gu_dtype) not in _HP_DTYPES[:2]:
-        return f"gu must be bf16 or f16 (the transposed SMEM view is 16-bit), got {jnp.dtype(gu_dtype)}"
-    tile_r, tile_c = math.lcm(config.amax_bm, config.cast_bm), math.lcm(config.amax_bn, config.cast_bn)
-    r, f = gu_shape[0], gu_shape[1] // 2
-    if r % tile_r or f % tile_c:
-        return f"gu (R, 2F) = {gu_shape} needs R a multiple of {tile_r} and F a multiple of {tile_c}"
-    if dh is not None and (tuple(dh[0]) != (r, f) or jnp.dtype(dh[1]) != jnp.dtype(gu_dtype)):
-        return f"dh must be ({r}, {f}) {jnp.dtype(gu_dtype)} like h, got {tuple(dh[0])} {jnp.dtype(dh[1])}"
-    return None
-
-
-@device.lowered_once(('rows', 'cols', 'dtype', 'scaling', 'pow2_scale', 'config', 'interpret', 'round_to',
-                      'prologue'))
-def _pallas_quantize(x, dh=None, *, rows: bool, cols: bool, dtype, scaling, pow2_scale, config, interpret,
-                     round_to=None, prologue=None):
+@device.lowered_once(('rows', 'cols', 'dtype', 'scaling', 'pow2_scale', 'config', 'interpret', 'round_to'))
+def _pallas_quantize(x, *, rows: bool, cols: bool, dtype, scaling, pow2_scale, config, interpret, round_to=None):
     """Both passes. Returns [(x_fp8 (R, C), scale)] for rows and/or [(x_fp8ᵀ (C, R), scale)] for cols; for a
     batch x (B, R, C) (rowwise only) each entry is its own matrix: (B, R, C) with (B, R), (B, C, R) with (B, C).
-    With `round_to`, of x rounded to that 16-bit dtype (in SMEM, no rounded copy of x in HBM). With a prologue
-    ("swiglu", "swiglu_grad"), of h or dgu made from x = gu (and dh) tile by tile, never written to HBM."""
-    if prologue is None:
-        reason = pallas_cover(x.shape, x.dtype, transposed=cols, config=config, round_to=round_to)
-    else:
-        reason = swiglu_pallas_cover(x.shape, x.dtype, None if dh is None else (dh.shape, dh.dtype), config)
-    if reason is not None:
+    With `round_to`, of x rounded to that 16-bit dtype (in SMEM, no rounded copy of x in HBM)."""
+    if (reason := pallas_cover(x.shape, x.dtype, transposed=cols, config=config, round_to=round_to)) is not None:
         raise NotImplementedError(f"quantize (pallas): {reason}")
-    rt = dict(round_to=round_to, prologue=prologue, dh=None if dh is None else dh[None])
+    rt = dict(round_to=round_to)
     batched = x.ndim == 3
     x = x if batched else x[None]
     nb, r, c = x.shape
-    c = _grid_cols(c, config.cast_bn, prologue)[2]  # the columns of what is quantized
     if scaling == "tensorwise":
         assert not batched, "tensorwise scaling of a batch has no per-entry meaning; flatten it"
         (row_amax,) = _amax_pallas(x, want_rows=True, want_cols=False, config=config, interpret=interpret, **rt)
@@ -504,7 +384,7 @@ def _pallas_quantize(x, dh=None, *, rows: bool, cols: bool, dtype, scaling, pow2
 # H200, 2026-11-21, bf16 (8192, 4096) / (8192, 14336): rows 1544 / 1941 GB/s vs XLA 1335 / 1676; cols_t 1351 / 1345
 # vs XLA 1390 / 1667; dual 1229 / 1712 vs XLA 980 / 1224 (benchmarks/RESULTS.md). Seventh pass, with the amax pass's
 # column maxima taken through the transposed view: dual at (8192, 14336) 2,226-2,281 GB/s vs XLA 1,211-1,271.
-AUTO_PALLAS = {"rows": True, "cols_t": False, "dual": True, "swiglu": True}
+AUTO_PALLAS = {"rows": True, "cols_t": False, "dual": True}
 
 
 def _use_pallas(variant: str, impl: Impl, shape, x_dtype, config: CastConfig, round_to=None) -> bool:
@@ -607,50 +487,3 @@ def quantize_dual(
     if round_to is not None:
         x = rounded(x, round_to)
     return quantize_dual_reference(x, dtype=dtype, scaling=scaling, pow2_scale=pow2_scale)
-
-
-def swiglu_reference(gu: jax.Array, dh: jax.Array | None = None) -> jax.Array:
-    """gu (R, 2F) = [g | u] -> h = silu(g) * u (R, F); with dh (R, F): dgu = [dg | du] (R, 2F). Computed in f32
-    from the 16-bit inputs and rounded once to gu's dtype, as XLA's fusion of the jnp SwiGLU rounds it."""
-    g, u = jnp.split(gu.astype(jnp.float32), 2, axis=-1)
-    values = swiglu_tiles("swiglu" if dh is None else "swiglu_grad", [g, u] + ([] if dh is None else [dh.astype(
-        jnp.float32)]))
-    return jnp.concatenate(values, axis=-1).astype(gu.dtype)
-
-
-def quantize_dual_swiglu(
-    gu: jax.Array,
-    dh: jax.Array | None = None,
-    *,
-    dtype,
-    scaling: Scaling = "rowwise",
-    pow2_scale: bool = False,
-    impl: Impl = "auto",
-    config: CastConfig = SWIGLU_CAST_CONFIG,
-    interpret=None,
-) -> tuple[tuple[jax.Array, jax.Array], tuple[jax.Array, jax.Array]]:
-    """`quantize_dual(swiglu_reference(gu, dh))`: both fp8 layouts of SwiGLU's h (forward) or of its gradient
-    dgu (backward, with dh) straight from gu (and dh), without writing h or dgu to HBM (module docstring).
-
-    gu (R, 2F) bf16/f16, the gate|up GEMM's output; dh (R, F) the gradient of h, same dtype. Returns
-    ((v_fp8 (R, W), scale), (v_fp8ᵀ (W, R), scale)) with W = F (h) or 2F (dgu), scaled like `quantize_dual`.
-    impl "pallas" raises NotImplementedError where `swiglu_pallas_cover` declines; "auto" then uses XLA.
-    """
-    if gu.ndim != 2 or gu.shape[1] % 2:
-        raise ValueError(f"quantize_dual_swiglu: `gu` must be (R, 2F), got shape {gu.shape} dtype {gu.dtype}")
-    if dh is not None and (dh.shape != (gu.shape[0], gu.shape[1] // 2) or dh.dtype != gu.dtype):
-        raise ValueError(f"quantize_dual_swiglu: `dh` must be {(gu.shape[0], gu.shape[1] // 2)} {gu.dtype} (the "
-                         f"gradient of h), got shape {dh.shape} dtype {dh.dtype}")
-    _check(gu, 0, dtype, scaling, "quantize_dual_swiglu")
-    if impl not in ("auto", "pallas", "xla", "reference"):
-        raise ValueError(f"quantize_dual_swiglu: impl must be 'auto', 'pallas', 'xla' or 'reference', got {impl!r}")
-    use = impl == "pallas" or (
-        impl == "auto" and AUTO_PALLAS["swiglu"] and device.kernels_apply()
-        and swiglu_pallas_cover(gu.shape, gu.dtype, None if dh is None else (dh.shape, dh.dtype), config) is None)
-    if use:
-        rows, cols = _pallas_quantize(
-            gu, dh, rows=True, cols=True, dtype=dtype, scaling=scaling, pow2_scale=pow2_scale, config=config,
-            interpret=interpret, prologue="swiglu" if dh is None else "swiglu_grad",
-        )
-        return rows, cols
-    return quantize_dual_reference(swiglu_reference(gu, dh), dtype=dtype, scaling=scaling, pow2_scale=pow2_scale)
