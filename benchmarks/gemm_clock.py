@@ -2,6 +2,7 @@
 
     python benchmarks/gemm_clock.py                  # fp8 8192^3 and the MoE grouped bf16 shape, 0.3 s and 3 s
     python benchmarks/gemm_clock.py --k-sweep        # + fp8 M = N = 8192 over K = 2048 ... 32768
+    python benchmarks/gemm_clock.py --idle-bursts    # only fp8 8192^3 bursts after 0 / 2 / 5 s idle, 3 rounds
     python benchmarks/gemm_clock.py --sustained-sweep --config delay_release=0,cluster=m --config delay_release=0
     python benchmarks/gemm_clock.py --sustained-sweep --grouped --config default --config cluster=n
     python benchmarks/gemm_clock.py --sustained-sweep --grouped --dtypes bf16,fp8 --config default \
@@ -149,6 +150,44 @@ def k_sweep() -> None:
         print(f"| 8192 x 8192 x {k} | {flops / xla / 1e9:.0f} | {flops / ours / 1e9:.0f} |", flush=True)
 
 
+def _burst_ms(f, sets) -> float:
+    """`time_fn`'s protocol on an already compiled `f` (no compile between the pause and the burst)."""
+    for i in range(3):
+        jax.block_until_ready(f(*sets[i % len(sets)]))
+    times = []
+    for _ in range(10):
+        t0 = time.perf_counter()
+        for i in range(10):
+            y = f(*sets[i % len(sets)])
+        jax.block_until_ready(y)
+        times.append((time.perf_counter() - t0) / 10 * 1e3)
+    return statistics.median(times)
+
+
+def idle_bursts(idles=(0.0, 2.0, 5.0), rounds: int = 3) -> None:
+    """fp8 8192^3 in `pallas_kernels.bench`'s burst protocol (3 warm-up calls, median of 10 samples of 10 calls),
+    each burst started after `idle` seconds of an idle GPU, for XLA without scales, XLA rowwise and ours
+    (impl="auto"); each round rotates which path goes first. Asks whether a burst figure is reproducible once every
+    path starts from the same power state."""
+    c = 8192
+    sets = fp8_operands(jax.random.key(0), c, c, c, 3)
+    fns = {"XLA no scales": jax.jit(xla_fp8_noscale), "XLA rowwise": jax.jit(fp8mm.fp8_matmul_xla),
+           "Pallas (impl=auto)": jax.jit(fp8mm.fp8_matmul)}
+    for f in fns.values():
+        jax.block_until_ready(f(*sets[0]))  # compiled before any timing
+    names = list(fns)
+    print(f"\nfp8 8192^3 bursts after an idle pause, TFLOP/s of each round ({rounds} rounds, order rotated)")
+    print("| idle before each burst | " + " | ".join(names) + " |\n|---|" + "---|" * len(names))
+    for idle in idles:
+        tf = {n: [] for n in names}
+        for r in range(rounds):
+            for n in names[r % len(names):] + names[: r % len(names)]:
+                time.sleep(idle)
+                tf[n].append(2.0 * c**3 / _burst_ms(fns[n], sets) / 1e9)
+        print(f"| {idle:g} s | " + " | ".join(" / ".join(f"{v:,.0f}" for v in tf[n]) for n in names) + " |",
+              flush=True)
+
+
 def _sustained(f, args, flops: float, seconds: float) -> float:
     """TFLOP/s of `f(*args)` run back to back for `seconds`, after a 0.5 s pause."""
     time.sleep(0.5)
@@ -272,6 +311,8 @@ def main(argv=None) -> None:
     ap.add_argument("--problem", choices=sorted(PROBLEMS), default="mixtral",
                     help="with --grouped: bench_grouped's problem (mixtral: the issue's E=8; deepseek: E=64)")
     ap.add_argument("--dtypes", default="bf16", help="with --grouped: comma-separated, from bf16,fp8")
+    ap.add_argument("--idle-bursts", action="store_true",
+                    help="only fp8 8192^3 bursts after 0, 2 and 5 s idle, ours beside XLA's (see idle_bursts)")
     ap.add_argument("--sweep-seconds", type=float, default=1.5)
     ap.add_argument("--rounds", type=int, default=2)
     args = ap.parse_args(argv)
@@ -279,6 +320,9 @@ def main(argv=None) -> None:
         sys.exit("gemm_clock.py times GPU kernels: run it on an NVIDIA Hopper GPU")
     dev = jax.devices()[0]
     print(f"{dev.device_kind}, jax {jax.__version__}, {dev.core_count} SMs")
+    if args.idle_bursts:
+        idle_bursts()
+        return
     if args.grouped and not args.sustained_sweep:
         sys.exit("--grouped selects what --sustained-sweep times: pass both")
     if args.sustained_sweep and args.grouped:
