@@ -56,7 +56,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import grouped_matmul as gm
-from pallas_kernels.bench import fp8_operands, parse_config, time_fn, xla_fp8_noscale
+from pallas_kernels.bench import fp8_operands, median_ms, parse_config, time_fn, xla_fp8_noscale
 from pallas_kernels.bench_grouped import FULL, PROBLEMS, routings
 
 fp8mm = importlib.import_module("pallas_kernels.fp8_matmul")  # the module: the package re-exports the function
@@ -150,20 +150,6 @@ def k_sweep() -> None:
         print(f"| 8192 x 8192 x {k} | {flops / xla / 1e9:.0f} | {flops / ours / 1e9:.0f} |", flush=True)
 
 
-def _burst_ms(f, sets) -> float:
-    """`time_fn`'s protocol on an already compiled `f` (no compile between the pause and the burst)."""
-    for i in range(3):
-        jax.block_until_ready(f(*sets[i % len(sets)]))
-    times = []
-    for _ in range(10):
-        t0 = time.perf_counter()
-        for i in range(10):
-            y = f(*sets[i % len(sets)])
-        jax.block_until_ready(y)
-        times.append((time.perf_counter() - t0) / 10 * 1e3)
-    return statistics.median(times)
-
-
 def idle_bursts(idles=(0.0, 2.0, 5.0), rounds: int = 3) -> None:
     """fp8 8192^3 in `pallas_kernels.bench`'s burst protocol (3 warm-up calls, median of 10 samples of 10 calls),
     each burst started after `idle` seconds of an idle GPU, for XLA without scales, XLA rowwise and ours
@@ -183,7 +169,7 @@ def idle_bursts(idles=(0.0, 2.0, 5.0), rounds: int = 3) -> None:
         for r in range(rounds):
             for n in names[r % len(names):] + names[: r % len(names)]:
                 time.sleep(idle)
-                tf[n].append(2.0 * c**3 / _burst_ms(fns[n], sets) / 1e9)
+                tf[n].append(2.0 * c**3 / median_ms(fns[n], sets) / 1e9)  # no compile after the pause
         print(f"| {idle:g} s | " + " | ".join(" / ".join(f"{v:,.0f}" for v in tf[n]) for n in names) + " |",
               flush=True)
 

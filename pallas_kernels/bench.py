@@ -56,6 +56,13 @@ def time_fn(fn: Callable, arg_sets: list[tuple], *, samples: int = 10, batch: in
     compiled = jax.jit(fn).lower(*arg_sets[0]).compile()
     compile_s = time.perf_counter() - t0
     out = jax.block_until_ready(compiled(*arg_sets[0]))
+    ms = median_ms(compiled, arg_sets, samples=samples, batch=batch, warmup=warmup)
+    return Timing(ms, compile_s, out, compiled.as_text() or "")
+
+
+def median_ms(compiled: Callable, arg_sets: list[tuple], *, samples: int = 10, batch: int = 10, warmup: int = 3
+              ) -> float:
+    """`time_fn`'s measurement of an already compiled function: `warmup` calls, then the median sample (ms)."""
     for i in range(warmup):
         jax.block_until_ready(compiled(*arg_sets[i % len(arg_sets)]))
     times = []
@@ -66,7 +73,7 @@ def time_fn(fn: Callable, arg_sets: list[tuple], *, samples: int = 10, batch: in
             res = compiled(*arg_sets[i % len(arg_sets)])
         jax.block_until_ready(res)
         times.append((time.perf_counter() - t0) / batch * 1e3)
-    return Timing(statistics.median(times), compile_s, out, compiled.as_text() or "")
+    return statistics.median(times)
 
 
 def rel_err(out, ref) -> float:
