@@ -62,7 +62,6 @@ from typing import Literal
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -92,7 +91,6 @@ class TileConfig:
     cluster: Literal["m", "n"] | None = None  # 2-CTA cluster along this dim; the shared operand is multicast
     delay_release: int = 1  # wgmma groups left in flight before a stage is released (0 = wait for each)
     ring: Literal["pipeline", "static"] = "pipeline"  # "static": hand-rolled ring, K loop unrolled by `stages`
-    stream_k: bool = False  # static ring only: the last tiles shared out by K rounds (see `StreamKPlan`)
 
     @property
     def cta_tile_m(self) -> int:
@@ -138,60 +136,10 @@ class TileConfig:
             s += f" cl2{self.cluster}"
         if self.ring == "static":
             s += " static"
-        if self.stream_k:
-            s += " sk"
         return s
 
 
 DEFAULT_CONFIG = TileConfig()
-
-
-@dataclasses.dataclass(frozen=True)
-class StreamKPlan:
-    """How a persistent grid of `units` CTAs (clusters) shares `dp_tiles * units + sk_tiles` output tiles.
-
-    A grid of G units over U tiles runs ceil(U / G) rounds of whole tiles, and the last round has only U mod G of
-    them: at 8192^3 (CTA 128x256, 2-CTA clusters) 1,024 tiles make 15.5 rounds of 66 units, so half the SMs idle
-    for the last 1/16 of the kernel. Stream-K (Osama et al., PPoPP 2023) gives every unit an equal share of K work
-    instead. Here, as in its hybrid form, each unit first computes `dp_tiles` whole tiles (lin = unit + i * G, the
-    planar snake as before), and the last `sk_tiles` = G + U mod G tiles (between one and two rounds) are cut into
-    their R = sk_tiles * k_rounds ring rounds (`stages` K steps each), of which unit u takes the contiguous range
-    [u R / G, (u + 1) R / G) (integer division). Every range is at least one tile long (sk_tiles >= G), so a tile
-    is split between at most two neighbouring units, at a round boundary:
-      - unit u + 1 starts its range inside the tile (r0 > 0): it computes rounds [r0, k_rounds), stores the f32
-        partial accumulator to a workspace slot of its own and signals a flag (GMEM semaphore, release);
-      - unit u ends its range inside the tile (r1 < k_rounds): it computes rounds [0, r1), waits for the flag
-        (acquire), adds the partial and runs the tile's epilogue. That partial was the first thing unit u + 1
-        computed, so the wait is short; every CTA of the grid is resident (one per SM), so it cannot deadlock.
-    A unit's range spans at most three tiles: `item(unit, j)` gives the j-th as (tile, r0, r1, exists)."""
-
-    units: int
-    dp_tiles: int
-    sk_tiles: int
-    k_rounds: int
-
-    @property
-    def rounds(self) -> int:
-        return self.sk_tiles * self.k_rounds
-
-    def item(self, unit, j: int, minimum=min):
-        """The j-th (0, 1, 2) Stream-K tile of `unit`: (tile index among the sk tiles, first round, end round,
-        whether the unit has it). Works on ints and, with minimum=jnp.minimum, on traced int32 scalars."""
-        start = unit * self.rounds // self.units
-        end = (unit + 1) * self.rounds // self.units
-        tile = start // self.k_rounds + j
-        r0 = start % self.k_rounds if j == 0 else 0
-        r1 = minimum(self.k_rounds, end - tile * self.k_rounds)
-        return tile, r0, r1, tile * self.k_rounds < end
-
-
-def stream_k_plan(tiles: int, units: int, k_rounds: int) -> StreamKPlan | None:
-    """The plan for `tiles` output tiles on `units` persistent units, or None where every round is whole (or
-    there is less than one round)."""
-    if tiles <= units or tiles % units == 0:
-        return None
-    dp = tiles // units - 1
-    return StreamKPlan(units=units, dp_tiles=dp, sk_tiles=tiles - dp * units, k_rounds=k_rounds)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -381,8 +329,7 @@ def _kernel(a_gmem, b_gmem, a_scale_gmem, b_scale_gmem, out_gmem, *, config: Til
 
 
 def _static_ring_kernel(
-    a_gmem, b_gmem, a_scale_gmem, b_scale_gmem, out_gmem, *ws_gmem, config: TileConfig, producer_warp: bool = True,
-    plan: StreamKPlan | None = None,
+    a_gmem, b_gmem, a_scale_gmem, b_scale_gmem, out_gmem, *, config: TileConfig, producer_warp: bool = True
 ):
     """The cooperative kernel of `_kernel` with a hand-rolled TMA ring: K loop unrolled by `stages`, one producer warp.
 
@@ -395,9 +342,6 @@ def _static_ring_kernel(
     8192^3 (RESULTS.md, fifteenth pass): 125 M warp instructions (the pipeline, 3 stages) -> 91 M (this kernel, the
     same 128x128 warpgroup tiles) -> 48 M with 64x256 warpgroup tiles, whose wgmmas read each B row from SMEM once
     instead of twice (cuBLASLt: 51 M).
-
-    With a `plan` (Stream-K, see `StreamKPlan`) the CTAs walk the plan's work items instead of whole tiles, and
-    `ws_gmem` is the (units, cluster, 2, tile_m, tile_n) f32 workspace of the partial accumulators.
     """
     c = config
     m, k = a_gmem.shape
@@ -407,33 +351,6 @@ def _static_ring_kernel(
     stages = c.stages
     rounds = k_iters // stages
     in_transforms, out_transforms = _smem_transforms(c, out_dtype)
-    if plan is not None:
-        flags = pl.get_global(plgpu.SemaphoreType.REGULAR((plan.units, 2 if c.cluster else 1, 2)))
-
-    def walk(visit):
-        """visit(lin, r0, r1, later, sk) for each work item of this CTA, in order: tile `lin` of the planar snake,
-        its ring rounds [r0, r1), whether the CTA ran rounds before it, and (Stream-K items only) the unit."""
-        if plan is None:
-            @plgpu.nd_loop((m_iters * n_iters,), collective_axes="cluster_grid")
-            def _tile_loop(info):
-                visit(info.index[0], 0, rounds, info.local_index > 0, None)
-            return
-
-        unit = lax.axis_index("cluster_grid")
-
-        if plan.dp_tiles:
-            @pl.loop(0, plan.dp_tiles)
-            def _dp(i):
-                visit(unit + i * plan.units, 0, rounds, i > 0, None)
-
-        for j in range(3):
-            tile, r0, r1, exists = plan.item(unit, j, jnp.minimum)
-            item = functools.partial(visit, plan.dp_tiles * plan.units + tile, r0, r1,
-                                     plan.dp_tiles > 0 or j > 0, unit)
-            if j == 0:
-                item()  # every unit has one
-            else:
-                pl.when(exists)(item)
 
     @functools.partial(
         pl.run_scoped,
@@ -456,14 +373,17 @@ def _static_ring_kernel(
         wg = lax.axis_index("wg")
 
         def producer():
-            def load(lin, r0, r1, later, _sk):
-                t = _tile(c, lin, 0, m_iters, n_iters)  # the CTA's rows and columns
+            @plgpu.nd_loop((m_iters * n_iters,), collective_axes="cluster_grid")
+            def _tile_loop(info):
+                t = _tile(c, info.index[0], 0, m_iters, n_iters)  # the CTA's rows and columns
 
-                @pl.loop(r0, r1)
+                @pl.loop(0, rounds)
                 def _round(r):
-                    refill = later if later is True else r > r0 if later is False else jnp.logical_or(r > r0, later)
+                    refill = jnp.logical_or(r > 0, info.local_index > 0)
                     for s in range(stages):
-                        _when(refill, lambda s=s: plgpu.barrier_wait(consumed.at[s]))
+                        @pl.when(refill)
+                        def _():
+                            plgpu.barrier_wait(consumed.at[s])
 
                         ks = pl.ds((r * stages + s) * c.tile_k, c.tile_k)
                         plgpu.copy_gmem_to_smem(
@@ -475,7 +395,6 @@ def _static_ring_kernel(
                             collective_axes="cluster" if c.cluster == "m" else None,
                         )
 
-            walk(load)
             for s in range(stages):  # the last round's releases (remote ones too) land before this CTA exits
                 plgpu.barrier_wait(consumed.at[s])
 
@@ -497,20 +416,14 @@ def _static_ring_kernel(
         def _compute():
             plgpu.set_max_registers(232, action="increase")
 
-            def compute(lin, r0, r1, _later, sk_unit):
-                t = _tile(c, lin, wg, m_iters, n_iters)
-                store = functools.partial(
-                    _store_tile, c, t, wg, out_gmem=out_gmem, out_smem=out_smem, a_scale_smem=a_scale_smem,
-                    b_scale_smem=b_scale_smem, scale_barrier=scale_barrier)
-                load_scales = functools.partial(
-                    _load_scales, c, t, wg, a_scale_gmem, b_scale_gmem, a_scale_smem, b_scale_smem, scale_barrier)
-                # A Stream-K item that starts inside its tile only publishes a partial accumulator: no epilogue.
-                publishes = sk_unit is not None and r0 > 0  # a Python bool except for a unit's first item
-                _when(_not(publishes), load_scales)
+            @plgpu.nd_loop((m_iters * n_iters,), collective_axes="cluster_grid")
+            def _tile_loop(info):
+                t = _tile(c, info.index[0], wg, m_iters, n_iters)
+                _load_scales(c, t, wg, a_scale_gmem, b_scale_gmem, a_scale_smem, b_scale_smem, scale_barrier)
 
                 @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((c.tile_m, c.tile_n), jnp.float32))
                 def _acc_scope(acc_ref):
-                    @pl.loop(r0, r1)
+                    @pl.loop(0, rounds)
                     def _round(r):
                         for s in range(stages):
                             plgpu.barrier_wait(produced.at[s])
@@ -521,72 +434,16 @@ def _static_ring_kernel(
                             elif s:
                                 plgpu.barrier_arrive(consumed.at[s - 1])
                             else:
-                                @pl.when(r > r0)
+                                @pl.when(r > 0)
                                 def _():
                                     plgpu.barrier_arrive(consumed.at[stages - 1])
 
                     acc = acc_ref[...]  # waits for the last wgmma
                     if c.delay_release:
                         plgpu.barrier_arrive(consumed.at[stages - 1])
-                    if sk_unit is None:
-                        store(acc)
-                        return
-                    cta = lax.axis_index("cluster") if c.cluster else 0
-                    (ws,) = ws_gmem
-                    finishes = r1 < rounds  # the tile's first rounds: the next unit publishes the rest
+                    _store_tile(c, t, wg, acc, out_gmem, out_smem, a_scale_smem, b_scale_smem, scale_barrier)
 
-                    nxt = sk_unit + 1
-                    _when(publishes, lambda: _publish_partial(acc, ws.at[sk_unit, cta, wg], flags.at[sk_unit, cta, wg]))
-                    _when(finishes, lambda: store(_absorb_partial(acc, ws.at[nxt, cta, wg], flags.at[nxt, cta, wg])))
-                    _when(_not(finishes) if publishes is False else jnp.logical_not(publishes | finishes),
-                          lambda: store(acc))
-
-            walk(compute)
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-
-
-def _when(cond, f) -> None:
-    """pl.when that also takes a Python bool (a Stream-K item's flags are static for all but a unit's first)."""
-    if isinstance(cond, (bool, np.bool_)):
-        if cond:
-            f()
-    else:
-        pl.when(cond)(f)
-
-
-def _not(cond):
-    return not cond if isinstance(cond, (bool, np.bool_)) else jnp.logical_not(cond)
-
-
-def _publish_partial(acc, ws_ref, flag_ref):
-    """Stream-K: store a warpgroup's f32 partial accumulator (WGMMA layout) to its workspace slot, then signal the
-    slot's flag. All 128 threads store; after a warpgroup barrier one thread adds 1 to the flag with release
-    semantics at GPU scope (CUTLASS's `arrive_inc` pattern), which orders every thread's stores before it."""
-    from jax.experimental.mosaic import gpu as mgpu  # only traced for the GPU
-
-    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType(), plgpu.RefType()))
-    def publish(_ctx, acc, ws, flag):
-        acc.store_untiled(ws, optimized=False)
-        mgpu.utils.warpgroup_barrier()
-        mgpu.utils.SemaphoreRef(mgpu.utils.memref_ptr(flag)).signal(1, memory_scope="gpu")
-
-    publish(acc, ws_ref, flag_ref)
-
-
-def _absorb_partial(acc, ws_ref, flag_ref):
-    """Stream-K: wait for the flag of the partial the next unit published (one thread spins, then an acquire
-    fence and a warpgroup barrier; the wait decrements it back to 0 for the next call), and return acc plus it."""
-    from jax.experimental.mosaic import gpu as mgpu  # only traced for the GPU
-
-    @plgpu.inline_mgpu(
-        arg_types=(plgpu.Layout.WGMMA, plgpu.RefType(), plgpu.RefType()),
-        return_type=plgpu.ShapeDtypeStruct(acc.shape, jnp.float32, plgpu.Layout.WGMMA),
-    )
-    def absorb(_ctx, acc, ws, flag):
-        mgpu.utils.SemaphoreRef(mgpu.utils.memref_ptr(flag)).wait(1, memory_scope="gpu")
-        return acc + mgpu.FragmentedArray.load_untiled(ws, layout=acc.layout, optimized=False)
-
-    return absorb(acc, ws_ref, flag_ref)
 
 
 def pallas_cover(
@@ -611,8 +468,6 @@ def pallas_cover(
         )
     if c.stages <= c.delay_release:
         return f"stages ({c.stages}) must exceed delay_release ({c.delay_release})"
-    if c.stream_k and c.ring != "static":
-        return "stream_k needs the static ring (ring='static')"
     if c.ring == "static" and (k // c.tile_k) % c.stages:
         return f"the static ring needs K / tile_k ({k // c.tile_k}) to be a multiple of the stages ({c.stages})"
     if c.smem_bytes(out_dtype) > _SMEM_BYTES:
@@ -659,25 +514,15 @@ def fp8_matmul_pallas(
     cluster_size = 2 if config.cluster else 1
     tiles = (m // config.cluster_tile_m) * (n // config.cluster_tile_n)
     grid = max(1, min(device.num_sms(interpret) // cluster_size, tiles))
-    out_type = jax.ShapeDtypeStruct((m, n), out_dtype)
-    plan = None
     if config.ring == "static":
-        # Stream-K needs GMEM semaphores, which jax's GPU interpreter does not model: interpreted, the same config
-        # runs whole tiles only.
-        if config.stream_k and interpret is None:
-            plan = stream_k_plan(tiles, grid, k // config.tile_k // config.stages)
-        if plan is not None:
-            ws = (plan.units, cluster_size, 2, config.tile_m, config.tile_n)
-            out_type = (out_type, jax.ShapeDtypeStruct(ws, jnp.float32))  # the partial accumulators
         body = functools.partial(
-            _static_ring_kernel, config=config, producer_warp=interpret is None or compat.MGPU_INTERPRET_WARP_MAP,
-            plan=plan,
+            _static_ring_kernel, config=config, producer_warp=interpret is None or compat.MGPU_INTERPRET_WARP_MAP
         )
     else:
         body = functools.partial(_kernel, config=config)
     f = plgpu.kernel(
         body,
-        out_type=out_type,
+        out_type=jax.ShapeDtypeStruct((m, n), out_dtype),
         grid=(grid,),
         grid_names=("cluster_grid",),
         cluster=(cluster_size,),
@@ -687,8 +532,7 @@ def fp8_matmul_pallas(
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=interpret,
     )
-    out = f(a, b_t, a_scale, b_scale)
-    return out[0] if plan is not None else out
+    return f(a, b_t, a_scale, b_scale)
 
 
 # --------------------------------------------------------------------------------------------------------------
