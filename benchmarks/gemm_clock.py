@@ -3,6 +3,7 @@
     python benchmarks/gemm_clock.py                  # fp8 8192^3 and the MoE grouped bf16 shape, 0.3 s and 3 s
     python benchmarks/gemm_clock.py --k-sweep        # + fp8 M = N = 8192 over K = 2048 ... 32768
     python benchmarks/gemm_clock.py --idle-bursts    # only fp8 8192^3 bursts after 0 / 2 / 5 s idle, 3 rounds
+    python benchmarks/gemm_clock.py --whole-rounds   # only fp8 at M and at M' = 8448 (whole rounds of tiles)
     python benchmarks/gemm_clock.py --sustained-sweep --config delay_release=0,cluster=m --config delay_release=0
     python benchmarks/gemm_clock.py --sustained-sweep --grouped --config default --config cluster=n
     python benchmarks/gemm_clock.py --sustained-sweep --grouped --dtypes bf16,fp8 --config default \
@@ -174,6 +175,54 @@ def idle_bursts(idles=(0.0, 2.0, 5.0), rounds: int = 3) -> None:
               flush=True)
 
 
+WHOLE_ROUNDS_SHAPES = [(8192, 8192, 8192), (8192, 14336, 4096), (8192, 4096, 14336)]  # M' = 8448 for all three
+
+
+def whole_rounds_m(m: int, n: int, k: int, sms: int) -> tuple[int, float]:
+    """(M', rounds at M): the smallest M' >= M at which impl="auto"'s config makes a whole number of rounds of
+    output tiles over its persistent grid (one CTA or 2-CTA cluster per unit)."""
+    cfg = fp8mm.auto_choice(m, n, k, F8, F8)
+    if cfg is None:
+        raise SystemExit(f"--whole-rounds: impl='auto' runs XLA at {m}x{n}x{k}: no kernel grid to fill")
+    units = sms // (2 if cfg.cluster else 1)
+    n_iters, step = n // cfg.cluster_tile_n, cfg.cluster_tile_m
+    for rows in range(m // step, 4 * m // step + 1):
+        if rows * n_iters % units == 0 and fp8mm.auto_choice(rows * step, n, k, F8, F8) == cfg:
+            return rows * step, (m // step) * n_iters / units
+    raise SystemExit(f"--whole-rounds: no M' <= 4M gives whole rounds at {m}x{n}x{k} with the same config")
+
+
+def whole_rounds(shapes, sms: int, seconds: float, rounds: int) -> None:
+    """Does the last, partly empty round of output tiles cost time? Each shape beside the same problem with M grown to
+    the next whole number of rounds (e.g. 8192 -> 8448 rows: 1,056 tiles of 256x256 over 66 clusters instead of
+    1,024), ours (impl="auto") and cuBLASLt without scales: bursts after 2 s idle (`rounds` + 1, order rotated) and
+    `seconds`-long sustained runs (`rounds`), TFLOP/s. The wave-quantization loss is the TFLOP/s gained at M'."""
+    print(f"\nWhole rounds of tiles: TFLOP/s at M and at M' (sustained {seconds:g} s x {rounds}; bursts after 2 s idle)")
+    print("| M x N x K | rounds at M | M' | path | sustained M | sustained M' | gain | burst mean M | burst mean M' |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for m, n, k in shapes:
+        m2, r = whole_rounds_m(m, n, k, sms)
+        fns = {}
+        for rows in (m, m2):
+            (args,) = fp8_operands(jax.random.key(0), rows, n, k, 1)
+            for path, f in (("ours", fp8mm.fp8_matmul), ("cuBLASLt no scales", xla_fp8_noscale)):
+                fns[(path, rows)] = (jax.jit(f).lower(*args).compile(), args, 2.0 * rows * n * k)
+        bursts = {key: [] for key in fns}
+        for i in range(rounds + 1):
+            keys = list(fns)[i % len(fns):] + list(fns)[: i % len(fns)]
+            for key in keys:
+                time.sleep(2.0)
+                c, args, fl = fns[key]
+                bursts[key].append(fl / median_ms(c, [args]) / 1e9)
+        per_s = _alternate({key: (c, args) for key, (c, args, _) in fns.items()}, 1e12, seconds, rounds)  # calls/s
+        for path in ("ours", "cuBLASLt no scales"):
+            a = statistics.mean(per_s[(path, m)]) * fns[(path, m)][2] / 1e12
+            b = statistics.mean(per_s[(path, m2)]) * fns[(path, m2)][2] / 1e12
+            print(f"| {m} x {n} x {k} | {r:.2f} | {m2} | {path} | {a:,.0f} | {b:,.0f} | {b / a - 1:+.1%} | "
+                  f"{statistics.mean(bursts[(path, m)]):,.0f} | {statistics.mean(bursts[(path, m2)]):,.0f} |",
+                  flush=True)
+
+
 def _sustained(f, args, flops: float, seconds: float) -> float:
     """TFLOP/s of `f(*args)` run back to back for `seconds`, after a 0.5 s pause."""
     time.sleep(0.5)
@@ -299,6 +348,8 @@ def main(argv=None) -> None:
     ap.add_argument("--dtypes", default="bf16", help="with --grouped: comma-separated, from bf16,fp8")
     ap.add_argument("--idle-bursts", action="store_true",
                     help="only fp8 8192^3 bursts after 0, 2 and 5 s idle, ours beside XLA's (see idle_bursts)")
+    ap.add_argument("--whole-rounds", action="store_true",
+                    help="only ours and cuBLASLt at each --shapes shape and at M grown to whole rounds of tiles")
     ap.add_argument("--sweep-seconds", type=float, default=1.5)
     ap.add_argument("--rounds", type=int, default=2)
     args = ap.parse_args(argv)
@@ -308,6 +359,11 @@ def main(argv=None) -> None:
     print(f"{dev.device_kind}, jax {jax.__version__}, {dev.core_count} SMs")
     if args.idle_bursts:
         idle_bursts()
+        return
+    if args.whole_rounds:
+        shapes = (WHOLE_ROUNDS_SHAPES if args.shapes == "auto"
+                  else [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")])
+        whole_rounds(shapes, dev.core_count, args.sweep_seconds, args.rounds)
         return
     if args.grouped and not args.sustained_sweep:
         sys.exit("--grouped selects what --sustained-sweep times: pass both")

@@ -41,6 +41,10 @@ Kernel (Mosaic-GPU, `plgpu.kernel`; after jax's hopper_matmul_mgpu.py, adapted t
   shape tried (RESULTS.md, ninth pass). At K = 2048 (16 steps per tile) the per-tile cost shows. At the
   H200's 700 W limit the kernel, like cuBLASLt, runs at ~1,400 MHz, so energy per FLOP sets its speed: impl="auto"
   runs 2-CTA clusters along M (the B tile multicast, a third less L2 -> SMEM traffic), which gain 0-3% there.
+  The last round of tiles is partly empty at most shapes (8192^3: 15.5 rounds of 66 clusters), which costs 2-3% even
+  at the power limit (M grown to whole rounds gains that; RESULTS.md, seventeenth pass). A hybrid Stream-K that
+  shared the last rounds out by K (commit 6002d38) was correct but 4-7% slower: its partial exchange spilled
+  registers, and units at different K offsets lose the L2 reuse of tiles that move through K in step.
   Nsight Compute at 8192^3 (RESULTS.md, ninth and fifteenth passes): jax's pipeline ring with 128x128 warpgroup
   tiles executes 125 M warp instructions, 2.4x cuBLASLt's 51 M: `step % 3` and slot addresses in every K step, and
   all four warps of the memory warpgroup running the load loop. The static ring with 64x256 warpgroup tiles
