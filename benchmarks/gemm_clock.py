@@ -186,7 +186,7 @@ def whole_rounds_m(m: int, n: int, k: int, sms: int) -> tuple[int, float]:
         raise SystemExit(f"--whole-rounds: impl='auto' runs XLA at {m}x{n}x{k}: no kernel grid to fill")
     units = sms // (2 if cfg.cluster else 1)
     n_iters, step = n // cfg.cluster_tile_n, cfg.cluster_tile_m
-    for rows in range(m // step, 4 * m // step + 1):
+    for rows in range(-(-m // step), 4 * m // step + 1):
         if rows * n_iters % units == 0 and fp8mm.auto_choice(rows * step, n, k, F8, F8) == cfg:
             return rows * step, (m // step) * n_iters / units
     raise SystemExit(f"--whole-rounds: no M' <= 4M gives whole rounds at {m}x{n}x{k} with the same config")
@@ -333,6 +333,11 @@ def grouped_sustained_sweep(
                   flush=True)
 
 
+def _shapes(text: str, default: list) -> list[tuple[int, int, int]]:
+    """--shapes: 'auto' (the mode's default list) or MxNxK,MxNxK,..."""
+    return default if text == "auto" else [tuple(int(v) for v in s.split("x")) for s in text.split(",")]
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seconds", default="0.3,3", help="comma-separated run lengths per row")
@@ -341,7 +346,8 @@ def main(argv=None) -> None:
                     help="only the sustained config sweep (--config, --shapes, --sweep-seconds, --rounds)")
     ap.add_argument("--config", action="append", default=[],
                     help="TileConfig fields, e.g. 'stages=4,epi_tile_m=64,epi_tile_n=64,cluster=m' (repeatable)")
-    ap.add_argument("--shapes", default="auto", help="'auto' (AUTO_TABLE's shapes) or MxNxK,MxNxK,...")
+    ap.add_argument("--shapes", default="auto",
+                    help="'auto' (AUTO_TABLE's shapes; WHOLE_ROUNDS_SHAPES with --whole-rounds) or MxNxK,MxNxK,...")
     ap.add_argument("--grouped", action="store_true", help="--sustained-sweep over grouped GEMM configs instead")
     ap.add_argument("--problem", choices=sorted(PROBLEMS), default="mixtral",
                     help="with --grouped: bench_grouped's problem (mixtral: the issue's E=8; deepseek: E=64)")
@@ -361,9 +367,7 @@ def main(argv=None) -> None:
         idle_bursts()
         return
     if args.whole_rounds:
-        shapes = (WHOLE_ROUNDS_SHAPES if args.shapes == "auto"
-                  else [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")])
-        whole_rounds(shapes, dev.core_count, args.sweep_seconds, args.rounds)
+        whole_rounds(_shapes(args.shapes, WHOLE_ROUNDS_SHAPES), dev.core_count, args.sweep_seconds, args.rounds)
         return
     if args.grouped and not args.sustained_sweep:
         sys.exit("--grouped selects what --sustained-sweep times: pass both")
@@ -376,9 +380,7 @@ def main(argv=None) -> None:
     if args.sustained_sweep:
         if not args.config:
             sys.exit("--sustained-sweep needs at least one --config")
-        shapes = (list(fp8mm.AUTO_TABLE) if args.shapes == "auto"
-                  else [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")])
-        sustained_sweep(shapes, args.config, args.sweep_seconds, args.rounds)
+        sustained_sweep(_shapes(args.shapes, list(fp8mm.AUTO_TABLE)), args.config, args.sweep_seconds, args.rounds)
         return
     table([float(s) for s in args.seconds.split(",")], dev.core_count)
     if args.k_sweep:
