@@ -104,9 +104,6 @@ def sweep(dtype, quick: bool, smoke: bool, n: int) -> list[gm.TileConfig]:
         # CTA 128x256 as two 64x256 warpgroup tiles stacked: each k-step's wgmma reads (64 + 256) rows of SMEM per
         # 64x256 outputs instead of 2 x (64 + 128) per 128x128, 17% less SMEM read per FLOP (cuBLAS's bf16 shape).
         wide,
-        # The static ring (one producer warp, K loop unrolled by the stages) with each of those warpgroup tiles.
-        dataclasses.replace(wide, stages=4, epi_tile_n=64, ring="static"),
-        gm.TileConfig(tile_k=tk, ring="static", **deep),
     ]
     if not quick:
         configs += [

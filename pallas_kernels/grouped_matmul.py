@@ -92,7 +92,6 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from mx_jax import compat
 from pallas_kernels import device
 
 qz = importlib.import_module("pallas_kernels.quantize")  # the module: the package re-exports its `quantize` function
@@ -121,7 +120,6 @@ class TileConfig:
     cluster: Literal["n"] | None = None  # gmm only: 2-CTA clusters on neighbouring N blocks multicast the A tile
     delay_release: int = 0  # gmm only: wgmma groups left in flight before a stage is released (module doc)
     tgmm_layout: Literal["masked", "aligned"] = "masked"  # 16-bit tgmm only; fp8 is always "aligned"
-    ring: Literal["pipeline", "static"] = "pipeline"  # gmm only: "static" = `_gmm_static_kernel`'s hand-rolled ring
 
     @property
     def cta_tile_m(self) -> int:
@@ -153,8 +151,6 @@ class TileConfig:
             s += f" cl2{self.cluster}"
         if self.delay_release:
             s += f" d{self.delay_release}"
-        if self.ring == "static":
-            s += " static"
         return s
 
     @property
@@ -531,98 +527,6 @@ def _apply_scales(acc, scales, wg):
     return acc * lax.broadcast_in_dim(col, acc.shape, [1])
 
 
-@dataclasses.dataclass(frozen=True)
-class _GmmItem:
-    """One `gmm` work item (a row tile x N block) as seen by one warpgroup."""
-
-    seg: jax.Array  # the row tile's group; E = padding rows (stored as zeros), -1 = nothing to do
-    first_row: jax.Array  # the CTA tile's first row, a multiple of 8 that Mosaic can see (its TMA lowering needs it)
-    ni: jax.Array  # the N block
-    row0: jax.Array  # this warpgroup's first output row and column
-    col0: jax.Array
-    w_lo: jax.Array  # the rows of its tile to store: [w_lo, w_lo + w_count), relative to row0
-    w_count: jax.Array
-
-
-def _gmm_item(c: TileConfig, meta_gmem, lin, live_items, count, n_blocks: int, wg, cta) -> _GmmItem:
-    """Work item `lin` of the persistent walk (module doc): its row tile from the meta list, its N block from
-    `_walk`, and warpgroup `wg`'s share of the segment's rows. Items past `live_items` get segment -1."""
-    live = lin < live_items
-    t, nj = _walk(jnp.minimum(lin, live_items - 1), count, n_blocks, c.grid_minor, c.grid_tile_width)
-    ni = nj * c.cluster_size + cta
-    seg, row8, lo, hi = (meta_gmem[i, t] for i in range(4))
-    wg_row, wg_col = (wg * c.tile_m, 0) if c.wg_split == "m" else (0, wg * c.tile_n)
-    w_lo = jnp.clip(lo - wg_row, 0, c.tile_m)
-    return _GmmItem(
-        seg=jnp.where(live, seg, -1),
-        first_row=row8 * _ROW_ALIGN,
-        ni=ni,
-        row0=row8 * _ROW_ALIGN + wg_row,
-        col0=ni * c.cta_tile_n + wg_col,
-        w_lo=w_lo,
-        w_count=jnp.clip(hi - wg_row, 0, c.tile_m) - w_lo,
-    )
-
-
-class _GmmOperands:
-    """What both `gmm` kernels share: the refs, the walk's sizes, the operand windows and wgmma views."""
-
-    def __init__(self, c: TileConfig, meta_gmem, count_gmem, lhs_gmem, rhs_gmem, refs, transpose_rhs, scaled):
-        self.c, self.meta_gmem, self.count_gmem, self.lhs_gmem, self.rhs_gmem = c, meta_gmem, count_gmem, lhs_gmem, rhs_gmem
-        self.transpose_rhs, self.scaled = transpose_rhs, scaled
-        if scaled:
-            self.lhs_scale_gmem, self.rhs_scale_gmem, self.out_gmem = refs
-        else:
-            (self.out_gmem,) = refs
-        self.num_groups = rhs_gmem.shape[0]
-        self.num_row_tiles = meta_gmem.shape[1]
-        self.n_iters, self.k_iters = self.out_gmem.shape[1] // c.cta_tile_n, lhs_gmem.shape[1] // c.tile_k
-        self.n_blocks = self.n_iters // c.cluster_size  # a cluster takes one row tile and neighbouring N blocks
-        dtype = lhs_gmem.dtype
-        self.a_transforms = _in_transforms(dtype, c.tile_k)
-        self.b_transforms = _in_transforms(dtype, c.tile_k if transpose_rhs else c.cta_tile_n)
-        self.b_block = (c.cta_tile_n, c.tile_k) if transpose_rhs else (c.tile_k, c.cta_tile_n)
-
-    def rhs_window(self, g, ni):
-        """Expert g's (K, cta_tile_n) column block, in its stored orientation."""
-        cols = pl.ds(ni * self.c.cta_tile_n, self.c.cta_tile_n)
-        return self.rhs_gmem.at[g].at[cols, :] if self.transpose_rhs else self.rhs_gmem.at[g].at[:, cols]
-
-    def rhs_k_slice(self, window, k0):
-        """K step [k0, k0 + tile_k) of a `rhs_window`."""
-        ks = pl.ds(k0, self.c.tile_k)
-        return window.at[:, ks] if self.transpose_rhs else window.at[ks, :]
-
-    def wgmma(self, acc_ref, a_smem, b_smem, wg):
-        """acc += this warpgroup's rows of the A stage x its columns of the B stage."""
-        c = self.c
-        split_m = c.wg_split == "m"
-        a = a_smem.at[pl.ds(wg * c.tile_m, c.tile_m)] if split_m else a_smem
-        if self.transpose_rhs:
-            b = (b_smem if split_m else b_smem.at[pl.ds(wg * c.tile_n, c.tile_n)]).T
-        else:
-            b = b_smem if split_m else b_smem.at[:, pl.ds(wg * c.tile_n, c.tile_n)]
-        plgpu.wgmma(acc_ref, a, b)
-
-    def epilogue(self, acc, it: _GmmItem, staging, scales, wg):
-        """Scales (fp8), cast and the ragged store of this warpgroup's rows."""
-        c = self.c
-        if self.scaled:
-            acc = _apply_scales(acc, scales, wg)
-        dst = self.out_gmem.at[pl.ds(it.row0, c.tile_m), pl.ds(it.col0, c.tile_n)]
-        _store_rows(acc, staging, dst, it.w_lo, it.w_count, full=False)
-
-    def fetch_scales(self, it: _GmmItem, scales, wg):
-        if self.scaled:
-            row_src = self.lhs_scale_gmem.at[pl.ds(it.row0, self.c.tile_m)]
-            _fetch_scales(scales, wg, row_src, self.rhs_scale_gmem.at[it.seg, pl.ds(it.col0, self.c.tile_n)])
-
-    def store_zeros(self, it: _GmmItem, staging):
-        c = self.c
-        dst = self.out_gmem.at[pl.ds(it.row0, c.tile_m), pl.ds(it.col0, c.tile_n)]
-        _store_zeros(c, staging, dst, it.w_lo, it.w_count, full=False)
-
-
 def _gmm_kernel(
     meta_gmem, count_gmem, lhs_gmem, rhs_gmem, *refs, config: TileConfig, transpose_rhs: bool, scaled: bool
 ):
@@ -630,27 +534,38 @@ def _gmm_kernel(
     count (1,): the used entries, which come first. The walk covers count x N-blocks work items, so the round-robin
     split of the persistent loop deals out only real tiles; the remaining loop indices do nothing."""
     c = config
-    op = _GmmOperands(c, meta_gmem, count_gmem, lhs_gmem, rhs_gmem, refs, transpose_rhs, scaled)
-    cl = c.cluster_size
-    out_dtype = op.out_gmem.dtype
+    if scaled:
+        lhs_scale_gmem, rhs_scale_gmem, out_gmem = refs
+    else:
+        (out_gmem,) = refs
+    k = lhs_gmem.shape[1]
+    num_groups = rhs_gmem.shape[0]
+    num_row_tiles = meta_gmem.shape[1]
+    n_iters, k_iters = out_gmem.shape[1] // c.cta_tile_n, k // c.tile_k
+    cl = c.cluster_size  # a cluster takes one row tile and `cl` neighbouring N blocks: same group, one A tile
+    out_dtype = out_gmem.dtype
+    split_m = c.wg_split == "m"
+    dtype = lhs_gmem.dtype
+    a_transforms = _in_transforms(dtype, c.tile_k)
+    b_transforms = _in_transforms(dtype, c.tile_k if transpose_rhs else c.cta_tile_n)
 
     def pipeline(body, compute_context):
         return plgpu.emit_pipeline_warp_specialized(
             body,
-            grid=(op.k_iters,),
+            grid=(k_iters,),
             memory_registers=40,
             in_specs=[
                 plgpu.BlockSpec(  # A: (cta_tile_m, tile_k) token rows
                     (c.cta_tile_m, c.tile_k),
                     lambda kk: (0, kk),
-                    transforms=op.a_transforms,
+                    transforms=a_transforms,
                     delay_release=c.delay_release,
                     collective_axes=("cluster",) if cl > 1 else (),
                 ),
                 plgpu.BlockSpec(  # B: (cta_tile_n, tile_k) K-major, or (tile_k, cta_tile_n)
-                    op.b_block,
+                    (c.cta_tile_n, c.tile_k) if transpose_rhs else (c.tile_k, c.cta_tile_n),
                     (lambda kk: (0, kk)) if transpose_rhs else (lambda kk: (kk, 0)),
-                    transforms=op.b_transforms,
+                    transforms=b_transforms,
                     delay_release=c.delay_release,
                 ),
             ],
@@ -660,11 +575,15 @@ def _gmm_kernel(
             compute_context=compute_context,
         )
 
+    def rhs_window(g, ni):  # expert g's (K, cta_tile_n) column block, in its stored orientation
+        cols = pl.ds(ni * c.cta_tile_n, c.cta_tile_n)
+        return rhs_gmem.at[g].at[cols, :] if transpose_rhs else rhs_gmem.at[g].at[:, cols]
+
     ignore = lambda *_, **__: None  # allocations do not depend on the bodies
 
     @functools.partial(
         pl.run_scoped,
-        pipeline_allocs=pipeline(ignore, ignore).get_allocations(lhs_gmem, op.rhs_window(0, 0)),
+        pipeline_allocs=pipeline(ignore, ignore).get_allocations(lhs_gmem, rhs_window(0, 0)),
         staging=plgpu.SMEM((2, c.tile_m, c.epi_n(out_dtype)), out_dtype),
         scales=_scale_scratch(c, scaled),
         # Both compute warpgroups of every CTA of the cluster arrive once their accumulator is drained (a multicast
@@ -679,15 +598,31 @@ def _gmm_kernel(
     def _scope(pipeline_allocs, staging, scales, acc_done):
         wg = lax.axis_index("wg")
         cta = lax.axis_index("cluster")
-        count = count_gmem[0]
-        live_items = count * op.n_blocks
 
-        @plgpu.nd_loop((op.num_row_tiles * op.n_blocks,), collective_axes="sm")
+        count = count_gmem[0]
+        live_items = count * (n_iters // cl)
+
+        @plgpu.nd_loop((num_row_tiles * (n_iters // cl),), collective_axes="sm")
         def _tile_loop(info):
-            it = _gmm_item(c, meta_gmem, info.index[0], live_items, count, op.n_blocks, wg, cta)
+            (lin,) = info.index
+            live = lin < live_items
+            t, nj = _walk(jnp.minimum(lin, live_items - 1), count, n_iters // cl, c.grid_minor, c.grid_tile_width)
+            ni = nj * cl + cta
+            seg, row8, lo, hi = (meta_gmem[i, t] for i in range(4))
+            seg = jnp.where(live, seg, -1)
+            first_row = row8 * _ROW_ALIGN  # a multiple of 8 that Mosaic can see, as its TMA lowering requires
+            wg_row, wg_col = (wg * c.tile_m, 0) if split_m else (0, wg * c.tile_n)
+            row0 = first_row + wg_row
+            col0 = ni * c.cta_tile_n + wg_col
+            # This warpgroup's share of the segment's rows [lo, hi) of the CTA tile, relative to its own tile.
+            w_lo = jnp.clip(lo - wg_row, 0, c.tile_m)
+            w_count = jnp.clip(hi - wg_row, 0, c.tile_m) - w_lo
+            dst = out_gmem.at[pl.ds(row0, c.tile_m), pl.ds(col0, c.tile_n)]
 
             def compute_context(eval_pipeline):
-                op.fetch_scales(it, scales, wg)
+                if scaled:
+                    row_scales = lhs_scale_gmem.at[pl.ds(row0, c.tile_m)]
+                    _fetch_scales(scales, wg, row_scales, rhs_scale_gmem.at[seg, pl.ds(col0, c.tile_n)])
 
                 @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((c.tile_m, c.tile_n), jnp.float32))
                 def _acc_scope(acc_ref):
@@ -695,18 +630,25 @@ def _gmm_kernel(
                     acc = acc_ref[...]  # waits for the last wgmma
                     if c.delay_release:
                         plgpu.barrier_arrive(acc_done)
-                    op.epilogue(acc, it, staging.at[wg], scales, wg)
+                    if scaled:
+                        acc = _apply_scales(acc, scales, wg)
+                    _store_rows(acc, staging.at[wg], dst, w_lo, w_count, full=False)
 
             def mma_body(_, a_smem, b_smem, acc_ref):
-                op.wgmma(acc_ref, a_smem, b_smem, wg)
+                a = a_smem.at[pl.ds(wg * c.tile_m, c.tile_m)] if split_m else a_smem
+                if transpose_rhs:
+                    b = (b_smem if split_m else b_smem.at[pl.ds(wg * c.tile_n, c.tile_n)]).T
+                else:
+                    b = b_smem if split_m else b_smem.at[:, pl.ds(wg * c.tile_n, c.tile_n)]
+                plgpu.wgmma(acc_ref, a, b)
                 plgpu.wgmma_wait(c.delay_release)  # the stage `delay_release` steps back is released on return
                 return acc_ref
 
-            @pl.when((it.seg >= 0) & (it.seg < op.num_groups))
+            @pl.when((seg >= 0) & (seg < num_groups))
             def _matmul():
                 pipeline(mma_body, compute_context)(
-                    lhs_gmem.at[pl.ds(it.first_row, c.cta_tile_m), :],
-                    op.rhs_window(it.seg, it.ni),
+                    lhs_gmem.at[pl.ds(first_row, c.cta_tile_m), :],
+                    rhs_window(seg, ni),
                     allocations=pipeline_allocs,
                 )
                 if c.delay_release:
@@ -716,133 +658,11 @@ def _gmm_kernel(
                     def _():
                         plgpu.barrier_wait(acc_done)
 
-            @pl.when((it.seg == op.num_groups) & (wg < 2))
+            @pl.when((seg == num_groups) & (wg < 2))
             def _padding():
-                op.store_zeros(it, staging.at[wg])
+                _store_zeros(c, staging.at[wg], dst, w_lo, w_count, full=False)
 
     plgpu.wait_smem_to_gmem(0)
-
-
-def _gmm_static_kernel(
-    meta_gmem, count_gmem, lhs_gmem, rhs_gmem, *refs, config: TileConfig, transpose_rhs: bool, scaled: bool,
-    producer_warp: bool = True,
-):
-    """`_gmm_kernel` on the dense fp8 kernel's static ring (`fp8_matmul._static_ring_kernel`, TileConfig
-    ring="static"): the K loop unrolled by `stages`, so K step s of a round always uses slot s (slot addresses and
-    wgmma descriptors are constants), and the loads issued by one warp of the memory warpgroup.
-
-    Every slot starts free: the compute warpgroups arrive once on each slot's `consumed` barrier before their first
-    tile, so the producer waits before every load, and once more per slot at the end (the last releases land
-    before the CTA exits). Items that are padding or empty load nothing; the producer skips them as the compute
-    warpgroups do, from the same `_gmm_item`."""
-    c = config
-    op = _GmmOperands(c, meta_gmem, count_gmem, lhs_gmem, rhs_gmem, refs, transpose_rhs, scaled)
-    cl = c.cluster_size
-    out_dtype = op.out_gmem.dtype
-    stages = c.stages
-    rounds = op.k_iters // stages
-    grid = (op.num_row_tiles * op.n_blocks,)
-
-    @functools.partial(
-        pl.run_scoped,
-        a_smem=plgpu.SMEM((stages, c.cta_tile_m, c.tile_k), lhs_gmem.dtype, transforms=op.a_transforms),
-        b_smem=plgpu.SMEM((stages, *op.b_block), rhs_gmem.dtype, transforms=op.b_transforms),
-        staging=plgpu.SMEM((2, c.tile_m, c.epi_n(out_dtype)), out_dtype),
-        scales=_scale_scratch(c, scaled),
-        produced=plgpu.Barrier(num_arrivals=2, num_barriers=stages),  # the A and B loads of a slot
-        # Released by both compute warpgroups of every CTA of the cluster (a multicast load writes the peer's slot).
-        consumed=(
-            plgpu.ClusterBarrier(collective_axes=("cluster",), num_arrivals=2, num_barriers=stages)
-            if cl > 1
-            else plgpu.Barrier(num_arrivals=2, num_barriers=stages)
-        ),
-        collective_axes="wg",
-    )
-    def _scope(a_smem, b_smem, staging, scales, produced, consumed):
-        wg = lax.axis_index("wg")
-        cta = lax.axis_index("cluster")
-        count = count_gmem[0]
-        live_items = count * op.n_blocks
-
-        def matmul(it: _GmmItem):
-            return jnp.logical_and(it.seg >= 0, it.seg < op.num_groups)
-
-        def producer():
-            @plgpu.nd_loop(grid, collective_axes="sm")
-            def _tile_loop(info):
-                it = _gmm_item(c, meta_gmem, info.index[0], live_items, count, op.n_blocks, 0, cta)
-                a_rows = lhs_gmem.at[pl.ds(it.first_row, c.cta_tile_m), :]
-
-                @pl.when(matmul(it))
-                def _load():
-                    b_cols = op.rhs_window(it.seg, it.ni)
-
-                    @pl.loop(0, rounds)
-                    def _round(r):
-                        for s in range(stages):
-                            plgpu.barrier_wait(consumed.at[s])
-                            k0 = (r * stages + s) * c.tile_k
-                            plgpu.copy_gmem_to_smem(
-                                a_rows.at[:, pl.ds(k0, c.tile_k)],
-                                a_smem.at[s], produced.at[s], collective_axes="cluster" if cl > 1 else None,
-                            )
-                            plgpu.copy_gmem_to_smem(op.rhs_k_slice(b_cols, k0), b_smem.at[s], produced.at[s])
-
-            for s in range(stages):
-                plgpu.barrier_wait(consumed.at[s])
-
-        @pl.when(wg == 2)
-        def _memory():
-            plgpu.set_max_registers(40, action="decrease")
-            if not producer_warp:  # jax 0.10.2's interpreter (compat.MGPU_INTERPRET_WARP_MAP)
-                producer()
-                return
-
-            @plgpu.warp_map
-            def _per_warp(warp):
-                pl.when(warp == 0)(producer)
-
-        @pl.when(wg < 2)
-        def _compute():
-            plgpu.set_max_registers(232, action="increase")
-            for s in range(stages):
-                plgpu.barrier_arrive(consumed.at[s])
-
-            @plgpu.nd_loop(grid, collective_axes="sm")
-            def _tile_loop(info):
-                it = _gmm_item(c, meta_gmem, info.index[0], live_items, count, op.n_blocks, wg, cta)
-
-                @pl.when(matmul(it))
-                def _matmul():
-                    op.fetch_scales(it, scales, wg)
-
-                    @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((c.tile_m, c.tile_n), jnp.float32))
-                    def _acc_scope(acc_ref):
-                        @pl.loop(0, rounds)
-                        def _round(r):
-                            for s in range(stages):
-                                plgpu.barrier_wait(produced.at[s])
-                                op.wgmma(acc_ref, a_smem.at[s], b_smem.at[s], wg)
-                                plgpu.wgmma_wait(c.delay_release)
-                                if not c.delay_release:
-                                    plgpu.barrier_arrive(consumed.at[s])
-                                elif s:
-                                    plgpu.barrier_arrive(consumed.at[s - 1])
-                                else:
-                                    @pl.when(r > 0)
-                                    def _():
-                                        plgpu.barrier_arrive(consumed.at[stages - 1])
-
-                        acc = acc_ref[...]  # waits for the last wgmma
-                        if c.delay_release:
-                            plgpu.barrier_arrive(consumed.at[stages - 1])
-                        op.epilogue(acc, it, staging.at[wg], scales, wg)
-
-                @pl.when(it.seg == op.num_groups)
-                def _padding():
-                    op.store_zeros(it, staging.at[wg])
-
-            plgpu.wait_smem_to_gmem(0)
 
 
 def _tgmm_kernel(meta_gmem, lhs_gmem, rhs_gmem, *refs, config: TileConfig, aligned: bool, scaled: bool):
@@ -1007,8 +827,6 @@ def gmm_pallas_cover(
             f"(M, N, K) = ({m}, {n}, {k}) must be multiples of ({config.cta_tile_m}, {cluster_n}, "
             f"{config.tile_k}); pad the token rows (padding rows are free) to a multiple of {config.cta_tile_m}"
         )
-    if config.ring == "static" and (k // config.tile_k) % config.stages:
-        return f"the static ring needs K / tile_k ({k // config.tile_k}) to be a multiple of the stages ({config.stages})"
     return None
 
 
@@ -1026,8 +844,6 @@ def tgmm_pallas_cover(
         return reason
     if config.cluster:
         return "clusters are implemented for gmm only"
-    if config.ring != "pipeline":
-        return "the static ring is implemented for gmm only"
     if config.delay_release:
         return "delay_release is implemented for gmm only (tgmm awaits every stage; see the module doc)"
     if k % config.cta_tile_m or n % config.cta_tile_n:
@@ -1112,12 +928,7 @@ def gmm_pallas(
     n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
     meta = _gmm_row_tiles(group_sizes, m, config.cta_tile_m)
     count = jnp.sum(meta[0] >= 0, dtype=jnp.int32, keepdims=True)  # used entries come first
-    kernel = _gmm_kernel
-    if config.ring == "static":
-        kernel = functools.partial(
-            _gmm_static_kernel, producer_warp=interpret is None or compat.MGPU_INTERPRET_WARP_MAP
-        )
-    body = functools.partial(kernel, config=config, transpose_rhs=transpose_rhs, scaled=bool(scales))
+    body = functools.partial(_gmm_kernel, config=config, transpose_rhs=transpose_rhs, scaled=bool(scales))
     work = meta.shape[1] * (n // (config.cta_tile_n * config.cluster_size))
     out_type = jax.ShapeDtypeStruct((m, n), out_dtype)
     return _launch(body, out_type, work, (meta, count, lhs, rhs, *scales), interpret, config.cluster_size)

@@ -228,40 +228,6 @@ def test_gmm_pallas_fp8_rowwise():
     _close(out, ref, BF16_TOL)
 
 
-_STATIC_CASES = {
-    # 4 K steps over 2 slots: 2 rounds per tile, and each of the 2 interpreted CTAs walks several tiles (and
-    # padding tiles, which load nothing), so slots are refilled across tiles.
-    "bf16": (dataclasses.replace(SMALL, ring="static"), False, jnp.bfloat16),
-    "bf16_grad_input_split_m_delay_release": (
-        dataclasses.replace(SMALL_M, ring="static", delay_release=1), True, jnp.bfloat16
-    ),
-    "fp8_rowwise": (dataclasses.replace(SMALL_F8, ring="static"), True, F8),
-    "bf16_cluster": (dataclasses.replace(SMALL, ring="static", cluster="n"), False, jnp.bfloat16),
-}
-
-
-@pytest.mark.parametrize("case", sorted(_STATIC_CASES))
-def test_gmm_pallas_static_ring(case):
-    """The hand-rolled ring (`_gmm_static_kernel`): a producer warp, the K loop unrolled by the stages."""
-    config, transpose_rhs, dtype = _STATIC_CASES[case]
-    if config.cluster and not compat.MGPU_INTERPRET_CLUSTERS:
-        pytest.skip("this jax's GPU interpreter has no clusters")
-    n = N * config.cluster_size
-    x, w = _inputs(28, (M, 2 * K), (E, n, 2 * K) if transpose_rhs else (E, 2 * K, n), dtype=dtype)
-    scaled = dtype == F8
-    xs, ws = _scales(29, (M,), (E, n)) if scaled else (None, None)
-    f = jax.jit(
-        lambda x, w, g, xs, ws: gm.gmm_pallas(
-            x, w, g, transpose_rhs=transpose_rhs, lhs_scale=xs, rhs_scale=ws, config=config, interpret=INTERPRET
-        )
-    )
-    for sizes in (RAGGED, ONE_GROUP):
-        out = f(x, w, _sizes(sizes), xs, ws)
-        ref = gm.gmm_reference(x, w, _sizes(sizes), transpose_rhs=transpose_rhs, lhs_scale=xs, rhs_scale=ws)
-        _close(out, ref, BF16_TOL)
-        assert not np.asarray(out[sum(sizes) :], np.float32).any(), "padding rows must be exactly zero"
-
-
 @pytest.mark.parametrize(
     "config, cases",
     [
@@ -359,19 +325,6 @@ _LOWERING_CASES = {
         lambda x, w, g: gm.gmm_pallas(x, w, g, config=gm.TileConfig()),
         ((16384, 4096), (8, 4096, 14336)),
     ),
-    "gmm_bf16_static_64x256": (  # the static ring with 64x256 warpgroup tiles, 4 stages
-        lambda x, w, g: gm.gmm_pallas(x, w, g, config=gm.TileConfig(
-            tile_m=64, tile_n=256, wg_split="m", stages=4, epi_tile_n=64, ring="static")),
-        ((16384, 4096), (8, 4096, 14336)),
-    ),
-    "gmm_fp8_static_64x256_grad_input": (
-        lambda x, w, g: gm.gmm_pallas(
-            x, w, g, transpose_rhs=True, lhs_scale=jnp.ones(x.shape[:1]), rhs_scale=jnp.ones(w.shape[:2]),
-            config=gm.TileConfig(tile_m=64, tile_n=256, tile_k=128, wg_split="m", stages=4, epi_tile_n=64,
-                                 ring="static"),
-        ),
-        ((16384, 14336), (8, 4096, 14336)),
-    ),
     "tgmm_bf16_masked": (lambda x, d, g: gm.tgmm_pallas(x, d, g), ((16384, 4096), (16384, 14336))),
     "tgmm_fp8": (
         lambda x, d, g: gm.tgmm_pallas(x, d, g, lhs_scale=jnp.ones((8, 4096)), rhs_scale=jnp.ones((8, 14336))),
@@ -390,8 +343,6 @@ def test_kernels_lower_for_hopper(case):
     fn, (lhs_shape, rhs_shape) = _LOWERING_CASES[case]
     if "bf16_in" in case and compat.JAX_VERSION < (0, 11, 0):
         pytest.skip("the transposed cast lowers with the GPU image's jax (0.11) only, as in test_quantize.py")
-    if "static" in case and compat.JAX_VERSION < (0, 11, 0):
-        pytest.skip("the static ring's producer warp lowers with the GPU image's jax (0.11) only, as in test_fp8_matmul.py")
     dtype = F8 if "fp8" in case and "bf16_in" not in case else jnp.bfloat16
     args = (_S(lhs_shape, dtype), _S(rhs_shape, dtype), _S((8,), jnp.int32))
     with jax.sharding.use_abstract_mesh(_H200):
@@ -417,10 +368,6 @@ def test_pallas_refuses_uncovered_shapes():
         gm.gmm_pallas(x, w, _sizes(RAGGED), config=dataclasses.replace(SMALL, delay_release=2))
     with pytest.raises(NotImplementedError, match="delay_release is implemented for gmm only"):
         gm.tgmm_pallas(x, x, _sizes(RAGGED), config=dataclasses.replace(SMALL, delay_release=1))
-    with pytest.raises(NotImplementedError, match=r"static ring needs K / tile_k \(2\) to be a multiple of the stages \(3\)"):
-        gm.gmm_pallas(*_inputs(18, (M, K), (E, K, N)), _sizes(RAGGED), config=dataclasses.replace(SMALL, stages=3, ring="static"))
-    with pytest.raises(NotImplementedError, match="static ring is implemented for gmm only"):
-        gm.tgmm_pallas(*_inputs(18, (M, K), (M, N)), _sizes(RAGGED), config=dataclasses.replace(SMALL, ring="static"))
 
 
 def test_bad_arguments_name_the_argument():
@@ -453,15 +400,8 @@ def _worst_row_err(out, ref) -> float:
     return float((np.linalg.norm(out - ref, axis=1)[live] / norms[live]).max())
 
 
-_STATIC_64x256 = gm.TileConfig(tile_m=64, tile_n=256, wg_split="m", stages=4, epi_tile_n=64, ring="static")
-
-
 @pytest.mark.gpu
-@pytest.mark.parametrize(
-    "config",
-    [None, gm.TileConfig(), _STATIC_64x256, gm.TileConfig(stages=4, epi_tile_n=64, delay_release=1, ring="static")],
-    ids=["default", "3_stages", "static_64x256", "static_d1"],
-)
+@pytest.mark.parametrize("config", [None, gm.TileConfig()], ids=["default", "3_stages"])
 @pytest.mark.parametrize("direction", ["forward", "grad_input"])
 def test_gpu_gmm_bf16(direction, config):
     k, n = (GPU_D, GPU_F) if direction == "forward" else (GPU_F, GPU_D)
@@ -475,13 +415,12 @@ def test_gpu_gmm_bf16(direction, config):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", [None, dataclasses.replace(_STATIC_64x256, tile_k=128)], ids=["default", "static"])
-def test_gpu_gmm_fp8(config):
+def test_gpu_gmm_fp8():
     x, w_t = _inputs(21, (GPU_M, GPU_D), (GPU_E, GPU_F, GPU_D), dtype=F8)
     xs, ws = _scales(22, (GPU_M,), (GPU_E, GPU_F))
-    f = lambda impl: jax.jit(functools.partial(
-        gm.gmm, transpose_rhs=True, lhs_scale=xs, rhs_scale=ws, impl=impl, config=config if impl == "pallas" else None
-    ))(x, w_t, _sizes(GPU_SIZES))
+    f = lambda impl: jax.jit(
+        functools.partial(gm.gmm, transpose_rhs=True, lhs_scale=xs, rhs_scale=ws, impl=impl)
+    )(x, w_t, _sizes(GPU_SIZES))
     out, ref = f("pallas"), f("reference")
     assert _worst_row_err(out[: sum(GPU_SIZES)], ref[: sum(GPU_SIZES)]) < GPU_ROW_TOL
     assert not np.asarray(out[sum(GPU_SIZES) :], np.float32).any()
