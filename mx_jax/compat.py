@@ -74,10 +74,13 @@ def enable_mgpu_interpret_layout_cast() -> None:
 #   fails on the cluster barrier ("NotImplementedError: nan + cluster_barrier"). Tests of clustered configs run
 #   where MGPU_INTERPRET_CLUSTERS holds; the GPU lowering is the same in both versions.
 MGPU_INTERPRET_CLUSTERS = JAX_VERSION >= (0, 11, 0)
-# - Single-warp regions (plgpu.warp_map, the fp8 GEMM's producer warp): 0.11's GPU interpreter runs them; 0.10.2's
-#   fails ("Higher-order primitive core_map"). Where MGPU_INTERPRET_WARP_MAP does not hold, the interpreted kernel
-#   runs that region on the whole warpgroup (the same loads and barrier waits, issued by its leader thread).
-MGPU_INTERPRET_WARP_MAP = JAX_VERSION >= (0, 11, 0)
+# - Single-warp regions (plgpu.warp_map, the fp8 GEMM's producer warp): 0.11 runs them in its GPU interpreter and
+#   lowers them for the GPU. 0.10.2's interpreter fails ("Higher-order primitive core_map"), and so does its GPU
+#   lowering of the producer's tile loop inside one ("Named axes can only refer to the warp axis name", then
+#   "Unimplemented primitive ... jit" for planar_snake's floor division). Where MGPU_WARP_MAP does not hold, the
+#   kernel runs that region on the whole memory warpgroup (the same loads and barrier waits, the loads issued by
+#   its leader thread; the first static ring measured on the H200, RESULTS.md fifteenth fp8 pass).
+MGPU_WARP_MAP = JAX_VERSION >= (0, 11, 0)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -406,7 +406,7 @@ def _static_ring_kernel(
         def _memory():
             plgpu.set_max_registers(40, action="decrease")
 
-            if not producer_warp:  # jax 0.10.2's interpreter (compat.MGPU_INTERPRET_WARP_MAP)
+            if not producer_warp:  # jax 0.10.2 (compat.MGPU_WARP_MAP)
                 producer()
                 return
 
@@ -519,9 +519,7 @@ def fp8_matmul_pallas(
     tiles = (m // config.cluster_tile_m) * (n // config.cluster_tile_n)
     grid = max(1, min(device.num_sms(interpret) // cluster_size, tiles))
     if config.ring == "static":
-        body = functools.partial(
-            _static_ring_kernel, config=config, producer_warp=interpret is None or compat.MGPU_INTERPRET_WARP_MAP
-        )
+        body = functools.partial(_static_ring_kernel, config=config, producer_warp=compat.MGPU_WARP_MAP)
     else:
         body = functools.partial(_kernel, config=config)
     f = plgpu.kernel(

@@ -167,20 +167,22 @@ SWEEP = [
 ]
 
 
-@pytest.mark.skipif(compat.JAX_VERSION < (0, 11, 0), reason="checks the GPU image's jax (0.11) Mosaic-GPU lowering")
 @pytest.mark.parametrize("config", SWEEP, ids=lambda c: c.name())
 def test_lowers_for_h200(config):
-    """Mosaic-GPU lowering (layout inference, SMEM budget) runs in Python: check it on CPU for the bench's configs."""
+    """Mosaic-GPU lowering (layout inference, SMEM budget) runs in Python: check it on CPU for the bench's configs,
+    with the GPU image's jax (0.11) and with 0.10.2 (the static ring's producer then runs on the whole warpgroup,
+    compat.MGPU_WARP_MAP; mixed e4m3 x e5m2 operands need 0.11)."""
     m = n = k = 8192
+    b_dtype = E5M2 if compat.MGPU_MIXED_FP8_WGMMA else E4M3
     shapes = (
         jax.ShapeDtypeStruct((m, k), E4M3),
-        jax.ShapeDtypeStruct((n, k), E5M2),
+        jax.ShapeDtypeStruct((n, k), b_dtype),
         jax.ShapeDtypeStruct((m,), jnp.float32),
         jax.ShapeDtypeStruct((n,), jnp.float32),
     )
     for out_dtype in (jnp.bfloat16, jnp.float32):
         cfg = fm.fit_config(config, out_dtype)
-        if out_dtype == jnp.float32 and fm.pallas_cover(m, n, k, E4M3, E5M2, out_dtype, cfg) is not None:
+        if out_dtype == jnp.float32 and fm.pallas_cover(m, n, k, E4M3, b_dtype, out_dtype, cfg) is not None:
             continue  # e.g. 4 stages leave no room for f32 staging; auto never picks it for f32
         with jax.sharding.use_abstract_mesh(H200):
             jax.jit(lambda *x: fm.fp8_matmul_pallas(*x, out_dtype=out_dtype, config=cfg)).trace(*shapes).lower(
@@ -208,6 +210,19 @@ def test_gpu_pallas_matches_reference_and_xla(m, n, k, config):
     # rounding. A layout or scale bug gives errors of order 1.
     assert rel(out) < 2e-2, (rel(out), rel(xla))
     assert rel(xla) < 2e-2, (rel(out), rel(xla))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,n,k", [(8192, 8192, 8192), (8192, 4096, 14336)])
+def test_gpu_static_ring_without_the_producer_warp(monkeypatch, m, n, k):
+    """Under jax 0.10.2 the static ring's loads are issued by the whole memory warpgroup (compat.MGPU_WARP_MAP):
+    that form of the kernel, built here on the GPU image's jax, against the reference. The launcher is traced
+    directly (`__wrapped__`), so jit's cache of the producer-warp form does not answer."""
+    monkeypatch.setattr(compat, "MGPU_WARP_MAP", False)
+    a, b, sa, sb = operands(jax.random.key(5), m, n, k)
+    ref = fm.fp8_matmul_reference(a, b, sa, sb, out_dtype=jnp.float32)
+    out = jax.jit(lambda *x: fm.fp8_matmul_pallas.__wrapped__(*x, config=fm.AUTO_DEFAULT))(a, b, sa, sb)
+    assert float(jnp.linalg.norm(out.astype(jnp.float32) - ref) / jnp.linalg.norm(ref)) < 2e-2
 
 
 @pytest.mark.gpu
