@@ -42,6 +42,14 @@ except ImportError:  # jax 0.10.2
     from jax._src.pallas.mosaic_gpu.interpret.params import force_gpu_interpret_mode  # noqa: F401
 
 
+def gpu_interpret_forced() -> bool:
+    """Inside `force_gpu_interpret_mode`: kernels launched without `interpret=` still run in the interpreter (jax
+    keeps the context's params in this config value in 0.10.2 and 0.11)."""
+    from jax._src import config as jax_config
+
+    return jax_config.pallas_tpu_interpret_mode_context_manager.value is not None
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Pallas Mosaic-GPU interpret mode: MX cast kernels (pallas_kernels/mx_quantize.py)
 # ---------------------------------------------------------------------------------------------------------------
@@ -81,6 +89,10 @@ MGPU_INTERPRET_CLUSTERS = JAX_VERSION >= (0, 11, 0)
 #   kernel runs that region on the whole memory warpgroup (the same loads and barrier waits, the loads issued by
 #   its leader thread; the first static ring measured on the H200, RESULTS.md fifteenth fp8 pass).
 MGPU_WARP_MAP = JAX_VERSION >= (0, 11, 0)
+# - The fp8 casts' transposed SMEM view (pallas_kernels/quantize.py, the K-major copies of every dual cast):
+#   0.10.2 interprets it but does not lower it for the GPU ("Tiled strides must be a multiple of the vector length").
+#   Where MGPU_TRANSPOSED_CAST does not hold, impl="auto" casts those copies with XLA and impl="pallas" says why.
+MGPU_TRANSPOSED_CAST = JAX_VERSION >= (0, 11, 0)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -1010,7 +1010,7 @@ def tgmm_fp8_rowwise_pallas(lhs, rhs, group_sizes, *, out_dtype=jnp.float32, con
     if reason is None:
         mp = _aligned_len(m, group_sizes.shape[0], config.tile_k)
         for cols in (k, n):
-            if (why := qz.pallas_cover((mp, cols), lhs.dtype, transposed=True)) is not None:
+            if (why := qz.pallas_cover((mp, cols), lhs.dtype, transposed=True, interpret=interpret)) is not None:
                 reason = f"the transposed cast: {why}"
     if reason is not None:
         raise NotImplementedError(f"tgmm_fp8_rowwise_pallas: {reason}")

@@ -49,6 +49,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from mx_jax import compat
 from pallas_kernels import device
 
 AMAX_EPS = 1e-12  # TorchAO's EPS: keeps q finite for an all-zero row
@@ -317,14 +318,17 @@ def _cast_pallas(x, q_row, q_col, *, dtype, config: CastConfig, interpret, round
 
 
 def pallas_cover(
-    shape: tuple[int, ...], x_dtype, *, transposed: bool, config: CastConfig = DEFAULT_CAST_CONFIG, round_to=None
+    shape: tuple[int, ...], x_dtype, *, transposed: bool, config: CastConfig = DEFAULT_CAST_CONFIG, round_to=None,
+    interpret=None,
 ) -> str | None:
     """None when the Pallas cast kernels take an x (R, C) or a batch of them (B, R, C) of this shape and dtype,
     else the reason.
 
     `transposed`: a (C, R) output is wanted; it is read through a transposed SMEM view, which Mosaic-GPU lowers
     for 16-bit tiles only (an f32 tile fails layout inference on jax 0.11.2), so an f32 x needs a 16-bit
-    `round_to`: the kernels then round each tile into a 16-bit SMEM copy and read that.
+    `round_to`: the kernels then round each tile into a 16-bit SMEM copy and read that. jax 0.10.2 lowers no
+    transposed view for the GPU (`compat.MGPU_TRANSPOSED_CAST`); its interpreter runs them (`interpret`, or
+    `compat.force_gpu_interpret_mode`).
     """
     if len(shape) not in (2, 3):
         return f"x must be 2-D or 3-D, got shape {shape}"
@@ -337,6 +341,9 @@ def pallas_cover(
     tile_r, tile_c = math.lcm(config.amax_bm, config.cast_bm), math.lcm(config.amax_bn, config.cast_bn)
     if shape[-2] % tile_r or shape[-1] % tile_c:
         return f"x shape {shape} must be a multiple of ({tile_r}, {tile_c}) in its last two dims"
+    lowered = interpret is None and not compat.gpu_interpret_forced()
+    if transposed and lowered and not compat.MGPU_TRANSPOSED_CAST:
+        return f"the transposed cast lowers for the GPU with jax >= 0.11 only (this is jax {jax.__version__})"
     return None
 
 
@@ -345,7 +352,8 @@ def _pallas_quantize(x, *, rows: bool, cols: bool, dtype, scaling, pow2_scale, c
     """Both passes. Returns [(x_fp8 (R, C), scale)] for rows and/or [(x_fp8ᵀ (C, R), scale)] for cols; for a
     batch x (B, R, C) (rowwise only) each entry is its own matrix: (B, R, C) with (B, R), (B, C, R) with (B, C).
     With `round_to`, of x rounded to that 16-bit dtype (in SMEM, no rounded copy of x in HBM)."""
-    if (reason := pallas_cover(x.shape, x.dtype, transposed=cols, config=config, round_to=round_to)) is not None:
+    reason = pallas_cover(x.shape, x.dtype, transposed=cols, config=config, round_to=round_to, interpret=interpret)
+    if reason is not None:
         raise NotImplementedError(f"quantize (pallas): {reason}")
     rt = dict(round_to=round_to)
     batched = x.ndim == 3

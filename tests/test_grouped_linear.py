@@ -159,6 +159,8 @@ def test_shard_map_with_experts_sharded():
 def test_pallas_path_types_check_in_shard_map(recipe):
     """Inside shard_map (check_vma) the kernels' outputs must vary over the mesh axis like their inputs, or the
     custom_vjp rejects the cotangents and psum would treat per-device values as replicated. Traced, not run."""
+    if recipe != "bf16" and not compat.MGPU_TRANSPOSED_CAST:
+        pytest.skip("jax 0.10.2: impl='pallas' refuses the fp8 recipe's transposed cast for the GPU (auto uses XLA)")
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("expert",))
     x, w, _ = _inputs(7, m=2 * M, e=2 * E)
     sizes = jnp.asarray(SIZES * 2, jnp.int32)
