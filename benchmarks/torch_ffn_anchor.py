@@ -36,12 +36,12 @@ PyTorch rejects prints its error instead.
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch_timing import time_ms  # benchmarks/ (the script's own directory)
 
 T, D, FF = 8192, 4096, 14336
 
@@ -121,20 +121,6 @@ def build(recipe: str, dev) -> tuple[nn.Module, str]:
     return block, f"{recipe} (torchao {torchao.__version__})"
 
 
-def time_ms(fn, samples: int = 10, batch: int = 5, warmup: int = 3) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(samples):
-        t0 = time.perf_counter()
-        for _ in range(batch):
-            fn()
-        torch.cuda.synchronize()
-        times.append((time.perf_counter() - t0) / batch * 1e3)
-    return statistics.median(times)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--samples", type=int, default=10)
@@ -172,7 +158,7 @@ def main() -> None:
             y_ref.backward(dy.float())
             err_y = ((y.float() - y_ref).norm() / y_ref.norm()).item()
             err_dx = ((x.grad.float() - xf.grad).norm() / xf.grad.norm()).item()
-            ms = time_ms(step, samples=args.samples)
+            ms = time_ms(step, samples=args.samples, batch=5)  # the FFN bench's batch
             rows.append((label, ms, err_y, err_dx))
             print(f"  {label:45s} {ms:8.3f} ms  rel.err y {err_y:.1e} dx {err_dx:.1e}  (first call {compile_s:.1f}s)",
                   flush=True)

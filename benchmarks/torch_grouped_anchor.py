@@ -21,10 +21,9 @@ host clock. TFLOP/s = 2 M K N / time. Prints one table; a variant PyTorch reject
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
+from torch_timing import time_ms  # benchmarks/ (the script's own directory)
 
 E, M, K, N = 8, 16384, 4096, 14336
 
@@ -36,20 +35,6 @@ def routings() -> dict[str, list[int]]:
     for i in range(M - big - sum(rest)):
         rest[i] += 1
     return {"balanced": balanced, "skewed": [big, *rest]}
-
-
-def time_ms(fn, samples: int = 10, batch: int = 10, warmup: int = 3) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(samples):
-        t0 = time.perf_counter()
-        for _ in range(batch):
-            fn()
-        torch.cuda.synchronize()
-        times.append((time.perf_counter() - t0) / batch * 1e3)
-    return statistics.median(times)
 
 
 def main() -> None:
