@@ -11,6 +11,10 @@ removes (cleanup_tmp_directories), so resuming always starts from the last commi
 Restore takes the target's shapes, dtypes and shardings from `jax.ShapeDtypeStruct`s built on the current mesh,
 so a checkpoint written on one mesh restores on another (Orbax reshards on load).
 
+Restore checks before it reads any array: the step's `data` item records the seed, data settings and model config
+it was trained with, and its Orbax metadata records every array's shape; a run whose config no longer matches gets
+a ConfigError naming the keys and arrays, and a step directory Orbax cannot read gets a CheckpointError naming it.
+
 Timing: the blocking phase is timed around `save()`; the background phase (write + commit) is the duration
 Orbax reports for its save thread through `jax.monitoring` (same event name in orbax 0.12.4 to 0.12.8).
 """
@@ -47,6 +51,30 @@ def _install_listener() -> None:
     _listener_installed = True
 
 
+class CheckpointError(RuntimeError):
+    """A checkpoint on disk cannot be read or written; the message names the step directory."""
+
+
+def _path_name(path) -> str:
+    """'params.blocks.attn.wq' for a jax tree path (dict keys, sequence indices and namedtuple fields alike)."""
+    return ".".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path)
+
+
+def array_shapes(tree: Any) -> dict[str, tuple]:
+    """{'params.blocks.attn.wq': shape, ...} for a tree of arrays, ShapeDtypeStructs or Orbax array metadata."""
+    return {_path_name(p): tuple(x.shape) for p, x in jax.tree_util.tree_leaves_with_path(tree)}
+
+
+def shape_mismatches(saved: dict[str, tuple], wanted: dict[str, tuple]) -> list[str]:
+    """Differences between two {array name: shape} maps, one line each (reshaped, missing, unexpected); the
+    parameters' lines first, as they name the model change (the optimizer moments repeat them)."""
+    out = [f"{k}: {saved[k]} in the checkpoint, {wanted[k]} in this model" for k in wanted
+           if k in saved and tuple(saved[k]) != tuple(wanted[k])]
+    out += [f"{k}: in this model, not in the checkpoint" for k in wanted if k not in saved]
+    out += [f"{k}: in the checkpoint, not in this model" for k in saved if k not in wanted]
+    return sorted(out, key=lambda line: not line.startswith("params."))
+
+
 class Checkpointer:
     def __init__(self, run_dir: str | pathlib.Path, cfg: CkptConfig):
         _install_listener()
@@ -58,7 +86,12 @@ class Checkpointer:
             cleanup_tmp_directories=True,
             create=True,
         )
-        self.manager = ocp.CheckpointManager(self.dir, options=options, item_names=("state", "data"))
+        if self.dir.exists() and not self.dir.is_dir():
+            raise ConfigError(f"config key 'run_dir': {self.dir} exists and is not a directory")
+        self.manager = ocp.CheckpointManager(
+            self.dir, options=options, item_names=("state", "data"),
+            item_handlers={"state": ocp.StandardCheckpointHandler(), "data": ocp.JsonCheckpointHandler()})
+        self._closed = False
         self._pending: list[tuple[int, float]] = []  # (step, blocking seconds) of saves not yet reported
 
     def all_steps(self) -> list[int]:
@@ -92,8 +125,11 @@ class Checkpointer:
     def save(self, step: int, state: Any, data_state: dict) -> float:
         """Start an async save; returns the seconds the caller was blocked."""
         t0 = time.perf_counter()
-        self.manager.save(step, args=ocp.args.Composite(
+        started = self.manager.save(step, args=ocp.args.Composite(
             state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state)))
+        if not started:  # Orbax skips a step it already has, or one below its latest: never silently
+            raise CheckpointError(f"Orbax declined to save step {step} in {self.dir} (committed steps: "
+                                  f"{self.all_steps()}); the run continues no further without its checkpoint")
         blocked = time.perf_counter() - t0
         self._pending.append((step, blocked))
         return blocked
@@ -110,15 +146,51 @@ class Checkpointer:
                 out.append((step, blocked, _background_durations.pop(0)))
         return out
 
-    def restore(self, step: int, abstract_state: Any) -> tuple[Any, dict]:
-        """abstract_state: a pytree of jax.ShapeDtypeStruct carrying the wanted shardings."""
-        restored = self.manager.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()))
-        return restored["state"], restored["data"]
+    def _unreadable(self, step: int, what: str, err: Exception) -> CheckpointError:
+        earlier = [s for s in self.all_steps() if s < step]
+        hint = (f"move {self.dir / str(step)} out of {self.dir} to resume from step {earlier[-1]}" if earlier else
+                f"no earlier checkpoint exists; move {self.dir / str(step)} away to start fresh")
+        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        return CheckpointError(f"cannot read {what} of the checkpoint at {self.dir / str(step)} "
+                               f"({type(err).__name__}: {first[:300]}); {hint}")
+
+    def data_state(self, step: int) -> dict:
+        """The step's `data` item (iterator position and what the run was trained with), without its arrays."""
+        try:
+            restored = self.manager.restore(step, args=ocp.args.Composite(data=ocp.args.JsonRestore()))
+        except Exception as e:  # noqa: BLE001 -- Orbax raises many types for a damaged directory
+            raise self._unreadable(step, "the data item", e) from e
+        data = restored["data"]
+        if not isinstance(data, dict) or "position" not in data:
+            raise self._unreadable(step, "the data item", ValueError(f"no 'position' in {data!r}"))
+        return data
+
+    def saved_shapes(self, step: int) -> dict[str, tuple]:
+        """{array name: shape} of the step's state, from Orbax's metadata (reads no array)."""
+        try:
+            shapes = array_shapes(self.manager.item_metadata(step)["state"])
+            if not shapes:
+                raise ValueError("no array metadata")
+            return shapes
+        except Exception as e:  # noqa: BLE001
+            raise self._unreadable(step, "the array metadata", e) from e
+
+    def restore(self, step: int, abstract_state: Any) -> Any:
+        """The step's state. abstract_state: a pytree of jax.ShapeDtypeStruct carrying the wanted shardings."""
+        try:
+            restored = self.manager.restore(step, args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(abstract_state)))
+        except Exception as e:  # noqa: BLE001
+            raise self._unreadable(step, "the arrays", e) from e
+        return restored["state"]
 
     def wait(self) -> None:
         self.manager.wait_until_finished()
 
     def close(self) -> None:
+        """Wait for the saves in flight to commit, then release Orbax's threads. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
         self.manager.wait_until_finished()
         self.manager.close()

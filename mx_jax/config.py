@@ -4,8 +4,9 @@
 
 Precedence is defaults < YAML < `dotted.key=value` overrides. Every key is checked: an unknown key is an error that
 names it and the closest valid key; a value that does not parse as the field's type, or is outside its allowed
-choices, is an error naming the key. Cross-field rules (heads divide the model width, the batch divides the mesh,
-...) are checked by `validate()`. Nothing is written before the whole config is valid.
+choices, is an error naming the key. Cross-field rules (heads divide the model width, accumulation divides the
+batch, ...) are checked by `validate()`; the rules that need the resolved mesh (the batch, the sequence and the
+experts divide over it) by `train.check_against_mesh`. Nothing is written before the whole config is valid.
 
 Each module takes its own section (ModelConfig, MeshConfig, ...), never the whole TrainConfig.
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import pathlib
 import typing
 from typing import Any, Literal
@@ -43,7 +45,7 @@ class MoEConfig:
     top_k: int = 2
     d_expert: int = 0  # hidden width of one routed expert; 0 = model.d_ff
     n_shared: int = 0  # DeepSeek-style always-on shared experts (each d_expert wide)
-    every_n_layers: int = 1  # MoE in layers l with (l + 1) % every_n_layers == 0, dense elsewhere
+    every_n_layers: int = 1  # after n_dense_first: MoE in layers l with (l - n_dense_first + 1) % every_n_layers == 0
     n_dense_first: int = 0  # DeepSeek keeps its first layers dense
     score: Literal["softmax", "sigmoid"] = "softmax"
     normalize_top_k: bool = True
@@ -216,15 +218,22 @@ def _coerce(key: str, hint, value: Any) -> Any:
         if hint is int:
             if isinstance(value, bool):
                 raise ValueError
+            if isinstance(value, str) and any(c in value for c in ".eE"):
+                value = float(value)  # "1e3" is an int; "4.5" is not
             if isinstance(value, float) and not value.is_integer():
                 raise ValueError
-            return int(float(value)) if isinstance(value, str) and any(c in value for c in ".eE") else int(value)
+            return int(value)
         if hint is float:
             if isinstance(value, bool):
                 raise ValueError
-            return float(value)
+            value = float(value)
+            if not math.isfinite(value):
+                raise ConfigError(f"config key '{key}' must be a finite number, got {value}")
+            return value
         if hint is str:
             return "" if value is None else str(value)
+    except ConfigError:
+        raise
     except (TypeError, ValueError):
         pass
     else:
@@ -273,6 +282,20 @@ def _dotted_to_nested(overrides: list[str]) -> list[dict]:
     return out
 
 
+class _StrictLoader(yaml.SafeLoader):
+    """yaml.safe_load, except that a key repeated in one mapping is an error instead of last-one-wins."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r}", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
 def load_config(path: str | None = None, overrides: list[str] = ()) -> TrainConfig:
     """Defaults < YAML file < dotted overrides; validated. `run_dir` defaults to runs/<yaml stem>."""
     cfg = TrainConfig()
@@ -281,7 +304,9 @@ def load_config(path: str | None = None, overrides: list[str] = ()) -> TrainConf
         if not p.is_file():
             raise ConfigError(f"config file '{path}' does not exist")
         try:
-            raw = yaml.safe_load(p.read_text()) or {}
+            raw = yaml.load(p.read_text(encoding="utf-8"), Loader=_StrictLoader) or {}
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"config file '{path}' is not UTF-8 text ({e.reason} at byte {e.start})") from None
         except yaml.YAMLError as e:
             raise ConfigError(f"config file '{path}' is not valid YAML: {e}") from None
         cfg = _merge(TrainConfig, cfg, raw)
@@ -315,7 +340,8 @@ def _check(cond: bool, key: str, msg: str) -> None:
 
 
 def validate(cfg: TrainConfig) -> None:
-    """Cross-field checks that need no devices. Mesh-vs-device checks happen in sharding.make_mesh."""
+    """Cross-field checks that need no devices. The mesh against the devices: sharding.make_mesh; the config against
+    the resolved mesh: train.check_against_mesh."""
     m, d, o, c, lg = cfg.model, cfg.data, cfg.optim, cfg.ckpt, cfg.log
     _check(cfg.steps > 0, "steps", f"must be positive, got {cfg.steps}")
     for k in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff"):
@@ -327,8 +353,16 @@ def validate(cfg: TrainConfig) -> None:
     _check(m.d_head % 2 == 0, "model.head_dim", f"the head dimension must be even for RoPE, got {m.d_head}")
     _check(m.rope_scaling.factor >= 1.0, "model.rope_scaling.factor", f"must be >= 1, got {m.rope_scaling.factor}")
     _check(m.rope_theta > 0, "model.rope_theta", f"must be positive, got {m.rope_theta}")
+    _check(m.head_dim >= 0, "model.head_dim", f"must be >= 0 (0 = d_model // n_heads), got {m.head_dim}")
+    _check(m.norm_eps > 0, "model.norm_eps", f"must be positive, got {m.norm_eps}")
+    _check(m.init_std > 0, "model.init_std", f"must be positive, got {m.init_std}")
     e = m.moe
+    _check(e.n_experts >= 0, "model.moe.n_experts", f"must be >= 0 (0 = dense model), got {e.n_experts}")
     if e.n_experts:
+        for k in ("d_expert", "n_shared"):
+            _check(getattr(e, k) >= 0, f"model.moe.{k}", f"must be >= 0, got {getattr(e, k)}")
+        for k in ("aux_loss_coef", "bias_update_rate", "z_loss_coef"):
+            _check(getattr(e, k) >= 0, f"model.moe.{k}", f"must be >= 0, got {getattr(e, k)}")
         _check(1 <= e.top_k <= e.n_experts, "model.moe.top_k", f"must be in [1, n_experts={e.n_experts}], got {e.top_k}")
         _check(e.every_n_layers >= 1, "model.moe.every_n_layers", f"must be >= 1, got {e.every_n_layers}")
         _check(0 <= e.n_dense_first < m.n_layers, "model.moe.n_dense_first",
@@ -342,11 +376,15 @@ def validate(cfg: TrainConfig) -> None:
     _check(d.batch_size > 0, "data.batch_size", f"must be positive, got {d.batch_size}")
     _check(d.grad_accum_steps > 0 and d.batch_size % d.grad_accum_steps == 0, "data.grad_accum_steps",
            f"must divide data.batch_size ({d.batch_size}), got {d.grad_accum_steps}")
+    _check(d.eval_batches >= 1, "data.eval_batches", f"must be >= 1, got {d.eval_batches}")
     _check(d.source != "bin" or bool(d.path), "data.path", "must name a token-shard directory when data.source=bin")
     _check(o.lr_peak > 0, "optim.lr_peak", f"must be positive, got {o.lr_peak}")
     _check(0 <= o.lr_final_ratio <= 1, "optim.lr_final_ratio", f"must be in [0, 1], got {o.lr_final_ratio}")
     _check(o.warmup_steps >= 0, "optim.warmup_steps", f"must be >= 0, got {o.warmup_steps}")
     _check(0 <= o.b1 < 1 and 0 <= o.b2 < 1, "optim.b1", "b1 and b2 must be in [0, 1)")
+    _check(o.decay_steps >= 0, "optim.decay_steps", f"must be >= 0 (0 = the run's steps), got {o.decay_steps}")
+    _check(o.eps > 0, "optim.eps", f"must be positive, got {o.eps}")
+    _check(o.weight_decay >= 0, "optim.weight_decay", f"must be >= 0, got {o.weight_decay}")
     _check(o.grad_clip_norm >= 0, "optim.grad_clip_norm", f"must be >= 0, got {o.grad_clip_norm}")
     _check(c.every_steps >= -1, "ckpt.every_steps", f"must be >= -1, got {c.every_steps}")
     _check(c.keep >= 1, "ckpt.keep", f"must be >= 1, got {c.keep}")
@@ -354,6 +392,8 @@ def validate(cfg: TrainConfig) -> None:
            f"must be 'latest', 'never' or a step number, got {c.resume!r}")
     _check(lg.every_steps > 0, "log.every_steps", f"must be positive, got {lg.every_steps}")
     _check(lg.eval_every_steps >= -1, "log.eval_every_steps", f"must be >= -1, got {lg.eval_every_steps}")
+    _check(lg.peak_tflops >= 0, "log.peak_tflops", f"must be >= 0 (0 = known value for the device), got "
+           f"{lg.peak_tflops}")
     for k in ("data", "fsdp", "expert", "context"):
         v = getattr(cfg.mesh, k)
         _check(v == -1 or v >= 1, f"mesh.{k}", f"must be -1 or >= 1, got {v}")

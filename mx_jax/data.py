@@ -6,8 +6,10 @@ source) as document separator. A file goes to the held-out split when sha1(relat
 Tokens are raw bytes (vocabulary 256), so the loss reads directly as nats per byte; ln 256 = 5.55 at init.
 
 Token shards: a directory of flat little-endian `train_*.bin` / `val_*.bin` token arrays (nanoGPT / Megatron
-style, no header) plus `meta.json` with `{"dtype": "uint16"|"uint32", "vocab_size": V, "tokenizer": ...}`.
-Write them with
+style, no header) plus `meta.json` with `{"dtype": "uint16"|"uint32", "vocab_size": V, "tokenizer": ...}` and,
+optionally, `train_tokens`, `val_tokens`, `max_token_id`: when present they are checked against the shards, and
+every window read is checked against vocab_size, so stale or mistyped shards are an error naming the file. Write
+them with
     python -m mx_jax.data convert --out DIR [--tokenizer byte|path/to/tokenizer.json] FILE_OR_DIR ...
 (a HF `tokenizer.json` needs the `tokenizers` package). Shards are memory-mapped: a host touches only the windows
 its devices need.
@@ -71,26 +73,62 @@ def embedded_corpus() -> dict[str, np.ndarray]:
     return {k: np.frombuffer(b"".join(v), dtype=np.uint8) for k, v in parts.items()}
 
 
-def load_shards(path: str, split: str) -> tuple[list[np.ndarray], int]:
-    """Memory-map `<path>/<split>_*.bin`; returns (arrays, vocab_size)."""
-    d = pathlib.Path(path)
+def read_meta(d: pathlib.Path) -> dict:
+    """`<d>/meta.json`, checked: dtype uint16/uint32 and a positive integer vocab_size."""
     meta_file = d / "meta.json"
     if not meta_file.is_file():
         raise ConfigError(f"config key 'data.path': {meta_file} not found (write shards with "
                           f"`python -m mx_jax.data convert`)")
-    meta = json.loads(meta_file.read_text())
-    dtype = np.dtype(meta.get("dtype", ""))
-    if dtype not in (np.uint16, np.uint32):
-        raise ConfigError(f"{meta_file}: dtype must be uint16 or uint32, got {meta.get('dtype')!r}")
+    try:
+        meta = json.loads(meta_file.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(f"{meta_file} is not valid JSON: {e}") from None
+    if not isinstance(meta, dict):
+        raise ConfigError(f"{meta_file} must hold a JSON object, got {type(meta).__name__}")
+    if meta.get("dtype") not in ("uint16", "uint32"):
+        raise ConfigError(f"{meta_file}: 'dtype' must be \"uint16\" or \"uint32\", got {meta.get('dtype')!r}")
+    vocab = meta.get("vocab_size")
+    if not isinstance(vocab, int) or isinstance(vocab, bool) or vocab < 1:
+        raise ConfigError(f"{meta_file}: 'vocab_size' must be a positive integer, got {vocab!r}")
+    if np.iinfo(meta["dtype"]).max < vocab - 1:
+        raise ConfigError(f"{meta_file}: vocab_size {vocab} does not fit dtype {meta['dtype']}")
+    return meta
+
+
+def load_shards(path: str, split: str) -> tuple[list[np.ndarray], list[pathlib.Path], int]:
+    """Memory-map `<path>/<split>_*.bin`; returns (arrays, files, vocab_size).
+
+    Checks what is cheap: each shard is non-empty and a whole number of tokens, and, where meta.json records it
+    (`python -m mx_jax.data convert` does), that the shards hold exactly `<split>_tokens` tokens and no id above
+    `max_token_id` -- which catches stale shards left from another conversion and a dtype that does not match the
+    files. Token ids are also checked against vocab_size as windows are read (Windows.get).
+    """
+    d = pathlib.Path(path)
+    meta = read_meta(d)
+    dtype = np.dtype(meta["dtype"])
+    vocab = meta["vocab_size"]
     files = sorted(d.glob(f"{split}_*.bin"))
     if not files:
         raise ConfigError(f"config key 'data.path': no {split}_*.bin shards in {d}")
     arrays = []
     for f in files:
-        if f.stat().st_size % dtype.itemsize:
-            raise ConfigError(f"token shard {f} has {f.stat().st_size} bytes, not a multiple of {dtype} size")
+        size = f.stat().st_size
+        if size == 0:
+            raise ConfigError(f"token shard {f} is empty")
+        if size % dtype.itemsize:
+            raise ConfigError(f"token shard {f} has {size} bytes, not a multiple of {dtype} size "
+                              f"({dtype.itemsize}, from {d / 'meta.json'})")
         arrays.append(np.memmap(f, dtype=dtype, mode="r"))
-    return arrays, int(meta["vocab_size"])
+    n = sum(len(a) for a in arrays)
+    want = meta.get(f"{split}_tokens")
+    if want is not None and n != want:
+        raise ConfigError(
+            f"{d}: the {len(files)} {split}_*.bin shard(s) hold {n} {dtype} tokens but meta.json says "
+            f"{split}_tokens={want}: stale shards from another conversion, or a dtype that does not match the files "
+            f"({', '.join(f.name for f in files[:4])}{', ...' if len(files) > 4 else ''})")
+    if meta.get("max_token_id", -1) >= vocab:
+        raise ConfigError(f"{d / 'meta.json'}: max_token_id {meta['max_token_id']} is not below vocab_size {vocab}")
+    return arrays, files, vocab
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -100,8 +138,10 @@ def load_shards(path: str, split: str) -> tuple[list[np.ndarray], int]:
 class Windows:
     """Non-overlapping windows of T+1 tokens over a list of token arrays; window w -> (array, offset)."""
 
-    def __init__(self, arrays: Sequence[np.ndarray], seq_len: int, name: str):
+    def __init__(self, arrays: Sequence[np.ndarray], seq_len: int, name: str, vocab_size: int | None = None,
+                 files: Sequence[pathlib.Path] | None = None):
         self.arrays, self.seq_len = list(arrays), seq_len
+        self.vocab_size, self.files = vocab_size, files
         counts = np.array([max(0, (len(a) - 1) // seq_len) for a in self.arrays], dtype=np.int64)
         self.starts = np.concatenate([[0], np.cumsum(counts)])
         self.n = int(self.starts[-1])
@@ -115,7 +155,13 @@ class Windows:
         a = int(np.searchsorted(self.starts, w, side="right") - 1)
         off = int(w - self.starts[a]) * self.seq_len
         t1 = self.seq_len + 1 if t1 is None else t1
-        return np.asarray(self.arrays[a][off + t0: off + t1])
+        win = np.asarray(self.arrays[a][off + t0: off + t1])
+        if self.vocab_size is not None and win.size and win.max() >= self.vocab_size:
+            bad = int(np.argmax(win >= self.vocab_size))
+            where = self.files[a] if self.files else f"array {a}"
+            raise ConfigError(f"token shard {where}: token id {int(win[bad])} at token {off + t0 + bad} is not below "
+                              f"the vocabulary size {self.vocab_size} (meta.json vocab_size)")
+        return win
 
 
 class Batches:
@@ -189,11 +235,12 @@ def open_dataset(cfg: DataConfig) -> Dataset:
                 f"{len(splits['train']) / 1e6:.1f} M train / {len(splits['val']) / 1e6:.2f} M held-out bytes")
         return Dataset(Windows([splits["train"]], cfg.seq_len, "train"),
                        Windows([splits["val"]], cfg.seq_len, "held-out"), 256, desc)
-    train, vocab = load_shards(cfg.path, "train")
-    val, _ = load_shards(cfg.path, "val")
+    train, train_files, vocab = load_shards(cfg.path, "train")
+    val, val_files, _ = load_shards(cfg.path, "val")
     n_train = sum(len(a) for a in train)
     desc = f"token shards {cfg.path}: {n_train / 1e6:.1f} M train tokens, vocab {vocab}"
-    return Dataset(Windows(train, cfg.seq_len, "train"), Windows(val, cfg.seq_len, "held-out"), vocab, desc)
+    return Dataset(Windows(train, cfg.seq_len, "train", vocab, train_files),
+                   Windows(val, cfg.seq_len, "held-out", vocab, val_files), vocab, desc)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -232,10 +279,19 @@ def convert(inputs: Sequence[str], out: str, tokenizer: str = "byte", shard_toke
     if not files:
         raise SystemExit("no input files")
     out_dir = pathlib.Path(out)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise SystemExit(f"--out {out} exists and is not a directory")
+    old = sorted(p.name for p in [*out_dir.glob("train_*.bin*"), *out_dir.glob("val_*.bin*"), out_dir / "meta.json"]
+                 if p.exists()) if out_dir.is_dir() else []
+    if old:
+        listed = ", ".join(old[:4]) + (", ..." if len(old) > 4 else "")
+        raise SystemExit(f"--out {out} already holds token shards ({listed}); write into a new directory, or remove "
+                         f"them first")
     out_dir.mkdir(parents=True, exist_ok=True)
     stride = max(1, round(1 / val_fraction)) if val_fraction > 0 else 0
     buffers: dict[str, list[np.ndarray]] = {"train": [], "val": []}
     counts = {"train": 0, "val": 0}
+    max_id = -1
     shard_idx = {"train": 0, "val": 0}
     eos = SEPARATOR if tok_name == "byte" else None
 
@@ -258,6 +314,8 @@ def convert(inputs: Sequence[str], out: str, tokenizer: str = "byte", shard_toke
         digest = int(hashlib.sha1(str(f).encode()).hexdigest(), 16)
         split = "val" if stride and digest % stride == 0 else "train"
         buffers[split].append(np.asarray(ids, dtype=np.int64))
+        if len(ids):
+            max_id = max(max_id, int(buffers[split][-1].max()))
         counts[split] += len(ids)
         flush(split)
     if counts["val"] == 0 and buffers["train"]:  # tiny inputs: make sure a held-out split exists
@@ -268,8 +326,10 @@ def convert(inputs: Sequence[str], out: str, tokenizer: str = "byte", shard_toke
     flush("train", force=True)
     flush("val", force=True)
     meta = {"dtype": np.dtype(dtype).name, "vocab_size": vocab, "tokenizer": tok_name,
-            "train_tokens": counts["train"], "val_tokens": counts["val"], "files": len(files)}
-    (out_dir / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+            "train_tokens": counts["train"], "val_tokens": counts["val"], "max_token_id": max_id, "files": len(files)}
+    tmp = out_dir / "meta.json.tmp"
+    tmp.write_text(json.dumps(meta, indent=2) + "\n")
+    tmp.replace(out_dir / "meta.json")  # written last: a directory with meta.json holds every shard
     return meta
 
 

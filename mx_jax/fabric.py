@@ -50,7 +50,7 @@ Figures (defaults)
     nic_gbps = 50 GB/s per direction: ConnectX-7 at 400 Gb/s line rate, one per GPU (DGX H100/H200 compute
         fabric). Line rate, so optimistic for both algorithms alike.
     nvlink_gbps = 240 GB/s per GPU per direction: NCCL all_to_all bus bandwidth measured on 4 x H200 at 64 MB
-        per GPU (JAX_NOTES.md; 102 at 8 MB, 305 at 512 MB; JAX lax.all_to_all reached 134 at 64 MB). Bus
+        per GPU (benchmarks/JAX_NOTES.md; 102 at 8 MB, 305 at 512 MB; JAX lax.all_to_all reached 134 at 64 MB). Bus
         bandwidth = bytes leaving a GPU for other GPUs / time, which is what nvl_out is charged with.
         Nominal H200 NVLink is 450 GB/s per direction; 240 is conservative for the hierarchical path.
     leaf_down_ports = 32: NVIDIA DGX SuperPOD reference architecture (B200/H100): scalable units of 32 nodes,
@@ -85,7 +85,8 @@ from collections.abc import Iterable, Iterator
 import numpy as np
 
 NIC_CX7_400G_GBPS = 50.0  # GB/s per direction: 400 Gb/s ConnectX-7 line rate
-NVLINK_A2A_4XH200_GBPS = 240.0  # GB/s per GPU: NCCL all_to_all bus bandwidth, 4 x H200, 64 MB/GPU (JAX_NOTES)
+# GB/s per GPU: NCCL all_to_all bus bandwidth, 4 x H200, 64 MB/GPU (benchmarks/JAX_NOTES.md)
+NVLINK_A2A_4XH200_GBPS = 240.0
 DGX_SUPERPOD_LEAF_DOWN_PORTS = 32  # nodes per rail leaf in a DGX SuperPOD scalable unit
 
 

@@ -43,7 +43,7 @@ Tied embeddings (`tie_word_embeddings`) are untied on import by copying, as mx_j
 always writes an untied `lm_head.weight`. Only the dense Llama architecture maps; MoE configs are refused.
 
 Trainer hook: `init_from(path, model_cfg, param_shardings)` returns parameters from an HF directory or an mx_jax
-checkpoint, placed on the mesh; see its docstring for the two lines the trainer needs.
+checkpoint, placed on the mesh (the config key `init_from` calls it on a fresh start).
 """
 
 from __future__ import annotations
@@ -133,6 +133,10 @@ def config_from_hf(hf: dict, source: str = "config.json") -> ModelConfig:
             raise HFFormatError(f"{source}: missing key '{key}'")
         return default if hf.get(key) is None else hf[key]
 
+    archs = hf.get("architectures") or []
+    if "model_type" not in hf and any(a != "LlamaForCausalLM" for a in archs):
+        raise HFFormatError(f"{source}: no model_type, and architectures is {archs}; only LlamaForCausalLM maps to "
+                            f"mx_jax")
     model_type = hf.get("model_type", "llama")
     if model_type != "llama":
         raise HFFormatError(f"{source}: model_type is {model_type!r}; only 'llama' (LlamaForCausalLM) maps to mx_jax")
@@ -301,10 +305,9 @@ def _weight_files(path: pathlib.Path) -> dict[str, pathlib.Path]:
     st = _safetensors()
     index = path / INDEX_FILE
     if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError) as e:
-            raise HFFormatError(f"{index}: not a safetensors index (needs a 'weight_map'): {e}") from None
+        weight_map = read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise HFFormatError(f"{index}: not a safetensors index (needs a 'weight_map' object)")
         files = {k: path / v for k, v in weight_map.items()}
         for f in sorted(set(files.values())):
             if not f.is_file():
@@ -319,11 +322,22 @@ def _weight_files(path: pathlib.Path) -> dict[str, pathlib.Path]:
                         "checkpoints are read")
 
 
+def read_json(p: pathlib.Path) -> dict:
+    """A JSON object from file p, or HFFormatError naming the file."""
+    try:
+        out = json.loads(p.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise HFFormatError(f"{p} is not valid JSON: {e}") from None
+    if not isinstance(out, dict):
+        raise HFFormatError(f"{p} must hold a JSON object, got {type(out).__name__}")
+    return out
+
+
 def read_hf_config(path: str | pathlib.Path) -> dict:
     p = pathlib.Path(path) / "config.json"
     if not p.is_file():
         raise HFFormatError(f"{p} does not exist: an HF checkpoint directory has config.json and safetensors")
-    return json.loads(p.read_text())
+    return read_json(p)
 
 
 def load_hf_llama(path: str | pathlib.Path, cfg: ModelConfig | None = None) -> tuple[dict, ModelConfig]:
@@ -542,6 +556,11 @@ def init_from(path: str | pathlib.Path, model_cfg: ModelConfig, param_shardings:
     this for the config key `init_from` on a fresh start (never on resume, where the checkpoint holds the params).
     The optimizer state stays as initialized (AdamW's moments start at zero whatever the parameters).
     """
+    p = pathlib.Path(path)
+    if not p.exists():
+        raise FileNotFoundError(f"{path} does not exist (an HF Llama directory or an mx_jax run/step directory)")
+    if not (p / "config.json").is_file() and any(p.glob("*.safetensors")):
+        raise HFFormatError(f"{path} has safetensors but no config.json; an HF checkpoint needs both")
     if is_hf_dir(path):
         params, _ = load_hf_llama(path, model_cfg)
         if param_shardings is None:
@@ -594,6 +613,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.cmd == "import":
             src, out = pathlib.Path(args.hf_dir), pathlib.Path(args.out_dir)
+            taken = [x.name for x in (out / "config.yaml", out / "checkpoints") if x.exists()]
+            if taken:
+                raise FileExistsError(f"{out} already holds {taken} (a run or an earlier import); import into a new "
+                                      f"directory")
             params, cfg = load_hf_llama(src)
             target = save_params(params, out, args.step)
             arch = {k: v for k, v in to_dict(cfg).items() if k in _ARCH_KEYS}
@@ -606,7 +629,9 @@ def main(argv: list[str] | None = None) -> int:
             run_dir = _run_dir_of(ckpt.absolute())
             cfg = _model_config_of(run_dir, args.config)
             hf_base = pathlib.Path(args.hf_config) if args.hf_config else run_dir / "hf_config.json"
-            base = json.loads(hf_base.read_text()) if hf_base.is_file() else None
+            if args.hf_config and not hf_base.is_file():
+                raise FileNotFoundError(f"--hf-config {hf_base} does not exist")
+            base = read_json(hf_base) if hf_base.is_file() else None
             params = load_params(ckpt, cfg, step=args.step, dtype=args.dtype)
             files = export_hf_llama(params, cfg, args.hf_dir, dtype=args.dtype,
                                     max_shard_bytes=int(args.max_shard_bytes), hf_config=base,

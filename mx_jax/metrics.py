@@ -5,8 +5,9 @@
     MFU             = TFLOP/s/device / peak dense bf16 TFLOP/s of the device
 
 The peak is `log.peak_tflops` when set, else the datasheet dense (no sparsity) bf16 figure for the device kind
-below; on a device not in the table (the CPU, say) MFU is left out and the log says why. fp8 recipes are still
-measured against the bf16 peak, as TorchTitan does, so MFU stays comparable across recipes.
+below; on a device not in the table (the CPU, say) MFU is null in metrics.jsonl and off the console line, and the
+log says why. fp8 recipes are still measured against the bf16 peak, as TorchTitan does, so MFU stays comparable
+across recipes.
 Memory is the device allocator's `bytes_in_use` / `peak_bytes_in_use` of the first local device, where the
 backend reports it.
 """
@@ -77,23 +78,44 @@ class TensorBoard:
         self._writer.close()
 
 
+def _drop_after(path: pathlib.Path, step: int) -> None:
+    """Rewrite a metrics.jsonl without the records of steps after `step` (and a torn last line), atomically."""
+    keep = []
+    for line in path.read_text().splitlines():
+        try:
+            if json.loads(line)["step"] <= step:
+                keep.append(line)
+        except (ValueError, KeyError, TypeError):
+            continue
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(f"{x}\n" for x in keep))
+    tmp.replace(path)
+
+
 class MetricsWriter:
     """One JSON object per logged step in metrics.jsonl, the same scalars to TensorBoard. Only process 0 writes."""
 
-    def __init__(self, run_dir: pathlib.Path, tensorboard: bool):
+    def __init__(self, run_dir: pathlib.Path, tensorboard: bool, resumed_at: int | None = None):
+        """resumed_at: the step a resumed run restarts from; records of later steps (written by the interrupted run
+        after its last checkpoint, and about to be written again) are dropped from metrics.jsonl first."""
         self.enabled = jax.process_index() == 0
         self._jsonl = None
         self._tb = None
         if not self.enabled:
             return
-        self._jsonl = open(run_dir / "metrics.jsonl", "a", buffering=1)
+        path = run_dir / "metrics.jsonl"
+        if resumed_at is not None and path.is_file():
+            _drop_after(path, resumed_at)
+        self._jsonl = open(path, "a", buffering=1)
         if tensorboard:
             self._tb = TensorBoard(run_dir / "tb")
 
     def write(self, step: int, values: dict[str, Any]) -> None:
         if not self.enabled:
             return
-        record = {"step": step, **values}  # None (e.g. mfu without a known peak) is written as null
+        # None (e.g. mfu without a known peak) and non-finite floats are written as null: the file stays JSON.
+        record = {"step": step, **{k: (None if isinstance(v, float) and not math.isfinite(v) else v)
+                                   for k, v in values.items()}}
         self._jsonl.write(json.dumps(record) + "\n")
         if self._tb is not None:
             flat = {}

@@ -1,6 +1,6 @@
 """AdamW with linear warmup and cosine decay, global-norm clipping, and no weight decay on norms and embeddings.
 
-    lr(s) = lr_peak * (s + 1) / warmup                              for s < warmup (step 0 already learns)
+    lr(s) = lr_peak * (1 + (warmup - 1) * s / warmup) / warmup      for s < warmup (step 0 already learns)
           = lr_peak * (r + (1 - r) * (1 + cos(pi * p)) / 2)         p = (s - warmup) / (decay - warmup), clipped
     with r = lr_final_ratio. Updates: g <- g * min(1, c / ||g||_2);  AdamW(b1, b2, eps, wd) (Loshchilov & Hutter).
 

@@ -4,13 +4,14 @@ Mesh axes (outermost first):
     data     replicated data parallelism; in HSDP it spans hosts while fsdp stays inside a host
     fsdp     ZeRO-3: parameters, gradients and optimizer state sharded, batch split
     expert   MoE experts sharded; for everything else it is one more batch axis
-    context  the sequence is split; attention all-gathers K and V over it (layers.attention)
+    context  the sequence is split; attention all-gathers K and V over it (layers.causal_attention)
 
 Parameters carry logical axis names (layers.py); activations are constrained at block boundaries only. `RULES` is
 the only place mesh axis names meet logical names: change the parallelism by changing this table or the mesh
-shape, never the model. Parameters are sharded over every non-replicated axis (fsdp, expert, context), so that a
-context or expert axis never duplicates parameter memory. Changing the mesh never changes the math: GSPMD inserts
-the collectives, and the two manual regions (context attention, expert dispatch) are written to be exact.
+shape, never the model. Dense, attention and embedding weights are sharded over fsdp and context (a context axis
+never duplicates their memory) and replicated over expert; expert weights are sharded over expert as well.
+Changing the mesh never changes the math: GSPMD inserts the collectives, and the two manual regions (context
+attention, expert dispatch) are written to be exact.
 """
 
 from __future__ import annotations

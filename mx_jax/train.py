@@ -34,7 +34,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from mx_jax import checkpoint, compat, metrics, sharding
-from mx_jax.config import ConfigError, TrainConfig, load_config, to_yaml
+from mx_jax.config import ConfigError, TrainConfig, load_config, to_dict, to_yaml
 from mx_jax.data import Batches, Dataset, open_dataset
 from mx_jax.llama import (Llama, buffers_of, compute_copies, cross_entropy, flops_per_token, moe_loss, param_axes,
                           params_of, prune_like, update_buffers, with_compute)
@@ -255,7 +255,8 @@ def evaluate(eval_step, state, dataset: Dataset, setup: Setup) -> float:
 # Entry points
 
 
-def check_batch(cfg: TrainConfig, mesh) -> None:
+def check_against_mesh(cfg: TrainConfig, mesh) -> None:
+    """Config rules that need the resolved mesh: the batch, the sequence and the experts divide over it."""
     div = sharding.batch_size_divisor(mesh) * cfg.data.grad_accum_steps
     if cfg.data.batch_size % div:
         raise ConfigError(
@@ -264,6 +265,13 @@ def check_batch(cfg: TrainConfig, mesh) -> None:
     if cfg.data.seq_len % mesh.shape["context"]:
         raise ConfigError(f"config key 'data.seq_len': {cfg.data.seq_len} must be a multiple of mesh.context "
                           f"({mesh.shape['context']})")
+    moe, n_ep = cfg.model.moe, mesh.shape["expert"]
+    if moe.n_experts and moe.n_experts % n_ep:
+        raise ConfigError(f"config key 'mesh.expert': {n_ep} devices must divide model.moe.n_experts "
+                          f"({moe.n_experts}) so that each holds the same number of experts")
+    if moe.n_experts and n_ep % min(moe.gpus_per_node, n_ep):
+        raise ConfigError(f"config key 'model.moe.gpus_per_node': mesh.expert ({n_ep}) must be a multiple of it "
+                          f"(the expert axis is read as nodes x GPUs per node), got {moe.gpus_per_node}")
 
 
 def _write_atomic(path: pathlib.Path, text: str) -> None:
@@ -292,53 +300,161 @@ class TrainResult:
     metrics: dict  # the last logged metrics
 
 
+# Keys of the data item each checkpoint stores with the iterator position: what decides the batch order. A resumed
+# run must match them, or it would silently see other data than an uninterrupted run.
+_DATA_KEYS = ("seed", "data.seq_len", "data.source", "data.path")
+# ModelConfig keys that may change across a resume: how the same function is computed, not which function.
+_MODEL_KEYS_FREE_ON_RESUME = frozenset({
+    "remat", "scan_layers", "attention", "compute_dtype", "param_dtype", "moe.impl", "moe.all_to_all", "moe.dispatch",
+    "moe.gpus_per_node", "moe.capacity_factor", "moe.aux_loss_coef", "moe.z_loss_coef", "moe.bias_update_rate"})
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def _data_identity(cfg: TrainConfig) -> dict:
+    path = str(pathlib.Path(cfg.data.path).absolute()) if cfg.data.source == "bin" else ""
+    return {"seed": cfg.seed, "data.seq_len": cfg.data.seq_len, "data.source": cfg.data.source, "data.path": path}
+
+
+def checkpoint_record(cfg: TrainConfig, position: int) -> dict:
+    """The JSON `data` item saved with each step: the iterator position and what a resume must agree with."""
+    return {"position": position, **_data_identity(cfg), "model": to_dict(cfg.model)}
+
+
+def check_resumable(cfg: TrainConfig, saved: dict, saved_shapes: dict, wanted_shapes: dict, where: str) -> None:
+    """ConfigError naming the keys when this config cannot continue the checkpoint `saved` (its data item)."""
+    for key, mine in _data_identity(cfg).items():
+        if key in saved and saved[key] != mine:
+            raise ConfigError(
+                f"config key '{key}': the checkpoint at {where} was trained with {key}={saved[key]!r}, this run has "
+                f"{mine!r}; resuming with other {', '.join(_DATA_KEYS)} would change the data order. Keep them, or "
+                f"start a new run_dir (init_from={where} starts one from these weights)")
+    if "model" in saved:
+        theirs, mine = _flat(saved["model"]), _flat(to_dict(cfg.model))
+        diff = [k for k in mine if k not in _MODEL_KEYS_FREE_ON_RESUME and k in theirs and theirs[k] != mine[k]]
+        if diff:
+            raise ConfigError(
+                "the checkpoint at {} is a different model: {}".format(
+                    where, "; ".join(f"config key 'model.{k}' is {theirs[k]!r} there, {mine[k]!r} here" for k in diff)))
+    bad = checkpoint.shape_mismatches(saved_shapes, wanted_shapes)
+    if bad:
+        raise ConfigError(f"the checkpoint at {where} does not fit this model's state ({len(bad)} array(s) differ: "
+                          f"{'; '.join(bad[:4])}{'; ...' if len(bad) > 4 else ''}); compare the model and optim "
+                          f"sections with the run_dir's config.yaml")
+
+
+def prepare_run_dir(cfg: TrainConfig) -> pathlib.Path:
+    """Create run_dir (process 0) and check it is a writable directory, before anything is computed or written."""
+    run_dir = pathlib.Path(cfg.run_dir)
+    if jax.process_index() != 0:
+        return run_dir
+    if run_dir.exists() and not run_dir.is_dir():
+        raise ConfigError(f"config key 'run_dir': {run_dir} exists and is not a directory")
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        probe = run_dir / f".write-test-{os.getpid()}"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        raise ConfigError(f"config key 'run_dir': cannot write in {run_dir} ({e.strerror or e})") from None
+    return run_dir
+
+
+def _init_params(cfg: TrainConfig, setup: Setup) -> dict:
+    from mx_jax import hf  # needs safetensors, only for this path
+
+    try:
+        return hf.init_from(cfg.init_from, cfg.model, setup.param_shardings)
+    except ConfigError:
+        raise
+    except (hf.HFFormatError, OSError, ValueError) as e:
+        raise ConfigError(f"config key 'init_from': {e}") from None
+
+
+def _restore(cfg: TrainConfig, setup: Setup, ckpt: checkpoint.Checkpointer, start: int) -> tuple[dict, int]:
+    """The state and data position of committed step `start`, after checking this config can continue it."""
+    where = ckpt.dir / str(start)
+    saved = ckpt.data_state(start)
+    target = saved_part(abstract_state(setup))
+    check_resumable(cfg, saved, ckpt.saved_shapes(start), checkpoint.array_shapes(target), str(where))
+    state = ckpt.restore(start, target)
+    if int(state["step"]) != start:
+        raise checkpoint.CheckpointError(f"{where} holds the state of step {int(state['step'])}, not {start}: it was "
+                                         f"copied or renamed; move it out of {ckpt.dir}")
+    return with_fresh_compute(setup, state), int(saved["position"])
+
+
 def train(cfg: TrainConfig, devices: list[jax.Device] | None = None) -> TrainResult:
-    """Run (or resume) training on `devices` (default: all)."""
+    """Run (or resume) training on `devices` (default: all).
+
+    run_dir/config.yaml is written once the state is initialized or restored, so a run that fails to start leaves
+    the previous config (and every checkpoint) as it was.
+    """
     logger = logging.getLogger("mx_jax")
     if not any(isinstance(h, _LogLines) for h in logger.handlers):
         logger.addHandler(_LogLines())
         logger.propagate = False
     mesh = sharding.make_mesh(cfg.mesh, devices)
-    check_batch(cfg, mesh)
+    check_against_mesh(cfg, mesh)
     dataset = open_dataset(cfg.data)
     if dataset.vocab_size > cfg.model.vocab_size:
         raise ConfigError(f"config key 'model.vocab_size': {cfg.model.vocab_size} is smaller than the data's "
                           f"vocabulary ({dataset.vocab_size})")
-    run_dir = pathlib.Path(cfg.run_dir)
+    run_dir = prepare_run_dir(cfg)
     ckpt = None
-    with jax.set_mesh(mesh):
-        setup = build(cfg, mesh)
-        ckpt = checkpoint.Checkpointer(run_dir, cfg.ckpt)
-        start = ckpt.resume_step()  # may raise before anything is written
-        if jax.process_index() == 0:
-            run_dir.mkdir(parents=True, exist_ok=True)
-            _write_atomic(run_dir / "config.yaml", to_yaml(cfg))
-        log(f"mx_jax | {jax.device_count()} x {jax.devices()[0].device_kind} ({jax.process_count()} process(es)) | "
-            f"mesh {dict(mesh.shape)} | jax {jax.__version__}")
-        log(f"mesh   | {sharding.describe(mesh)}")
-        log(f"data   | {dataset.description}")
-        n_params = sum(x.size for x in jax.tree.leaves(setup.abstract["params"]))
-        log(f"model  | {n_params / 1e6:,.1f} M parameters | quant recipe {cfg.quant.recipe} | remat {cfg.model.remat}")
-        for note in setup.notes:
-            log(f"quant  | {note}")
+    try:
+        with jax.set_mesh(mesh):
+            setup = build(cfg, mesh)
+            ckpt = checkpoint.Checkpointer(run_dir, cfg.ckpt)
+            start = ckpt.resume_step()  # may raise before anything is written
+            if start is not None and start > cfg.steps:
+                raise ConfigError(f"config key 'steps': {cfg.steps}, but {run_dir} already has a checkpoint at step "
+                                  f"{start}; raise steps to continue the run, or use a new run_dir")
+            log(f"mx_jax | {jax.device_count()} x {jax.devices()[0].device_kind} ({jax.process_count()} "
+                f"process(es)) | mesh {dict(mesh.shape)} | jax {jax.__version__}")
+            log(f"mesh   | {sharding.describe(mesh)}")
+            log(f"data   | {dataset.description}")
+            if cfg.data.source == "embedded" and cfg.data.path:
+                log(f"data   | note: data.path={cfg.data.path} is not read (data.source=embedded; set "
+                    f"data.source=bin)")
+            n_params = sum(x.size for x in jax.tree.leaves(setup.abstract["params"]))
+            log(f"model  | {n_params / 1e6:,.1f} M parameters | quant recipe {cfg.quant.recipe} | remat "
+                f"{cfg.model.remat}")
+            for note in setup.notes:
+                log(f"quant  | {note}")
 
-        train_batches = Batches(dataset.train, cfg.data.batch_size, cfg.seed)
-        if start is None:
-            state = init_state(setup)
-            step = 0
-            if cfg.init_from:
-                from mx_jax import hf  # needs safetensors, only for this path
-
-                state["params"] = hf.init_from(cfg.init_from, cfg.model, setup.param_shardings)
-                state = with_fresh_compute(setup, state)
-                log(f"init   | parameters from {cfg.init_from}")
-        else:
-            state, data_state = ckpt.restore(start, saved_part(abstract_state(setup)))
-            state = with_fresh_compute(setup, state)
-            train_batches.position = int(data_state["position"])
-            step = int(state["step"])
-            log(f"resume | from step {step} ({ckpt.dir / str(start)}), data position {train_batches.position}")
-        state, last = _loop(cfg, setup, state, step, dataset, train_batches, ckpt, run_dir)
+            train_batches = Batches(dataset.train, cfg.data.batch_size, cfg.seed)
+            if start is None:
+                state = init_state(setup)
+                step = 0
+                if cfg.init_from:
+                    state["params"] = _init_params(cfg, setup)
+                    state = with_fresh_compute(setup, state)
+                    log(f"init   | parameters from {cfg.init_from}")
+            else:
+                state, train_batches.position = _restore(cfg, setup, ckpt, start)
+                step = start
+                log(f"resume | from step {step} ({ckpt.dir / str(start)}), data position {train_batches.position}")
+            if jax.process_index() == 0:
+                _write_atomic(run_dir / "config.yaml", to_yaml(cfg))
+            if step == cfg.steps:
+                log(f"done   | step {step} is already committed in {ckpt.dir}: nothing to train")
+                return TrainResult(state, {})
+            state, last = _loop(cfg, setup, state, step, dataset, train_batches, ckpt, run_dir, resumed_at=start)
+    finally:
+        if ckpt is not None:
+            ckpt.close()  # waits for saves in flight: a committed step is never lost on the way out
+            for s, blocked, background in ckpt.finished_saves():
+                log(f"ckpt   | step {s} committed: blocked {1000 * blocked:.0f} ms, background "
+                    f"{1000 * background:.0f} ms")
     return TrainResult(state, last)
 
 
@@ -349,14 +465,14 @@ def _due(step: int, every: int, last: int) -> bool:
     return step == last or (every > 0 and step % every == 0)
 
 
-def _loop(cfg, setup, state, step, dataset, train_batches, ckpt, run_dir) -> tuple[dict, dict]:
+def _loop(cfg, setup, state, step, dataset, train_batches, ckpt, run_dir, resumed_at) -> tuple[dict, dict]:
     train_step = make_train_step(setup)
     eval_step = make_eval_step(setup)
     tokens_per_step = cfg.data.batch_size * cfg.data.seq_len
     peak, peak_src = metrics.device_peak_tflops(cfg.log.peak_tflops)
     log(f"mfu    | {peak_src}")
     rate = metrics.Throughput(tokens_per_step, flops_per_token(cfg.model, cfg.data.seq_len), jax.device_count(), peak)
-    writer = metrics.MetricsWriter(run_dir, cfg.log.tensorboard)
+    writer = metrics.MetricsWriter(run_dir, cfg.log.tensorboard, resumed_at=resumed_at)
     bar = None
     if cfg.log.progress and jax.process_index() == 0:
         from tqdm import tqdm
@@ -372,9 +488,13 @@ def _loop(cfg, setup, state, step, dataset, train_batches, ckpt, run_dir) -> tup
         nonlocal last, compiled_at
         m = {k: (float(v) if np.ndim(v) == 0 else [round(float(x), 5) for x in np.asarray(v)])
              for k, v in dev_metrics.items()}
-        if not math.isfinite(m["loss"]):
-            raise FloatingPointError(f"loss is {m['loss']} at step {step_no}: stopping (no checkpoint written "
-                                     f"for this step; the last committed one is {ckpt.latest_step()})")
+        # A finite loss and gradient at step n, from finite parameters, with a finite learning rate (validated),
+        # give finite parameters after it: checking these two scalars keeps non-finite weights out of checkpoints.
+        for k in ("loss", "grad_norm"):
+            if not math.isfinite(m[k]):
+                raise FloatingPointError(f"{k.replace('_', ' ')} is {m[k]} at step {step_no}: stopping (no "
+                                         f"checkpoint written for this step; the last committed one is "
+                                         f"{ckpt.latest_step()})")
         if compiled_at is None:
             compiled_at = time.perf_counter() - t_start
             log(f"step   | first step (compile included) took {compiled_at:.1f} s")
@@ -409,7 +529,7 @@ def _loop(cfg, setup, state, step, dataset, train_batches, ckpt, run_dir) -> tup
                 finish(*pending, with_eval=eval_now)  # `state` is this step's: never save an unchecked loss
                 pending = None
             if save_now:
-                blocked = ckpt.save(step, saved_part(state), {"position": train_batches.position, "seed": cfg.seed})
+                blocked = ckpt.save(step, saved_part(state), checkpoint_record(cfg, train_batches.position))
                 log(f"ckpt   | step {step}: save started, blocked the loop {1000 * blocked:.0f} ms")
             for s, blocked, background in ckpt.finished_saves():
                 log(f"ckpt   | step {s} committed: blocked {1000 * blocked:.0f} ms, background "
@@ -419,9 +539,6 @@ def _loop(cfg, setup, state, step, dataset, train_batches, ckpt, run_dir) -> tup
     finally:
         if bar is not None:
             bar.close()
-        ckpt.close()
-        for s, blocked, background in ckpt.finished_saves():
-            log(f"ckpt   | step {s} committed: blocked {1000 * blocked:.0f} ms, background {1000 * background:.0f} ms")
         writer.close()
     return state, last
 
@@ -464,7 +581,7 @@ def dry_run(cfg: TrainConfig, target: str) -> dict:
                                                                 for k in sharding.MESH_AXES}), devices)
     t0 = time.perf_counter()
     with jax.set_mesh(mesh):
-        check_batch(cfg, mesh)
+        check_against_mesh(cfg, mesh)
         setup = build(cfg, mesh)
         shape = (cfg.data.grad_accum_steps, cfg.data.batch_size // cfg.data.grad_accum_steps, cfg.data.seq_len)
         batch = {k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=s) for k, s in setup.batch_shardings.items()}
@@ -539,6 +656,9 @@ def main(argv: list[str] | None = None) -> int:
     except FloatingPointError as e:
         print(f"error: {e}", file=sys.stderr)
         return 3
+    except checkpoint.CheckpointError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 4
     return 0
 
 

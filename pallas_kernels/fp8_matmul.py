@@ -10,8 +10,9 @@ Rowwise scaling (one scale per row of `a`, one per row of `b_t`) is what TorchAO
 out of the sum and are applied once per output element in the epilogue: acc[i, j] * a_scale[i] * b_scale[j].
 
 Kernel (Mosaic-GPU, `plgpu.kernel`; after jax's hopper_matmul_mgpu.py, adapted to fp8):
-- 8-bit wgmma needs both operands K-major (JAX_NOTES): A's smem tile is (tile_m, tile_k) and B's is (tile_n, tile_k),
-  passed to wgmma as `b_smem.T` (a layout transform, no data movement). tile_k = 128 fp8 = 128 B rows -> 128 B swizzle.
+- 8-bit wgmma needs both operands K-major (benchmarks/JAX_NOTES.md): A's smem tile is (tile_m, tile_k) and B's is
+  (tile_n, tile_k), passed to wgmma as `b_smem.T` (a layout transform, no data movement). tile_k = 128 fp8 = 128 B
+  rows -> 128 B swizzle.
 - Warp specialization: one memory warpgroup issues the TMA loads of a `stages`-deep ring; two compute warpgroups
   split the CTA tile along M or N (`wg_split`) and each owns a (tile_m, tile_n) f32 accumulator.
 - Two rings (`ring`): jax's `emit_pipeline_warp_specialized` ("pipeline"), or a hand-rolled one ("static",

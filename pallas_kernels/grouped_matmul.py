@@ -26,8 +26,8 @@ so bf16 needs no copy of w; grad-weight dw = tgmm(x, dy).
 Kernels (Mosaic-GPU `plgpu.kernel`, persistent: one CTA per SM walks a list of output tiles):
 - Warp specialization as in jax's hopper_matmul_mgpu.py: a memory warpgroup streams (A, B) tiles through a
   `stages`-deep TMA ring; two compute warpgroups split the CTA tile along M or N (`wg_split`) and each owns a
-  (tile_m, tile_n) f32 wgmma accumulator. 8-bit wgmma needs both operands K-major (JAX_NOTES), so fp8 `gmm`
-  requires `transpose_rhs` and fp8 `tgmm` runs on a K-major copy of the tokens (below).
+  (tile_m, tile_n) f32 wgmma accumulator. 8-bit wgmma needs both operands K-major (benchmarks/JAX_NOTES.md), so
+  fp8 `gmm` requires `transpose_rhs` and fp8 `tgmm` runs on a K-major copy of the tokens (below).
 - `gmm`: the work list is the (row tile, column tile) pairs of the output. Row tiles are anchored at each
   group's first row, rounded down to the 8-row grid that TMA loads into the tiled SMEM operand need: group e owns
   ceil((start_e % 8 + size_e) / cta_tile_m) tiles at rows 8 floor(start_e / 8) + i * cta_tile_m, so only its last

@@ -6,7 +6,7 @@ transform into an index range and fails on a transpose ("'TransposeTransform' ob
 wgmma, "Unsupported transform: TransposeTransform" in a load); jax 0.11 handles both natively. `install()` wraps
 the two interpreter callbacks so that a trailing TransposeTransform is removed from the transform chain before the
 range is computed and applied to the value after it is read. The GPU lowering is untouched: this only runs on CPU,
-under interpret mode, from tests and the bench's `--interpret` smoke run. It is a no-op on jax >= 0.11.
+under interpret mode, from tests and the benches' `--cpu-smoke` runs. It is a no-op on jax >= 0.11.
 """
 
 from __future__ import annotations

@@ -67,8 +67,8 @@ Paths of the dispatcher `mx_matmul(..., impl=)`:
 - "xla": dequantize to bf16 (exact: e4m3/e5m2 times a power of two fits bf16's 8-bit significand) and an XLA bf16
   dot (cuBLAS, f32 accumulation). This is what public stacks do for MX on Hopper, which has no MX hardware:
   TorchAO's emulated MXFP8 dequantizes and runs a high-precision mm, XLA lowers `jax.nn.scaled_matmul` there to a
-  dequantized bf16 cuBLASLt GEMM (JAX_NOTES), Transformer Engine's MXFP8 recipe requires SM100+ (its JAX MXFP8
-  example asserts it). The best non-custom path.
+  dequantized bf16 cuBLASLt GEMM (benchmarks/JAX_NOTES.md), Transformer Engine's MXFP8 recipe requires SM100+ (its
+  JAX MXFP8 example asserts it). The best non-custom path.
 - "pallas": the Mosaic-GPU kernel above; NotImplementedError outside its cover, never falls back.
 - "blackwell": `jax.nn.scaled_matmul` (cuDNN's fused MX GEMM: float8_e8m0fnu scales, block 32, operands
   (B, M, K) / (B, N, K) with B = 1 here). UNTESTED ON HARDWARE: no Blackwell GPU was available; a CPU test checks

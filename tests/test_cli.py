@@ -43,3 +43,21 @@ def test_nan_loss_stops_and_names_the_step(tmp_path):
     assert "at step" in p.stderr and ("nan" in p.stderr.lower() or "inf" in p.stderr.lower())
     assert not (tmp_path / "checkpoints").exists() or not any(
         n.isdigit() for n in os.listdir(tmp_path / "checkpoints"))
+
+
+def test_metrics_jsonl_stays_json_and_drops_replayed_steps(tmp_path):
+    from mx_jax import metrics
+
+    w = metrics.MetricsWriter(tmp_path, tensorboard=False)
+    for step in (1, 2, 3):
+        w.write(step, {"loss": float("nan") if step == 3 else 1.0 / step, "mfu": None})
+    w.close()
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"step": 4, "loss": 0.')  # torn by a kill
+    strict = lambda x: (_ for _ in ()).throw(ValueError(x))  # noqa: E731 -- NaN / Infinity are not JSON
+    records = [json.loads(l, parse_constant=strict) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()[:3]]
+    assert records[2] == {"step": 3, "loss": None, "mfu": None}
+    w = metrics.MetricsWriter(tmp_path, tensorboard=False, resumed_at=2)  # the run resumes from step 2's checkpoint
+    w.write(3, {"loss": 0.3})
+    w.close()
+    assert [json.loads(l)["step"] for l in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]

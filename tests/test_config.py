@@ -41,10 +41,58 @@ def test_unknown_key_names_it_and_suggests(tmp_path):
     ("quant.recipe=fp4", "quant.recipe"),
     ("quant.expert_min_rows=-1", "quant.expert_min_rows"),
     ("quant.expert_min_rows=many", "quant.expert_min_rows"),
+    ("steps=4.5", "steps"),  # not truncated to 4
+    ("optim.lr_peak=inf", "optim.lr_peak"),  # would write non-finite weights
+    ("optim.b1=nan", "optim.b1"),
+    ("optim.eps=-1e-8", "optim.eps"),
+    ("optim.weight_decay=-0.1", "optim.weight_decay"),
+    ("optim.decay_steps=-5", "optim.decay_steps"),
+    ("model.init_std=-0.02", "model.init_std"),
+    ("model.norm_eps=-1e-5", "model.norm_eps"),
+    ("model.head_dim=-8", "model.head_dim"),
+    ("data.eval_batches=0", "data.eval_batches"),  # the eval loss would be the mean of nothing
+    ("model.moe.n_experts=-1", "model.moe.n_experts"),
+    ("log.peak_tflops=-1", "log.peak_tflops"),
 ])
 def test_bad_values_name_the_key(override, key):
     with pytest.raises(ConfigError, match=f"'{key}'"):
         load_config(None, [override])
+
+
+@pytest.mark.parametrize("override, key", [
+    ("model.moe.d_expert=-4", "model.moe.d_expert"),
+    ("model.moe.n_shared=-1", "model.moe.n_shared"),
+    ("model.moe.z_loss_coef=-1", "model.moe.z_loss_coef"),
+])
+def test_bad_moe_values_name_the_key(override, key):
+    with pytest.raises(ConfigError, match=f"'{key}'"):
+        load_config(None, ["model.moe.n_experts=4", override])
+
+
+def test_integral_floats_are_ints():
+    assert load_config(None, ["steps=1e3", "data.seq_len=64.0"]).steps == 1000
+
+
+def test_bad_files_name_the_problem(tmp_path):
+    f = tmp_path / "latin1.yaml"
+    f.write_bytes("steps: 5 # caf\xe9\n".encode("latin-1"))
+    with pytest.raises(ConfigError, match="latin1.yaml' is not UTF-8"):
+        load_config(str(f))
+    f = tmp_path / "dup.yaml"
+    f.write_text("optim:\n  lr_peak: 1.0e-3\nsteps: 5\noptim:\n  warmup_steps: 2\n")
+    with pytest.raises(ConfigError, match="dup.yaml.*duplicate key 'optim'"):
+        load_config(str(f))  # last-one-wins would silently drop lr_peak
+
+
+@pytest.mark.parametrize("overrides, key", [
+    (["mesh.expert=8", "mesh.fsdp=1", "model.moe.n_experts=4"], "'mesh.expert'"),  # 4 experts over 8 devices
+    (["mesh.expert=8", "mesh.fsdp=1", "model.moe.n_experts=8", "model.moe.gpus_per_node=3"],
+     "'model.moe.gpus_per_node'"),
+])
+def test_expert_layout_is_checked_against_the_mesh(tmp_path, capsys, overrides, key):
+    assert train.main([f"run_dir={tmp_path / 'run'}", *overrides]) == 2
+    assert key in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
 
 
 def test_bad_input_writes_nothing(tmp_path, capsys):

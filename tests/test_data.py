@@ -85,6 +85,78 @@ def test_shard_errors_name_the_problem(tmp_path):
         data.open_dataset(DataConfig(source="bin", path=str(tmp_path), seq_len=8))
 
 
+def _convert(tmp_path, n_docs=30):
+    src = tmp_path / "src"
+    src.mkdir(exist_ok=True)
+    rng = np.random.default_rng(0)
+    for i in range(n_docs):
+        (src / f"doc{i}.txt").write_bytes(bytes(rng.integers(32, 127, size=500, dtype=np.uint8)))
+    return data.convert([str(src)], str(tmp_path / "tok"), tokenizer="byte", shard_tokens=4000)
+
+
+def _open(path, seq_len=32):
+    return data.open_dataset(DataConfig(source="bin", path=str(path), seq_len=seq_len, batch_size=4))
+
+
+def test_convert_refuses_a_directory_with_shards(tmp_path):
+    _convert(tmp_path)
+    before = {f.name: f.read_bytes() for f in (tmp_path / "tok").iterdir()}
+    with pytest.raises(SystemExit, match="already holds token shards"):
+        _convert(tmp_path)  # would leave the old shards beside the new ones
+    assert {f.name: f.read_bytes() for f in (tmp_path / "tok").iterdir()} == before
+
+
+def test_stale_or_mistyped_shards_are_refused(tmp_path):
+    meta = _convert(tmp_path)
+    tok = tmp_path / "tok"
+    assert meta["max_token_id"] == 126
+    (tok / "train_00099.bin").write_bytes(np.arange(100, dtype=np.uint16).tobytes())  # left from another run
+    with pytest.raises(ConfigError, match=f"hold {meta['train_tokens'] + 100} uint16 tokens but meta.json says "
+                                          f"train_tokens={meta['train_tokens']}"):
+        _open(tok)
+    (tok / "train_00099.bin").unlink()
+    (tok / "meta.json").write_text(json.dumps({**meta, "dtype": "uint32"}))  # the files are uint16
+    with pytest.raises(ConfigError, match="train_tokens|not a multiple of uint32"):
+        _open(tok)
+    for f in tok.glob("*.bin"):  # even sizes: only the recorded count tells the widths apart
+        if f.stat().st_size % 4:
+            f.write_bytes(f.read_bytes()[:-2])
+    ok = {**meta, "train_tokens": sum(f.stat().st_size // 2 for f in tok.glob("train_*.bin"))}
+    (tok / "meta.json").write_text(json.dumps({**ok, "dtype": "uint32"}))
+    with pytest.raises(ConfigError, match="or a dtype that does not match the files"):
+        _open(tok)
+
+
+@pytest.mark.parametrize("meta_text, match", [
+    ("{\"dtype\": \"uint16\",", "meta.json is not valid JSON"),
+    ("[1, 2]", "meta.json must hold a JSON object"),
+    (json.dumps({"dtype": "uint16"}), "'vocab_size' must be a positive integer, got None"),
+    (json.dumps({"vocab_size": 256}), "'dtype' must be"),
+    (json.dumps({"dtype": "uint16", "vocab_size": 100_000}), "does not fit dtype uint16"),
+])
+def test_bad_meta_json_names_the_file(tmp_path, meta_text, match):
+    (tmp_path / "meta.json").write_text(meta_text)
+    (tmp_path / "train_00000.bin").write_bytes(np.arange(100, dtype=np.uint16).tobytes())
+    with pytest.raises(ConfigError, match=match):
+        _open(tmp_path, seq_len=8)
+
+
+def test_empty_shard_and_out_of_vocabulary_ids_name_the_file(tmp_path):
+    (tmp_path / "meta.json").write_text(json.dumps({"dtype": "uint16", "vocab_size": 50}))
+    (tmp_path / "val_00000.bin").write_bytes(np.arange(40, dtype=np.uint16).tobytes())
+    (tmp_path / "train_00000.bin").write_bytes(b"")
+    with pytest.raises(ConfigError, match="train_00000.bin is empty"):
+        _open(tmp_path, seq_len=8)
+    ids = np.arange(100, dtype=np.uint16) % 50
+    ids[37] = 50  # one id outside the vocabulary: the embedding lookup would read garbage, the loss turn nan
+    (tmp_path / "train_00000.bin").write_bytes(ids.tobytes())
+    ds = _open(tmp_path, seq_len=8)
+    ds.train.get(0)  # tokens 0..8 are fine
+    with pytest.raises(ConfigError, match=r"train_00000.bin: token id 50 at token 37 is not below the vocabulary "
+                                          r"size 50"):
+        ds.train.get(4)  # tokens 32..40
+
+
 def test_hf_tokenizer_json(tmp_path):
     pytest.importorskip("tokenizers")
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers

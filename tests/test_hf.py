@@ -239,6 +239,25 @@ def test_unsupported_configs_are_refused(change, match):
         hf.config_from_hf({**HF_CONFIG, **change})
 
 
+def test_model_type_missing_is_llama_only_if_architectures_agree():
+    c = {k: v for k, v in HF_CONFIG.items() if k != "model_type"}
+    assert hf.config_from_hf(c).d_model == 48
+    with pytest.raises(hf.HFFormatError, match=r"no model_type, and architectures is \['Qwen2ForCausalLM'\]"):
+        hf.config_from_hf({**c, "architectures": ["Qwen2ForCausalLM"]})
+
+
+@pytest.mark.parametrize("text, match", [("{\"vocab_size\": 96,", "config.json is not valid JSON"),
+                                         ("[1, 2]", "config.json must hold a JSON object, got list")])
+def test_bad_config_json_names_the_file(tmp_path, text, match):
+    (tmp_path / "config.json").write_text(text)
+    with pytest.raises(hf.HFFormatError, match=match):
+        hf.load_hf_llama(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps(HF_CONFIG))
+    (tmp_path / hf.INDEX_FILE).write_text("[]")
+    with pytest.raises(hf.HFFormatError, match="index.json must hold a JSON object"):
+        hf.load_hf_llama(tmp_path)
+
+
 def test_export_checks_params_and_existing_files(tmp_path):
     cfg = hf.config_from_hf(HF_CONFIG)
     params = jax.tree.map(lambda s: np.random.default_rng(0).standard_normal(s).astype(np.float32),
@@ -273,6 +292,9 @@ def test_cli_import_export_through_orbax(tmp_path):
     assert json.loads((tmp_path / "out" / "config.json").read_text()) == c  # hf_config.json carried the rest
     assert hf.main(["export", str(tmp_path / "ckpt"), str(tmp_path / "out")]) == 2  # exists, no --overwrite
     assert hf.main(["export", str(tmp_path / "ckpt"), str(tmp_path / "out"), "--step", "7"]) == 2
+    before = (tmp_path / "ckpt" / "config.yaml").read_text()
+    assert hf.main(["import", str(tmp_path / "src"), str(tmp_path / "ckpt")]) == 2  # a run dir is never overwritten
+    assert (tmp_path / "ckpt" / "config.yaml").read_text() == before
 
 
 def test_export_from_a_trainer_run(tmp_path):

@@ -74,9 +74,10 @@ def expected(recipe, x, w, g):
     """The recipe table rebuilt from the module docstring, without quant.RECIPE_TABLE: (y, grad_x, grad_w)."""
     q, mm = qz.quantize_reference, fm.fp8_matmul_reference
     x2, g2 = x.reshape(-1, x.shape[-1]), g.reshape(-1, g.shape[-1])
+    # High precision: bf16 operands, the GEMM writes `out` itself (f32 accumulation inside). Not an f32 product
+    # rounded afterwards: XLA:CPU's bf16-output dot may round differently (1 element in 32768 on some CPUs).
     hp = lambda a, b, dims, out: jax.lax.dot_general(
-        a.astype(jnp.bfloat16), b.astype(jnp.bfloat16), (dims, ((), ())), preferred_element_type=jnp.float32
-    ).astype(out)
+        a.astype(jnp.bfloat16), b.astype(jnp.bfloat16), (dims, ((), ())), preferred_element_type=out)
 
     def fp8(a, a_axis, a_dtype, a_scaling, b, b_axis, b_dtype, b_scaling, out, pow2):
         # Each operand scaled along its contraction axis and laid out K-major (contraction axis last).

@@ -108,4 +108,90 @@ def test_sigkill_during_async_save_resumes_from_last_commit(tmp_path):
     assert {"4", "6"} <= set(after)
     first_resumed = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     steps_logged = [r["step"] for r in first_resumed]
-    assert steps_logged.count(3) == 2  # step 3 ran before the kill and again after resuming from 2
+    # Step 3 ran before the kill and again after resuming from 2: metrics.jsonl keeps one record per step.
+    assert steps_logged == [1, 2, 3, 4, 5, 6], steps_logged
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# What a resume refuses, and what it leaves behind when it does
+
+
+def _snapshot(run_dir: pathlib.Path) -> dict:
+    """Every file under run_dir but metrics/TensorBoard, with its bytes."""
+    return {str(f.relative_to(run_dir)): f.read_bytes() for f in sorted(run_dir.rglob("*"))
+            if f.is_file() and f.parts[len(run_dir.parts)] not in ("tb", "metrics.jsonl")}
+
+
+def test_resume_refuses_a_different_run_and_touches_nothing(tmp_path, capsys):
+    base = [*TINY, f"run_dir={tmp_path}", "ckpt.every_steps=2"]
+    assert train.main([*base, "steps=2"]) == 0
+    before = _snapshot(tmp_path)
+    assert "config.yaml" in before and "checkpoints/2/data/metadata" in before
+    for override, named in [
+        ("model.d_model=128", "'model.d_model' is 64 there, 128 here"),
+        ("model.rope_theta=10000", "'model.rope_theta'"),  # same shapes, another function
+        ("seed=1", "'seed': the checkpoint at"),  # would change the data order
+        ("data.seq_len=16", "'data.seq_len'"),
+        ("steps=1", "'steps': 1, but"),  # below the committed step
+    ]:
+        assert train.main([*base, "steps=4", override]) == 2, override
+        assert named in capsys.readouterr().err, override
+        assert _snapshot(tmp_path) == before, override  # config.yaml and every checkpoint as they were
+    # The run is complete at steps=2: a rerun (a requeued job) trains nothing and succeeds.
+    assert train.main([*base, "steps=2"]) == 0
+    assert "nothing to train" in capsys.readouterr().out
+    # How the same function is computed may change: remat, scan, compute dtype.
+    assert train.main([*base, "steps=4", "model.remat=full", "model.scan_layers=false"]) == 0
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["2", "4"]
+
+
+def test_checkpoint_without_a_model_record_is_checked_by_shapes(tmp_path, capsys):
+    """Checkpoints written before the data item recorded the model: Orbax's array metadata still pins the shapes."""
+    base = [*TINY, f"run_dir={tmp_path}", "ckpt.every_steps=2"]
+    assert train.main([*base, "steps=2"]) == 0
+    item = tmp_path / "checkpoints" / "2" / "data" / "metadata"
+    item.write_text(json.dumps({"position": 32, "seed": 0}))
+    assert train.main([*base, "steps=4", "model.d_ff=96"]) == 2
+    err = capsys.readouterr().err
+    assert "does not fit this model's state" in err and "params.blocks.mlp.w_gate: (2, 64, 128) in the checkpoint, " \
+                                                         "(2, 64, 96) in this model" in err
+    assert train.main([*base, "steps=3"]) == 0  # the same model resumes
+
+
+def test_damaged_checkpoint_names_the_step_and_the_way_out(tmp_path, capsys):
+    base = [*TINY, f"run_dir={tmp_path}", "ckpt.every_steps=2", "ckpt.keep=5"]
+    assert train.main([*base, "steps=6"]) == 0
+    ck = tmp_path / "checkpoints"
+    (ck / "6" / "data" / "metadata").unlink()
+    (ck / "4" / "state" / "_METADATA").unlink()
+    for f in (ck / "2" / "state" / "ocdbt.process_0" / "d").iterdir():
+        f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])  # truncated array data
+    for step, what, hint in [("6", "the data item", "to resume from step 4"),
+                             ("4", "the array metadata", "to resume from step 2"),
+                             ("2", "the arrays", "no earlier checkpoint exists")]:
+        assert train.main([*base, "steps=8"]) == 4, step
+        err = capsys.readouterr().err
+        assert f"cannot read {what} of the checkpoint at {ck / step}" in err and hint in err, err
+        assert len(err) < 2000, err  # one message, not Orbax's traceback
+        (ck / step).rename(tmp_path / f"damaged-{step}")
+    # A step directory renamed to another number holds another step's state.
+    assert train.main([*base, "steps=2"]) == 0
+    (ck / "2").rename(ck / "3")
+    assert train.main([*base, "steps=4"]) == 4
+    assert "holds the state of step 2, not 3" in capsys.readouterr().err
+
+
+def test_unusable_run_dir_and_init_from_are_config_errors(tmp_path, capsys):
+    (tmp_path / "file").write_text("")
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "checkpoints").write_text("")
+    (tmp_path / "weights").mkdir()
+    (tmp_path / "weights" / "model.safetensors").write_bytes(b"")
+    for args, named in [([f"run_dir={tmp_path / 'file'}"], "'run_dir': "),
+                        ([f"run_dir={tmp_path / 'run'}"], "'run_dir': "),
+                        ([f"run_dir={tmp_path / 'new'}", f"init_from={tmp_path / 'missing'}"], "'init_from': "),
+                        ([f"run_dir={tmp_path / 'new'}", f"init_from={tmp_path / 'weights'}"], "no config.json")]:
+        assert train.main([*TINY, "steps=1", *args]) == 2, args
+        err = capsys.readouterr().err
+        assert named in err and "Traceback" not in err, err
+    assert not (tmp_path / "new" / "config.yaml").exists()  # nothing recorded for a run that never started
