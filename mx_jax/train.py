@@ -301,8 +301,9 @@ class TrainResult:
 
 
 # Keys of the data item each checkpoint stores with the iterator position: what decides the batch order. A resumed
-# run must match them, or it would silently see other data than an uninterrupted run.
-_DATA_KEYS = ("seed", "data.seq_len", "data.source", "data.path")
+# run must match them, or it would silently see other data than an uninterrupted run. data.path may move (a new
+# mount) as long as the data holds the same number of training windows (`train_windows`).
+_DATA_KEYS = ("seed", "data.seq_len", "data.source")
 # ModelConfig keys that may change across a resume: how the same function is computed, not which function.
 _MODEL_KEYS_FREE_ON_RESUME = frozenset({
     "remat", "scan_layers", "attention", "compute_dtype", "param_dtype", "moe.impl", "moe.all_to_all", "moe.dispatch",
@@ -319,24 +320,31 @@ def _flat(d: dict, prefix: str = "") -> dict:
     return out
 
 
-def _data_identity(cfg: TrainConfig) -> dict:
-    path = str(pathlib.Path(cfg.data.path).absolute()) if cfg.data.source == "bin" else ""
-    return {"seed": cfg.seed, "data.seq_len": cfg.data.seq_len, "data.source": cfg.data.source, "data.path": path}
+def _data_path(cfg: TrainConfig) -> str:
+    return str(pathlib.Path(cfg.data.path).absolute()) if cfg.data.source == "bin" else ""
 
 
-def checkpoint_record(cfg: TrainConfig, position: int) -> dict:
+def checkpoint_record(cfg: TrainConfig, position: int, train_windows: int) -> dict:
     """The JSON `data` item saved with each step: the iterator position and what a resume must agree with."""
-    return {"position": position, **_data_identity(cfg), "model": to_dict(cfg.model)}
+    return {"position": position, "seed": cfg.seed, "data.seq_len": cfg.data.seq_len, "data.source": cfg.data.source,
+            "data.path": _data_path(cfg), "train_windows": train_windows, "model": to_dict(cfg.model)}
 
 
-def check_resumable(cfg: TrainConfig, saved: dict, saved_shapes: dict, wanted_shapes: dict, where: str) -> None:
+def check_resumable(cfg: TrainConfig, saved: dict, train_windows: int, saved_shapes: dict, wanted_shapes: dict,
+                    where: str) -> None:
     """ConfigError naming the keys when this config cannot continue the checkpoint `saved` (its data item)."""
-    for key, mine in _data_identity(cfg).items():
-        if key in saved and saved[key] != mine:
-            raise ConfigError(
-                f"config key '{key}': the checkpoint at {where} was trained with {key}={saved[key]!r}, this run has "
-                f"{mine!r}; resuming with other {', '.join(_DATA_KEYS)} would change the data order. Keep them, or "
-                f"start a new run_dir (init_from={where} starts one from these weights)")
+    mine = checkpoint_record(cfg, 0, train_windows)
+    for key in (*_DATA_KEYS, "train_windows"):
+        if key in saved and saved[key] != mine[key]:
+            what = (f"config key '{key}': the checkpoint at {where} was trained with {key}={saved[key]!r}, this run "
+                    f"has {mine[key]!r}" if key != "train_windows" else
+                    f"config key 'data.path': the checkpoint at {where} was trained on data of {saved[key]} windows "
+                    f"of data.seq_len tokens ({saved.get('data.path') or 'the embedded corpus'}), this run's "
+                    f"({mine['data.path'] or 'the embedded corpus'}) has {mine[key]}")
+            raise ConfigError(f"{what}; resuming would change the data order. Keep {', '.join(_DATA_KEYS)} and the "
+                              f"data, or start a new run_dir (init_from={where} starts one from these weights)")
+    if saved.get("data.path", mine["data.path"]) != mine["data.path"]:
+        log(f"resume | data.path moved from {saved['data.path']} to {mine['data.path']} (same number of windows)")
     if "model" in saved:
         theirs, mine = _flat(saved["model"]), _flat(to_dict(cfg.model))
         diff = [k for k in mine if k not in _MODEL_KEYS_FREE_ON_RESUME and k in theirs and theirs[k] != mine[k]]
@@ -379,12 +387,13 @@ def _init_params(cfg: TrainConfig, setup: Setup) -> dict:
         raise ConfigError(f"config key 'init_from': {e}") from None
 
 
-def _restore(cfg: TrainConfig, setup: Setup, ckpt: checkpoint.Checkpointer, start: int) -> tuple[dict, int]:
+def _restore(cfg: TrainConfig, setup: Setup, ckpt: checkpoint.Checkpointer, start: int,
+             train_windows: int) -> tuple[dict, int]:
     """The state and data position of committed step `start`, after checking this config can continue it."""
     where = ckpt.dir / str(start)
     saved = ckpt.data_state(start)
     target = saved_part(abstract_state(setup))
-    check_resumable(cfg, saved, ckpt.saved_shapes(start), checkpoint.array_shapes(target), str(where))
+    check_resumable(cfg, saved, train_windows, ckpt.saved_shapes(start), checkpoint.array_shapes(target), str(where))
     state = ckpt.restore(start, target)
     if int(state["step"]) != start:
         raise checkpoint.CheckpointError(f"{where} holds the state of step {int(state['step'])}, not {start}: it was "
@@ -440,7 +449,7 @@ def train(cfg: TrainConfig, devices: list[jax.Device] | None = None) -> TrainRes
                     state = with_fresh_compute(setup, state)
                     log(f"init   | parameters from {cfg.init_from}")
             else:
-                state, train_batches.position = _restore(cfg, setup, ckpt, start)
+                state, train_batches.position = _restore(cfg, setup, ckpt, start, dataset.train.n)
                 step = start
                 log(f"resume | from step {step} ({ckpt.dir / str(start)}), data position {train_batches.position}")
             if jax.process_index() == 0:
@@ -529,7 +538,8 @@ def _loop(cfg, setup, state, step, dataset, train_batches, ckpt, run_dir, resume
                 finish(*pending, with_eval=eval_now)  # `state` is this step's: never save an unchecked loss
                 pending = None
             if save_now:
-                blocked = ckpt.save(step, saved_part(state), checkpoint_record(cfg, train_batches.position))
+                blocked = ckpt.save(step, saved_part(state),
+                                    checkpoint_record(cfg, train_batches.position, dataset.train.n))
                 log(f"ckpt   | step {step}: save started, blocked the loop {1000 * blocked:.0f} ms")
             for s, blocked, background in ckpt.finished_saves():
                 log(f"ckpt   | step {s} committed: blocked {1000 * blocked:.0f} ms, background "

@@ -195,3 +195,25 @@ def test_unusable_run_dir_and_init_from_are_config_errors(tmp_path, capsys):
         err = capsys.readouterr().err
         assert named in err and "Traceback" not in err, err
     assert not (tmp_path / "new" / "config.yaml").exists()  # nothing recorded for a run that never started
+
+
+def test_data_may_move_but_not_change(tmp_path, capsys):
+    import shutil
+
+    from mx_jax import data
+
+    src = tmp_path / "src"
+    src.mkdir()
+    rng = np.random.default_rng(0)
+    for i in range(40):
+        (src / f"doc{i}.txt").write_bytes(bytes(rng.integers(32, 127, size=400, dtype=np.uint8)))
+    data.convert([str(src)], str(tmp_path / "tok"), shard_tokens=5000)
+    run = [*TINY, f"run_dir={tmp_path / 'run'}", "ckpt.every_steps=2", "data.source=bin"]
+    assert train.main([*run, "steps=2", f"data.path={tmp_path / 'tok'}"]) == 0
+    shutil.copytree(tmp_path / "tok", tmp_path / "moved")  # the same data on a new mount
+    assert train.main([*run, "steps=3", f"data.path={tmp_path / 'moved'}"]) == 0
+    assert f"data.path moved from {tmp_path / 'tok'} to {tmp_path / 'moved'}" in capsys.readouterr().out
+    (src / "doc0.txt").write_bytes(bytes(rng.integers(32, 127, size=4000, dtype=np.uint8)))  # the data changed
+    data.convert([str(src)], str(tmp_path / "other"), shard_tokens=5000)
+    assert train.main([*run, "steps=4", f"data.path={tmp_path / 'other'}"]) == 2
+    assert "config key 'data.path': the checkpoint at" in capsys.readouterr().err
