@@ -13,7 +13,9 @@ For N tokens x (N,D), E routed experts of hidden width F, top-k:
 
 Balancing, each optional:
     aux loss   coef * E * sum_e f_e P_e,  f_e = share of the N k assignments that chose e, P_e = mean_n s[n,e]
-               (Switch Transformer eq. 4; Mixtral); f carries no gradient.
+               (Switch Transformer eq. 4; Mixtral); f carries no gradient and counts choices before any capacity
+               drop. It is 1 at perfect balance (Hugging Face's Mixtral loss is k there: its coefficient acts k
+               times stronger).
     bias       after each step b_e += rate * sign(mean load - load_e)  (DeepSeek-V3 auxiliary-loss-free balancing),
                applied by the train step outside the gradient; b is a RouterBias variable, not a parameter.
     z-loss     coef * mean_n logsumexp(logits_n)^2                       (ST-MoE eq. 5)
@@ -83,7 +85,8 @@ class MoE(nnx.Module):
         self.min_rows = min_rows  # quant.expert_min_rows: fewer rows per expert run the experts in bf16
 
     def __call__(self, x: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
-        """x (B,T,D) -> (y (B,T,D), stats). stats: aux_loss, z_loss (scalars), load (E,) assignment counts, dropped."""
+        """x (B,T,D) -> (y (B,T,D), stats). stats: aux_loss, z_loss (scalars), load (E,) the router's choices
+        per expert (before capacity drops), dropped."""
         weights = (self.router[...], self.bias[...], self.w_gate[...], self.w_up[...], self.w_down[...])
         mesh = jax.sharding.get_abstract_mesh()
         if mesh.empty:
@@ -119,7 +122,9 @@ class MoE(nnx.Module):
             return jax.lax.psum(v, axes) if axes else v
 
         n_global = psum(jnp.float32(n))
-        load = psum(jnp.sum(jax.nn.one_hot(idx, m.n_experts, dtype=jnp.float32) * keep[..., None], axis=(0, 1)))
+        # The router's choices before any capacity drop (Switch, GShard): an over-full expert must look over-full to
+        # the balancing loss and the bias update, not balanced by the drops.
+        load = psum(jnp.sum(jax.nn.one_hot(idx, m.n_experts, dtype=jnp.float32), axis=(0, 1)))
         f = jax.lax.stop_gradient(load) / (n_global * m.top_k)
         p_mean = psum(jnp.sum(s, axis=0)) / n_global
         aux = m.n_experts * jnp.sum(f * p_mean)

@@ -28,7 +28,8 @@ def schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:
 
 
 def decay_mask(params) -> dict:
-    """True for parameters that get weight decay: every >=2-D weight except the embedding table."""
+    """True for parameters that get weight decay: every >=2-D weight except the embedding table and the norm scales
+    (excluded by name: stacked per layer, a norm scale is 2-D or 3-D)."""
 
     def keep(path, x) -> bool:
         names = [getattr(p, "key", getattr(p, "name", None)) for p in path]

@@ -217,9 +217,12 @@ def make_train_step(setup: Setup):
 
             zeros = jax.tree.map(jnp.zeros_like, jax.eval_shape(one, batch["inputs"][0], batch["targets"][0]))
             (ce, stats, grads), _ = jax.lax.scan(micro, zeros, (batch["inputs"], batch["targets"]))
-            # Means over microbatches; the expert loads stay summed (counts).
+            # Means over microbatches; the counts (expert loads, dispatched rows) stay summed. The MoE balancing
+            # losses are built from per-microbatch averages, so with accumulation they (and capacity, when
+            # model.moe.capacity_factor > 0) are per microbatch: close to, not equal to, the whole-batch value.
             ce, grads = ce / accum, jax.tree.map(lambda g: g / accum, grads)
-            stats = {k: (v if k == "load" else v / accum) for k, v in stats.items()}
+            counts = ("load", "rows_cross_node", "rows_intra_node")
+            stats = {k: (v if k in counts else v / accum) for k, v in stats.items()}
         updates, opt_state = setup.optimizer.update(grads, state["opt_state"], params)
         new_params = optax.apply_updates(params, updates)
         new_state = {"step": state["step"] + 1, "params": new_params, "compute": compute_copies(cfg.model, new_params),

@@ -14,3 +14,17 @@ TINY = [
 
 def tiny_config(run_dir, *overrides: str) -> TrainConfig:
     return load_config(None, TINY + [f"run_dir={run_dir}", *overrides])
+
+
+def worst_line_rel(out, ref) -> float:
+    """The largest relative error of any row or column of a 2-D result (rows and columns with a nonzero reference):
+    a whole-matrix norm hides one wrong row of thousands, this does not."""
+    import numpy as np
+
+    out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
+    err = []
+    for axis in (1, 0):
+        norms = np.linalg.norm(ref, axis=axis)
+        live = norms > 0
+        err.append((np.linalg.norm(out - ref, axis=axis)[live] / norms[live]).max())
+    return float(max(err))

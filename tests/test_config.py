@@ -2,10 +2,11 @@
 
 import pathlib
 
+import jax
 import pytest
 import yaml
 
-from mx_jax import train
+from mx_jax import llama, train
 from mx_jax.config import ConfigError, load_config, to_yaml
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -114,8 +115,65 @@ def test_resolved_config_round_trips(tmp_path):
     assert yaml.safe_load(f.read_text())["model"]["rope_scaling"]["factor"] == 8.0
 
 
-@pytest.mark.parametrize("name", ["llama3_debug", "llama3_1b", "llama3_8b", "llama3_70b"])
+@pytest.mark.parametrize("name", ["llama3_debug", "llama3_1b", "llama3_8b", "llama3_70b", "llama3_140m", "moe_debug",
+                                  "mixtral_8x7b", "deepseek_moe_16b"])
 def test_shipped_configs_load(name):
     cfg = load_config(str(ROOT / f"configs/{name}.yaml"))
-    if name != "llama3_debug":
-        assert cfg.model.vocab_size == 128256 and cfg.model.rope_theta == 500000.0 and cfg.model.n_kv_heads == 8
+    m = cfg.model
+    if name in ("llama3_1b", "llama3_8b", "llama3_70b"):
+        assert m.vocab_size == 128256 and m.rope_theta == 500000.0 and m.n_kv_heads == 8
+    if name in ("llama3_debug", "llama3_140m", "moe_debug"):  # the embedded byte corpus
+        assert m.vocab_size == 256 and cfg.data.source == "embedded"
+    if name == "moe_debug":
+        assert (m.moe.n_experts, m.moe.top_k, m.moe.n_shared) == (8, 2, 1)
+    if name == "mixtral_8x7b":
+        assert (m.vocab_size, m.d_model, m.n_layers, m.n_heads, m.n_kv_heads) == (32000, 4096, 32, 32, 8)
+        assert (m.moe.n_experts, m.moe.top_k, m.moe.d_expert, m.moe.n_shared) == (8, 2, 14336, 0)
+    if name == "deepseek_moe_16b":
+        assert (m.vocab_size, m.d_model, m.n_layers, m.n_heads, m.n_kv_heads) == (102400, 2048, 28, 16, 16)
+        assert (m.moe.n_experts, m.moe.top_k, m.moe.d_expert, m.moe.n_shared) == (64, 6, 1408, 2)
+    first, groups, per_group = llama.layer_kinds(m)
+    assert first + groups * per_group == m.n_layers
+
+
+def _published_moe_count(vocab, d, n_layers, n_heads, n_kv_heads, d_head, d_dense, n_dense, n_experts, d_expert,
+                         n_shared):
+    """Parameters by hand: untied embedding and head, per layer q/k/v/o + 2 RMSNorm scales, then a SwiGLU MLP
+    (dense layers) or router + routed experts + shared experts (3 matrices each), and the final norm."""
+    attn = d * n_heads * d_head * 2 + d * n_kv_heads * d_head * 2 + 2 * d
+    dense = attn + 3 * d * d_dense
+    moe = attn + d * n_experts + 3 * d * d_expert * (n_experts + n_shared)
+    return 2 * vocab * d + n_dense * dense + (n_layers - n_dense) * moe + d
+
+
+@pytest.mark.parametrize("name, published, by_hand", [
+    # Mixtral-8x7B: 46.7 B total (Mistral AI; Jiang et al. 2024, "Mixtral of Experts").
+    ("mixtral_8x7b", 46.7e9, _published_moe_count(32000, 4096, 32, 32, 8, 128, 0, 0, 8, 14336, 0)),
+    # DeepSeekMoE-16B: 16.4 B total (Dai et al. 2024); first layer dense (d_ff 10944), then 64 routed + 2 shared.
+    ("deepseek_moe_16b", 16.4e9, _published_moe_count(102400, 2048, 28, 16, 16, 128, 10944, 1, 64, 1408, 2)),
+])
+def test_moe_parameter_counts_match_the_published_figures(name, published, by_hand):
+    from flax import nnx
+
+    cfg = load_config(str(ROOT / f"configs/{name}.yaml"))
+    abstract = nnx.eval_shape(lambda: llama.Llama(cfg.model, rngs=nnx.Rngs(0)))  # shapes only: nothing allocated
+    n = sum(x.size for x in jax.tree.leaves(llama.params_of(abstract)))
+    assert n == by_hand  # mixtral 46,702,792,704; deepseek 16,375,728,128 (16.38 B, 0.15% under 16.4 B)
+    assert abs(n - published) / published < 0.01
+    assert llama.param_count(cfg.model) == n
+
+
+def test_deepseek_moe_16b_first_layer_dense_then_moe():
+    from flax import nnx
+
+    cfg = load_config(str(ROOT / "configs/deepseek_moe_16b.yaml")).model
+    assert llama.layer_kinds(cfg) == (1, 27, 1)  # 1 dense layer first, then 27 MoE layers, one per group
+    params = llama.params_of(nnx.eval_shape(lambda: llama.Llama(cfg, rngs=nnx.Rngs(0))))
+    dense, moe = params["dense_blocks"], params["blocks"]
+    assert set(dense) == {"attn", "attn_norm", "mlp", "mlp_norm"} and dense["mlp"]["w_gate"].shape == (1, 2048, 10944)
+    assert set(moe) == {"attn", "attn_norm", "moe", "mlp_norm"}
+    assert moe["moe"]["w_gate"].shape == (27, 64, 2048, 1408) and moe["moe"]["router"].shape == (27, 2048, 64)
+    assert moe["moe"]["shared"]["w_gate"].shape == (27, 2048, 2 * 1408)
+    # Mixtral: every layer MoE, no dense blocks
+    mixtral = load_config(str(ROOT / "configs/mixtral_8x7b.yaml")).model
+    assert llama.layer_kinds(mixtral) == (0, 32, 1)

@@ -56,8 +56,10 @@ def test_each_shard_reads_only_its_rows(monkeypatch):
     monkeypatch.setattr(batches, "rows", spy)
     out = batches.next_global(_shardings(mesh), 2)  # 2 microbatches of 4 rows
     assert out["inputs"].shape == (2, 4, 16)
-    # fsdp=4 splits 4 rows into 1-row shards; context=2 splits 16 tokens into 8: no call reads a whole batch
+    # fsdp=4 splits 4 rows into 1-row shards; context=2 splits 16 tokens into 8: no call reads a whole batch, and
+    # each of the 2 microbatches x 4 row shards x 2 sequence halves is read once (the inputs and targets share it)
     assert all(r1 - r0 == 1 and t1 - t0 == 8 for r0, r1, t0, t1 in calls)
+    assert sorted(set(calls)) == [(r, r + 1, t, t + 8) for r in range(4) for t in (0, 8)] and len(calls) == 16
 
 
 def test_convert_and_read_token_shards(tmp_path):

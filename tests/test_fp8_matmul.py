@@ -13,6 +13,7 @@ from jax.sharding import AbstractDevice, AbstractMesh
 from mx_jax import compat
 from pallas_kernels import device
 from pallas_kernels import interpret_compat
+from tests.helpers import worst_line_rel
 
 fm = importlib.import_module("pallas_kernels.fp8_matmul")
 E4M3, E5M2 = jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2)
@@ -204,12 +205,11 @@ def test_gpu_pallas_matches_reference_and_xla(m, n, k, config):
     ref = fm.fp8_matmul_reference(a, b, sa, sb, out_dtype=jnp.float32)
     out = fm.fp8_matmul(a, b, sa, sb, impl="pallas", config=config)
     xla = fm.fp8_matmul(a, b, sa, sb, impl="xla")
-    rel = lambda x: float(jnp.linalg.norm(x.astype(jnp.float32) - ref) / jnp.linalg.norm(ref))
     # The kernel keeps the whole K in the wgmma accumulator, whose fp8 accumulation keeps ~14 mantissa bits on
     # Hopper (TorchAO's use_fast_accum=True numerics; DeepSeek-V3 §3.3.2), so the bound is looser than bf16
-    # rounding. A layout or scale bug gives errors of order 1.
-    assert rel(out) < 2e-2, (rel(out), rel(xla))
-    assert rel(xla) < 2e-2, (rel(out), rel(xla))
+    # rounding. A layout or scale bug gives errors of order 1 in the rows or columns it touches.
+    errs = (worst_line_rel(out, ref), worst_line_rel(xla, ref))
+    assert max(errs) < 2e-2, errs
 
 
 @pytest.mark.gpu
@@ -222,7 +222,7 @@ def test_gpu_static_ring_without_the_producer_warp(monkeypatch, m, n, k):
     a, b, sa, sb = operands(jax.random.key(5), m, n, k)
     ref = fm.fp8_matmul_reference(a, b, sa, sb, out_dtype=jnp.float32)
     out = jax.jit(lambda *x: fm.fp8_matmul_pallas.__wrapped__(*x, config=fm.AUTO_DEFAULT))(a, b, sa, sb)
-    assert float(jnp.linalg.norm(out.astype(jnp.float32) - ref) / jnp.linalg.norm(ref)) < 2e-2
+    assert worst_line_rel(out, ref) < 2e-2
 
 
 @pytest.mark.gpu
@@ -234,7 +234,7 @@ def test_gpu_dtypes_and_scales(a_dtype, b_dtype, scalar, out_dtype):
     for impl in ("pallas", "auto"):  # DEFAULT_CONFIG (jax's pipeline); AUTO_DEFAULT (the static ring), fit to out_dtype
         out = fm.fp8_matmul(a, b, sa, sb, out_dtype=out_dtype, impl=impl)
         assert out.dtype == out_dtype
-        assert float(jnp.linalg.norm(out.astype(jnp.float32) - ref) / jnp.linalg.norm(ref)) < 2e-2, impl
+        assert worst_line_rel(out, ref) < 2e-2, impl
 
 
 @pytest.mark.gpu

@@ -25,6 +25,10 @@ SIZES = (69, 0, 123, 37)  # empty expert, ragged groups, 27 padding rows
 # Relative L2 error of y, dx, dw against the f32 math: bf16 rounding of x and w (2^-9 relative each) gives ~3e-3;
 # e4m3 (2^-4 relative) gives ~4e-2 on these random inputs.
 REL_TOL = {"bf16": 1e-2, "fp8_rowwise": 8e-2}
+# ...and at least this much for fp8_rowwise, output by output, so that none of its three GEMMs (forward, grad-input,
+# grad-weight) can silently run in bf16. Measured (CPU, seeds 0-4, both group layouts): fp8 0.0374-0.0381 for each
+# of y, dx, dw; the same GEMM in bf16 0.0016-0.0029; e4m3 on one operand only 0.027.
+FP8_MIN_REL = 3e-2
 # Same operands, same scales, different GEMM: f32 accumulation order and one bf16 rounding of y / dx.
 SAME_OPERANDS_TOL = dict(rtol=1e-2, atol=1e-2)
 
@@ -56,30 +60,40 @@ def _rel(a, b) -> float:
     return float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
 
 
+def _check_against_f32_math(recipe, got, x, w, sizes, cot):
+    """got = (y, dx, dw) of `recipe`: each within REL_TOL of the f32 math, and for fp8 no closer than FP8_MIN_REL."""
+    y_ref = gm.gmm_reference(x.astype(jnp.float32), w, sizes, out_dtype=jnp.float32)
+    dx_ref, dw_ref = jax.grad(_reference_loss, argnums=(0, 1))(x.astype(jnp.float32), w, sizes, cot)
+    for name, out, want in zip(("y", "dx", "dw"), got, (y_ref, dx_ref, dw_ref)):
+        err = _rel(out, want)
+        assert err < REL_TOL[recipe], (name, err)
+        if recipe == "fp8_rowwise":
+            assert err > FP8_MIN_REL, (f"{name} is closer to the f32 math than e4m3 operands allow: not fp8?", err)
+
+
 @pytest.mark.parametrize("recipe", ["bf16", "fp8_rowwise"])
 def test_values_and_grads_match_f32_math(recipe):
     x, w, cot = _inputs(0)
     sizes = jnp.asarray(SIZES, jnp.int32)
     y, dx, dw = _value_and_grads(recipe, "xla", x, w, sizes, cot)
     assert (y.dtype, dx.dtype, dw.dtype) == (x.dtype, x.dtype, w.dtype)
-    y_ref = gm.gmm_reference(x.astype(jnp.float32), w, sizes, out_dtype=jnp.float32)
-    dx_ref, dw_ref = jax.grad(_reference_loss, argnums=(0, 1))(x.astype(jnp.float32), w, sizes, cot)
-    for name, got, want in (("y", y, y_ref), ("dx", dx, dx_ref), ("dw", dw, dw_ref)):
-        assert _rel(got, want) < REL_TOL[recipe], name
+    _check_against_f32_math(recipe, (y, dx, dw), x, w, sizes, cot)
     pad = sum(SIZES)
     assert not np.asarray(y[pad:], np.float32).any() and not np.asarray(dx[pad:], np.float32).any()
     assert not np.asarray(dw[1]).any(), "an expert without tokens gets a zero gradient"
 
 
 def test_fp8_recipe_xla_matches_reference_gemms():
-    """Same quantized operands through lax.ragged_dot and through the jnp reference GEMMs."""
+    """Same quantized operands through lax.ragged_dot and through the jnp reference GEMMs (both fp8: each output as
+    far from the f32 math as e4m3 operands put it)."""
     x, w, cot = _inputs(1)
     sizes = jnp.asarray(SIZES, jnp.int32)
-    for got, want in zip(
-        _value_and_grads("fp8_rowwise", "xla", x, w, sizes, cot),
-        _value_and_grads("fp8_rowwise", "reference", x, w, sizes, cot),
-    ):
+    got_all = _value_and_grads("fp8_rowwise", "xla", x, w, sizes, cot)
+    want_all = _value_and_grads("fp8_rowwise", "reference", x, w, sizes, cot)
+    for got, want in zip(got_all, want_all):
         np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), **SAME_OPERANDS_TOL)
+    _check_against_f32_math("fp8_rowwise", got_all, x, w, sizes, cot)
+    _check_against_f32_math("fp8_rowwise", want_all, x, w, sizes, cot)
 
 
 @pytest.mark.parametrize("impl", ["xla", "reference"])
@@ -122,6 +136,7 @@ def test_pallas_kernels_in_interpret_mode(recipe, align):
     want = _value_and_grads(recipe, "reference", x, w, sizes, cot)
     for g, r in zip(got, want):
         np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(r, np.float32), **SAME_OPERANDS_TOL)
+    _check_against_f32_math(recipe, got, x, w, sizes, cot)  # fp8: the kernels' GEMMs really ran on e4m3 operands
 
 
 def test_shard_map_with_experts_sharded():
@@ -130,7 +145,7 @@ def test_shard_map_with_experts_sharded():
     mesh = jax.sharding.Mesh(devices, ("expert",))
     e_local, m_local = 2, 64
     x, w, cot = _inputs(4, m=4 * m_local, e=4 * e_local)
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(4)
     sizes = jnp.asarray(
         np.concatenate([rng.multinomial(m_local - 5, np.full(e_local, 1 / e_local)) for _ in range(4)]), jnp.int32
     )  # per device: its experts' groups + 5 padding rows

@@ -9,6 +9,7 @@ GPU (`gpu` marker, MX_JAX_TEST_GPU=1 on an H100/H200): the default tiles at MoE 
 
 import dataclasses
 import functools
+import zlib
 
 import jax
 import jax.numpy as jnp
@@ -45,6 +46,11 @@ def _inputs(seed: int, *shapes, dtype=jnp.bfloat16):
     return [jax.random.normal(k, s, jnp.float32).astype(dtype) for k, s in zip(keys, shapes)]
 
 
+def _seed(*parts) -> int:
+    """A fixed seed per test case, from its name and parameters (crc32: the same in every process, unlike hash())."""
+    return zlib.crc32(repr(parts).encode())
+
+
 def _scales(seed: int, *shapes):
     keys = jax.random.split(jax.random.key(seed), len(shapes))
     return [jax.random.uniform(k, s, jnp.float32, 0.25, 2.0) for k, s in zip(keys, shapes)]
@@ -62,7 +68,7 @@ def test_row_tiles_cover_every_row_once(block):
     """Each row is stored by exactly one tile of its own segment; a segment of s rows starting at row r gets
     ceil((r % 8 + s) / block) tiles (anchored on the 8-row grid that TMA loads need), all inside [0, M). The used
     entries come first (the kernel walks only that prefix)."""
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(_seed("row_tiles", block))
     e, m = 6, 512
     for total in (*rng.integers(0, m + 1, size=5), m):
         sizes = rng.multinomial(int(total), rng.dirichlet(np.full(e, 0.3)))
@@ -105,7 +111,7 @@ def test_walk_visits_each_tile_once_in_even_bands():
 def test_group_col_amax_matches_segment_max(dtype):
     """Groups spanning many blocks, several tiny groups inside one block, empty groups, padding rows, and an M that
     is not a multiple of the block (the segment_max fallback)."""
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(_seed("group_col_amax", jnp.dtype(dtype).name))
     cases = [(384, (0, 300, 0, 84, 0)), (384, (3, 1, 2, 5, 0, 1, 250, 7, 1, 2)), (256, (0, 0, 0)),
              (384, (128, 128, 128)), (200, (17, 0, 150))]
     e = 6
@@ -120,7 +126,7 @@ def test_group_col_amax_matches_segment_max(dtype):
 
 
 def test_aligned_token_layout_round_trip():
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(_seed("aligned_token_layout"))
     sizes = _sizes([5, 0, 70, 1, 30])
     x = jnp.asarray(rng.standard_normal((128, 3)), jnp.float32)
     x_t, starts = gm.aligned_token_layout(x, sizes, 16)
@@ -140,7 +146,7 @@ def test_aligned_token_layout_round_trip():
 @pytest.mark.parametrize("transpose_rhs", [False, True])
 @pytest.mark.parametrize("fp8", [False, True])
 def test_gmm_xla(transpose_rhs, fp8):
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(_seed("gmm_xla", transpose_rhs, fp8))
     sizes = _sizes(rng.multinomial(M - 13, np.full(E, 1 / E)))  # random groups + 13 padding rows
     x, w = _inputs(1, (M, K), (E, N, K) if transpose_rhs else (E, K, N), dtype=F8 if fp8 else jnp.bfloat16)
     scales = dict(zip(("lhs_scale", "rhs_scale"), _scales(2, (M,), (E, N)))) if fp8 else {}

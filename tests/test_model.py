@@ -247,3 +247,51 @@ def test_weight_grad_dtype_follows_the_weight_and_is_summed_over_devices_in_f32(
     ref = (2 * x.astype(jnp.float32).T @ (x.astype(jnp.float32) @ w.astype(jnp.float32)))
     err = np.linalg.norm(np.asarray(g8, np.float32) - np.asarray(ref)) / np.linalg.norm(np.asarray(ref))
     assert err < 1e-2, err  # bf16 operands and a bf16 result: ~3 bf16 roundings
+
+
+def test_flops_per_token_llama3_8b_and_mfu(monkeypatch):
+    import pathlib
+    import types
+
+    from mx_jax import metrics
+    from mx_jax.config import load_config
+    from mx_jax.llama import flops_per_token
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    cfg = load_config(str(root / "configs/llama3_8b.yaml")).model
+    d, n_layers, h, g, k, f, v, t = 4096, 32, 32, 8, 128, 14336, 128256, 8192  # Llama 3.1 8B, by hand
+    assert (cfg.d_model, cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.d_head, cfg.d_ff, cfg.vocab_size) == (
+        d, n_layers, h, g, k, f, v)
+    per_layer = d * h * k + 2 * d * g * k + h * k * d + 3 * d * f  # q, k, v, o; gate, up, down
+    matmul = n_layers * per_layer + d * v  # + the head; the embedding is a lookup, not a matmul
+    assert matmul == 7_504_658_432
+    # the same number from the other side: all 8,030,261,248 parameters less the embedding and the norm scales
+    assert matmul == 8_030_261_248 - v * d - (2 * n_layers + 1) * d
+    # causal attention per layer and token: q.k and p.v are 2 T H K FLOPs each forward, halved by the mask, x3
+    attention = n_layers * 3 * (2 * t * h * k + 2 * t * h * k) // 2
+    want = 6 * matmul + attention
+    assert want == 51_470_401_536
+    assert flops_per_token(cfg, t) == want
+
+    # Throughput over a fake clock: 3 steps of 64 x 8192 tokens in 30 s on 8 devices.
+    clock = {"now": 100.0}
+    monkeypatch.setattr(metrics, "time", types.SimpleNamespace(perf_counter=lambda: clock["now"]))
+    tokens, peak = 64 * t, 989.4
+    rate = metrics.Throughput(tokens, want, n_devices=8, peak_tflops=peak)
+    for _ in range(3):
+        rate.step()
+    clock["now"] += 30.0
+    r = rate.report()
+    tps = 3 * 64 * 8192 / 30.0
+    tflops = want * tps / 8 / 1e12  # 51.47e9 FLOPs x 52,428.8 tok/s / 8 devices = 337.3 TFLOP/s per device
+    np.testing.assert_allclose(r["tokens_per_sec"], tps, rtol=1e-12)
+    np.testing.assert_allclose(r["step_time_s"], 10.0, rtol=1e-12)
+    np.testing.assert_allclose(r["tflops_per_device"], tflops, rtol=1e-12)
+    np.testing.assert_allclose(r["mfu"], r["tflops_per_device"] / peak, rtol=1e-12)
+    np.testing.assert_allclose(r["mfu"], 0.340930, atol=1e-6)  # 337.3 / 989.4 (H100 SXM dense bf16)
+    assert rate.report() == {}  # report() resets: no steps since
+    assert metrics.Throughput(tokens, want, 8, None).report() == {}  # no steps yet
+    unknown = metrics.Throughput(tokens, want, 8, None)
+    unknown.step()
+    clock["now"] += 1.0
+    assert unknown.report()["mfu"] is None  # no known peak (the CPU): no MFU

@@ -7,6 +7,7 @@ import subprocess
 
 import jax
 import numpy as np
+import pytest
 
 from mx_jax import sharding, train
 from mx_jax.config import MeshConfig
@@ -26,22 +27,26 @@ def _local(n_proc, devices_each, args, log_dir, timeout=300):
 
 
 def test_two_processes_match_one_and_share_checkpoints(tmp_path):
-    common = [*TINY, "mesh.data=2", "mesh.fsdp=4", "steps=3"]
+    # decay_steps pinned: the schedule must not depend on each leg's `steps`, so that the legs add up to one run
+    common = [*TINY, "optim.decay_steps=5", "mesh.data=2", "mesh.fsdp=4", "steps=3"]
     two = tmp_path / "two"
     p = _local(2, 4, [*common, f"run_dir={two}"], tmp_path / "logs")
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
     assert "data=2 (across processes), fsdp=4 (within a process)" in p.stdout  # HSDP layout
-    one = train.train(tiny_config(tmp_path / "one", "mesh.data=2", "mesh.fsdp=4", "steps=3"))
+    train.train(tiny_config(tmp_path / "one", "optim.decay_steps=5", "mesh.data=2", "mesh.fsdp=4", "steps=3"))
     np.testing.assert_allclose(_losses(two), _losses(tmp_path / "one"), rtol=1e-5)
     assert sorted(os.listdir(two / "checkpoints")) == ["3"]
     # The checkpoint both processes wrote resumes in two processes ...
-    p = _local(2, 4, [*common[:-1], "steps=5", f"run_dir={two}"], tmp_path / "logs2")
+    p = _local(2, 4, [*common[:-1], "steps=4", f"run_dir={two}"], tmp_path / "logs2")
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
     assert "resume | from step 3" in p.stdout
-    # ... and in one process with 8 devices, on another mesh.
-    resumed = train.train(tiny_config(two, "mesh.data=1", "mesh.fsdp=8", "steps=5"))
+    # ... and that one in one process with 8 devices, on another mesh; the run continues as an uninterrupted one.
+    resumed = train.train(tiny_config(two, "optim.decay_steps=5", "mesh.data=1", "mesh.fsdp=8", "steps=5"))
     assert int(resumed.state["step"]) == 5
-    assert one.metrics["loss"] > 0
+    straight = train.train(tiny_config(tmp_path / "one", "optim.decay_steps=5", "mesh.data=2", "mesh.fsdp=4", "steps=5"))
+    assert [json.loads(l)["step"] for l in (two / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4, 5]
+    np.testing.assert_allclose(_losses(two), _losses(tmp_path / "one"), rtol=1e-5)
+    assert resumed.metrics["loss"] == pytest.approx(straight.metrics["loss"], rel=1e-5)
 
 
 def test_hsdp_mesh_keeps_fsdp_inside_a_host():

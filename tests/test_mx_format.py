@@ -2,6 +2,7 @@
 own assumptions (ml_dtypes rounding, saturation) checked against hand-computed answers."""
 
 import functools
+import zlib
 
 import jax
 import jax.numpy as jnp
@@ -85,7 +86,7 @@ def special_blocks(rng, dtype):
 @pytest.mark.parametrize("elem_dtype", [E4M3, E5M2], ids=["e4m3", "e5m2"])
 @pytest.mark.parametrize("in_dtype", [BF16, F32, F16], ids=["bf16", "f32", "f16"])
 def test_random_blocks_bit_exact(mode, elem_dtype, in_dtype):
-    rng = np.random.default_rng(hash((mode, str(elem_dtype), str(in_dtype))) % 2**32)
+    rng = np.random.default_rng(zlib.crc32(f"{mode}/{elem_dtype}/{in_dtype}".encode()))  # stable across processes
     check_against_reference(random_blocks(rng, (48, 256), in_dtype), mode, elem_dtype)
 
 

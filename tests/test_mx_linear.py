@@ -11,6 +11,7 @@ import pytest
 
 from mx_jax import mx_format as mxf
 from mx_jax import mx_linear as mxl
+from pallas_kernels import device
 
 mxmm = importlib.import_module("pallas_kernels.mx_matmul")
 # e4m3 keeps 3 mantissa bits: each element is within 2^-4 relative of its input, ~2^-5.5 RMS. A product of two such
@@ -160,3 +161,6 @@ def test_gpu_auto_matches_xla_path(t, k, n):
         assert rel(got, want) < BF16_RTOL  # same MX operands; kernel vs cuBLAS accumulation order, bf16 outputs
     ref = jnp.dot(x.astype(jnp.float32), w.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
     assert rel(res["auto"][0], ref) < MXFP8_RTOL
+    if device.on_hopper():  # "auto" ran the Mosaic-GPU kernels, not the XLA path it is compared with
+        assert "mosaic_gpu" in value_and_grads("auto").lower(x, w, g).as_text()
+        assert "mosaic_gpu" not in value_and_grads("xla").lower(x, w, g).as_text()

@@ -2,6 +2,7 @@
 for the GPU from CPU, dispatchers; `gpu` tests at real shapes against the XLA path."""
 
 import functools
+import zlib
 
 import jax
 import jax.numpy as jnp
@@ -75,7 +76,7 @@ SHAPES = {"dim0": (128, 128), "dim1": (128, 128), "dim01": (128, 128)}
 @pytest.mark.parametrize("mode", mxf.MODES)
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_interpret_bit_exact(variant, mode, elem_dtype):
-    rng = np.random.default_rng(abs(hash((variant, mode, str(elem_dtype)))) % 2**32)
+    rng = np.random.default_rng(zlib.crc32(f"{variant}/{mode}/{elem_dtype}".encode()))  # stable across processes
     x = make_input(rng, SHAPES[variant])
     got = _interpreted(variant, mode, elem_dtype, SMALL)(jnp.asarray(x))
     assert_same_bits(got, reference(x, variant, mode, elem_dtype), f"{variant} {mode} {elem_dtype}")

@@ -1,11 +1,15 @@
 """The optimizer's own pieces: the per-layer global norm and the clipping built on it, against optax."""
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 
 from mx_jax import optim
+from mx_jax.config import OptimConfig
 
 
 def _tree(seed: int) -> dict:
@@ -32,3 +36,92 @@ def test_clip_by_global_norm_matches_optax_below_and_above_the_threshold():
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6)
     clipped, _ = optim.clip_by_global_norm(norm / 3).update(tree, optax.EmptyState())
     np.testing.assert_allclose(float(optax.tree.norm(clipped)), norm / 3, rtol=1e-5)
+
+
+def _tiny_params(*overrides: str) -> dict:
+    from flax import nnx
+
+    from mx_jax.config import load_config
+    from mx_jax.llama import Llama, params_of
+    from tests.helpers import TINY
+
+    cfg = load_config(None, TINY + list(overrides))
+    return jax.jit(lambda: params_of(Llama(cfg.model, rngs=nnx.Rngs(0))))()  # jitted: eager init is op by op
+
+
+# Module docstring of optim.py: decay on "matrices that multiply activations (attention, MLP, expert and head
+# weights)"; never on the embedding table or norm scales. The MoE router (x W_r, (D, E)) multiplies activations and
+# is neither an embedding nor a norm, so it is decayed (README: "weight_decay (not on norms/embeddings)").
+_DECAYED = {"wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "head", "router"}
+_NOT_DECAYED = {"embed", "scale"}
+
+
+@pytest.mark.parametrize("overrides", [
+    [],  # dense: blocks (L, ...)
+    ["model.moe.n_experts=4", "model.moe.n_shared=1", "model.moe.d_expert=32"],  # every layer MoE, shared experts
+    # a dense first layer and groups of (dense, MoE): norm scales stacked twice, (groups, n-1, D)
+    ["model.n_layers=3", "model.moe.n_experts=4", "model.moe.n_dense_first=1", "model.moe.every_n_layers=2"],
+], ids=["dense", "moe", "moe_dense_first_grouped"])
+def test_decay_mask_on_the_real_parameter_tree(overrides):
+    params = _tiny_params(*overrides)
+    mask = optim.decay_mask(params)
+    leaves = jax.tree_util.tree_leaves_with_path(params)
+    mask_leaves = jax.tree.leaves(mask)
+    assert len(mask_leaves) == len(leaves)
+    seen = set()
+    stacked_norm = False
+    for (path, p), m in zip(leaves, mask_leaves, strict=True):
+        name, where = path[-1].key, jax.tree_util.keystr(path)
+        assert name in _DECAYED | _NOT_DECAYED, where  # a parameter this test does not know about
+        assert bool(m) is (name in _DECAYED), (where, p.shape, m)
+        seen.add(name)
+        stacked_norm |= name == "scale" and p.ndim >= 2  # only the name keeps these out, not the rank
+    assert stacked_norm
+    want = {"embed", "scale", "head", "wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"}
+    if overrides:
+        want.add("router")
+        expert = params["blocks"]["moe"] if "moe" in params["blocks"] else params["blocks"]["moe_block"]["moe"]
+        assert expert["w_gate"].ndim == 4  # (layers or groups, E, D, F)
+    assert seen == want
+
+    # The optimizer applies it: with zero gradients AdamW's step is -lr * wd * p on decayed leaves only.
+    cfg = OptimConfig(lr_peak=0.5, warmup_steps=0, weight_decay=0.1)
+    opt = optim.make_optimizer(cfg, total_steps=10)
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    updates = jax.jit(lambda g, p: opt.update(g, opt.init(p), p)[0])(zeros, params)
+    for (path, p), u in zip(leaves, jax.tree.leaves(updates), strict=True):
+        want_u = -0.5 * 0.1 * np.asarray(p) if path[-1].key in _DECAYED else np.zeros(p.shape)
+        np.testing.assert_allclose(np.asarray(u), want_u, rtol=1e-6, atol=1e-12, err_msg=jax.tree_util.keystr(path))
+
+
+def _lr_formula(s: int, peak: float, warmup: int, decay: int, r: float) -> float:
+    """optim.py's module docstring, written out."""
+    if s < warmup:
+        return peak * (1 + (warmup - 1) * s / warmup) / warmup
+    p = min(max((s - warmup) / (decay - warmup), 0.0), 1.0)
+    return peak * (r + (1 - r) * (1 + math.cos(math.pi * p)) / 2)
+
+
+@pytest.mark.parametrize("warmup, decay_steps, total", [
+    (10, 100, 1000),  # explicit decay horizon, shorter than the run
+    (10, 0, 100),  # decay_steps=0: the run's steps
+    (0, 100, 100),  # no warmup: step 0 already at the peak, cosine from there
+    (1, 40, 100),
+])
+def test_schedule_matches_the_docstring_formula(warmup, decay_steps, total):
+    peak, r = 3e-3, 0.1
+    cfg = OptimConfig(lr_peak=peak, lr_final_ratio=r, warmup_steps=warmup, decay_steps=decay_steps)
+    decay = decay_steps or total
+    lr = optim.schedule(cfg, total)
+    steps = {0, max(warmup - 1, 0), warmup, warmup + 1, (warmup + decay) // 2, decay - 1, decay, decay + 7,
+             2 * decay}
+    for s in sorted(steps):
+        want = _lr_formula(s, peak, warmup, decay, r)
+        np.testing.assert_allclose(float(lr(s)), want, rtol=1e-6, err_msg=f"step {s}")
+    # landmarks, by hand
+    np.testing.assert_allclose(float(lr(0)), peak / warmup if warmup else peak, rtol=1e-6)
+    np.testing.assert_allclose(float(lr(warmup)), peak, rtol=1e-6)
+    if (decay - warmup) % 2 == 0:  # halfway through the cosine: cos(pi / 2) = 0
+        np.testing.assert_allclose(float(lr((warmup + decay) // 2)), peak * (r + (1 - r) / 2), rtol=1e-6)
+    np.testing.assert_allclose(float(lr(decay)), peak * r, rtol=1e-6)
+    np.testing.assert_allclose(float(lr(decay + 1000)), peak * r, rtol=1e-6)

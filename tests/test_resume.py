@@ -213,7 +213,8 @@ def test_data_may_move_but_not_change(tmp_path, capsys):
     shutil.copytree(tmp_path / "tok", tmp_path / "moved")  # the same data on a new mount
     assert train.main([*run, "steps=3", f"data.path={tmp_path / 'moved'}"]) == 0
     assert f"data.path moved from {tmp_path / 'tok'} to {tmp_path / 'moved'}" in capsys.readouterr().out
-    (src / "doc0.txt").write_bytes(bytes(rng.integers(32, 127, size=4000, dtype=np.uint8)))  # the data changed
+    for i in range(40):  # the data changed (every document, whichever split its path hash puts it in)
+        (src / f"doc{i}.txt").write_bytes(bytes(rng.integers(32, 127, size=800, dtype=np.uint8)))
     data.convert([str(src)], str(tmp_path / "other"), shard_tokens=5000)
     assert train.main([*run, "steps=4", f"data.path={tmp_path / 'other'}"]) == 2
     assert "config key 'data.path': the checkpoint at" in capsys.readouterr().err

@@ -1,6 +1,8 @@
-"""Changing the mesh never changes the math: a 2-layer model's loss after 3 steps is the same on every layout."""
+"""Changing the mesh never changes the math: a 2-layer model's loss after 3 steps is the same on every layout; nor does
+splitting the batch into microbatches (gradient accumulation)."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -38,3 +40,80 @@ def test_params_are_sharded_as_configured(tmp_path):
     assert wq.addressable_shards[0].data.shape == (2, 64 // 4, 4 * 16)
     mu = state["opt_state"][1][0].mu["blocks"]["attn"]["wq"]
     assert mu.sharding == wq.sharding
+
+
+def _step_with_accum(tmp_path, tokens: np.ndarray, extra: tuple[str, ...]) -> dict:
+    """One train step from the same initial state on the global batch `tokens` (B, T+1), for
+    data.grad_accum_steps 1 and 2 (microbatches of consecutive rows, Batches.next_global's layout).
+    Returns {accum: (new state, step metrics)} and, under "init" and "load", the initial params and, for a MoE
+    model, the whole batch's expert assignment counts per layer from one plain forward pass."""
+    from flax import nnx
+
+    from mx_jax import sharding
+
+    b, t = tokens.shape[0], tokens.shape[1] - 1
+    results, state = {}, None
+    for accum in (1, 2):
+        cfg = tiny_config(tmp_path / f"accum{accum}", "steps=4", "mesh.fsdp=1", f"data.grad_accum_steps={accum}",
+                          *extra)
+        mesh = sharding.make_mesh(cfg.mesh, jax.devices()[:1])  # one device: the layouts are covered above
+        with jax.set_mesh(mesh):
+            setup = train.build(cfg, mesh)
+            if state is None:  # the state does not depend on the accumulation: initialize once (compile time)
+                state = train.init_state(setup)
+                results["init"] = jax.tree.map(np.asarray, state["params"])
+                buffers = jax.tree.map(np.asarray, state["buffers"])
+                results["load"] = None
+                if cfg.model.moe.n_experts:
+                    model = nnx.merge(setup.graphdef, results["init"], buffers)
+                    results["load"] = np.asarray(jax.jit(lambda x: model(x)[1]["load"])(jnp.asarray(tokens[:, :-1])))
+            batch = {k: jax.device_put(v.reshape(accum, b // accum, t), setup.batch_shardings[k])
+                     for k, v in (("inputs", tokens[:, :-1]), ("targets", tokens[:, 1:]))}
+            fresh = jax.tree.map(jnp.copy, state)  # the step donates its input state
+            new, out = train.make_train_step(setup)(fresh, batch)
+        results[accum] = (jax.tree.map(np.asarray, new), {k: np.asarray(v) for k, v in out.items()})
+    return results
+
+
+@pytest.mark.parametrize("extra", [
+    (),
+    # MoE: aux_loss_coef=0 because the Switch aux loss (E sum_e f_e P_e) is a product of batch means, so its mean
+    # over microbatches is not the whole batch's; the z-loss is a mean over tokens and accumulates exactly.
+    ("model.moe.n_experts=4", "model.moe.top_k=2", "model.moe.d_expert=32", "model.moe.aux_loss_coef=0",
+     "model.moe.z_loss_coef=0.01", "model.moe.bias_update_rate=0.01"),
+], ids=["dense", "moe"])
+def test_grad_accumulation_equals_the_whole_batch(tmp_path, extra):
+    # AdamW's first step is ~ lr * sign(g) and clipping rescales g: neither would show a gradient that is off by a
+    # constant factor (summed instead of averaged). With eps=1 and no clipping the update is lr * g / (|g| + 1),
+    # about lr * g, so the parameter change follows the accumulated gradient itself (lr 1: the change stays far
+    # above the float32 rounding of the weights it is added to).
+    extra = (*extra, "optim.eps=1.0", "optim.grad_clip_norm=0", "optim.weight_decay=0", "optim.lr_peak=1.0",
+             "optim.warmup_steps=0")
+    tokens = np.random.default_rng(0).integers(0, 256, (16, 33)).astype(np.int32)
+    r = _step_with_accum(tmp_path, tokens, extra)
+    (new1, out1), (new2, out2), init, load1 = r[1], r[2], r["init"], r["load"]
+    np.testing.assert_allclose(out2["loss"], out1["loss"], rtol=1e-6)
+    assert 5.0 < out1["loss"] < 6.0  # ~ ln 256 at init: a real cross-entropy, not a sum over microbatches
+    np.testing.assert_allclose(out2["grad_norm"], out1["grad_norm"], rtol=1e-5)
+    assert out1["grad_norm"] > 0
+    flat1 = jax.tree_util.tree_leaves_with_path(new1["params"])
+    for (path, p1), p2, p0 in zip(flat1, jax.tree.leaves(new2["params"]), jax.tree.leaves(init), strict=True):
+        where = jax.tree_util.keystr(path)
+        d1, d2 = p1 - p0, p2 - p0  # the updates, compared on their own scale, not the weights'
+        assert np.abs(d1).max() > 0, where
+        np.testing.assert_allclose(d2, d1, rtol=1e-4, atol=1e-4 * np.abs(d1).max(), err_msg=where)
+        np.testing.assert_allclose(p2, p1, rtol=1e-5, atol=1e-8, err_msg=where)
+    if load1 is None:
+        return
+    # Expert loads: summed over the microbatches, they are the whole batch's counts. The step exposes them as the
+    # per-layer share (averaged over layers) and through the router-bias update; both must equal the whole batch's.
+    n_layers, top_k, n_tokens = 2, 2, 16 * 32
+    assert load1.shape == (n_layers, 4) and np.all(load1.sum(-1) == n_tokens * top_k)
+    want_share = np.mean(load1 / (n_tokens * top_k), axis=0)
+    np.testing.assert_allclose(out1["expert_load"], want_share, rtol=1e-6)
+    np.testing.assert_allclose(out2["expert_load"], want_share, rtol=1e-6)
+    np.testing.assert_allclose(out2["moe_z_loss"], out1["moe_z_loss"], rtol=1e-5)
+    want_bias = 0.01 * np.sign(load1.mean(-1, keepdims=True) - load1)  # DeepSeek-V3 update from zero bias
+    assert np.any(want_bias != 0)
+    np.testing.assert_allclose(new1["buffers"]["blocks"]["moe"]["bias"], want_bias, rtol=1e-6)
+    np.testing.assert_allclose(new2["buffers"]["blocks"]["moe"]["bias"], want_bias, rtol=1e-6)
