@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import json
 import math
 import pathlib
 import typing
@@ -279,6 +280,17 @@ def _dotted_to_nested(overrides: list[str]) -> list[dict]:
             cur = cur.setdefault(p, {})
         cur[parts[-1]] = value
         out.append(nested)
+    return out
+
+
+def read_json_object(path: pathlib.Path, error: type[Exception] = ConfigError) -> dict:
+    """The JSON object in file `path`; anything else (bad JSON, not UTF-8, a list) raises `error` naming the file."""
+    try:
+        out = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise error(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(out, dict):
+        raise error(f"{path} must hold a JSON object, got {type(out).__name__}")
     return out
 
 

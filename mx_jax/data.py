@@ -37,7 +37,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
-from mx_jax.config import ConfigError, DataConfig
+from mx_jax.config import ConfigError, DataConfig, read_json_object
 
 SEPARATOR = 0  # NUL byte between documents of the embedded corpus
 _EXCLUDED_PARTS = {"test", "tests", "site-packages", "dist-packages", "idle_test"}
@@ -79,12 +79,7 @@ def read_meta(d: pathlib.Path) -> dict:
     if not meta_file.is_file():
         raise ConfigError(f"config key 'data.path': {meta_file} not found (write shards with "
                           f"`python -m mx_jax.data convert`)")
-    try:
-        meta = json.loads(meta_file.read_text())
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ConfigError(f"{meta_file} is not valid JSON: {e}") from None
-    if not isinstance(meta, dict):
-        raise ConfigError(f"{meta_file} must hold a JSON object, got {type(meta).__name__}")
+    meta = read_json_object(meta_file)
     if meta.get("dtype") not in ("uint16", "uint32"):
         raise ConfigError(f"{meta_file}: 'dtype' must be \"uint16\" or \"uint32\", got {meta.get('dtype')!r}")
     vocab = meta.get("vocab_size")

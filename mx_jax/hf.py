@@ -64,7 +64,7 @@ import jax
 import numpy as np
 import yaml
 
-from mx_jax.config import ConfigError, ModelConfig, RopeScaling, load_config, to_dict
+from mx_jax.config import ConfigError, ModelConfig, RopeScaling, load_config, read_json_object, to_dict
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -324,13 +324,7 @@ def _weight_files(path: pathlib.Path) -> dict[str, pathlib.Path]:
 
 def read_json(p: pathlib.Path) -> dict:
     """A JSON object from file p, or HFFormatError naming the file."""
-    try:
-        out = json.loads(p.read_text())
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise HFFormatError(f"{p} is not valid JSON: {e}") from None
-    if not isinstance(out, dict):
-        raise HFFormatError(f"{p} must hold a JSON object, got {type(out).__name__}")
-    return out
+    return read_json_object(p, HFFormatError)
 
 
 def read_hf_config(path: str | pathlib.Path) -> dict:
