@@ -7,7 +7,7 @@
 # --cpu-devices K gives each process K fake CPU devices (testing multi-host logic on one machine); without it each
 # process sees the machine's accelerators (use CUDA_VISIBLE_DEVICES per process yourself to split GPUs).
 # Process 0's output goes to the terminal, process i's to $MX_JAX_LOG_DIR/proc<i>.log (default: a fresh
-# /tmp/mx_jax_local.XXXX directory, printed at start). Any failure stops all.
+# /tmp/mx_jax_local.XXXX directory, named on failure). Any failure stops all.
 set -euo pipefail
 if [[ $# -lt 1 || ! "$1" =~ ^[0-9]+$ ]]; then
   echo "usage: $0 N [--cpu-devices K] --config configs/X.yaml [key=value ...]" >&2
