@@ -460,6 +460,8 @@ def train(cfg: TrainConfig, devices: list[jax.Device] | None = None) -> TrainRes
             if step == cfg.steps:
                 log(f"done   | step {step} is already committed in {ckpt.dir}: nothing to train")
                 return TrainResult(state, {})
+            if cfg.ckpt.every_steps >= 0:
+                ckpt.warm_up_async(saved_part(abstract_state(setup)))  # while the first step compiles
             state, last = _loop(cfg, setup, state, step, dataset, train_batches, ckpt, run_dir, resumed_at=start)
     finally:
         if ckpt is not None:
@@ -543,7 +545,9 @@ def _loop(cfg, setup, state, step, dataset, train_batches, ckpt, run_dir, resume
             if save_now:
                 blocked = ckpt.save(step, saved_part(state),
                                     checkpoint_record(cfg, train_batches.position, dataset.train.n))
-                log(f"ckpt   | step {step}: save started, blocked the loop {1000 * blocked:.0f} ms")
+                waited = (f" ({1000 * ckpt.waited_s:.0f} ms of it waiting for the previous save to be written: saves "
+                          f"are due faster than they are written)" if ckpt.waited_s > 0.05 else "")
+                log(f"ckpt   | step {step}: save started, blocked the loop {1000 * blocked:.0f} ms{waited}")
             for s, blocked, background in ckpt.finished_saves():
                 log(f"ckpt   | step {s} committed: blocked {1000 * blocked:.0f} ms, background "
                     f"{1000 * background:.0f} ms")
