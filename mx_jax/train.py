@@ -363,15 +363,14 @@ def check_resumable(cfg: TrainConfig, saved: dict, train_windows: int, saved_sha
 
 
 def prepare_run_dir(cfg: TrainConfig) -> pathlib.Path:
-    """Create run_dir (process 0) and check it is a writable directory, before anything is computed or written."""
+    """Create run_dir and check it is a writable directory, before anything is computed or written. Every process
+    checks (run_dir is on storage all hosts see), so a bad run_dir stops all of them, not only process 0."""
     run_dir = pathlib.Path(cfg.run_dir)
-    if jax.process_index() != 0:
-        return run_dir
     if run_dir.exists() and not run_dir.is_dir():
         raise ConfigError(f"config key 'run_dir': {run_dir} exists and is not a directory")
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
-        probe = run_dir / f".write-test-{os.getpid()}"
+        probe = run_dir / f".write-test-{jax.process_index()}-{os.getpid()}"
         probe.write_text("")
         probe.unlink()
     except OSError as e:
