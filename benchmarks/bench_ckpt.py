@@ -10,8 +10,8 @@ Paths:
   pytree_pinned   PyTreeCheckpointHandler(enable_pinned_host_transfer=True)
   pytree_pageable PyTreeCheckpointHandler(enable_pinned_host_transfer=False)
 and, for reference, the raw transfers: `jax.device_get` of the whole tree, and a device-side copy of it.
---warm first runs mx_jax.checkpoint.warm_up on the state (timed): run it in a fresh process to see what the first save
-costs after it.
+--warm first allocates, all at once, pinned host buffers the size of the state and frees them (timed; the allocator
+keeps the memory): run it in a fresh process to see what the first save costs after it.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import orbax.checkpoint as ocp
 
 
@@ -31,6 +32,19 @@ def make_state(gb: float, n: int) -> dict:
     state = {f"w{i:03d}": jax.random.normal(k, (per,), jnp.float32) for i, k in enumerate(keys)}
     jax.block_until_ready(state)
     return state
+
+
+def warm_pinned(tree: dict) -> None:
+    """Pinned host zeros shaped like `tree`'s shards, allocated together, then dropped."""
+
+    def zeros(x):
+        return jax.make_array_from_callback(
+            x.shape, x.sharding.with_memory_kind("pinned_host"),
+            lambda idx: np.zeros([len(range(*s.indices(n))) for s, n in zip(idx, x.shape)], x.dtype))
+
+    buffers = [zeros(x) for x in jax.tree.leaves(tree)]
+    jax.block_until_ready(buffers)
+    del buffers
 
 
 def handler(path: str):
@@ -70,10 +84,8 @@ def main() -> None:
     print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}, orbax {ocp.__version__}: {args.arrays} float32 "
           f"arrays, {args.gb:.1f} GB", flush=True)
     if args.warm:
-        from mx_jax.checkpoint import warm_up
-
         t0 = time.perf_counter()
-        warm_up(state)
+        warm_pinned(state)
         print(f"warm-up (pinned host buffers allocated and freed): {time.perf_counter() - t0:.2f} s", flush=True)
     rows = []
     for path in args.paths.split(","):

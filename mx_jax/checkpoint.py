@@ -19,20 +19,19 @@ Timing: the blocking phase is timed around `save()`; the background phase (write
 Orbax reports for its save thread through `jax.monitoring` (same event name in orbax 0.12.4 to 0.12.8). Orbax
 finishes one save before it starts the next, so a save due before the previous one is written waits for it: that
 wait is reported apart. On a GPU the copy to host goes through pinned host memory at ~40 GB/s (0.17 s for 7.2 GB on
-an H100 host); allocating that memory is what made a process's first save block 4-7 s, so `warm_up` allocates it
-while the first step compiles (benchmarks/RESULTS.md, "Checkpoint pauses").
+an H100 host), except in a process's first save, which also allocates that memory (4-7 s for 7.2 GB). Allocating it
+ahead was tried and dropped: during the compile it slowed the compile as much, after it the first steps
+(benchmarks/RESULTS.md, "Checkpoint pauses").
 """
 
 from __future__ import annotations
 
-import logging
 import pathlib
 import threading
 import time
 from typing import Any
 
 import jax
-import numpy as np
 import orbax.checkpoint as ocp
 
 from mx_jax.config import CkptConfig, ConfigError
@@ -55,33 +54,6 @@ def _install_listener() -> None:
 
     jax.monitoring.register_event_duration_secs_listener(listener)
     _listener_installed = True
-
-
-def warm_up(tree: Any) -> None:
-    """Allocate, all at once, pinned host buffers for this process's shards of `tree` (arrays or ShapeDtypeStructs
-    with shardings), and free them.
-
-    On a GPU, Orbax stages a save's device-to-host copy in pinned host memory, and the first save of a process pays
-    for allocating and page-locking it: 4-7 s for 7.2 GB on an H100 host, against 0.17 s for every later save
-    (benchmarks/bench_ckpt.py). The allocator keeps what it was given, so paying this while the first train step
-    compiles takes that cost off the loop. Touches no device array (nothing the train step donates). A no-op off
-    the GPU, where Orbax does not use pinned memory.
-    """
-    leaves = [x for x in jax.tree.leaves(tree) if getattr(x, "sharding", None) is not None]
-    if not leaves:
-        return
-    device = next(iter(leaves[0].sharding.device_set))
-    if device.platform != "gpu" or not any(m.kind == "pinned_host" for m in device.addressable_memories()):
-        return
-
-    def zeros(x):
-        sharding = x.sharding.with_memory_kind("pinned_host")
-        return jax.make_array_from_callback(
-            x.shape, sharding, lambda idx: np.zeros([len(range(*s.indices(n))) for s, n in zip(idx, x.shape)], x.dtype))
-
-    buffers = [zeros(x) for x in leaves]
-    jax.block_until_ready(buffers)
-    del buffers
 
 
 class CheckpointError(RuntimeError):
@@ -125,7 +97,6 @@ class Checkpointer:
             self.dir, options=options, item_names=("state", "data"),
             item_handlers={"state": ocp.StandardCheckpointHandler(), "data": ocp.JsonCheckpointHandler()})
         self._closed = False
-        self._warm: threading.Thread | None = None
         self.waited_s = 0.0  # of the last save(): waiting for the previous save's background write
         self._pending: list[tuple[int, float]] = []  # (step, blocking seconds) of saves not yet reported
 
@@ -157,28 +128,12 @@ class Checkpointer:
                 f"would overwrite them. Move them away or copy step {step} into a new run_dir")
         return step
 
-    def warm_up_async(self, abstract_state: Any) -> None:
-        """Run `warm_up` on a background thread (e.g. during the first step's compile); the first save joins it."""
-
-        def run():
-            try:
-                warm_up(abstract_state)
-            except Exception as e:  # noqa: BLE001 -- an optimization: never fail the run for it
-                logging.getLogger("mx_jax").warning(f"checkpoint warm-up skipped: {type(e).__name__}: {e}")
-
-        self._warm = threading.Thread(target=run, name="mx_jax-ckpt-warm-up", daemon=True)
-        self._warm.start()
-
     def save(self, step: int, state: Any, data_state: dict) -> float:
         """Start an async save; returns the seconds the caller was blocked (`waited_s` of them waiting for the
         previous save's background write, which Orbax finishes before it starts another)."""
         t0 = time.perf_counter()
-        if self._warm is not None:
-            self._warm.join()
-            self._warm = None
-        t1 = time.perf_counter()
         self.manager.wait_until_finished()
-        self.waited_s = time.perf_counter() - t1
+        self.waited_s = time.perf_counter() - t0
         started = self.manager.save(step, args=ocp.args.Composite(
             state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state)))
         if not started:  # Orbax skips a step it already has, or one below its latest: never silently

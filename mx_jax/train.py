@@ -459,8 +459,6 @@ def train(cfg: TrainConfig, devices: list[jax.Device] | None = None) -> TrainRes
             if step == cfg.steps:
                 log(f"done   | step {step} is already committed in {ckpt.dir}: nothing to train")
                 return TrainResult(state, {})
-            if cfg.ckpt.every_steps >= 0:
-                ckpt.warm_up_async(saved_part(abstract_state(setup)))  # while the first step compiles
             state, last = _loop(cfg, setup, state, step, dataset, train_batches, ckpt, run_dir, resumed_at=start)
     finally:
         if ckpt is not None:
