@@ -305,7 +305,7 @@ def _weight_files(path: pathlib.Path) -> dict[str, pathlib.Path]:
     st = _safetensors()
     index = path / INDEX_FILE
     if index.is_file():
-        weight_map = read_json(index).get("weight_map")
+        weight_map = read_json_object(index, HFFormatError).get("weight_map")
         if not isinstance(weight_map, dict):
             raise HFFormatError(f"{index}: not a safetensors index (needs a 'weight_map' object)")
         files = {k: path / v for k, v in weight_map.items()}
@@ -322,16 +322,11 @@ def _weight_files(path: pathlib.Path) -> dict[str, pathlib.Path]:
                         "checkpoints are read")
 
 
-def read_json(p: pathlib.Path) -> dict:
-    """A JSON object from file p, or HFFormatError naming the file."""
-    return read_json_object(p, HFFormatError)
-
-
 def read_hf_config(path: str | pathlib.Path) -> dict:
     p = pathlib.Path(path) / "config.json"
     if not p.is_file():
         raise HFFormatError(f"{p} does not exist: an HF checkpoint directory has config.json and safetensors")
-    return read_json(p)
+    return read_json_object(p, HFFormatError)
 
 
 def load_hf_llama(path: str | pathlib.Path, cfg: ModelConfig | None = None) -> tuple[dict, ModelConfig]:
@@ -625,7 +620,7 @@ def main(argv: list[str] | None = None) -> int:
             hf_base = pathlib.Path(args.hf_config) if args.hf_config else run_dir / "hf_config.json"
             if args.hf_config and not hf_base.is_file():
                 raise FileNotFoundError(f"--hf-config {hf_base} does not exist")
-            base = read_json(hf_base) if hf_base.is_file() else None
+            base = read_json_object(hf_base, HFFormatError) if hf_base.is_file() else None
             params = load_params(ckpt, cfg, step=args.step, dtype=args.dtype)
             files = export_hf_llama(params, cfg, args.hf_dir, dtype=args.dtype,
                                     max_shard_bytes=int(args.max_shard_bytes), hf_config=base,

@@ -349,12 +349,12 @@ def check_resumable(cfg: TrainConfig, saved: dict, train_windows: int, saved_sha
     if saved.get("data.path", mine["data.path"]) != mine["data.path"]:
         log(f"resume | data.path moved from {saved['data.path']} to {mine['data.path']} (same number of windows)")
     if "model" in saved:
-        theirs, mine = _flat(saved["model"]), _flat(to_dict(cfg.model))
-        diff = [k for k in mine if k not in _MODEL_KEYS_FREE_ON_RESUME and k in theirs and theirs[k] != mine[k]]
+        theirs, ours = _flat(saved["model"]), _flat(mine["model"])
+        diff = [k for k in ours if k not in _MODEL_KEYS_FREE_ON_RESUME and k in theirs and theirs[k] != ours[k]]
         if diff:
             raise ConfigError(
                 "the checkpoint at {} is a different model: {}".format(
-                    where, "; ".join(f"config key 'model.{k}' is {theirs[k]!r} there, {mine[k]!r} here" for k in diff)))
+                    where, "; ".join(f"config key 'model.{k}' is {theirs[k]!r} there, {ours[k]!r} here" for k in diff)))
     bad = checkpoint.shape_mismatches(saved_shapes, wanted_shapes)
     if bad:
         raise ConfigError(f"the checkpoint at {where} does not fit this model's state ({len(bad)} array(s) differ: "
