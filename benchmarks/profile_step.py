@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import glob
 import math
 import os
 import re
@@ -29,26 +28,9 @@ import time
 import jax
 
 from mx_jax import sharding, train
+from mx_jax.profiling import category, device_time, latest_trace, summarize as summary_lines
 from mx_jax.config import load_config
 from mx_jax.data import Batches, open_dataset
-
-CATEGORIES = (
-    ("attention", ("cudnn", "fmha", "flash", "attention")),
-    ("gemm", ("gemm", "cublas", "matmul", "dot", "wgmma", "mosaic", "custom-call")),
-    ("collective", ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "nccl", "collective")),
-    ("copy/transpose", ("copy", "transpose", "memcpy", "memset", "dynamic-update-slice", "dynamic-slice")),
-    ("scatter/gather", ("scatter", "gather")),
-    ("fusion", ("fusion", "loop_", "input_", "reduce")),
-)
-
-
-def category(name: str) -> str:
-    low = name.lower()
-    for cat, keys in CATEGORIES:
-        if any(k in low for k in keys):
-            return cat
-    return "other"
-
 
 _SHAPE = r"([a-z0-9]+)\[([0-9,]*)\]"
 
@@ -240,39 +222,12 @@ def idle_report(data, n_steps: int) -> None:
 
 def summarize(trace_dir: str, n_steps: int, top: int, hlo_text: str = "", dump: str = "",
               replay: bool = False) -> None:
-    from jax.profiler import ProfileData
-
-    paths = glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True)
-    data = ProfileData.from_file(sorted(paths)[-1])
-    per_op: collections.Counter = collections.Counter()
-    counts: collections.Counter = collections.Counter()
-    n_dev = 0
-    for plane in data.planes:
-        if not plane.name.startswith("/device:"):
-            continue
-        n_dev += 1
-        lines = {line.name: line for line in plane.lines}
-        # "XLA Ops" carries HLO op names; fall back to the raw kernel streams
-        chosen = [lines["XLA Ops"]] if "XLA Ops" in lines else [l for n, l in lines.items() if "Stream" in n]
-        for line in chosen:
-            for ev in line.events:
-                per_op[ev.name] += ev.duration_ns / 1e6
-                counts[ev.name] += 1
+    data = latest_trace(trace_dir)
+    per_op, counts, n_dev = device_time(data)
+    print("\n" + "\n".join(summary_lines(data, n_steps, top)))
     if not n_dev:
-        print("no device plane in the trace (CPU run): nothing to summarize")
         return
     n_steps *= n_dev  # report per step and per device
-    total = sum(per_op.values())
-    by_cat: collections.Counter = collections.Counter()
-    for name, ms in per_op.items():
-        by_cat[category(name)] += ms
-    print(f"\ndevice time per step and device: {total / n_steps:.1f} ms (sum over ops, {n_steps // n_dev} steps "
-          f"traced on {n_dev} device(s))")
-    for cat, ms in by_cat.most_common():
-        print(f"  {cat:<16}{ms / n_steps:9.2f} ms  {100 * ms / total:5.1f}%")
-    print(f"\ntop {top} ops (ms per step, calls per step):")
-    for name, ms in per_op.most_common(top):
-        print(f"  {ms / n_steps:8.2f}  {counts[name] // n_steps:4d}x  {category(name):<14} {name[:110]}")
     idle_report(data, n_steps)
     if dump:
         import csv

@@ -90,6 +90,8 @@ for s in "$@"; do
     moe_recipes) section moe_recipes 300 env CUDA_VISIBLE_DEVICES=0 $PY benchmarks/bench_train.py --steps 20 --base "$MOE data.batch_size=1 mesh.expert=1" --variant bf16: --variant fp8_rowwise:quant.recipe=fp8_rowwise ;;
     moe_ep_recipes) section moe_ep_recipes 300 $PY benchmarks/bench_train.py --steps 20 --base "$MOE data.batch_size=$(nvidia-smi -L | wc -l) mesh.expert=$(nvidia-smi -L | wc -l)" --variant bf16: --variant fp8_rowwise:quant.recipe=fp8_rowwise ;;
     moe_ep) section moe_ep 200 $PY benchmarks/profile_step.py --steps 3 --top 15 $MOE data.batch_size="$(nvidia-smi -L | wc -l)" mesh.expert="$(nvidia-smi -L | wc -l)" ;;
+    train_profile) section train_profile 300 $PY -m mx_jax.train $DENSE8B steps=13 quant.recipe=fp8_rowwise log.profile_steps=3 log.profile_from=10 ckpt.every_steps=-1 log.eval_every_steps=-1 log.progress=false log.tensorboard=false run_dir=/tmp/mx_jax_profile_run ;;
+    sigterm) section sigterm 420 bash benchmarks/sigterm_check.sh 20 $DENSE8B quant.recipe=fp8_rowwise ckpt.every_steps=0 log.eval_every_steps=-1 log.every_steps=5 log.progress=false log.tensorboard=false run_dir=/tmp/mx_jax_sigterm_run ;;
     loss_curves) section loss_curves 420 bash benchmarks/loss_curves.sh "$LOGS" ;;
     *) echo "unknown section $s" ;;
   esac

@@ -7,7 +7,10 @@
 # --cpu-devices K gives each process K fake CPU devices (testing multi-host logic on one machine); without it each
 # process sees the machine's accelerators (use CUDA_VISIBLE_DEVICES per process yourself to split GPUs).
 # Process 0's output goes to the terminal, process i's to $MX_JAX_LOG_DIR/proc<i>.log (default: a fresh
-# /tmp/mx_jax_local.XXXX directory, named on failure). Any failure stops all.
+# /tmp/mx_jax_local.XXXX directory, named on failure). Any failure stops all (SIGKILL: after
+# jax.distributed.initialize a process takes SIGTERM as a preemption notice, not as an order to die). SIGTERM or
+# Ctrl-C to this script is passed on as SIGTERM: every process saves the same step and exits 143 (mx_jax/preemption.py).
+# The exit code is the first failing process's (143 after a preemption stop), 0 if all succeeded.
 set -euo pipefail
 if [[ $# -lt 1 || ! "$1" =~ ^[0-9]+$ ]]; then
   echo "usage: $0 N [--cpu-devices K] --config configs/X.yaml [key=value ...]" >&2
@@ -20,8 +23,8 @@ port=${MX_JAX_PORT:-$(python3 -c 'import socket; s=socket.socket(); s.bind(("127
 logdir=${MX_JAX_LOG_DIR:-$(mktemp -d /tmp/mx_jax_local.XXXX)}
 mkdir -p "$logdir"
 pids=()
-cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; }
-trap cleanup INT TERM
+stop_all() { for p in "${pids[@]}"; do kill "-$1" "$p" 2>/dev/null || true; done; }
+trap 'stop_all TERM' INT TERM
 for ((i = 0; i < n; i++)); do
   env=(MX_JAX_COORDINATOR="127.0.0.1:$port" MX_JAX_NUM_PROCESSES="$n" MX_JAX_PROCESS_ID="$i")
   if [[ -n "$cpu_devices" ]]; then env+=(MX_JAX_CPU_DEVICES="$cpu_devices" JAX_PLATFORMS=cpu); fi
@@ -34,7 +37,16 @@ for ((i = 0; i < n; i++)); do
 done
 status=0
 for p in "${pids[@]}"; do
-  if ! wait "$p"; then status=1; cleanup; fi
+  while :; do
+    rc=0; wait "$p" || rc=$?
+    # a trap interrupts `wait` (status > 128) while the process still runs: wait again for its own status
+    if [[ $rc -gt 128 ]] && kill -0 "$p" 2>/dev/null; then continue; fi
+    break
+  done
+  if [[ $rc -ne 0 && $status -eq 0 ]]; then
+    status=$rc
+    [[ $rc -eq 143 ]] || stop_all KILL  # a preemption stop ends every process by itself
+  fi
 done
-[[ $status -eq 0 ]] || echo "a process failed; logs of processes 1..$((n - 1)) in $logdir" >&2
+[[ $status -eq 0 || $status -eq 143 ]] || echo "a process failed; logs of processes 1..$((n - 1)) in $logdir" >&2
 exit $status

@@ -150,6 +150,8 @@ class LogConfig:
     peak_tflops: float = 0.0  # per device, for MFU; 0 = known value for the device kind (none on CPU)
     tensorboard: bool = True
     progress: bool = True
+    profile_steps: int = 0  # > 0: trace this many steps with jax.profiler into run_dir/profile (mx_jax/profiling.py)
+    profile_from: int = 10  # the first traced step (step 1 compiles)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -406,6 +408,8 @@ def validate(cfg: TrainConfig) -> None:
     _check(lg.eval_every_steps >= -1, "log.eval_every_steps", f"must be >= -1, got {lg.eval_every_steps}")
     _check(lg.peak_tflops >= 0, "log.peak_tflops", f"must be >= 0 (0 = known value for the device), got "
            f"{lg.peak_tflops}")
+    _check(lg.profile_steps >= 0, "log.profile_steps", f"must be >= 0 (0 = no trace), got {lg.profile_steps}")
+    _check(lg.profile_from >= 1, "log.profile_from", f"must be >= 1 (a step number), got {lg.profile_from}")
     for k in ("data", "fsdp", "expert", "context"):
         v = getattr(cfg.mesh, k)
         _check(v == -1 or v >= 1, f"mesh.{k}", f"must be -1 or >= 1, got {v}")

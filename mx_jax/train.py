@@ -33,7 +33,7 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from mx_jax import checkpoint, compat, metrics, sharding
+from mx_jax import checkpoint, compat, metrics, preemption, profiling, sharding
 from mx_jax.config import ConfigError, TrainConfig, load_config, to_dict, to_yaml
 from mx_jax.data import Batches, Dataset, open_dataset
 from mx_jax.llama import (Llama, buffers_of, compute_copies, cross_entropy, flops_per_token, moe_loss, param_axes,
@@ -301,6 +301,7 @@ def _fmt_log(step: int, m: dict) -> str:
 class TrainResult:
     state: dict  # the final train state (sharded device arrays)
     metrics: dict  # the last logged metrics
+    preempted: bool = False  # stopped by SIGTERM before `steps` (that step is committed unless ckpt.every_steps=-1)
 
 
 # Keys of the data item each checkpoint stores with the iterator position: what decides the batch order. A resumed
@@ -459,14 +460,56 @@ def train(cfg: TrainConfig, devices: list[jax.Device] | None = None) -> TrainRes
             if step == cfg.steps:
                 log(f"done   | step {step} is already committed in {ckpt.dir}: nothing to train")
                 return TrainResult(state, {})
-            state, last = _loop(cfg, setup, state, step, dataset, train_batches, ckpt, run_dir, resumed_at=start)
+            with preemption.PreemptionWatch() as watch:
+                if watch.note:
+                    log(f"note   | SIGTERM stops the run without a final checkpoint: {watch.note}")
+                state, last, stopped_at = _loop(cfg, setup, state, step, dataset, train_batches, ckpt, run_dir,
+                                                resumed_at=start, watch=watch)
     finally:
         if ckpt is not None:
             ckpt.close()  # waits for saves in flight: a committed step is never lost on the way out
             for s, blocked, background in ckpt.finished_saves():
                 log(f"ckpt   | step {s} committed: blocked {1000 * blocked:.0f} ms, background "
                     f"{1000 * background:.0f} ms")
-    return TrainResult(state, last)
+    if stopped_at is not None:
+        where = (f"step {stopped_at} is committed in {ckpt.dir}: run the same command again to resume"
+                 if ckpt.latest_step() == stopped_at else f"no checkpoint of step {stopped_at} (ckpt.every_steps="
+                 f"{cfg.ckpt.every_steps}); the last committed step is {ckpt.latest_step()}")
+        log(f"stop   | SIGTERM: stopped after step {stopped_at} of {cfg.steps}; {where}")
+    return TrainResult(state, last, preempted=stopped_at is not None)
+
+
+class _Trace:
+    """jax.profiler trace of steps log.profile_from .. + log.profile_steps - 1 into run_dir/profile/process_<i>,
+    and the per-category summary of process 0's trace in the log (mx_jax/profiling.py)."""
+
+    def __init__(self, cfg: TrainConfig, run_dir: pathlib.Path, step: int):
+        self.first, self.n = cfg.log.profile_from, cfg.log.profile_steps
+        self.dir = run_dir / "profile" / f"process_{jax.process_index()}"
+        self.active = False
+        if self.n and step >= self.first:
+            log(f"note   | log.profile_from={self.first}: the run starts after step {step}, nothing is traced")
+
+    def maybe_start(self, step: int, state) -> None:
+        if self.n and step == self.first:
+            jax.block_until_ready(state)  # the trace holds these steps alone
+            jax.profiler.start_trace(str(self.dir))
+            self.active = True
+
+    def maybe_stop(self, step: int, outputs, last: bool) -> None:
+        if not self.active or (step < self.first + self.n - 1 and not last):
+            return
+        jax.block_until_ready(outputs)
+        self.close()
+        log(f"trace  | steps {self.first}-{step} traced into {self.dir} (TensorBoard's profile plugin, XProf or "
+            f"Perfetto)")
+        for line in profiling.summarize(profiling.latest_trace(self.dir), step - self.first + 1, top=8):
+            log(f"trace  | {line}")
+
+    def close(self) -> None:
+        if self.active:
+            self.active = False
+            jax.profiler.stop_trace()
 
 
 def _due(step: int, every: int, last: int) -> bool:
@@ -476,7 +519,10 @@ def _due(step: int, every: int, last: int) -> bool:
     return step == last or (every > 0 and step % every == 0)
 
 
-def _loop(cfg, setup, state, step, dataset, train_batches, ckpt, run_dir, resumed_at) -> tuple[dict, dict]:
+def _loop(cfg, setup, state, step, dataset, train_batches, ckpt, run_dir, resumed_at,
+          watch: preemption.PreemptionWatch) -> tuple[dict, dict, int | None]:
+    """Train from `step` to cfg.steps; returns the state, the last logged metrics, and the step a SIGTERM stopped
+    the run after (None if it ran to the end)."""
     train_step = make_train_step(setup)
     eval_step = make_eval_step(setup)
     tokens_per_step = cfg.data.batch_size * cfg.data.seq_len
@@ -493,6 +539,8 @@ def _loop(cfg, setup, state, step, dataset, train_batches, ckpt, run_dir, resume
     pending = None  # (step number, device metrics) of the step dispatched last
     t_start = time.perf_counter()
     compiled_at = None
+    stopped_at = None
+    trace = _Trace(cfg, run_dir, step)
 
     def finish(step_no: int, dev_metrics, with_eval: bool = False) -> None:
         """Read one step's metrics (blocks until it is done); log, and evaluate the *current* params if asked."""
@@ -528,14 +576,17 @@ def _loop(cfg, setup, state, step, dataset, train_batches, ckpt, run_dir, resume
 
     try:
         while step < cfg.steps:
+            trace.maybe_start(step + 1, state)
             batch = train_batches.next_global(setup.batch_shardings, cfg.data.grad_accum_steps)
             state, dev_metrics = train_step(state, batch)
             step += 1
             if pending is not None:
                 finish(*pending)  # the previous step: the device is already busy with this one
             pending = (step, dev_metrics)
+            # Every process asks at every step (the multi-process agreement needs it), before any save of the step.
+            preempted = watch.reached(step) and step < cfg.steps
             eval_now = _due(step, cfg.log.eval_every_steps, cfg.steps)
-            save_now = _due(step, cfg.ckpt.every_steps, cfg.steps)
+            save_now = _due(step, cfg.ckpt.every_steps, cfg.steps) or (preempted and cfg.ckpt.every_steps >= 0)
             if eval_now or save_now:
                 finish(*pending, with_eval=eval_now)  # `state` is this step's: never save an unchecked loss
                 pending = None
@@ -548,13 +599,18 @@ def _loop(cfg, setup, state, step, dataset, train_batches, ckpt, run_dir, resume
             for s, blocked, background in ckpt.finished_saves():
                 log(f"ckpt   | step {s} committed: blocked {1000 * blocked:.0f} ms, background "
                     f"{1000 * background:.0f} ms")
+            trace.maybe_stop(step, (state, dev_metrics), last=preempted or step == cfg.steps)
+            if preempted:
+                stopped_at = step
+                break
         if pending is not None:
             finish(*pending)
     finally:
+        trace.close()
         if bar is not None:
             bar.close()
         writer.close()
-    return state, last
+    return state, last, stopped_at
 
 
 def dry_run_devices(cfg: TrainConfig) -> int:
@@ -663,7 +719,8 @@ def main(argv: list[str] | None = None) -> int:
             dry_run(cfg, prepare_dry_run_backend(dry_run_devices(cfg)))
             return 0
         init_distributed()
-        train(cfg)
+        if train(cfg).preempted:
+            return preemption.EXIT_CODE
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -64,3 +64,9 @@ def test_checkpoint_restores_on_another_mesh(tmp_path):
             np.testing.assert_array_equal(a, np.asarray(b))
         wq = restored.state["params"]["blocks"]["attn"]["wq"]
         assert len(wq.sharding.device_set) == (8 if devices is None else 1)
+
+
+def test_local_launcher_returns_the_processes_exit_code(tmp_path):
+    p = _local(2, 4, [*TINY, "model.d_model=-1", f"run_dir={tmp_path}"], tmp_path / "logs", timeout=120)
+    assert p.returncode == 2, p.stderr[-2000:]  # the config error's code, not a generic failure
+    assert "config key 'model.d_model'" in p.stderr

@@ -190,3 +190,27 @@ def test_bench_train_reports_a_run_that_logged_no_step(tmp_path, monkeypatch):
     monkeypatch.setattr(bench_train.subprocess, "run", fake_run)
     row = bench_train.run_variant("v", [], "", steps=2, log_every=5, out_dir=tmp_path)
     assert "--steps 2" in row["error"] and "--log-every 5" in row["error"]
+
+
+def test_profiling_summary_sums_device_time_per_category():
+    from types import SimpleNamespace as NS
+
+    from mx_jax import profiling
+
+    def ev(dur_ms, name):
+        return NS(start_ns=0, duration_ns=int(dur_ms * 1e6), name=name, stats=[])
+
+    # Two steps on two devices; the "XLA Ops" line is preferred over the stream's kernels where a plane has it.
+    gpu0 = NS(name="/device:GPU:0", lines=[
+        NS(name="XLA Ops", events=[ev(4, "anonymous_mosaic_gpu_kernel"), ev(2, "nvjet_sm90_tst_128x256"),
+                                   ev(1, "loop_add_fusion"), ev(1, "all-reduce.3")]),
+        NS(name="Stream #7", events=[ev(100, "ignored")])])
+    gpu1 = NS(name="/device:GPU:1", lines=[
+        NS(name="Stream #7", events=[ev(6, "cudnn_sdpa_flash_fprop"), ev(2, "unknown_kernel")])])
+    lines = profiling.summarize(NS(planes=[NS(name="/host:CPU", lines=[]), gpu0, gpu1]), n_steps=2, top=2)
+    assert lines[0].startswith("device time per step and device: 4.0 ms (sum over ops, 2 steps traced on 2 device")
+    per_cat = {ln.split()[0]: float(ln.split()[-3]) for ln in lines[1:] if ln.endswith("%")}
+    assert per_cat == {"pallas": 1.0, "gemm": 0.5, "fusion": 0.25, "collective": 0.25, "attention": 1.5,
+                       "other": 0.5}
+    assert lines[-3] == "top 2 ops (ms per step, calls per step):" and "cudnn_sdpa_flash_fprop" in lines[-2]
+    assert profiling.summarize(NS(planes=[NS(name="/host:CPU", lines=[])]), 1, 1)[0].startswith("no device plane")

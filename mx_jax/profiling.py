@@ -1,0 +1,81 @@
+"""Where a step's device time goes: a jax.profiler trace of a few steps, summed per XLA op and per category.
+
+The trainer traces steps `log.profile_from` .. `log.profile_from + log.profile_steps - 1` into
+run_dir/profile/process_<i> (open it with TensorBoard's profile plugin, XProf or Perfetto) and logs the summary
+`summarize` prints; `benchmarks/profile_step.py` adds the per-GEMM TFLOP/s table and a replay of each GEMM.
+
+Device time per op is read from the trace's device planes: the "XLA Ops" line where the trace has one (GPU),
+else the kernels of every stream. A CPU trace has no device plane, so there is nothing to sum on CPU.
+"""
+
+from __future__ import annotations
+
+import collections
+import glob
+import pathlib
+
+# First match wins. Pallas kernels (fp8/MX GEMMs, grouped GEMMs, casts, the NVLink all-to-all) all trace as
+# "anonymous_mosaic_gpu_kernel", so they get their own category; cuBLAS's Hopper GEMMs are the "nvjet_*" kernels.
+CATEGORIES = (
+    ("attention", ("cudnn", "fmha", "flash", "attention")),
+    ("pallas kernels", ("mosaic",)),
+    ("gemm", ("gemm", "cublas", "nvjet", "cutlass", "xmma", "matmul", "dot", "wgmma", "custom-call")),
+    ("collective", ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "nccl", "collective")),
+    ("copy/transpose", ("copy", "transpose", "memcpy", "memset", "dynamic-update-slice", "dynamic-slice")),
+    ("scatter/gather", ("scatter", "gather")),
+    ("fusion", ("fusion", "loop_", "input_", "reduce")),
+)
+
+
+def category(name: str) -> str:
+    low = name.lower()
+    for cat, keys in CATEGORIES:
+        if any(k in low for k in keys):
+            return cat
+    return "other"
+
+
+def latest_trace(trace_dir: str | pathlib.Path):
+    """The newest trace under trace_dir as jax.profiler.ProfileData, or None if there is none."""
+    from jax.profiler import ProfileData
+
+    paths = sorted(glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True))
+    return ProfileData.from_file(paths[-1]) if paths else None
+
+
+def device_time(data) -> tuple[collections.Counter, collections.Counter, int]:
+    """(ms per op name, calls per op name, number of device planes), summed over the trace's device planes."""
+    per_op: collections.Counter = collections.Counter()
+    counts: collections.Counter = collections.Counter()
+    n_dev = 0
+    for plane in data.planes:
+        if not plane.name.startswith("/device:"):
+            continue
+        n_dev += 1
+        lines = {line.name: line for line in plane.lines}
+        chosen = [lines["XLA Ops"]] if "XLA Ops" in lines else [l for n, l in lines.items() if "Stream" in n]
+        for line in chosen:
+            for ev in line.events:
+                per_op[ev.name] += ev.duration_ns / 1e6
+                counts[ev.name] += 1
+    return per_op, counts, n_dev
+
+
+def summarize(data, n_steps: int, top: int) -> list[str]:
+    """Lines: device time per step and device, by category, then the `top` longest ops."""
+    per_op, counts, n_dev = device_time(data)
+    if not n_dev:
+        return ["no device plane in the trace (a CPU run): no per-op device time to sum"]
+    n = n_steps * n_dev  # per step and per device
+    total = sum(per_op.values())
+    by_cat: collections.Counter = collections.Counter()
+    for name, ms in per_op.items():
+        by_cat[category(name)] += ms
+    out = [f"device time per step and device: {total / n:.1f} ms (sum over ops, {n_steps} steps traced on {n_dev} "
+           f"device(s))"]
+    out += [f"  {cat:<16}{ms / n:9.2f} ms  {100 * ms / total:5.1f}%" for cat, ms in by_cat.most_common()]
+    if top:
+        out.append(f"top {top} ops (ms per step, calls per step):")
+        out += [f"  {ms / n:8.2f}  {counts[name] // n:4d}x  {category(name):<14} {name[:110]}"
+                for name, ms in per_op.most_common(top)]
+    return out
