@@ -9,7 +9,8 @@
 # Process 0's output goes to the terminal, process i's to $MX_JAX_LOG_DIR/proc<i>.log (default: a fresh
 # /tmp/mx_jax_local.XXXX directory, named on failure). Any failure stops all (SIGKILL: after
 # jax.distributed.initialize a process takes SIGTERM as a preemption notice, not as an order to die). SIGTERM or
-# Ctrl-C to this script is passed on as SIGTERM: every process saves the same step and exits 143 (mx_jax/preemption.py).
+# SIGINT to this script (not from a terminal: there Ctrl-C reaches every process itself) is passed on as SIGTERM: every
+# process saves the same step and exits 143 (mx_jax/preemption.py).
 # The exit code is the first failing process's (143 after a preemption stop), 0 if all succeeded.
 set -euo pipefail
 if [[ $# -lt 1 || ! "$1" =~ ^[0-9]+$ ]]; then
