@@ -100,6 +100,7 @@ class MeshConfig:
 class DataConfig:
     source: Literal["embedded", "bin"] = "embedded"
     path: str = ""  # directory of token shards (source=bin), as written by `python -m mx_jax.data convert`
+    mixture: tuple[str, ...] = ()  # source=bin from several directories: "WEIGHT:DIR" entries (data.Mixture)
     seq_len: int = 256
     batch_size: int = 32  # global sequences per optimizer step (all hosts, all microbatches)
     grad_accum_steps: int = 1
@@ -353,6 +354,25 @@ def _check(cond: bool, key: str, msg: str) -> None:
         raise ConfigError(f"config key '{key}': {msg}")
 
 
+def mixture_entries(entries: tuple[str, ...]) -> list[tuple[float, str]]:
+    """data.mixture's "WEIGHT:DIR" entries as (weight / sum of weights, DIR); ConfigError naming a bad entry."""
+    out = []
+    for e in entries:
+        w, sep, path = e.partition(":")
+        try:
+            weight = float(w) if sep and path.strip() else math.nan
+        except ValueError:
+            weight = math.nan
+        if not (math.isfinite(weight) and weight > 0):
+            raise ConfigError(f"config key 'data.mixture': entry {e!r} is not 'WEIGHT:DIR' with a positive weight")
+        out.append((weight, path.strip()))
+    paths = [p for _, p in out]
+    if len(set(paths)) < len(paths):
+        raise ConfigError(f"config key 'data.mixture': a directory is listed twice ({paths})")
+    total = sum(w for w, _ in out)
+    return [(w / total, p) for w, p in out]
+
+
 def validate(cfg: TrainConfig) -> None:
     """Cross-field checks that need no devices. The mesh against the devices: sharding.make_mesh; the config against
     the resolved mesh: train.check_against_mesh."""
@@ -391,7 +411,14 @@ def validate(cfg: TrainConfig) -> None:
     _check(d.grad_accum_steps > 0 and d.batch_size % d.grad_accum_steps == 0, "data.grad_accum_steps",
            f"must divide data.batch_size ({d.batch_size}), got {d.grad_accum_steps}")
     _check(d.eval_batches >= 1, "data.eval_batches", f"must be >= 1, got {d.eval_batches}")
-    _check(d.source != "bin" or bool(d.path), "data.path", "must name a token-shard directory when data.source=bin")
+    _check(d.source != "bin" or bool(d.path) or bool(d.mixture), "data.path",
+           "must name a token-shard directory when data.source=bin (or set data.mixture)")
+    if d.mixture:
+        _check(d.source == "bin", "data.mixture", "needs data.source=bin (a mixture of token-shard directories)")
+        _check(not d.path, "data.mixture", f"data.path={d.path!r} is set too: use one of them")
+        _check(len(d.mixture) >= 2, "data.mixture", f"needs two or more 'WEIGHT:DIR' entries, got {list(d.mixture)} "
+               f"(one directory: data.path)")
+        mixture_entries(d.mixture)
     _check(o.lr_peak > 0, "optim.lr_peak", f"must be positive, got {o.lr_peak}")
     _check(0 <= o.lr_final_ratio <= 1, "optim.lr_final_ratio", f"must be in [0, 1], got {o.lr_final_ratio}")
     _check(o.warmup_steps >= 0, "optim.warmup_steps", f"must be >= 0, got {o.warmup_steps}")

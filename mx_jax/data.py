@@ -19,6 +19,16 @@ the start of training) is window perm_e[i mod n] of epoch e = i // n, with perm_
 (seed, e). The iterator's whole state is the number of sequences consumed, which the checkpoint stores, so a
 resumed run sees exactly the batches an uninterrupted run would. Each process materializes only the rows (and
 sequence slice) of the global batch that its addressable devices hold (jax.make_array_from_callback).
+
+Mixtures (`data.mixture`: "WEIGHT:DIR" entries, weights normalized to w_s): global sequence i comes from source
+s(i) in fixed proportions, still a pure function of i. The sequences are dealt in rounds of R = 2^16 slots; source s
+owns q_s of each round's slots (R w_s rounded by largest remainder, so sum q_s = R and |q_s - R w_s| < 1), spread
+evenly: its j-th slot sits at sort rank of (j + 1/2) / q_s among all sources' slots, so any B consecutive sequences
+hold B w_s +- 1 of source s, every batch mixes in proportion. Slot k = i mod R of round r = i // R is the c-th
+sequence source s draws, c = r q_s + (rank of the slot among s's slots), and that is window perm_{s,e}[c mod n_s]
+of epoch e = c // n_s of that source, perm seeded by (seed, s, e): each source walks its own epochs (a small source
+with a large weight repeats sooner, the usual upsampling). Held-out loss is reported per source and as the
+weighted mean. All sources must share meta.json's vocab_size and tokenizer.
 """
 
 from __future__ import annotations
@@ -37,7 +47,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
-from mx_jax.config import ConfigError, DataConfig, read_json_object
+from mx_jax.config import ConfigError, DataConfig, mixture_entries, read_json_object
 
 SEPARATOR = 0  # NUL byte between documents of the embedded corpus
 _EXCLUDED_PARTS = {"test", "tests", "site-packages", "dist-packages", "idle_test"}
@@ -140,10 +150,22 @@ class Windows:
         counts = np.array([max(0, (len(a) - 1) // seq_len) for a in self.arrays], dtype=np.int64)
         self.starts = np.concatenate([[0], np.cumsum(counts)])
         self.n = int(self.starts[-1])
+        self._perm_key, self._perm = None, None
         if self.n == 0:
             total = sum(len(a) for a in self.arrays)
             raise ConfigError(f"config key 'data.seq_len': the {name} split has {total} tokens, too few for one "
                               f"window of {seq_len + 1}")
+
+    def pick(self, i: int, seed: Sequence[int], shuffle: bool = True) -> int:
+        """The window of sequence i: window perm_e[i mod n] of epoch e = i // n, perm_e seeded by (*seed, e)."""
+        epoch, j = divmod(i, self.n)
+        if not shuffle:
+            return j
+        key = (*seed, epoch)
+        if key != self._perm_key:
+            self._perm = np.random.default_rng(list(key)).permutation(self.n)
+            self._perm_key = key
+        return int(self._perm[j])
 
     def get(self, w: int, t0: int = 0, t1: int | None = None) -> np.ndarray:
         """Tokens [t0, t1) of window w's T+1 tokens."""
@@ -159,23 +181,47 @@ class Windows:
         return win
 
 
+class Mixture:
+    """Windows of several sources dealt in fixed proportions (module docstring); `pick` and `get` as Windows'."""
+
+    ROUND = 1 << 16
+
+    def __init__(self, sources: Sequence[Windows], weights: Sequence[float], names: Sequence[str]):
+        self.sources, self.weights, self.names = list(sources), list(weights), list(names)
+        self.seq_len = self.sources[0].seq_len
+        self.n = sum(w.n for w in self.sources)
+        ideal = np.asarray(weights, np.float64) * self.ROUND
+        quota = np.floor(ideal).astype(np.int64)
+        quota[np.argsort(quota - ideal)[:self.ROUND - int(quota.sum())]] += 1  # largest remainders
+        if (quota == 0).any():
+            small = [n for n, q in zip(names, quota) if q == 0]
+            raise ConfigError(f"config key 'data.mixture': the weight of {small} is below 1/{self.ROUND} of the total")
+        self.quota = quota
+        src = np.concatenate([np.full(q, s) for s, q in enumerate(quota)])
+        idx = np.concatenate([np.arange(q) for q in quota])
+        order = np.argsort((idx + 0.5) / quota[src], kind="stable")
+        self.slot_source, self.slot_index = src[order], idx[order]
+
+    def pick(self, i: int, seed: Sequence[int], shuffle: bool = True) -> tuple[int, int]:
+        r, k = divmod(i, self.ROUND)
+        s = int(self.slot_source[k])
+        c = r * int(self.quota[s]) + int(self.slot_index[k])
+        return s, self.sources[s].pick(c, (*seed, s), shuffle)
+
+    def get(self, w: tuple[int, int], t0: int = 0, t1: int | None = None) -> np.ndarray:
+        return self.sources[w[0]].get(w[1], t0, t1)
+
+
 class Batches:
     """Deterministic, resumable batches of the global batch; `position` (sequences consumed) is the whole state."""
 
-    def __init__(self, windows: Windows, global_batch: int, seed: int, shuffle: bool = True, position: int = 0):
+    def __init__(self, windows: Windows | Mixture, global_batch: int, seed: int, shuffle: bool = True,
+                 position: int = 0):
         self.windows, self.global_batch, self.seed, self.shuffle = windows, global_batch, seed, shuffle
         self.position = position
-        self._perm_epoch, self._perm = -1, None
 
-    def _window(self, i: int) -> int:
-        n = self.windows.n
-        epoch, j = divmod(i, n)
-        if not self.shuffle:
-            return j
-        if epoch != self._perm_epoch:
-            self._perm = np.random.default_rng([self.seed, epoch]).permutation(n)
-            self._perm_epoch = epoch
-        return int(self._perm[j])
+    def _window(self, i: int):
+        return self.windows.pick(i, (self.seed,), self.shuffle)
 
     def rows(self, first_seq: int, r0: int, r1: int, t0: int, t1: int) -> tuple[np.ndarray, np.ndarray]:
         """inputs, targets (r1-r0, t1-t0) int32 for rows [r0,r1) of the batch starting at global sequence first_seq."""
@@ -217,10 +263,15 @@ class Batches:
 
 @dataclasses.dataclass
 class Dataset:
-    train: Windows
-    val: Windows
+    train: Windows | Mixture
+    val: Windows | Mixture  # a mixture's held-out loss is evaluated per source (val.sources)
     vocab_size: int
     description: str
+
+    @property
+    def train_windows(self) -> int | list[int]:
+        """What a resume checks the data against: the number of training windows (per source for a mixture)."""
+        return [w.n for w in self.train.sources] if isinstance(self.train, Mixture) else self.train.n
 
 
 def open_dataset(cfg: DataConfig) -> Dataset:
@@ -230,12 +281,44 @@ def open_dataset(cfg: DataConfig) -> Dataset:
                 f"{len(splits['train']) / 1e6:.1f} M train / {len(splits['val']) / 1e6:.2f} M held-out bytes")
         return Dataset(Windows([splits["train"]], cfg.seq_len, "train"),
                        Windows([splits["val"]], cfg.seq_len, "held-out"), 256, desc)
+    if cfg.mixture:
+        return _open_mixture(cfg)
     train, train_files, vocab = load_shards(cfg.path, "train")
     val, val_files, _ = load_shards(cfg.path, "val")
     n_train = sum(len(a) for a in train)
     desc = f"token shards {cfg.path}: {n_train / 1e6:.1f} M train tokens, vocab {vocab}"
     return Dataset(Windows(train, cfg.seq_len, "train", vocab, train_files),
                    Windows(val, cfg.seq_len, "held-out", vocab, val_files), vocab, desc)
+
+
+def mixture_names(paths: Sequence[str]) -> list[str]:
+    """Short names of the sources for metrics: the directory names, with parents added until they differ."""
+    parts = [pathlib.Path(p).absolute().parts[1:] for p in paths]  # without the root
+    for depth in range(1, max(len(p) for p in parts) + 1):
+        names = ["/".join(p[-depth:]) for p in parts]
+        if len(set(names)) == len(names):
+            return names
+    return [str(i) for i in range(len(paths))]
+
+
+def _open_mixture(cfg: DataConfig) -> Dataset:
+    entries = mixture_entries(cfg.mixture)
+    names = mixture_names([p for _, p in entries])
+    train, val, metas = [], [], []
+    for (_, path), name in zip(entries, names):
+        arrays, files, vocab = load_shards(path, "train")
+        train.append(Windows(arrays, cfg.seq_len, f"train split of {path}", vocab, files))
+        arrays, files, _ = load_shards(path, "val")
+        val.append(Windows(arrays, cfg.seq_len, f"held-out split of {path}", vocab, files))
+        metas.append((path, vocab, read_meta(pathlib.Path(path)).get("tokenizer")))
+    if len({(v, t) for _, v, t in metas}) > 1:
+        raise ConfigError("config key 'data.mixture': the sources were tokenized differently (vocab_size, tokenizer in "
+                          "meta.json): " + "; ".join(f"{p}: {v}, {t}" for p, v, t in metas))
+    weights = [w for w, _ in entries]
+    desc = "token-shard mixture: " + ", ".join(
+        f"{name} {w:.1%} ({sum(len(a) for a in t.arrays) / 1e6:.1f} M tokens)"
+        for name, w, t in zip(names, weights, train))
+    return Dataset(Mixture(train, weights, names), Mixture(val, weights, names), metas[0][1], desc)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -35,7 +35,7 @@ import numpy as np
 from flax import nnx
 
 from mx_jax import sharding, train
-from mx_jax.config import ConfigError, TrainConfig, load_config
+from mx_jax.config import ConfigError, TrainConfig, load_config, mixture_entries
 from mx_jax.llama import compute_copies, with_compute
 
 WINDOW_MULTIPLE = 128
@@ -68,7 +68,8 @@ def tokenizer_of(cfg: TrainConfig) -> str:
     """The tokenizer the run's data was written with: 'byte' or a tokenizer.json path."""
     if cfg.data.source == "embedded":
         return "byte"
-    meta = pathlib.Path(cfg.data.path) / "meta.json"
+    first = mixture_entries(cfg.data.mixture)[0][1] if cfg.data.mixture else cfg.data.path  # sources share it
+    meta = pathlib.Path(first) / "meta.json"
     try:
         return json.loads(meta.read_text()).get("tokenizer", "byte")
     except (OSError, ValueError) as e:

@@ -34,8 +34,8 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from mx_jax import checkpoint, compat, metrics, preemption, profiling, sharding
-from mx_jax.config import ConfigError, TrainConfig, load_config, to_dict, to_yaml
-from mx_jax.data import Batches, Dataset, open_dataset
+from mx_jax.config import ConfigError, TrainConfig, load_config, mixture_entries, to_dict, to_yaml
+from mx_jax.data import Batches, Dataset, Mixture, Windows, open_dataset
 from mx_jax.llama import (Llama, buffers_of, compute_copies, cross_entropy, flops_per_token, moe_loss, param_axes,
                           params_of, prune_like, update_buffers, with_compute)
 from mx_jax.moe import RouterBias
@@ -244,14 +244,22 @@ def make_eval_step(setup: Setup):
                                             setup.batch_shardings))
 
 
-def evaluate(eval_step, state, dataset: Dataset, setup: Setup) -> float:
-    """Mean held-out cross-entropy over the first data.eval_batches batches of the held-out split (fixed order)."""
+def evaluate(eval_step, state, dataset: Dataset, setup: Setup) -> dict[str, float]:
+    """{"eval_loss": mean held-out cross-entropy over the first data.eval_batches batches of the held-out split
+    (fixed order)}; for a mixture, that per source ("eval_loss/<source>") and their mean weighted as the mixture."""
     cfg = setup.cfg
-    batches = Batches(dataset.val, cfg.data.batch_size, cfg.seed, shuffle=False)
-    n = min(cfg.data.eval_batches, max(1, dataset.val.n // cfg.data.batch_size))
-    losses = [eval_step(state["params"], state["buffers"], batches.next_global(setup.batch_shardings, 1))
-              for _ in range(n)]
-    return float(np.mean([float(x) for x in losses]))
+
+    def mean_loss(windows: Windows) -> float:
+        batches = Batches(windows, cfg.data.batch_size, cfg.seed, shuffle=False)
+        n = min(cfg.data.eval_batches, max(1, windows.n // cfg.data.batch_size))
+        losses = [eval_step(state["params"], state["buffers"], batches.next_global(setup.batch_shardings, 1))
+                  for _ in range(n)]
+        return float(np.mean([float(x) for x in losses]))
+
+    if not isinstance(dataset.val, Mixture):
+        return {"eval_loss": mean_loss(dataset.val)}
+    per = {f"eval_loss/{name}": mean_loss(w) for name, w in zip(dataset.val.names, dataset.val.sources)}
+    return {"eval_loss": float(np.dot(dataset.val.weights, list(per.values()))), **per}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -286,7 +294,8 @@ def _write_atomic(path: pathlib.Path, text: str) -> None:
 def _fmt_log(step: int, m: dict) -> str:
     parts = [f"step {step:>6}", f"loss {m['loss']:.4f}"]
     if "eval_loss" in m:
-        parts.append(f"eval {m['eval_loss']:.4f}")
+        per = [f"{k.split('/', 1)[1]} {v:.4f}" for k, v in m.items() if k.startswith("eval_loss/")]
+        parts.append(f"eval {m['eval_loss']:.4f}" + (f" ({', '.join(per)})" if per else ""))
     parts += [f"gnorm {m['grad_norm']:.3f}", f"lr {m['lr']:.2e}"]
     if "tokens_per_sec" in m:
         parts += [f"{m['tokens_per_sec']:,.0f} tok/s", f"{m['tflops_per_device']:.1f} TFLOP/s/dev"]
@@ -307,7 +316,7 @@ class TrainResult:
 # Keys of the data item each checkpoint stores with the iterator position: what decides the batch order. A resumed
 # run must match them, or it would silently see other data than an uninterrupted run. data.path may move (a new
 # mount) as long as the data holds the same number of training windows (`train_windows`).
-_DATA_KEYS = ("seed", "data.seq_len", "data.source")
+_DATA_KEYS = ("seed", "data.seq_len", "data.source", "data.weights")
 # ModelConfig keys that may change across a resume: how the same function is computed, not which function.
 _MODEL_KEYS_FREE_ON_RESUME = frozenset({
     "remat", "scan_layers", "attention", "compute_dtype", "param_dtype", "moe.impl", "moe.all_to_all", "moe.dispatch",
@@ -324,29 +333,51 @@ def _flat(d: dict, prefix: str = "") -> dict:
     return out
 
 
-def _data_path(cfg: TrainConfig) -> str:
+def _data_path(cfg: TrainConfig) -> str | list[str]:
+    """The data's directory, absolute (a list, one per source, for a mixture; "" for the embedded corpus)."""
+    if cfg.data.mixture:
+        return [str(pathlib.Path(p).absolute()) for _, p in mixture_entries(cfg.data.mixture)]
     return str(pathlib.Path(cfg.data.path).absolute()) if cfg.data.source == "bin" else ""
 
 
-def checkpoint_record(cfg: TrainConfig, position: int, train_windows: int) -> dict:
-    """The JSON `data` item saved with each step: the iterator position and what a resume must agree with."""
-    return {"position": position, "seed": cfg.seed, "data.seq_len": cfg.data.seq_len, "data.source": cfg.data.source,
-            "data.path": _data_path(cfg), "train_windows": train_windows, "model": to_dict(cfg.model)}
+def checkpoint_record(cfg: TrainConfig, position: int, train_windows: int | list[int]) -> dict:
+    """The JSON `data` item saved with each step: the iterator position and what a resume must agree with (a
+    mixture adds its normalized weights; train_windows is then per source)."""
+    record = {"position": position, "seed": cfg.seed, "data.seq_len": cfg.data.seq_len,
+              "data.source": cfg.data.source, "data.path": _data_path(cfg), "train_windows": train_windows,
+              "model": to_dict(cfg.model)}
+    if cfg.data.mixture:
+        record["data.weights"] = [w for w, _ in mixture_entries(cfg.data.mixture)]
+    return record
 
 
-def check_resumable(cfg: TrainConfig, saved: dict, train_windows: int, saved_shapes: dict, wanted_shapes: dict,
-                    where: str) -> None:
+def check_resumable(cfg: TrainConfig, saved: dict, train_windows: int | list[int], saved_shapes: dict,
+                    wanted_shapes: dict, where: str) -> None:
     """ConfigError naming the keys when this config cannot continue the checkpoint `saved` (its data item)."""
     mine = checkpoint_record(cfg, 0, train_windows)
+
+    def source(record: dict) -> str:
+        if "data.weights" in record:
+            pairs = zip(record["data.weights"], record["data.path"])
+            return "the mixture " + ", ".join(f"{w:.4g}:{p}" for w, p in pairs)
+        return record.get("data.path") or "the embedded corpus"
+
     for key in (*_DATA_KEYS, "train_windows"):
-        if key in saved and saved[key] != mine[key]:
-            what = (f"config key '{key}': the checkpoint at {where} was trained with {key}={saved[key]!r}, this run "
-                    f"has {mine[key]!r}" if key != "train_windows" else
-                    f"config key 'data.path': the checkpoint at {where} was trained on data of {saved[key]} windows "
-                    f"of data.seq_len tokens ({saved.get('data.path') or 'the embedded corpus'}), this run's "
-                    f"({mine['data.path'] or 'the embedded corpus'}) has {mine[key]}")
-            raise ConfigError(f"{what}; resuming would change the data order. Keep {', '.join(_DATA_KEYS)} and the "
-                              f"data, or start a new run_dir (init_from={where} starts one from these weights)")
+        # data.weights is absent from single-source records, old or new: compare it always; the others only where
+        # the checkpoint recorded them (older checkpoints recorded fewer)
+        if saved.get(key) == mine.get(key) or (key not in saved and key != "data.weights"):
+            continue
+        if key == "data.weights":
+            what = f"config key 'data.mixture': the checkpoint at {where} was trained on {source(saved)}, this run has"
+            what += f" {source(mine)}"
+        elif key == "train_windows":
+            what = (f"config key 'data.path': the checkpoint at {where} was trained on data of {saved[key]} windows "
+                    f"of data.seq_len tokens ({source(saved)}), this run's ({source(mine)}) has {mine[key]}")
+        else:
+            what = f"config key '{key}': the checkpoint at {where} was trained with {key}={saved[key]!r}, this run has"
+            what += f" {mine[key]!r}"
+        raise ConfigError(f"{what}; resuming would change the data order. Keep {', '.join(_DATA_KEYS[:3])} and the "
+                          f"data, or start a new run_dir (init_from={where} starts one from these weights)")
     if saved.get("data.path", mine["data.path"]) != mine["data.path"]:
         log(f"resume | data.path moved from {saved['data.path']} to {mine['data.path']} (same number of windows)")
     if "model" in saved:
@@ -391,7 +422,7 @@ def _init_params(cfg: TrainConfig, setup: Setup) -> dict:
 
 
 def _restore(cfg: TrainConfig, setup: Setup, ckpt: checkpoint.Checkpointer, start: int,
-             train_windows: int) -> tuple[dict, int]:
+             train_windows: int | list[int]) -> tuple[dict, int]:
     """The state and data position of committed step `start`, after checking this config can continue it."""
     where = ckpt.dir / str(start)
     saved = ckpt.data_state(start)
@@ -434,6 +465,11 @@ def train(cfg: TrainConfig, devices: list[jax.Device] | None = None) -> TrainRes
                 f"process(es)) | mesh {dict(mesh.shape)} | jax {jax.__version__}")
             log(f"mesh   | {sharding.describe(mesh)}")
             log(f"data   | {dataset.description}")
+            if isinstance(dataset.train, Mixture):
+                seqs = cfg.steps * cfg.data.batch_size
+                log("data   | in " + f"{cfg.steps} steps: " + ", ".join(
+                    f"{name} {seqs * w / src.n:.2f} epochs" for name, w, src in
+                    zip(dataset.train.names, dataset.train.weights, dataset.train.sources)))
             if cfg.data.source == "embedded" and cfg.data.path:
                 log(f"data   | note: data.path={cfg.data.path} is not read (data.source=embedded; set "
                     f"data.source=bin)")
@@ -452,7 +488,7 @@ def train(cfg: TrainConfig, devices: list[jax.Device] | None = None) -> TrainRes
                     state = with_fresh_compute(setup, state)
                     log(f"init   | parameters from {cfg.init_from}")
             else:
-                state, train_batches.position = _restore(cfg, setup, ckpt, start, dataset.train.n)
+                state, train_batches.position = _restore(cfg, setup, ckpt, start, dataset.train_windows)
                 step = start
                 log(f"resume | from step {step} ({ckpt.dir / str(start)}), data position {train_batches.position}")
             if jax.process_index() == 0:
@@ -566,7 +602,7 @@ def _loop(cfg, setup, state, step, dataset, train_batches, ckpt, run_dir, resume
             m.update(rate.report())
             m.update(metrics.memory_in_use())
             if with_eval:
-                m["eval_loss"] = evaluate(eval_step, state, dataset, setup)
+                m.update(evaluate(eval_step, state, dataset, setup))
             writer.write(step_no, m)
             log(_fmt_log(step_no, m))
             if bar is not None:
@@ -592,7 +628,7 @@ def _loop(cfg, setup, state, step, dataset, train_batches, ckpt, run_dir, resume
                 pending = None
             if save_now:
                 blocked = ckpt.save(step, saved_part(state),
-                                    checkpoint_record(cfg, train_batches.position, dataset.train.n))
+                                    checkpoint_record(cfg, train_batches.position, dataset.train_windows))
                 waited = (f" ({1000 * ckpt.waited_s:.0f} ms of it waiting for the previous save to be written: saves "
                           f"are due faster than they are written)" if ckpt.waited_s > 0.05 else "")
                 log(f"ckpt   | step {step}: save started, blocked the loop {1000 * blocked:.0f} ms{waited}")

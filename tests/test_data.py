@@ -176,3 +176,102 @@ def test_hf_tokenizer_json(tmp_path):
     assert meta["vocab_size"] == tok.get_vocab_size()
     ids = np.fromfile(next((tmp_path / "tok").glob("train_*.bin")), dtype=np.uint16)
     assert ids.max() < meta["vocab_size"] and len(ids) < sum(len(t) for t in corpus[:40])  # BPE compresses
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Mixtures of token-shard directories
+
+
+def _source(tmp_path, name, byte, n_tokens=3000, vocab=None):
+    """A shard directory whose every token is `byte` (so a window tells its source), byte-tokenized."""
+    src = tmp_path / f"src_{name}"
+    src.mkdir()
+    for i in range(20):
+        (src / f"d{i}.txt").write_bytes(bytes([byte]) * (n_tokens // 20))
+    out = tmp_path / name
+    data.convert([str(src)], str(out), tokenizer="byte", shard_tokens=100_000, val_fraction=0.3)
+    if vocab is not None:
+        meta = json.loads((out / "meta.json").read_text())
+        (out / "meta.json").write_text(json.dumps({**meta, "vocab_size": vocab}))
+    return out
+
+
+def test_mixture_deals_sources_in_proportion_and_walks_each_ones_epochs():
+    windows = [data.Windows([np.zeros(n * 8 + 1, np.uint16)], 8, f"s{n}") for n in (50, 7, 23)]
+    mix = data.Mixture(windows, [0.5, 0.3, 0.2], ["a", "b", "c"])
+    assert mix.quota.sum() == mix.ROUND and abs(mix.quota - np.array([0.5, 0.3, 0.2]) * mix.ROUND).max() < 1
+    picks = [mix.pick(i, (7,)) for i in range(20_000)]
+    src = np.array([s for s, _ in picks])
+    for start, length in ((0, 64), (1234, 100), (9000, 4096)):  # any run of consecutive sequences mixes in proportion
+        counts = np.bincount(src[start:start + length], minlength=3)
+        assert (np.abs(counts - length * np.array([0.5, 0.3, 0.2])) <= 1.5).all(), (start, counts)
+    for s, w in enumerate(windows):  # each source: every window once per epoch of its own, reshuffled per epoch
+        seq = [win for t, win in picks if t == s]
+        epochs = [sorted(seq[e * w.n:(e + 1) * w.n]) for e in range(len(seq) // w.n)]
+        assert all(e == list(range(w.n)) for e in epochs)
+        assert seq[:w.n] != seq[w.n:2 * w.n]
+    # a pure function of (seed, i): a fresh mixture agrees anywhere, e.g. past a round boundary
+    again = data.Mixture(windows, [0.5, 0.3, 0.2], ["a", "b", "c"])
+    assert [again.pick(i, (7,)) for i in range(mix.ROUND - 5, mix.ROUND + 5)] == \
+        [mix.pick(i, (7,)) for i in range(mix.ROUND - 5, mix.ROUND + 5)]
+
+
+def test_single_source_order_is_unchanged():
+    """The order of a one-directory run (what its checkpoints' positions mean) is pinned: perm seeded (seed, epoch)."""
+    w = data.Windows([np.zeros(30 * 4 + 1, np.uint16)], 4, "x")
+    b = data.Batches(w, 4, seed=11)
+    want = [*np.random.default_rng([11, 0]).permutation(30), *np.random.default_rng([11, 1]).permutation(30)]
+    assert [b._window(i) for i in range(60)] == [int(x) for x in want]
+
+
+def test_mixture_dataset_batches_and_errors(tmp_path):
+    a, b = _source(tmp_path, "web", ord("a")), _source(tmp_path, "code", ord("b"))
+    cfg = DataConfig(source="bin", mixture=(f"3:{a}", f"1:{b}"), seq_len=16, batch_size=8)
+    ds = data.open_dataset(cfg)
+    assert ds.train.names == ["web", "code"] and ds.train.weights == [0.75, 0.25]
+    assert ds.train_windows == [w.n for w in ds.train.sources] and "web 75.0%" in ds.description
+    mesh = sharding.make_mesh(MeshConfig(data=2, fsdp=4))
+    x = np.asarray(data.Batches(ds.train, 8, seed=0).next_global(_shardings(mesh), 1)["inputs"])[0]
+    assert sorted(int(r[0]) for r in x) == [ord("a")] * 6 + [ord("b")] * 2  # 3:1 inside one batch
+    c = _source(tmp_path, "big", ord("c"), vocab=1000)
+    with pytest.raises(ConfigError, match="tokenized differently"):
+        data.open_dataset(DataConfig(source="bin", mixture=(f"1:{a}", f"1:{c}"), seq_len=16))
+    assert data.mixture_names(["/x/data/web", "/y/data/web", "/z/code"]) == ["x/data/web", "y/data/web", "z/code"]
+
+
+@pytest.mark.parametrize("over,match", [
+    (["data.mixture=1:/a"], "two or more"),
+    (["data.mixture=1:/a,x:/b"], "'x:/b' is not 'WEIGHT:DIR'"),
+    (["data.mixture=1:/a,0:/b"], "positive weight"),
+    (["data.mixture=1:/a,2:/a"], "listed twice"),
+    (["data.mixture=1:/a,2:/b", "data.path=/c"], "use one of them"),
+    (["data.source=embedded", "data.mixture=1:/a,2:/b"], "needs data.source=bin"),
+])
+def test_mixture_config_errors_name_the_key(over, match):
+    from mx_jax.config import load_config
+
+    with pytest.raises(ConfigError, match=match):
+        load_config(None, ["data.source=bin", *over])
+
+
+def test_training_on_a_mixture_reports_each_source_and_resumes_only_on_it(tmp_path, capsys):
+    from mx_jax import train
+    from tests.helpers import tiny_config
+
+    a, b = _source(tmp_path, "web", ord("a")), _source(tmp_path, "code", ord("b"))
+    run = tmp_path / "run"
+    mix = f"data.mixture=3:{a},1:{b}"
+    over = ["data.source=bin", mix, "data.seq_len=16", "data.batch_size=8", "log.eval_every_steps=2", "steps=2"]
+    result = train.train(tiny_config(run, *over))
+    out = capsys.readouterr().out
+    assert "data   | in 2 steps: web " in out and "epochs, code " in out
+    m = result.metrics
+    assert m["eval_loss"] == pytest.approx(0.75 * m["eval_loss/web"] + 0.25 * m["eval_loss/code"], rel=1e-6)
+    assert m["eval_loss/web"] != m["eval_loss/code"]
+    assert "eval_loss/code" in json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
+    # Other weights would change the order of the data: refused, naming the key; the same mixture resumes.
+    with pytest.raises(ConfigError, match="'data.mixture'.*trained on the mixture 0.75:.*this run has the mixture"):
+        train.train(tiny_config(run, *over[:1], f"data.mixture=1:{a},1:{b}", *over[2:-1], "steps=3"))
+    with pytest.raises(ConfigError, match="'data.mixture'"):
+        train.train(tiny_config(run, "data.source=bin", f"data.path={a}", *over[2:-1], "steps=3"))
+    assert int(train.train(tiny_config(run, *over[:-1], "steps=3")).state["step"]) == 3
