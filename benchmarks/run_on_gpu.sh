@@ -92,6 +92,7 @@ for s in "$@"; do
     moe_ep) section moe_ep 200 $PY benchmarks/profile_step.py --steps 3 --top 15 $MOE data.batch_size="$(nvidia-smi -L | wc -l)" mesh.expert="$(nvidia-smi -L | wc -l)" ;;
     train_profile) section train_profile 300 $PY -m mx_jax.train $DENSE8B steps=13 quant.recipe=fp8_rowwise log.profile_steps=3 log.profile_from=10 ckpt.every_steps=-1 log.eval_every_steps=-1 log.progress=false log.tensorboard=false run_dir=/tmp/mx_jax_profile_run ;;
     sigterm) section sigterm 420 bash benchmarks/sigterm_check.sh 20 $DENSE8B quant.recipe=fp8_rowwise ckpt.every_steps=0 log.eval_every_steps=-1 log.every_steps=5 log.progress=false log.tensorboard=false run_dir=/tmp/mx_jax_sigterm_run ;;
+    sample) section sample 420 bash -c "$PY -m mx_jax.train --config configs/llama3_1b.yaml model.n_layers=2 data.source=embedded data.seq_len=2048 data.batch_size=4 quant.recipe=fp8_rowwise steps=2 log.progress=false log.tensorboard=false run_dir=/tmp/mx_jax_sample_1b | tail -2 && $PY -m mx_jax.sample /tmp/mx_jax_sample_1b --tokens 64 --num 2 --prompt 'def ' && $PY -m mx_jax.sample /tmp/mx_jax_sample_1b --tokens 64 --num 2 --prompt 'def ' quant.recipe=bf16 && $PY -m mx_jax.train $DENSE8B quant.recipe=fp8_rowwise steps=1 log.progress=false log.tensorboard=false run_dir=/tmp/mx_jax_sample_8b | tail -2 && $PY -m mx_jax.sample /tmp/mx_jax_sample_8b --tokens 32 && $PY -m mx_jax.sample /tmp/mx_jax_sample_8b --tokens 160" ;;
     loss_curves) section loss_curves 420 bash benchmarks/loss_curves.sh "$LOGS" ;;
     *) echo "unknown section $s" ;;
   esac

@@ -24,7 +24,7 @@ Mixtures (`data.mixture`: "WEIGHT:DIR" entries, weights normalized to w_s): glob
 s(i) in fixed proportions, still a pure function of i. The sequences are dealt in rounds of R = 2^16 slots; source s
 owns q_s of each round's slots (R w_s rounded by largest remainder, so sum q_s = R and |q_s - R w_s| < 1), spread
 evenly: its j-th slot sits at sort rank of (j + 1/2) / q_s among all sources' slots, so any B consecutive sequences
-hold B w_s +- 1 of source s, every batch mixes in proportion. Slot k = i mod R of round r = i // R is the c-th
+hold B w_s +- 2 of source s: every batch mixes in proportion. Slot k = i mod R of round r = i // R is the c-th
 sequence source s draws, c = r q_s + (rank of the slot among s's slots), and that is window perm_{s,e}[c mod n_s]
 of epoch e = c // n_s of that source, perm seeded by (seed, s, e): each source walks its own epochs (a small source
 with a large weight repeats sooner, the usual upsampling). Held-out loss is reported per source and as the
