@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from mx_jax import sharding, train
+from mx_jax import checkpoint, sharding, train
 from mx_jax.config import ConfigError, TrainConfig, load_config, mixture_entries
 from mx_jax.llama import compute_copies, with_compute
 
@@ -86,6 +86,14 @@ def load_model_state(cfg: TrainConfig, setup: train.Setup, path: pathlib.Path, s
     wanted = {"params": setup.abstract["params"], "buffers": setup.abstract["buffers"]}
     shardings = {"params": setup.state_shardings["params"], "buffers": setup.state_shardings["buffers"]}
     wanted = {k: v for k, v in wanted.items() if jax.tree.leaves(v)}  # a dense model has no buffers
+    on_disk = ocp.PyTreeCheckpointHandler().metadata(sdir)
+    on_disk = getattr(on_disk, "tree", on_disk)
+    saved = checkpoint.array_shapes({k: on_disk.get(k, {}) for k in wanted})
+    bad = checkpoint.shape_mismatches(saved, checkpoint.array_shapes(wanted))
+    if bad:
+        raise ConfigError(f"the checkpoint {sdir} does not fit this model ({len(bad)} array(s) differ: "
+                          f"{'; '.join(bad[:4])}{'; ...' if len(bad) > 4 else ''}); a key=value override or --config "
+                          f"changed the model section of the run's config")
     item = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), wanted,
                         {k: shardings[k] for k in wanted})
     with ocp.PyTreeCheckpointer() as ckpt:
@@ -147,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--tokenizer", help="'byte' or a HF tokenizer.json (default: the run's data)")
     ap.add_argument("overrides", nargs="*", help="key=value changes to the run's config, e.g. quant.recipe=bf16")
-    args = ap.parse_args(argv)
+    args = ap.parse_intermixed_args(argv)  # key=value overrides may follow the options
     train.apply_default_xla_flags()
     try:
         path = pathlib.Path(args.run_dir).absolute()

@@ -58,11 +58,12 @@ def test_sampling_draws_only_from_the_top_k_and_the_tokenizer_vocab(tmp_path):
 def test_cli_prints_samples_and_names_bad_flags(tmp_path, capsys):
     train.train(tiny_config(tmp_path, "steps=2", "mesh.data=1", "mesh.fsdp=1"), devices=jax.devices()[:1])
     assert sample.main([str(tmp_path / "checkpoints" / "2"), "--tokens", "8", "--prompt", "x = ", "--num", "2",
-                        "--temperature", "0"]) == 0
+                        "--temperature", "0", "model.attention=xla"]) == 0  # overrides after the options
     out = capsys.readouterr()
     assert out.out.count("----- sample") == 2 and out.out.count("x = ") == 2
     assert "2 x 8 tokens" in out.err and "byte tokenizer" in out.err
     for flags, message in ((["--tokens", "0"], "--tokens: must be >= 1"),
+                           (["model.d_model=48"], "does not fit this model"),
                            (["--temperature", "-1"], "--temperature: must be >= 0"),
                            (["--prompt", ""], "--prompt: an empty prompt"),
                            (["--step", "7"], "no checkpoint for step 7"),
