@@ -3,8 +3,10 @@
     python -m mx_jax.sample runs/llama3_debug --prompt "def " --tokens 200 --temperature 0.8 --top-k 40
     python -m mx_jax.sample runs/8b --step 2000 --num 4 quant.recipe=bf16     # key=value: the run's config, changed
 
-The model is the run's (`RUN_DIR/config.yaml`, or `--config`), built on one device; the parameters and MoE router
-biases are read from the checkpoint (the latest, or `--step`) without the optimizer state. The tokenizer is the
+The model is the run's (`RUN_DIR/config.yaml`, or `--config`), built on one device with `quant.recipe=bf16` unless
+an override says otherwise (the fp8 recipes speed up training's large GEMMs; here they would add kernel compiles to
+a few small forwards); the parameters and MoE router biases are read from the checkpoint (the latest, or `--step`)
+without the optimizer state. The tokenizer is the
 data's: bytes for `data.source=embedded`, else what `data.path/meta.json` names (bytes or a HF tokenizer.json);
 `--tokenizer` overrides it.
 
@@ -126,8 +128,9 @@ def make_step(setup: train.Setup, vocab_limit: int, temperature: float, top_k: i
 
 def generate(setup: train.Setup, params: dict, buffers: dict, prompt: list[int], n_tokens: int, *, num: int = 1,
              temperature: float = 0.8, top_k: int = 0, seed: int = 0, vocab_limit: int | None = None,
-             window: int | None = None) -> np.ndarray:
-    """(num, len(prompt) + n_tokens) token ids: the prompt, then n_tokens drawn one at a time."""
+             window: int | None = None, times: list[float] | None = None) -> np.ndarray:
+    """(num, len(prompt) + n_tokens) token ids: the prompt, then n_tokens drawn one at a time (the wall time of
+    each draw appended to `times`, the first one with the compile)."""
     if not prompt:
         raise ConfigError("--prompt: an empty prompt has no last token to continue from")
     total = len(prompt) + n_tokens
@@ -138,7 +141,11 @@ def generate(setup: train.Setup, params: dict, buffers: dict, prompt: list[int],
     tokens = jnp.asarray(tokens)
     key = jax.random.key(seed)
     for pos in range(len(prompt), total):
+        t0 = time.perf_counter()
         tokens = step(params, buffers, tokens, pos, jax.random.fold_in(key, pos))
+        if times is not None:
+            tokens.block_until_ready()
+            times.append(time.perf_counter() - t0)
     return np.asarray(tokens)[:, :total]
 
 
@@ -171,8 +178,9 @@ def main(argv: list[str] | None = None) -> int:
                 raise ConfigError(f"{flag}: must be >= {low}, got {value}")
         if not args.temperature >= 0:
             raise ConfigError(f"--temperature: must be >= 0, got {args.temperature}")
+        # bf16 unless asked: the fp8 recipes speed up training GEMMs, here they would only add kernel compiles
         one_device = ["mesh.data=1", "mesh.fsdp=1", "mesh.expert=1", "mesh.context=1"]
-        cfg = load_config(str(cfg_file), [*args.overrides, *one_device])
+        cfg = load_config(str(cfg_file), ["quant.recipe=bf16", *args.overrides, *one_device])
         tok = Tokenizer(args.tokenizer or tokenizer_of(cfg))
         prompt = tok.encode(args.prompt)
         if max(prompt, default=0) >= cfg.model.vocab_size:
@@ -186,19 +194,21 @@ def main(argv: list[str] | None = None) -> int:
             if total > cfg.data.seq_len:
                 print(f"note: {total} positions exceed the run's data.seq_len={cfg.data.seq_len}; the model never "
                       f"trained on positions that far", file=sys.stderr)
-            t0 = time.perf_counter()
+            times: list[float] = []
             out = generate(setup, params, buffers, prompt, args.tokens, num=args.num,
                            temperature=args.temperature, top_k=args.top_k, seed=args.seed,
-                           vocab_limit=min(tok.vocab_size, cfg.model.vocab_size))
-            dt = time.perf_counter() - t0
+                           vocab_limit=min(tok.vocab_size, cfg.model.vocab_size), times=times)
     except (ConfigError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     for i, ids in enumerate(out):
         print(f"----- sample {i}")
         print(tok.decode([int(t) for t in ids]))
-    print(f"----- {args.num} x {args.tokens} tokens in {dt:.1f} s (compile included), {tok.spec} tokenizer",
-          file=sys.stderr)
+    window = -(-total // WINDOW_MULTIPLE) * WINDOW_MULTIPLE
+    rest = f", then {(len(times) - 1) / sum(times[1:]):.1f} draws/s over a {window}-position window" \
+        if len(times) > 1 else ""
+    print(f"----- {args.num} x {args.tokens} tokens, {tok.spec} tokenizer, quant.recipe={cfg.quant.recipe}: first draw "
+          f"{times[0]:.1f} s (compile included){rest}", file=sys.stderr)
     return 0
 
 
