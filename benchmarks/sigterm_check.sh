@@ -8,7 +8,7 @@
 set -u
 after=$1; shift
 log=$(mktemp /tmp/sigterm_check.XXXX.log)
-python3 -m mx_jax.train "$@" steps=100000 > "$log" 2>&1 &
+python3 -m mx_jax.train "$@" steps=100000 log.progress=false > "$log" 2>&1 &  # no bar: its \r hides the lines
 pid=$!
 until grep -qE "^step +$after " "$log"; do
   if ! kill -0 $pid 2>/dev/null; then echo "training ended before step $after:"; tail -20 "$log"; exit 1; fi

@@ -8,9 +8,9 @@
 # process sees the machine's accelerators (use CUDA_VISIBLE_DEVICES per process yourself to split GPUs).
 # Process 0's output goes to the terminal, process i's to $MX_JAX_LOG_DIR/proc<i>.log (default: a fresh
 # /tmp/mx_jax_local.XXXX directory, named on failure). Any failure stops all (SIGKILL: after
-# jax.distributed.initialize a process takes SIGTERM as a preemption notice, not as an order to die). SIGTERM or
-# SIGINT to this script (not from a terminal: there Ctrl-C reaches every process itself) is passed on as SIGTERM: every
-# process saves the same step and exits 143 (mx_jax/preemption.py).
+# jax.distributed.initialize a process takes SIGTERM as a preemption notice, not as an order to die). The processes
+# run in the background, so Ctrl-C reaches only this script: the first SIGINT or SIGTERM is passed on as SIGTERM
+# (every process saves the same step and exits 143, mx_jax/preemption.py), a second one as SIGKILL.
 # The exit code is the first failing process's (143 after a preemption stop), 0 if all succeeded.
 set -euo pipefail
 if [[ $# -lt 1 || ! "$1" =~ ^[0-9]+$ ]]; then
@@ -25,7 +25,9 @@ logdir=${MX_JAX_LOG_DIR:-$(mktemp -d /tmp/mx_jax_local.XXXX)}
 mkdir -p "$logdir"
 pids=()
 stop_all() { for p in "${pids[@]}"; do kill "-$1" "$p" 2>/dev/null || true; done; }
-trap 'stop_all TERM' INT TERM
+signalled=0
+on_signal() { if [[ $signalled -eq 0 ]]; then signalled=1; stop_all TERM; else stop_all KILL; fi; }
+trap on_signal INT TERM
 for ((i = 0; i < n; i++)); do
   env=(MX_JAX_COORDINATOR="127.0.0.1:$port" MX_JAX_NUM_PROCESSES="$n" MX_JAX_PROCESS_ID="$i")
   if [[ -n "$cpu_devices" ]]; then env+=(MX_JAX_CPU_DEVICES="$cpu_devices" JAX_PLATFORMS=cpu); fi
@@ -44,10 +46,8 @@ for p in "${pids[@]}"; do
     if [[ $rc -gt 128 ]] && kill -0 "$p" 2>/dev/null; then continue; fi
     break
   done
-  if [[ $rc -ne 0 && $status -eq 0 ]]; then
-    status=$rc
-    [[ $rc -eq 143 ]] || stop_all KILL  # a preemption stop ends every process by itself
-  fi
+  [[ $rc -ne 0 && $status -eq 0 ]] && status=$rc
+  [[ $rc -eq 0 || $rc -eq 143 ]] || stop_all KILL  # a failure stops all; a preemption stop ends each by itself
 done
 [[ $status -eq 0 || $status -eq 143 ]] || echo "a process failed; logs of processes 1..$((n - 1)) in $logdir" >&2
 exit $status

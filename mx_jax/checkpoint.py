@@ -80,6 +80,16 @@ def shape_mismatches(saved: dict[str, tuple], wanted: dict[str, tuple]) -> list[
     return sorted(out, key=lambda line: not line.startswith("params."))
 
 
+class _Manager(ocp.CheckpointManager):
+    """Orbax's manager without its own preemption checks. It asks jax's preemption service from `save` and from its
+    finalize thread, with the step being saved; the service takes the step a process last asked about as the step it
+    has reached, so a finalize thread asking about an older step could make the processes agree on a step this one
+    has already passed (mx_jax/preemption.py). The train loop asks, once per step."""
+
+    def reached_preemption(self, step: int) -> bool:
+        return False
+
+
 class Checkpointer:
     def __init__(self, run_dir: str | pathlib.Path, cfg: CkptConfig):
         _install_listener()
@@ -93,7 +103,7 @@ class Checkpointer:
         )
         if self.dir.exists() and not self.dir.is_dir():
             raise ConfigError(f"config key 'run_dir': {self.dir} exists and is not a directory")
-        self.manager = ocp.CheckpointManager(
+        self.manager = _Manager(
             self.dir, options=options, item_names=("state", "data"),
             item_handlers={"state": ocp.StandardCheckpointHandler(), "data": ocp.JsonCheckpointHandler()})
         self._closed = False

@@ -181,18 +181,28 @@ class Windows:
         return win
 
 
+MIXTURE_ROUND = 1 << 16
+
+
+def mixture_quota(weights: Sequence[float]) -> list[int]:
+    """Each source's slots in a round of MIXTURE_ROUND: R w_s rounded by largest remainder (they sum to R). These,
+    not the weights as written, decide the order of a mixture's sequences (what a resume must keep)."""
+    ideal = np.asarray(weights, np.float64) / np.sum(weights) * MIXTURE_ROUND
+    quota = np.floor(ideal).astype(np.int64)
+    quota[np.argsort(quota - ideal, kind="stable")[:MIXTURE_ROUND - int(quota.sum())]] += 1
+    return [int(q) for q in quota]
+
+
 class Mixture:
     """Windows of several sources dealt in fixed proportions (module docstring); `pick` and `get` as Windows'."""
 
-    ROUND = 1 << 16
+    ROUND = MIXTURE_ROUND
 
     def __init__(self, sources: Sequence[Windows], weights: Sequence[float], names: Sequence[str]):
         self.sources, self.weights, self.names = list(sources), list(weights), list(names)
         self.seq_len = self.sources[0].seq_len
         self.n = sum(w.n for w in self.sources)
-        ideal = np.asarray(weights, np.float64) * self.ROUND
-        quota = np.floor(ideal).astype(np.int64)
-        quota[np.argsort(quota - ideal)[:self.ROUND - int(quota.sum())]] += 1  # largest remainders
+        quota = np.asarray(mixture_quota(weights))
         if (quota == 0).any():
             small = [n for n, q in zip(names, quota) if q == 0]
             raise ConfigError(f"config key 'data.mixture': the weight of {small} is below 1/{self.ROUND} of the total")

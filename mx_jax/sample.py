@@ -14,9 +14,10 @@ Decoding keeps no KV cache. Each new token runs the model over one fixed window 
 `--tokens`, rounded up to a multiple of 128), right-padded with token 0: attention is causal, so the logits at
 position t depend on tokens 0..t only and the padding never reaches them, and one compiled forward serves every
 step. A token costs one forward over W positions, which is fine for reading a model's output and wasteful for
-serving (export with `python -m mx_jax.hf export` and use an inference engine for that). With a capacity factor
-(`model.moe.capacity_factor` > 0) padding rows compete for expert capacity like real ones; dropless MoE (the
-default) is exact.
+serving (export with `python -m mx_jax.hf export` and use an inference engine for that). Two settings let the
+padding in: a capacity factor (`model.moe.capacity_factor` > 0; padding rows compete for expert capacity like real
+ones; dropless MoE, the default, is exact) and `quant.recipe=fp8_tensorwise` (padding rows enter the per-tensor
+scales; the default bf16 and the rowwise recipes scale each row alone).
 
 Sampling, per sequence: logits over the tokenizer's vocabulary (ids the model has beyond it are never drawn),
 divided by the temperature, restricted to the top k, then drawn; temperature 0 is greedy (argmax).
@@ -117,7 +118,7 @@ def make_step(setup: train.Setup, vocab_limit: int, temperature: float, top_k: i
             nxt = jnp.argmax(last, axis=-1)
         else:
             last = last / temperature
-            if top_k:
+            if top_k and top_k < vocab_limit:
                 kth = jax.lax.top_k(last, top_k)[0][:, -1:]
                 last = jnp.where(last < kth, -jnp.inf, last)
             nxt = jax.random.categorical(key, last, axis=-1)
@@ -168,8 +169,9 @@ def main(argv: list[str] | None = None) -> int:
         path = pathlib.Path(args.run_dir).absolute()
         if not path.exists():
             raise ConfigError(f"{path} does not exist (a run directory, or a checkpoint directory inside one)")
-        parts = path.parts  # a checkpoints / step / state directory names its run directory above "checkpoints"
-        run_dir = pathlib.Path(*parts[:parts.index("checkpoints")]) if "checkpoints" in parts else path
+        # the run directory: this one or the nearest above it (from a checkpoints / step / state directory)
+        run_dir = next((p for p in (path, *path.parents) if (p / "config.yaml").is_file() and
+                        (p / "checkpoints").is_dir()), path)
         cfg_file = pathlib.Path(args.config) if args.config else run_dir / "config.yaml"
         if not cfg_file.is_file():
             raise ConfigError(f"{cfg_file} does not exist: pass the run directory, or --config with the run's YAML")

@@ -35,7 +35,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from mx_jax import checkpoint, compat, metrics, preemption, profiling, sharding
 from mx_jax.config import ConfigError, TrainConfig, load_config, mixture_entries, to_dict, to_yaml
-from mx_jax.data import Batches, Dataset, Mixture, Windows, open_dataset
+from mx_jax.data import MIXTURE_ROUND, Batches, Dataset, Mixture, Windows, mixture_quota, open_dataset
 from mx_jax.llama import (Llama, buffers_of, compute_copies, cross_entropy, flops_per_token, moe_loss, param_axes,
                           params_of, prune_like, update_buffers, with_compute)
 from mx_jax.moe import RouterBias
@@ -316,7 +316,7 @@ class TrainResult:
 # Keys of the data item each checkpoint stores with the iterator position: what decides the batch order. A resumed
 # run must match them, or it would silently see other data than an uninterrupted run. data.path may move (a new
 # mount) as long as the data holds the same number of training windows (`train_windows`).
-_DATA_KEYS = ("seed", "data.seq_len", "data.source", "data.weights")
+_DATA_KEYS = ("seed", "data.seq_len", "data.source", "data.mixture_quota")
 # ModelConfig keys that may change across a resume: how the same function is computed, not which function.
 _MODEL_KEYS_FREE_ON_RESUME = frozenset({
     "remat", "scan_layers", "attention", "compute_dtype", "param_dtype", "moe.impl", "moe.all_to_all", "moe.dispatch",
@@ -342,12 +342,15 @@ def _data_path(cfg: TrainConfig) -> str | list[str]:
 
 def checkpoint_record(cfg: TrainConfig, position: int, train_windows: int | list[int]) -> dict:
     """The JSON `data` item saved with each step: the iterator position and what a resume must agree with (a
-    mixture adds its normalized weights; train_windows is then per source)."""
+    mixture adds its sources' slots per round, data.mixture_quota, and its directories' names; train_windows is then
+    per source)."""
     record = {"position": position, "seed": cfg.seed, "data.seq_len": cfg.data.seq_len,
               "data.source": cfg.data.source, "data.path": _data_path(cfg), "train_windows": train_windows,
               "model": to_dict(cfg.model)}
     if cfg.data.mixture:
-        record["data.weights"] = [w for w, _ in mixture_entries(cfg.data.mixture)]
+        entries = mixture_entries(cfg.data.mixture)
+        record["data.mixture_quota"] = mixture_quota([w for w, _ in entries])
+        record["data.mixture_names"] = [pathlib.Path(p).name for _, p in entries]
     return record
 
 
@@ -357,17 +360,19 @@ def check_resumable(cfg: TrainConfig, saved: dict, train_windows: int | list[int
     mine = checkpoint_record(cfg, 0, train_windows)
 
     def source(record: dict) -> str:
-        if "data.weights" in record:
-            pairs = zip(record["data.weights"], record["data.path"])
-            return "the mixture " + ", ".join(f"{w:.4g}:{p}" for w, p in pairs)
+        if "data.mixture_quota" in record:
+            pairs = zip(record["data.mixture_quota"], record["data.path"])
+            return "the mixture " + ", ".join(f"{q / MIXTURE_ROUND:.4g}:{p}" for q, p in pairs)
         return record.get("data.path") or "the embedded corpus"
 
-    for key in (*_DATA_KEYS, "train_windows"):
-        # data.weights is absent from single-source records, old or new: compare it always; the others only where
-        # the checkpoint recorded them (older checkpoints recorded fewer)
-        if saved.get(key) == mine.get(key) or (key not in saved and key != "data.weights"):
+    for key in (*_DATA_KEYS, "data.mixture_names", "train_windows"):
+        # the mixture keys are absent from single-source records, old or new: compare them always; the others only
+        # where the checkpoint recorded them (older checkpoints recorded fewer). A source's directory may move to
+        # another mount, but not trade places with another.
+        mixture_key = key.startswith("data.mixture")
+        if saved.get(key) == mine.get(key) or (key not in saved and not mixture_key):
             continue
-        if key == "data.weights":
+        if mixture_key:
             what = f"config key 'data.mixture': the checkpoint at {where} was trained on {source(saved)}, this run has"
             what += f" {source(mine)}"
         elif key == "train_windows":
@@ -453,60 +458,61 @@ def train(cfg: TrainConfig, devices: list[jax.Device] | None = None) -> TrainRes
                           f"vocabulary ({dataset.vocab_size})")
     run_dir = prepare_run_dir(cfg)
     ckpt = None
-    try:
-        with jax.set_mesh(mesh):
-            setup = build(cfg, mesh)
-            ckpt = checkpoint.Checkpointer(run_dir, cfg.ckpt)
-            start = ckpt.resume_step()  # may raise before anything is written
-            if start is not None and start > cfg.steps:
-                raise ConfigError(f"config key 'steps': {cfg.steps}, but {run_dir} already has a checkpoint at step "
-                                  f"{start}; raise steps to continue the run, or use a new run_dir")
-            log(f"mx_jax | {jax.device_count()} x {jax.devices()[0].device_kind} ({jax.process_count()} "
-                f"process(es)) | mesh {dict(mesh.shape)} | jax {jax.__version__}")
-            log(f"mesh   | {sharding.describe(mesh)}")
-            log(f"data   | {dataset.description}")
-            if isinstance(dataset.train, Mixture):
-                seqs = cfg.steps * cfg.data.batch_size
-                log("data   | in " + f"{cfg.steps} steps: " + ", ".join(
-                    f"{name} {seqs * w / src.n:.2f} epochs" for name, w, src in
-                    zip(dataset.train.names, dataset.train.weights, dataset.train.sources)))
-            if cfg.data.source == "embedded" and cfg.data.path:
-                log(f"data   | note: data.path={cfg.data.path} is not read (data.source=embedded; set "
-                    f"data.source=bin)")
-            n_params = sum(x.size for x in jax.tree.leaves(setup.abstract["params"]))
-            log(f"model  | {n_params / 1e6:,.1f} M parameters | quant recipe {cfg.quant.recipe} | remat "
-                f"{cfg.model.remat}")
-            for note in setup.notes:
-                log(f"quant  | {note}")
+    # From here until the last save is committed, a SIGTERM waits for the step in flight and its checkpoint.
+    with preemption.PreemptionWatch() as watch:
+        try:
+            with jax.set_mesh(mesh):
+                setup = build(cfg, mesh)
+                ckpt = checkpoint.Checkpointer(run_dir, cfg.ckpt)
+                start = ckpt.resume_step()  # may raise before anything is written
+                if start is not None and start > cfg.steps:
+                    raise ConfigError(f"config key 'steps': {cfg.steps}, but {run_dir} already has a checkpoint at "
+                                      f"step {start}; raise steps to continue the run, or use a new run_dir")
+                log(f"mx_jax | {jax.device_count()} x {jax.devices()[0].device_kind} ({jax.process_count()} "
+                    f"process(es)) | mesh {dict(mesh.shape)} | jax {jax.__version__}")
+                log(f"mesh   | {sharding.describe(mesh)}")
+                log(f"data   | {dataset.description}")
+                if isinstance(dataset.train, Mixture):
+                    seqs = cfg.steps * cfg.data.batch_size
+                    log("data   | in " + f"{cfg.steps} steps: " + ", ".join(
+                        f"{name} {seqs * w / src.n:.2f} epochs" for name, w, src in
+                        zip(dataset.train.names, dataset.train.weights, dataset.train.sources)))
+                if cfg.data.source == "embedded" and cfg.data.path:
+                    log(f"data   | note: data.path={cfg.data.path} is not read (data.source=embedded; set "
+                        f"data.source=bin)")
+                n_params = sum(x.size for x in jax.tree.leaves(setup.abstract["params"]))
+                log(f"model  | {n_params / 1e6:,.1f} M parameters | quant recipe {cfg.quant.recipe} | remat "
+                    f"{cfg.model.remat}")
+                for note in setup.notes:
+                    log(f"quant  | {note}")
 
-            train_batches = Batches(dataset.train, cfg.data.batch_size, cfg.seed)
-            if start is None:
-                state = init_state(setup)
-                step = 0
-                if cfg.init_from:
-                    state["params"] = _init_params(cfg, setup)
-                    state = with_fresh_compute(setup, state)
-                    log(f"init   | parameters from {cfg.init_from}")
-            else:
-                state, train_batches.position = _restore(cfg, setup, ckpt, start, dataset.train_windows)
-                step = start
-                log(f"resume | from step {step} ({ckpt.dir / str(start)}), data position {train_batches.position}")
-            if jax.process_index() == 0:
-                _write_atomic(run_dir / "config.yaml", to_yaml(cfg))
-            if step == cfg.steps:
-                log(f"done   | step {step} is already committed in {ckpt.dir}: nothing to train")
-                return TrainResult(state, {})
-            with preemption.PreemptionWatch() as watch:
+                train_batches = Batches(dataset.train, cfg.data.batch_size, cfg.seed)
+                if start is None:
+                    state = init_state(setup)
+                    step = 0
+                    if cfg.init_from:
+                        state["params"] = _init_params(cfg, setup)
+                        state = with_fresh_compute(setup, state)
+                        log(f"init   | parameters from {cfg.init_from}")
+                else:
+                    state, train_batches.position = _restore(cfg, setup, ckpt, start, dataset.train_windows)
+                    step = start
+                    log(f"resume | from step {step} ({ckpt.dir / str(start)}), data position {train_batches.position}")
+                if jax.process_index() == 0:
+                    _write_atomic(run_dir / "config.yaml", to_yaml(cfg))
+                if step == cfg.steps:
+                    log(f"done   | step {step} is already committed in {ckpt.dir}: nothing to train")
+                    return TrainResult(state, {})
                 if watch.note:
                     log(f"note   | SIGTERM stops the run without a final checkpoint: {watch.note}")
                 state, last, stopped_at = _loop(cfg, setup, state, step, dataset, train_batches, ckpt, run_dir,
                                                 resumed_at=start, watch=watch)
-    finally:
-        if ckpt is not None:
-            ckpt.close()  # waits for saves in flight: a committed step is never lost on the way out
-            for s, blocked, background in ckpt.finished_saves():
-                log(f"ckpt   | step {s} committed: blocked {1000 * blocked:.0f} ms, background "
-                    f"{1000 * background:.0f} ms")
+        finally:
+            if ckpt is not None:
+                ckpt.close()  # waits for saves in flight: a committed step is never lost on the way out
+                for s, blocked, background in ckpt.finished_saves():
+                    log(f"ckpt   | step {s} committed: blocked {1000 * blocked:.0f} ms, background "
+                        f"{1000 * background:.0f} ms")
     if stopped_at is not None:
         where = (f"step {stopped_at} is committed in {ckpt.dir}: run the same command again to resume"
                  if ckpt.latest_step() == stopped_at else f"no checkpoint of step {stopped_at} (ckpt.every_steps="
@@ -520,6 +526,7 @@ class _Trace:
     and the per-category summary of process 0's trace in the log (mx_jax/profiling.py)."""
 
     def __init__(self, cfg: TrainConfig, run_dir: pathlib.Path, step: int):
+        self.cfg = cfg
         self.first, self.n = cfg.log.profile_from, cfg.log.profile_steps
         self.dir = run_dir / "profile" / f"process_{jax.process_index()}"
         self.active = False
@@ -539,7 +546,17 @@ class _Trace:
         self.close()
         log(f"trace  | steps {self.first}-{step} traced into {self.dir} (TensorBoard's profile plugin, XProf or "
             f"Perfetto)")
-        for line in profiling.summarize(profiling.latest_trace(self.dir), step - self.first + 1, top=8):
+        if jax.process_index() != 0:  # only process 0 logs
+            return
+        c = self.cfg
+        extra = [what for what, every in (("an evaluation", c.log.eval_every_steps), ("a checkpoint save",
+                                                                                     c.ckpt.every_steps))
+                 if any(_due(s, every, c.steps) for s in range(self.first, step + 1))]
+        if extra:
+            log(f"trace  | note: {' and '.join(extra)} ran inside these steps and count in their device time")
+        data = profiling.latest_trace(self.dir)
+        lines = profiling.summarize(data, step - self.first + 1, top=8) if data else [f"no trace file in {self.dir}"]
+        for line in lines:
             log(f"trace  | {line}")
 
     def close(self) -> None:

@@ -274,4 +274,9 @@ def test_training_on_a_mixture_reports_each_source_and_resumes_only_on_it(tmp_pa
         train.train(tiny_config(run, *over[:1], f"data.mixture=1:{a},1:{b}", *over[2:-1], "steps=3"))
     with pytest.raises(ConfigError, match="'data.mixture'"):
         train.train(tiny_config(run, "data.source=bin", f"data.path={a}", *over[2:-1], "steps=3"))
-    assert int(train.train(tiny_config(run, *over[:-1], "steps=3")).state["step"]) == 3
+    # Same slots per round, same windows, but the sources trade places: refused too.
+    with pytest.raises(ConfigError, match="'data.mixture'"):
+        train.train(tiny_config(run, *over[:1], f"data.mixture=3:{b},1:{a}", *over[2:-1], "steps=3"))
+    # The same proportions written otherwise resume.
+    assert int(train.train(tiny_config(run, *over[:1], f"data.mixture=0.6:{a},0.2:{b}", *over[2:-1],
+                                       "steps=3")).state["step"]) == 3

@@ -51,6 +51,7 @@ def test_sigterm_saves_the_step_reached_and_the_run_resumes_there(tmp_path):
         rc = proc.wait(timeout=120)
     finally:
         proc.kill()
+        proc.stdout.close()
     out = "".join(lines)
     assert rc == preemption.EXIT_CODE == 143, out
     stopped = int(re.search(r"stop +\| SIGTERM: stopped after step (\d+) of 1000; step \1 is committed", out)[1])
@@ -88,11 +89,13 @@ def test_two_processes_save_the_same_step_when_one_is_signalled(tmp_path):
         procs[1].send_signal(signal.SIGTERM)
         lines += procs[0].stdout.readlines()
         rcs = [p.wait(timeout=120) for p in procs]
+        other = procs[1].stdout.read()
     finally:
         for p in procs:
             p.kill()
+            p.stdout.close()
     out = "".join(lines)
-    assert rcs == [143, 143], out + procs[1].stdout.read()[-3000:]
+    assert rcs == [143, 143], out + other[-3000:]
     stopped = int(re.search(r"stop +\| SIGTERM: stopped after step (\d+) of 1000; step \1 is committed", out)[1])
     assert os.listdir(run / "checkpoints") == [str(stopped)]
     # Both processes wrote their shards of that one step: it restores whole on another mesh.
@@ -122,10 +125,14 @@ def test_profile_traces_the_asked_steps(tmp_path, capsys):
     train.train(tiny_config(tmp_path, "steps=6", "log.profile_steps=2", "log.profile_from=3"))
     out = capsys.readouterr().out
     assert f"trace  | steps 3-4 traced into {tmp_path / 'profile' / 'process_0'}" in out
+    assert "ran inside these steps" not in out  # the evaluation and the save come at step 6
     assert list((tmp_path / "profile" / "process_0").rglob("*.xplane.pb"))
-    # A run ending inside the range stops the trace at its last step; one resumed past it traces nothing.
+    # A run ending inside the range stops the trace at its last step (where it evaluates and saves, which the
+    # summary says); one resumed past it traces nothing.
     train.train(tiny_config(tmp_path / "b", "steps=4", "log.profile_steps=5", "log.profile_from=3"))
-    assert "trace  | steps 3-4 traced" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "trace  | steps 3-4 traced" in out
+    assert "note: an evaluation and a checkpoint save ran inside these steps" in out
     train.train(tiny_config(tmp_path / "b", "steps=5", "log.profile_steps=5", "log.profile_from=3"))
     assert "the run starts after step 4, nothing is traced" in capsys.readouterr().out
 

@@ -47,7 +47,8 @@ def test_sampling_draws_only_from_the_top_k_and_the_tokenizer_vocab(tmp_path):
     with jax.set_mesh(mesh):
         greedy = sample.generate(setup, params, buffers, prompt, 12, temperature=0)
         top1 = sample.generate(setup, params, buffers, prompt, 12, temperature=1.0, top_k=1, seed=3)
-        hot = sample.generate(setup, params, buffers, prompt, 40, num=4, temperature=5.0, seed=1, vocab_limit=100)
+        hot = sample.generate(setup, params, buffers, prompt, 40, num=4, temperature=5.0, seed=1, vocab_limit=100,
+                              top_k=1000)  # a k past the vocabulary keeps every token
         again = sample.generate(setup, params, buffers, prompt, 40, num=4, temperature=5.0, seed=1, vocab_limit=100)
     np.testing.assert_array_equal(greedy, top1)
     assert hot[:, len(prompt):].max() < 100  # ids beyond the tokenizer's vocabulary are never drawn
@@ -56,6 +57,7 @@ def test_sampling_draws_only_from_the_top_k_and_the_tokenizer_vocab(tmp_path):
 
 
 def test_cli_prints_samples_and_names_bad_flags(tmp_path, capsys):
+    tmp_path = tmp_path / "checkpoints" / "run"  # a run stored under a folder that happens to be named so
     train.train(tiny_config(tmp_path, "steps=2", "mesh.data=1", "mesh.fsdp=1"), devices=jax.devices()[:1])
     assert sample.main([str(tmp_path / "checkpoints" / "2"), "--tokens", "8", "--prompt", "x = ", "--num", "2",
                         "--temperature", "0", "model.attention=xla"]) == 0  # overrides after the options
@@ -73,6 +75,7 @@ def test_cli_prints_samples_and_names_bad_flags(tmp_path, capsys):
         assert message in capsys.readouterr().err, flags
     assert sample.main([str(tmp_path / "elsewhere")]) == 2
     assert "elsewhere does not exist" in capsys.readouterr().err
-    (tmp_path / "notes").mkdir()
-    assert sample.main([str(tmp_path / "notes")]) == 2
+    outside = tmp_path.parents[1] / "notes"  # in no run directory
+    outside.mkdir()
+    assert sample.main([str(outside)]) == 2
     assert "notes/config.yaml does not exist" in capsys.readouterr().err
