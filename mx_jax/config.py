@@ -110,9 +110,11 @@ class DataConfig:
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class OptimConfig:
     lr_peak: float = 3e-3
-    lr_final_ratio: float = 0.1  # the cosine decays to lr_peak * lr_final_ratio
+    lr_final_ratio: float = 0.1  # the decay ends at lr_peak * lr_final_ratio
     warmup_steps: int = 50
-    decay_steps: int = 0  # 0 = the run's `steps`
+    decay_steps: int = 0  # where the decay ends; 0 = the run's `steps`
+    schedule: Literal["cosine", "wsd"] = "cosine"  # wsd: warmup, stable at lr_peak, then a 1-sqrt cooldown (optim.py)
+    cooldown_fraction: float = 0.2  # wsd: the last fraction of decay_steps that cools down
     b1: float = 0.9
     b2: float = 0.95
     eps: float = 1e-8
@@ -424,6 +426,7 @@ def validate(cfg: TrainConfig) -> None:
     _check(o.warmup_steps >= 0, "optim.warmup_steps", f"must be >= 0, got {o.warmup_steps}")
     _check(0 <= o.b1 < 1 and 0 <= o.b2 < 1, "optim.b1", "b1 and b2 must be in [0, 1)")
     _check(o.decay_steps >= 0, "optim.decay_steps", f"must be >= 0 (0 = the run's steps), got {o.decay_steps}")
+    _check(0 < o.cooldown_fraction <= 1, "optim.cooldown_fraction", f"must be in (0, 1], got {o.cooldown_fraction}")
     _check(o.eps > 0, "optim.eps", f"must be positive, got {o.eps}")
     _check(o.weight_decay >= 0, "optim.weight_decay", f"must be >= 0, got {o.weight_decay}")
     _check(o.grad_clip_norm >= 0, "optim.grad_clip_norm", f"must be >= 0, got {o.grad_clip_norm}")

@@ -1,8 +1,19 @@
-"""AdamW with linear warmup and cosine decay, global-norm clipping, and no weight decay on norms and embeddings.
+"""AdamW with linear warmup and a cosine or WSD decay, global-norm clipping, no weight decay on norms and embeddings.
 
     lr(s) = lr_peak * (1 + (warmup - 1) * s / warmup) / warmup      for s < warmup (step 0 already learns)
+    cosine (optim.schedule=cosine, the default):
           = lr_peak * (r + (1 - r) * (1 + cos(pi * p)) / 2)         p = (s - warmup) / (decay - warmup), clipped
-    with r = lr_final_ratio. Updates: g <- g * min(1, c / ||g||_2);  AdamW(b1, b2, eps, wd) (Loshchilov & Hutter).
+    warmup-stable-decay (optim.schedule=wsd):
+          = lr_peak                                                 for warmup <= s < c
+          = lr_peak * (r + (1 - r) * (1 - sqrt(q)))                 q = (s - c) / (decay - c), clipped
+            with c = max(warmup, decay - round(cooldown_fraction * decay)) where the cooldown starts
+    with r = lr_final_ratio and decay = optim.decay_steps or the run's steps. Updates: g <- g * min(1, c / ||g||_2);
+    AdamW(b1, b2, eps, wd) (Loshchilov & Hutter).
+
+WSD keeps the peak until a short cooldown at the end (the "1 - sqrt" shape, which Hagele et al. 2024, "Scaling Laws
+and Compute-Optimal Training Beyond Fixed Training Durations", found to match or beat cosine). Its learning rate
+before the cooldown does not depend on the run's length, so a run resumed with more `steps` from a checkpoint taken
+before its cooldown continues exactly as if it had been planned that long; a cosine run's schedule stretches.
 
 Weight decay applies to matrices that multiply activations (attention, MLP, expert and head weights); the embedding
 table, norm scales and biases are excluded, as in GPT-2/Llama practice. Gradient accumulation happens in the train
@@ -21,6 +32,17 @@ from mx_jax.config import OptimConfig
 def schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:
     decay = cfg.decay_steps or total_steps
     warmup = min(cfg.warmup_steps, decay)
+    if cfg.schedule == "wsd":
+        peak, r = cfg.lr_peak, cfg.lr_final_ratio
+        start = max(warmup, decay - round(cfg.cooldown_fraction * decay))
+
+        def wsd(step):
+            s = jnp.asarray(step, jnp.float32)
+            q = jnp.clip((s - start) / max(decay - start, 1), 0.0, 1.0)
+            after = peak * (r + (1 - r) * (1 - jnp.sqrt(q)))
+            return jnp.where(s < warmup, peak * (1 + (warmup - 1) * s / max(warmup, 1)) / max(warmup, 1), after)
+
+        return wsd
     return optax.warmup_cosine_decay_schedule(
         init_value=cfg.lr_peak / warmup if warmup else cfg.lr_peak, peak_value=cfg.lr_peak, warmup_steps=warmup,
         decay_steps=max(decay, warmup + 1),

@@ -125,3 +125,42 @@ def test_schedule_matches_the_docstring_formula(warmup, decay_steps, total):
         np.testing.assert_allclose(float(lr((warmup + decay) // 2)), peak * (r + (1 - r) / 2), rtol=1e-6)
     np.testing.assert_allclose(float(lr(decay)), peak * r, rtol=1e-6)
     np.testing.assert_allclose(float(lr(decay + 1000)), peak * r, rtol=1e-6)
+
+
+@pytest.mark.parametrize("warmup, decay_steps, total, frac", [(10, 0, 100, 0.2), (0, 200, 100, 0.5), (5, 0, 40, 1.0)])
+def test_wsd_schedule_matches_the_docstring_formula(warmup, decay_steps, total, frac):
+    peak, r = 2e-3, 0.05
+    cfg = OptimConfig(lr_peak=peak, lr_final_ratio=r, warmup_steps=warmup, decay_steps=decay_steps,
+                      schedule="wsd", cooldown_fraction=frac)
+    decay = decay_steps or total
+    c = max(warmup, decay - round(frac * decay))
+    lr = optim.schedule(cfg, total)
+    for s in range(0, decay + 5):
+        if s < warmup:
+            want = peak * (1 + (warmup - 1) * s / warmup) / warmup
+        else:
+            q = min(max((s - c) / (decay - c), 0.0), 1.0)
+            want = peak * (r + (1 - r) * (1 - math.sqrt(q)))
+        np.testing.assert_allclose(float(lr(s)), want, rtol=1e-6, err_msg=f"step {s}")
+    assert float(lr(c)) == pytest.approx(peak) and float(lr(decay)) == pytest.approx(peak * r)
+    if c > warmup:
+        assert float(lr(c - 1)) == pytest.approx(peak)  # stable up to the cooldown
+
+
+def test_wsd_before_its_cooldown_does_not_depend_on_the_run_length():
+    cfg = OptimConfig(lr_peak=1e-3, warmup_steps=10, schedule="wsd", cooldown_fraction=0.2)
+    short, long = optim.schedule(cfg, 1000), optim.schedule(cfg, 3000)
+    for s in (0, 5, 10, 400, 799):  # the 1000-step run cools down from step 800
+        assert float(short(s)) == float(long(s))
+    assert float(short(900)) < float(long(900)) == pytest.approx(1e-3)
+    cos_short, cos_long = (optim.schedule(OptimConfig(lr_peak=1e-3, warmup_steps=10), n) for n in (1000, 3000))
+    assert float(cos_short(400)) != float(cos_long(400))  # a cosine schedule stretches with the run
+
+
+def test_cooldown_fraction_is_checked():
+    from mx_jax.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="optim.cooldown_fraction"):
+        load_config(None, ["optim.schedule=wsd", "optim.cooldown_fraction=0"])
+    with pytest.raises(ConfigError, match="optim.schedule"):
+        load_config(None, ["optim.schedule=linear"])
