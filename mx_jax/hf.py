@@ -64,7 +64,7 @@ import jax
 import numpy as np
 import yaml
 
-from mx_jax.config import ConfigError, ModelConfig, RopeScaling, load_config, read_json_object, to_dict
+from mx_jax.config import ConfigError, ModelConfig, MoEConfig, RopeScaling, load_config, read_json_object, to_dict
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -86,6 +86,10 @@ class _Tensor:
     def per_layer(self) -> bool:
         return "{i}" in self.hf
 
+    @property
+    def per_expert(self) -> bool:
+        return "{j}" in self.hf
+
 
 # In the order HF writes them (embedding, layers, final norm, head).
 LAYOUT: tuple[_Tensor, ...] = (
@@ -102,6 +106,25 @@ LAYOUT: tuple[_Tensor, ...] = (
     _Tensor("model.norm.weight", ("final_norm", "scale"), False),
     _Tensor("lm_head.weight", ("head",), True),
 )
+# Mixtral (MixtralForCausalLM): the dense MLP of every layer is a sparse MoE block. Its router `gate` is an
+# nn.Linear (E, D); expert j's w1 / w3 / w2 are the gate / up / down projections, stacked in mx_jax on an expert axis
+# after the layer axis. HF's routing is moe.py's softmax score, top-k, top-k weights renormalized to sum to 1.
+MIXTRAL_MLP: tuple[_Tensor, ...] = (
+    _Tensor("model.layers.{i}.block_sparse_moe.gate.weight", ("blocks", "moe", "router"), True),
+    _Tensor("model.layers.{i}.block_sparse_moe.experts.{j}.w1.weight", ("blocks", "moe", "w_gate"), True),
+    _Tensor("model.layers.{i}.block_sparse_moe.experts.{j}.w2.weight", ("blocks", "moe", "w_down"), True),
+    _Tensor("model.layers.{i}.block_sparse_moe.experts.{j}.w3.weight", ("blocks", "moe", "w_up"), True),
+)
+
+
+def layout(cfg: ModelConfig) -> tuple[_Tensor, ...]:
+    """LAYOUT for a dense Llama; for a Mixtral-style MoE, LAYOUT with the MLP tensors replaced by MIXTRAL_MLP."""
+    _check_supported(cfg)
+    if not cfg.moe.n_experts:
+        return LAYOUT
+    return tuple(t for t in LAYOUT[:7]) + MIXTRAL_MLP + LAYOUT[10:]
+
+
 # Buffers some older HF checkpoints saved; recomputed from the config, so they are skipped.
 _IGNORED_KEYS = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
 
@@ -135,11 +158,23 @@ def config_from_hf(hf: dict, source: str = "config.json") -> ModelConfig:
 
     archs = hf.get("architectures") or []
     if "model_type" not in hf and any(a != "LlamaForCausalLM" for a in archs):
-        raise HFFormatError(f"{source}: no model_type, and architectures is {archs}; only LlamaForCausalLM maps to "
-                            f"mx_jax")
+        raise HFFormatError(f"{source}: no model_type, and architectures is {archs}; only LlamaForCausalLM and "
+                            f"MixtralForCausalLM map to mx_jax")
     model_type = hf.get("model_type", "llama")
-    if model_type != "llama":
-        raise HFFormatError(f"{source}: model_type is {model_type!r}; only 'llama' (LlamaForCausalLM) maps to mx_jax")
+    if model_type not in ("llama", "mixtral"):
+        raise HFFormatError(f"{source}: model_type is {model_type!r}; only 'llama' (LlamaForCausalLM) and 'mixtral' "
+                            f"(MixtralForCausalLM) map to mx_jax")
+    moe = MoEConfig()
+    if model_type == "mixtral":
+        if hf.get("sliding_window") is not None:
+            raise HFFormatError(f"{source}: sliding_window={hf['sliding_window']} is not supported (mx_jax attends "
+                                f"to the whole causal context)")
+        if hf.get("router_jitter_noise", 0.0):
+            raise HFFormatError(f"{source}: router_jitter_noise={hf['router_jitter_noise']} is not supported")
+        top_k = int(get("num_experts_per_tok"))
+        # HF's balancing loss is top_k at balance, ours 1 (moe.py): the same pull takes coefficient x top_k
+        moe = MoEConfig(n_experts=int(get("num_local_experts")), top_k=top_k,
+                        aux_loss_coef=float(get("router_aux_loss_coef", 0.001)) * top_k)
     for key, want in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False)):
         if hf.get(key, want) != want:
             raise HFFormatError(f"{source}: {key}={hf[key]!r} is not supported (mx_jax's Llama has {key}={want!r})")
@@ -172,13 +207,18 @@ def config_from_hf(hf: dict, source: str = "config.json") -> ModelConfig:
         rope_theta=float(rope.get("rope_theta") or get("rope_theta", 10000.0)),  # HF LlamaConfig's default
         rope_scaling=scaling,
         norm_eps=float(get("rms_norm_eps", 1e-6)),  # HF LlamaConfig's default
+        moe=moe,
     )
 
 
 def config_to_hf(cfg: ModelConfig, dtype: str, base: dict | None = None) -> dict:
-    """ModelConfig -> config.json for LlamaForCausalLM. `base` (an imported config.json) keeps its other keys
-    (token ids, max_position_embeddings, ...); the architecture keys are overwritten."""
-    _check_dense(cfg)
+    """ModelConfig -> config.json for LlamaForCausalLM (MixtralForCausalLM for an MoE). `base` (an imported
+    config.json) keeps its other keys (token ids, max_position_embeddings, ...); the architecture keys are
+    overwritten."""
+    _check_supported(cfg)
+    if cfg.moe.bias_update_rate > 0:
+        raise ConfigError("config key 'model.moe.bias_update_rate': the router biases it trains change which experts "
+                          "are chosen, and HF Mixtral has no place for them")
     sc = cfg.rope_scaling
     scaled = sc.factor > 1.0
     out = dict(base or {})
@@ -207,24 +247,42 @@ def config_to_hf(cfg: ModelConfig, dtype: str, base: dict | None = None) -> dict
     out.setdefault("max_position_embeddings", int(sc.original_max_len * (sc.factor if scaled else 1)))
     if "dtype" in out:  # transformers 5 writes `dtype` instead of `torch_dtype`
         out["dtype"] = dtype
+    if cfg.moe.n_experts:
+        out.update({"architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
+                    "num_local_experts": cfg.moe.n_experts, "num_experts_per_tok": cfg.moe.top_k,
+                    "router_aux_loss_coef": cfg.moe.aux_loss_coef / cfg.moe.top_k, "output_router_logits": False,
+                    "router_jitter_noise": 0.0, "sliding_window": None})
     return out
 
 
-def _check_dense(cfg: ModelConfig) -> None:
-    if cfg.moe.n_experts:
-        raise ConfigError("config key 'model.moe.n_experts': HF Llama interop covers dense models only, got "
-                          f"{cfg.moe.n_experts} experts")
+def _check_supported(cfg: ModelConfig) -> None:
+    """ConfigError naming the key unless cfg is a dense Llama or a Mixtral-style MoE (every layer, no shared
+    experts, softmax routing with renormalized top-k weights, experts as wide as model.d_ff)."""
+    m = cfg.moe
+    if not m.n_experts:
+        return
+    for key, value, want in (("n_shared", m.n_shared, 0), ("every_n_layers", m.every_n_layers, 1),
+                             ("n_dense_first", m.n_dense_first, 0), ("score", m.score, "softmax"),
+                             ("normalize_top_k", m.normalize_top_k, True), ("d_expert", m.d_expert or cfg.d_ff,
+                                                                             cfg.d_ff)):
+        if value != want:
+            raise ConfigError(f"config key 'model.moe.{key}': {value!r}; HF interop covers dense Llama and "
+                              f"Mixtral-style MoE models ({key}={want!r})")
 
 
 def _merge_config(hf_cfg: ModelConfig, cfg: ModelConfig | None, source: str) -> ModelConfig:
     """cfg's values win; shape fields must agree with the checkpoint, numeric ones may differ (with a warning)."""
     if cfg is None:
         return hf_cfg
-    _check_dense(cfg)
+    _check_supported(cfg)
     for f in _SHAPE_FIELDS:
         if getattr(cfg, f) != getattr(hf_cfg, f):
             raise ConfigError(f"config key 'model.{f}': {getattr(cfg, f)} does not match the checkpoint's "
                               f"{getattr(hf_cfg, f)} ({source})")
+    for f in ("n_experts", "top_k"):
+        if getattr(cfg.moe, f) != getattr(hf_cfg.moe, f):
+            raise ConfigError(f"config key 'model.moe.{f}': {getattr(cfg.moe, f)} does not match the checkpoint's "
+                              f"{getattr(hf_cfg.moe, f)} ({source})")
     for f in _NUMERIC_FIELDS:
         if getattr(cfg, f) != getattr(hf_cfg, f):
             warnings.warn(f"model.{f}={getattr(cfg, f)} differs from the checkpoint's {getattr(hf_cfg, f)} "
@@ -237,15 +295,17 @@ def _merge_config(hf_cfg: ModelConfig, cfg: ModelConfig | None, source: str) -> 
 
 
 def param_shapes(cfg: ModelConfig) -> dict:
-    """The mx_jax params tree of a dense Llama as nested dicts of shapes (what llama.params_of returns)."""
-    _check_dense(cfg)
-    L, D, V, F = cfg.n_layers, cfg.d_model, cfg.vocab_size, cfg.d_ff
+    """The mx_jax params tree of a dense Llama or a Mixtral-style MoE as nested dicts of shapes (what
+    llama.params_of returns)."""
+    _check_supported(cfg)
+    L, D, V, F, E = cfg.n_layers, cfg.d_model, cfg.vocab_size, cfg.d_ff, cfg.moe.n_experts
     HK, GK = cfg.n_heads * cfg.d_head, cfg.n_kv_heads * cfg.d_head
+    mlp = ({"moe": {"router": (L, D, E), "w_gate": (L, E, D, F), "w_up": (L, E, D, F), "w_down": (L, E, F, D)}}
+           if E else {"mlp": {"w_gate": (L, D, F), "w_up": (L, D, F), "w_down": (L, F, D)}})
     return {
         "embed": (V, D),
         "blocks": {"attn_norm": {"scale": (L, D)}, "mlp_norm": {"scale": (L, D)},
-                   "attn": {"wq": (L, D, HK), "wk": (L, D, GK), "wv": (L, D, GK), "wo": (L, HK, D)},
-                   "mlp": {"w_gate": (L, D, F), "w_up": (L, D, F), "w_down": (L, F, D)}},
+                   "attn": {"wq": (L, D, HK), "wk": (L, D, GK), "wv": (L, D, GK), "wo": (L, HK, D)}, **mlp},
         "final_norm": {"scale": (D,)},
         "head": (D, V),
     }
@@ -264,28 +324,33 @@ def _set(tree: dict, path: tuple[str, ...], value: Any) -> None:
 
 
 def _hf_shape(t: _Tensor, shape: tuple[int, ...]) -> tuple[int, ...]:
-    one = shape[1:] if t.per_layer else shape
+    one = shape[t.per_layer + t.per_expert:]
     return tuple(reversed(one)) if t.transpose else tuple(one)
 
 
-def _hf_keys(cfg: ModelConfig) -> Iterator[tuple[str, _Tensor, int | None]]:
-    """(HF key, layout entry, layer index or None) in HF's order: embedding, layer 0's tensors, layer 1's, ..., head."""
-    per_layer = [t for t in LAYOUT if t.per_layer]
-    yield from ((t.hf, t, None) for t in LAYOUT[:1])
+def _hf_keys(cfg: ModelConfig) -> Iterator[tuple[str, _Tensor, tuple[int, ...]]]:
+    """(HF key, layout entry, index into the stacked array: () or (layer,) or (layer, expert)) in HF's order:
+    embedding, layer 0's tensors (expert by expert), layer 1's, ..., head."""
+    lay = layout(cfg)
+    yield from ((t.hf, t, ()) for t in lay[:1])
     for i in range(cfg.n_layers):
-        yield from ((t.hf.format(i=i), t, i) for t in per_layer)
-    yield from ((t.hf, t, None) for t in LAYOUT[1:] if not t.per_layer)
+        for t in lay:
+            if t.per_expert:
+                yield from ((t.hf.format(i=i, j=j), t, (i, j)) for j in range(cfg.moe.n_experts))
+            elif t.per_layer:
+                yield t.hf.format(i=i), t, (i,)
+    yield from ((t.hf, t, ()) for t in lay[1:] if not t.per_layer)
 
 
 def check_params(params: dict, cfg: ModelConfig) -> None:
-    """Raise naming the path when params lack a leaf of a dense Llama of cfg, have an extra one, or a shape differs."""
+    """Raise naming the path when params lack a leaf of the model of cfg, have an extra one, or a shape differs."""
     want = param_shapes(cfg)
     want_leaves = {"/".join(map(str, _path_keys(p))): s for p, s in
                    jax.tree_util.tree_flatten_with_path(want, is_leaf=lambda x: isinstance(x, tuple))[0]}
     have = {"/".join(map(str, _path_keys(p))): x for p, x in jax.tree_util.tree_flatten_with_path(params)[0]}
     missing, extra = sorted(set(want_leaves) - set(have)), sorted(set(have) - set(want_leaves))
     if missing or extra:
-        raise ValueError(f"params do not match a dense Llama of this config: missing {missing}, unexpected {extra}")
+        raise ValueError(f"params do not match a model of this config: missing {missing}, unexpected {extra}")
     for k, shape in want_leaves.items():
         if tuple(have[k].shape) != shape:
             raise ValueError(f"params['{k}'] has shape {tuple(have[k].shape)} ({have[k].dtype}); the config wants "
@@ -346,7 +411,7 @@ def load_hf_llama(path: str | pathlib.Path, cfg: ModelConfig | None = None) -> t
     dtype = np.dtype(jax.numpy.dtype(out_cfg.param_dtype))
     shapes = param_shapes(out_cfg)
     params: dict = {}
-    for t in LAYOUT:
+    for t in layout(out_cfg):
         _set(params, t.path, np.empty(_get(shapes, t.path), dtype))
     used = set()
     with contextlib.ExitStack() as stack:
@@ -371,8 +436,7 @@ def load_hf_llama(path: str | pathlib.Path, cfg: ModelConfig | None = None) -> t
         for key, t, i in _hf_keys(out_cfg):
             if key == "lm_head.weight" and tied:
                 continue  # HF ignores a stored lm_head when tied
-            dst = _get(params, t.path)
-            dst = dst if i is None else dst[i]  # a view into the stacked (L, ...) array
+            dst = _get(params, t.path)[i]  # a view into the stacked (L, ...) or (L, E, ...) array
             x = read(key, _hf_shape(t, _get(shapes, t.path)))
             dst[...] = x.T if t.transpose else x  # casts to param_dtype in place
             del x
@@ -381,7 +445,7 @@ def load_hf_llama(path: str | pathlib.Path, cfg: ModelConfig | None = None) -> t
         used.add("lm_head.weight")
     unused = sorted(k for k in set(files) - used if not _IGNORED_KEYS.fullmatch(k))
     if unused:
-        raise HFFormatError(f"{path}: {len(unused)} tensor(s) have no place in a Llama of this config, e.g. "
+        raise HFFormatError(f"{path}: {len(unused)} tensor(s) have no place in a model of this config, e.g. "
                             f"{unused[:5]}")
     return params, out_cfg
 
@@ -426,7 +490,7 @@ def export_hf_llama(params: dict, cfg: ModelConfig, path: str | pathlib.Path, *,
 
     # Plan shards from shapes alone, greedily in HF's key order; a tensor larger than the limit gets its own shard.
     shapes = param_shapes(cfg)
-    shards: list[list[tuple[str, _Tensor, int | None]]] = [[]]
+    shards: list[list[tuple[str, _Tensor, tuple[int, ...]]]] = [[]]
     size = 0
     total = 0
     for key, t, i in _hf_keys(cfg):
@@ -444,8 +508,7 @@ def export_hf_llama(params: dict, cfg: ModelConfig, path: str | pathlib.Path, *,
     for name, shard in zip(names, shards):
         tensors = {}
         for key, t, i in shard:
-            leaf = _get(params, t.path)
-            x = _host(leaf if i is None else leaf[i], np_dtype)
+            x = _host(_get(params, t.path)[i], np_dtype)
             tensors[key] = np.ascontiguousarray(x.T if t.transpose else x)
             weight_map[key] = name
         stnp.save_file(tensors, str(path / name), metadata={"format": "pt"})  # transformers checks "format"
@@ -609,6 +672,8 @@ def main(argv: list[str] | None = None) -> int:
             params, cfg = load_hf_llama(src)
             target = save_params(params, out, args.step)
             arch = {k: v for k, v in to_dict(cfg).items() if k in _ARCH_KEYS}
+            if cfg.moe.n_experts:
+                arch["moe"] = {k: getattr(cfg.moe, k) for k in ("n_experts", "top_k", "aux_loss_coef")}
             (out / "config.yaml").write_text(yaml.safe_dump({"model": arch}, sort_keys=False))
             shutil.copyfile(src / "config.json", out / "hf_config.json")
             n = sum(x.size for x in jax.tree.leaves(params))

@@ -1,5 +1,6 @@
-"""HF Llama interop: exact round trips of checkpoints the test writes in HF layout, the key/shape errors, Orbax
-import/export, and (when torch and transformers are installed) logits against transformers' LlamaForCausalLM."""
+"""HF Llama and Mixtral interop: exact round trips of checkpoints the test writes in HF layout, the key/shape errors,
+Orbax import/export, and (when torch and transformers are installed) logits against transformers' LlamaForCausalLM
+and MixtralForCausalLM."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+import yaml
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
@@ -21,7 +23,7 @@ from safetensors.numpy import save_file  # noqa: E402
 
 from mx_jax import hf  # noqa: E402
 from mx_jax.config import ConfigError, ModelConfig, RopeScaling  # noqa: E402
-from mx_jax.llama import Llama, params_of  # noqa: E402
+from mx_jax.llama import Llama, buffers_of, params_of  # noqa: E402
 from mx_jax.train import train  # noqa: E402
 from tests.helpers import tiny_config  # noqa: E402
 
@@ -272,8 +274,8 @@ def test_export_checks_params_and_existing_files(tmp_path):
         hf.export_hf_llama(params, cfg, tmp_path / "out")
     hf.export_hf_llama(params, cfg, tmp_path / "out", dtype="float32", max_shard_bytes=50_000, overwrite=True)
     assert not (tmp_path / "out" / hf.SINGLE_FILE).exists()  # the old single file went away
-    with pytest.raises(ConfigError, match="moe.n_experts"):
-        hf.export_hf_llama(params, dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, n_experts=4)),
+    with pytest.raises(ConfigError, match="model.moe.n_shared.*Mixtral-style"):  # DeepSeek-style: no HF mapping
+        hf.export_hf_llama(params, dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, n_experts=4, n_shared=1)),
                            tmp_path / "moe")
 
 
@@ -335,8 +337,10 @@ def test_init_from_places_hf_and_orbax_params_on_a_mesh(tmp_path):
 
 def _our_logits(params: dict, cfg: ModelConfig, tokens: np.ndarray) -> np.ndarray:
     cfg = dataclasses.replace(cfg, compute_dtype="float32")
-    graphdef, _, _ = nnx.split(nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0))), nnx.Param, ...)
-    model = nnx.merge(graphdef, jax.tree.map(jnp.asarray, params), {})
+    abstract = nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0)))
+    graphdef, _, _ = nnx.split(abstract, nnx.Param, ...)
+    buffers = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), buffers_of(abstract))  # MoE router biases: 0
+    model = nnx.merge(graphdef, jax.tree.map(jnp.asarray, params), buffers)
     return np.asarray(model(jnp.asarray(tokens))[0])
 
 
@@ -365,5 +369,94 @@ def test_logits_match_transformers(tmp_path, tied):
     # Our export, read by transformers, gives the same logits again.
     hf.export_hf_llama(params, cfg, tmp_path / "ours", dtype="float32")
     back = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "ours", attn_implementation="eager").float()
+    with torch.no_grad():
+        np.testing.assert_allclose(back(torch.as_tensor(tokens)).logits.numpy(), want, atol=1e-5, rtol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Mixtral (MixtralForCausalLM): the MoE block's router and experts
+
+MIXTRAL_CONFIG = {**{k: v for k, v in HF_CONFIG.items() if k not in ("attention_bias", "mlp_bias")},
+                  "architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "num_local_experts": 4,
+                  "num_experts_per_tok": 2, "router_aux_loss_coef": 0.02, "sliding_window": None,
+                  "output_router_logits": False, "router_jitter_noise": 0.0, "vocab_size": 256}  # a byte corpus
+
+
+def test_mixtral_maps_router_and_experts_both_ways(tmp_path):
+    cfg = hf.config_from_hf(MIXTRAL_CONFIG)
+    assert (cfg.moe.n_experts, cfg.moe.top_k, cfg.moe.aux_loss_coef) == (4, 2, 0.04)  # HF's coef x top_k (moe.py)
+    assert hf.config_to_hf(cfg, "float32")["router_aux_loss_coef"] == pytest.approx(0.02)
+    shapes = hf.param_shapes(cfg)
+    assert "mlp" not in shapes["blocks"] and shapes["blocks"]["moe"]["w_down"] == (3, 4, 80, 48)
+    # the same shapes as the model builds
+    abstract = nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0)))
+    assert jax.tree.map(lambda x: tuple(x.shape), params_of(abstract)) == shapes
+    rng = np.random.default_rng(0)
+    params = jax.tree.map(lambda s: rng.standard_normal(s).astype(np.float32), shapes,
+                          is_leaf=lambda x: isinstance(x, tuple))
+    hf.export_hf_llama(params, cfg, tmp_path / "hf", dtype="float32", max_shard_bytes=60_000)
+    written = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert written["model_type"] == "mixtral" and written["architectures"] == ["MixtralForCausalLM"]
+    index = json.loads((tmp_path / "hf" / hf.INDEX_FILE).read_text())["weight_map"]
+    assert not any(".mlp." in k for k in index) and len(index) == 3 + 3 * (6 + 1 + 3 * 4)
+    moe = params["blocks"]["moe"]
+    for key, want in (("model.layers.2.block_sparse_moe.gate.weight", moe["router"][2].T),  # written out by hand
+                      ("model.layers.1.block_sparse_moe.experts.3.w1.weight", moe["w_gate"][1, 3].T),
+                      ("model.layers.0.block_sparse_moe.experts.2.w2.weight", moe["w_down"][0, 2].T),
+                      ("model.layers.2.block_sparse_moe.experts.0.w3.weight", moe["w_up"][2, 0].T)):
+        with safe_open(str(tmp_path / "hf" / index[key]), framework="np") as f:
+            np.testing.assert_array_equal(f.get_tensor(key), want)
+    back, cfg2 = hf.load_hf_llama(tmp_path / "hf")
+    assert cfg2.moe == cfg.moe
+    jax.tree.map(np.testing.assert_array_equal, back, params)
+    # A trainer run starts from it (the config names the MoE; init_from checks the experts match).
+    result = train(tiny_config(tmp_path / "run", "model.vocab_size=256", "model.d_model=48", "model.n_layers=3",
+                               "model.n_heads=4", "model.n_kv_heads=2", "model.head_dim=8", "model.d_ff=80",
+                               "model.moe.n_experts=4", "model.moe.top_k=2", f"init_from={tmp_path / 'hf'}",
+                               "steps=1", "optim.warmup_steps=0", "mesh.data=2", "mesh.fsdp=1", "mesh.expert=4"))
+    assert np.isfinite(result.metrics["loss"])
+    with pytest.raises(ConfigError, match="model.moe.n_experts"):
+        hf.load_hf_llama(tmp_path / "hf", dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, n_experts=8)))
+    assert hf.main(["import", str(tmp_path / "hf"), str(tmp_path / "imported")]) == 0  # the MoE keys reach config.yaml
+    imported = yaml.safe_load((tmp_path / "imported" / "config.yaml").read_text())["model"]
+    assert imported["moe"] == {"n_experts": 4, "top_k": 2, "aux_loss_coef": 0.04}
+
+
+@pytest.mark.parametrize("change, match", [
+    ({"sliding_window": 4096}, "sliding_window"),
+    ({"router_jitter_noise": 0.1}, "router_jitter_noise"),
+])
+def test_unsupported_mixtral_configs_are_refused(change, match):
+    with pytest.raises(hf.HFFormatError, match=match):
+        hf.config_from_hf({**MIXTRAL_CONFIG, **change})
+
+
+def test_router_biases_block_export(tmp_path):
+    cfg = hf.config_from_hf(MIXTRAL_CONFIG)
+    cfg = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, bias_update_rate=0.01))
+    with pytest.raises(ConfigError, match="bias_update_rate"):
+        hf.config_to_hf(cfg, "float32")
+
+
+def test_mixtral_logits_match_transformers(tmp_path):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    c = {k: v for k, v in MIXTRAL_CONFIG.items() if k not in ("architectures", "model_type", "torch_dtype")}
+    ref = transformers.MixtralForCausalLM(transformers.MixtralConfig(**c, initializer_range=0.15))
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.5 * torch.randn_like(p))
+    ref = ref.float().eval()
+    ref.config._attn_implementation = "eager"
+    ref.save_pretrained(tmp_path / "hf", safe_serialization=True)
+    tokens = np.random.default_rng(0).integers(0, c["vocab_size"], (2, 40))
+    with torch.no_grad():
+        want = ref(torch.as_tensor(tokens)).logits.numpy()
+    params, cfg = hf.load_hf_llama(tmp_path / "hf")
+    np.testing.assert_allclose(_our_logits(params, cfg, tokens), want, atol=1e-4, rtol=0)
+    hf.export_hf_llama(params, cfg, tmp_path / "ours", dtype="float32")
+    back = transformers.MixtralForCausalLM.from_pretrained(tmp_path / "ours", attn_implementation="eager").float()
     with torch.no_grad():
         np.testing.assert_allclose(back(torch.as_tensor(tokens)).logits.numpy(), want, atol=1e-5, rtol=1e-5)
