@@ -135,18 +135,23 @@ class MetricsWriter:
 
 
 class Throughput:
-    """Wall-clock rate over the steps since the last report (device work is synchronized by reading the loss)."""
+    """Wall-clock rate over the steps since the last report (device work is synchronized by reading the loss), and
+    the host time spent building batches in that span (`data_ms` per step: while it is a small part of the step,
+    the device never waits for data, as the next batch is built while the current step runs)."""
 
     def __init__(self, tokens_per_step: int, flops_per_token: float, n_devices: int, peak_tflops: float | None):
         self.tokens_per_step, self.flops_per_token = tokens_per_step, flops_per_token
         self.n_devices, self.peak = n_devices, peak_tflops
-        self._t0, self._steps = time.perf_counter(), 0
+        self.reset()
 
     def reset(self) -> None:
-        self._t0, self._steps = time.perf_counter(), 0
+        self._t0, self._steps, self._data = time.perf_counter(), 0, 0.0
 
     def step(self) -> None:
         self._steps += 1
+
+    def add_data_time(self, seconds: float) -> None:
+        self._data += seconds
 
     def report(self) -> dict[str, float]:
         dt = time.perf_counter() - self._t0
@@ -155,6 +160,6 @@ class Throughput:
         tps = self.tokens_per_step * self._steps / dt
         tflops = self.flops_per_token * tps / self.n_devices / 1e12
         out = {"tokens_per_sec": tps, "tflops_per_device": tflops, "step_time_s": dt / self._steps,
-               "mfu": tflops / self.peak if self.peak else None}
+               "mfu": tflops / self.peak if self.peak else None, "data_ms": 1000 * self._data / self._steps}
         self.reset()
         return out

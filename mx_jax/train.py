@@ -589,13 +589,29 @@ def _loop(cfg, setup, state, step, dataset, train_batches, ckpt, run_dir, resume
         bar = tqdm(total=cfg.steps, initial=step, unit="step", dynamic_ncols=True, file=sys.stdout,
                    mininterval=1.0)
     last: dict = {}
-    pending = None  # (step number, device metrics) of the step dispatched last
+    pending = None  # (step number, device metrics, seconds spent building its batch) of the step dispatched last
     t_start = time.perf_counter()
     compiled_at = None
     stopped_at = None
+    data_warned = False
+
+    def _check_data_time(m: dict) -> None:
+        """data_ms_max: the slowest process's batch building (every process calls this at the same steps); a
+        one-time warning when it takes a tenth of the step or more."""
+        nonlocal data_warned
+        per_process = [m["data_ms"]]
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+            per_process = [float(x) for x in multihost_utils.process_allgather(np.float32(m["data_ms"]))]
+            m["data_ms_max"] = max(per_process)
+        worst = int(np.argmax(per_process))
+        if not data_warned and per_process[worst] >= 100 * m["step_time_s"]:  # ms vs s: a tenth of the step
+            data_warned = True
+            log(f"warn   | building a batch took {per_process[worst]:.1f} ms of each {1000 * m['step_time_s']:.1f} ms "
+                f"step on process {worst}: the device may wait for data (slow storage under data.path?)")
     trace = _Trace(cfg, run_dir, step)
 
-    def finish(step_no: int, dev_metrics, with_eval: bool = False) -> None:
+    def finish(step_no: int, dev_metrics, data_s: float, with_eval: bool = False) -> None:
         """Read one step's metrics (blocks until it is done); log, and evaluate the *current* params if asked."""
         nonlocal last, compiled_at
         m = {k: (float(v) if np.ndim(v) == 0 else [round(float(x), 5) for x in np.asarray(v)])
@@ -613,10 +629,13 @@ def _loop(cfg, setup, state, step, dataset, train_batches, ckpt, run_dir, resume
             rate.reset()
         else:
             rate.step()
+            rate.add_data_time(data_s)
         if bar is not None:
             bar.update(1)
         if step_no % cfg.log.every_steps == 0 or with_eval:
             m.update(rate.report())
+            if "data_ms" in m:
+                _check_data_time(m)
             m.update(metrics.memory_in_use())
             if with_eval:
                 m.update(evaluate(eval_step, state, dataset, setup))
@@ -630,12 +649,14 @@ def _loop(cfg, setup, state, step, dataset, train_batches, ckpt, run_dir, resume
     try:
         while step < cfg.steps:
             trace.maybe_start(step + 1, state)
+            t_data = time.perf_counter()
             batch = train_batches.next_global(setup.batch_shardings, cfg.data.grad_accum_steps)
+            data_s = time.perf_counter() - t_data
             state, dev_metrics = train_step(state, batch)
             step += 1
             if pending is not None:
                 finish(*pending)  # the previous step: the device is already busy with this one
-            pending = (step, dev_metrics)
+            pending = (step, dev_metrics, data_s)
             # Every process asks at every step (the multi-process agreement needs it), before any save of the step.
             preempted = watch.reached(step) and step < cfg.steps
             eval_now = _due(step, cfg.log.eval_every_steps, cfg.steps)

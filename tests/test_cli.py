@@ -61,3 +61,27 @@ def test_metrics_jsonl_stays_json_and_drops_replayed_steps(tmp_path):
     w.write(3, {"loss": 0.3})
     w.close()
     assert [json.loads(l)["step"] for l in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]
+
+
+def test_batch_building_time_is_measured_and_a_slow_one_warned(tmp_path, monkeypatch, capsys):
+    import time
+
+    from mx_jax import data, train
+    from tests.helpers import tiny_config
+
+    fast = train.train(tiny_config(tmp_path / "fast", "steps=4", "log.every_steps=2"))
+    assert 0 <= fast.metrics["data_ms"] < 1000 * fast.metrics["step_time_s"]
+    assert "building a batch took" not in capsys.readouterr().out
+    slow_next = data.Batches.next_global
+
+    def slow(self, *args, **kwargs):
+        time.sleep(0.2)
+        return slow_next(self, *args, **kwargs)
+
+    monkeypatch.setattr(data.Batches, "next_global", slow)
+    slow_run = train.train(tiny_config(tmp_path / "slow", "steps=6", "log.every_steps=2"))
+    assert slow_run.metrics["data_ms"] >= 200
+    out = capsys.readouterr().out
+    assert out.count("building a batch took") == 1 and "on process 0: the device may wait for data" in out
+    records = [json.loads(l) for l in (tmp_path / "slow" / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["data_ms"] >= 200 for r in records if r["step"] > 2)

@@ -36,6 +36,8 @@ def test_two_processes_match_one_and_share_checkpoints(tmp_path):
     train.train(tiny_config(tmp_path / "one", "optim.decay_steps=5", "mesh.data=2", "mesh.fsdp=4", "steps=3"))
     np.testing.assert_allclose(_losses(two), _losses(tmp_path / "one"), rtol=1e-5)
     assert sorted(os.listdir(two / "checkpoints")) == ["3"]
+    last = json.loads((two / "metrics.jsonl").read_text().splitlines()[-1])
+    assert last["data_ms_max"] >= last["data_ms"] >= 0  # the slowest process's batch building, gathered
     # The checkpoint both processes wrote resumes in two processes ...
     p = _local(2, 4, [*common[:-1], "steps=4", f"run_dir={two}"], tmp_path / "logs2")
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
