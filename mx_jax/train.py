@@ -474,7 +474,7 @@ def train(cfg: TrainConfig, devices: list[jax.Device] | None = None) -> TrainRes
                 log(f"data   | {dataset.description}")
                 if isinstance(dataset.train, Mixture):
                     seqs = cfg.steps * cfg.data.batch_size
-                    log("data   | in " + f"{cfg.steps} steps: " + ", ".join(
+                    log(f"data   | in {cfg.steps} steps: " + ", ".join(
                         f"{name} {seqs * w / src.n:.2f} epochs" for name, w, src in
                         zip(dataset.train.names, dataset.train.weights, dataset.train.sources)))
                 if cfg.data.source == "embedded" and cfg.data.path:
@@ -595,7 +595,7 @@ def _loop(cfg, setup, state, step, dataset, train_batches, ckpt, run_dir, resume
     stopped_at = None
     data_warned = False
 
-    def _check_data_time(m: dict) -> None:
+    def check_data_time(m: dict) -> None:
         """data_ms_max: the slowest process's batch building (every process calls this at the same steps); a
         one-time warning when it takes a tenth of the step or more."""
         nonlocal data_warned
@@ -609,6 +609,7 @@ def _loop(cfg, setup, state, step, dataset, train_batches, ckpt, run_dir, resume
             data_warned = True
             log(f"warn   | building a batch took {per_process[worst]:.1f} ms of each {1000 * m['step_time_s']:.1f} ms "
                 f"step on process {worst}: the device may wait for data (slow storage under data.path?)")
+
     trace = _Trace(cfg, run_dir, step)
 
     def finish(step_no: int, dev_metrics, data_s: float, with_eval: bool = False) -> None:
@@ -635,7 +636,7 @@ def _loop(cfg, setup, state, step, dataset, train_batches, ckpt, run_dir, resume
         if step_no % cfg.log.every_steps == 0 or with_eval:
             m.update(rate.report())
             if "data_ms" in m:
-                _check_data_time(m)
+                check_data_time(m)
             m.update(metrics.memory_in_use())
             if with_eval:
                 m.update(evaluate(eval_step, state, dataset, setup))
