@@ -344,15 +344,16 @@ def _our_logits(params: dict, cfg: ModelConfig, tokens: np.ndarray) -> np.ndarra
     return np.asarray(model(jnp.asarray(tokens))[0])
 
 
-@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
-def test_logits_match_transformers(tmp_path, tied):
+def _check_against_transformers(tmp_path, arch: str, hf_config: dict) -> None:
+    """A random transformers `<arch>ForCausalLM` of hf_config, imported: our logits equal transformers' (float32);
+    our export, read back by transformers, gives them again."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
-    c = {k: v for k, v in HF_CONFIG.items() if k not in ("architectures", "model_type", "torch_dtype")}
+    model_cls, config_cls = getattr(transformers, f"{arch}ForCausalLM"), getattr(transformers, f"{arch}Config")
+    c = {k: v for k, v in hf_config.items() if k not in ("architectures", "model_type", "torch_dtype")}
     # initializer_range 0.15 gives logits of size ~4, so a wrong rope band or q/k layout moves them by ~5, not 5e-3.
-    ref = transformers.LlamaForCausalLM(
-        transformers.LlamaConfig(**{**c, "tie_word_embeddings": tied}, initializer_range=0.15))
+    ref = model_cls(config_cls(**c, initializer_range=0.15))
     with torch.no_grad():  # HF initializes norms to ones; make them random too
         for name, p in ref.named_parameters():
             if name.endswith("norm.weight"):
@@ -366,11 +367,15 @@ def test_logits_match_transformers(tmp_path, tied):
 
     params, cfg = hf.load_hf_llama(tmp_path / "hf")
     np.testing.assert_allclose(_our_logits(params, cfg, tokens), want, atol=1e-4, rtol=0)  # float32
-    # Our export, read by transformers, gives the same logits again.
     hf.export_hf_llama(params, cfg, tmp_path / "ours", dtype="float32")
-    back = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "ours", attn_implementation="eager").float()
+    back = model_cls.from_pretrained(tmp_path / "ours", attn_implementation="eager").float()
     with torch.no_grad():
         np.testing.assert_allclose(back(torch.as_tensor(tokens)).logits.numpy(), want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_logits_match_transformers(tmp_path, tied):
+    _check_against_transformers(tmp_path, "Llama", {**HF_CONFIG, "tie_word_embeddings": tied})
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -439,24 +444,4 @@ def test_router_biases_block_export(tmp_path):
 
 
 def test_mixtral_logits_match_transformers(tmp_path):
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    c = {k: v for k, v in MIXTRAL_CONFIG.items() if k not in ("architectures", "model_type", "torch_dtype")}
-    ref = transformers.MixtralForCausalLM(transformers.MixtralConfig(**c, initializer_range=0.15))
-    with torch.no_grad():
-        for name, p in ref.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1 + 0.5 * torch.randn_like(p))
-    ref = ref.float().eval()
-    ref.config._attn_implementation = "eager"
-    ref.save_pretrained(tmp_path / "hf", safe_serialization=True)
-    tokens = np.random.default_rng(0).integers(0, c["vocab_size"], (2, 40))
-    with torch.no_grad():
-        want = ref(torch.as_tensor(tokens)).logits.numpy()
-    params, cfg = hf.load_hf_llama(tmp_path / "hf")
-    np.testing.assert_allclose(_our_logits(params, cfg, tokens), want, atol=1e-4, rtol=0)
-    hf.export_hf_llama(params, cfg, tmp_path / "ours", dtype="float32")
-    back = transformers.MixtralForCausalLM.from_pretrained(tmp_path / "ours", attn_implementation="eager").float()
-    with torch.no_grad():
-        np.testing.assert_allclose(back(torch.as_tensor(tokens)).logits.numpy(), want, atol=1e-5, rtol=1e-5)
+    _check_against_transformers(tmp_path, "Mixtral", MIXTRAL_CONFIG)
