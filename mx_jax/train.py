@@ -603,7 +603,7 @@ def _loop(cfg, setup, state, step, dataset, train_batches, ckpt, run_dir, resume
         if jax.process_count() > 1:
             from jax.experimental import multihost_utils
             per_process = [float(x) for x in multihost_utils.process_allgather(np.float32(m["data_ms"]))]
-            m["data_ms_max"] = max(per_process)
+            m["data_ms"], m["data_ms_max"] = per_process[jax.process_index()], max(per_process)  # both as gathered
         worst = int(np.argmax(per_process))
         if not data_warned and per_process[worst] >= 100 * m["step_time_s"]:  # ms vs s: a tenth of the step
             data_warned = True
