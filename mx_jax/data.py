@@ -196,8 +196,6 @@ def mixture_quota(weights: Sequence[float]) -> list[int]:
 class Mixture:
     """Windows of several sources dealt in fixed proportions (module docstring); `pick` and `get` as Windows'."""
 
-    ROUND = MIXTURE_ROUND
-
     def __init__(self, sources: Sequence[Windows], weights: Sequence[float], names: Sequence[str]):
         self.sources, self.weights, self.names = list(sources), list(weights), list(names)
         self.seq_len = self.sources[0].seq_len
@@ -205,7 +203,8 @@ class Mixture:
         quota = np.asarray(mixture_quota(weights))
         if (quota == 0).any():
             small = [n for n, q in zip(names, quota) if q == 0]
-            raise ConfigError(f"config key 'data.mixture': the weight of {small} is below 1/{self.ROUND} of the total")
+            raise ConfigError(f"config key 'data.mixture': the weight of {small} is below 1/{MIXTURE_ROUND} of the "
+                              f"total")
         self.quota = quota
         src = np.concatenate([np.full(q, s) for s, q in enumerate(quota)])
         idx = np.concatenate([np.arange(q) for q in quota])
@@ -213,7 +212,7 @@ class Mixture:
         self.slot_source, self.slot_index = src[order], idx[order]
 
     def pick(self, i: int, seed: Sequence[int], shuffle: bool = True) -> tuple[int, int]:
-        r, k = divmod(i, self.ROUND)
+        r, k = divmod(i, MIXTURE_ROUND)
         s = int(self.slot_source[k])
         c = r * int(self.quota[s]) + int(self.slot_index[k])
         return s, self.sources[s].pick(c, (*seed, s), shuffle)

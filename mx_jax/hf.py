@@ -1,4 +1,4 @@
-"""Hugging Face Llama checkpoints in and out: safetensors + config.json <-> the mx_jax parameter tree.
+"""Hugging Face Llama and Mixtral checkpoints in and out: safetensors + config.json <-> the mx_jax parameter tree.
 
     python -m mx_jax.hf import HF_DIR OUT_DIR              # -> OUT_DIR/checkpoints/0/state + OUT_DIR/config.yaml
     python -m mx_jax.hf export RUN_DIR HF_OUT [--step N]   # a trainer checkpoint -> config.json + safetensors
@@ -40,7 +40,18 @@ Trade-offs. Reading is lazy, one tensor at a time (safetensors `safe_open`, memo
 the output tree, so an 8B checkpoint never sits in memory twice; the transposes are the price of keeping every
 weight (in, out) for quant.linear. Writing buffers one shard (`max_shard_bytes`, HF's default 5 GB) at a time.
 Tied embeddings (`tie_word_embeddings`) are untied on import by copying, as mx_jax trains an untied head; export
-always writes an untied `lm_head.weight`. Only the dense Llama architecture maps; MoE configs are refused.
+always writes an untied `lm_head.weight`.
+
+Mixtral (MixtralForCausalLM, `model_type: mixtral`): every layer's MLP rows above are replaced by its MoE block,
+
+    model.layers.{i}.block_sparse_moe.gate.weight           (E, D)  blocks.moe.router  (L, D, E)     transposed
+    model.layers.{i}.block_sparse_moe.experts.{j}.w1.weight (F, D)  blocks.moe.w_gate  (L, E, D, F)  transposed
+    model.layers.{i}.block_sparse_moe.experts.{j}.w3.weight (F, D)  blocks.moe.w_up    (L, E, D, F)  transposed
+    model.layers.{i}.block_sparse_moe.experts.{j}.w2.weight (D, F)  blocks.moe.w_down  (L, E, F, D)  transposed
+
+and HF's routing (softmax over the router logits, top-k, the k weights renormalized) is moe.py's score=softmax,
+normalize_top_k=True. Other MoE layouts (shared experts, sigmoid scores, dense first layers, trained router
+biases: DeepSeek-style) have no HF counterpart here and are refused naming the config key.
 
 Trainer hook: `init_from(path, model_cfg, param_shardings)` returns parameters from an HF directory or an mx_jax
 checkpoint, placed on the mesh (the config key `init_from` calls it on a fresh start).
@@ -122,7 +133,8 @@ def layout(cfg: ModelConfig) -> tuple[_Tensor, ...]:
     _check_supported(cfg)
     if not cfg.moe.n_experts:
         return LAYOUT
-    return tuple(t for t in LAYOUT[:7]) + MIXTRAL_MLP + LAYOUT[10:]
+    mlp = [k for k, t in enumerate(LAYOUT) if t.path[:2] == ("blocks", "mlp")]
+    return LAYOUT[:mlp[0]] + MIXTRAL_MLP + LAYOUT[mlp[-1] + 1:]
 
 
 # Buffers some older HF checkpoints saved; recomputed from the config, so they are skipped.

@@ -199,7 +199,8 @@ def _source(tmp_path, name, byte, n_tokens=3000, vocab=None):
 def test_mixture_deals_sources_in_proportion_and_walks_each_ones_epochs():
     windows = [data.Windows([np.zeros(n * 8 + 1, np.uint16)], 8, f"s{n}") for n in (50, 7, 23)]
     mix = data.Mixture(windows, [0.5, 0.3, 0.2], ["a", "b", "c"])
-    assert mix.quota.sum() == mix.ROUND and abs(mix.quota - np.array([0.5, 0.3, 0.2]) * mix.ROUND).max() < 1
+    R = data.MIXTURE_ROUND
+    assert mix.quota.sum() == R and abs(mix.quota - np.array([0.5, 0.3, 0.2]) * R).max() < 1
     picks = [mix.pick(i, (7,)) for i in range(20_000)]
     src = np.array([s for s, _ in picks])
     for start, length in ((0, 64), (1234, 100), (9000, 4096)):  # any run of consecutive sequences mixes in proportion
@@ -212,8 +213,8 @@ def test_mixture_deals_sources_in_proportion_and_walks_each_ones_epochs():
         assert seq[:w.n] != seq[w.n:2 * w.n]
     # a pure function of (seed, i): a fresh mixture agrees anywhere, e.g. past a round boundary
     again = data.Mixture(windows, [0.5, 0.3, 0.2], ["a", "b", "c"])
-    assert [again.pick(i, (7,)) for i in range(mix.ROUND - 5, mix.ROUND + 5)] == \
-        [mix.pick(i, (7,)) for i in range(mix.ROUND - 5, mix.ROUND + 5)]
+    assert [again.pick(i, (7,)) for i in range(data.MIXTURE_ROUND - 5, data.MIXTURE_ROUND + 5)] == \
+        [mix.pick(i, (7,)) for i in range(data.MIXTURE_ROUND - 5, data.MIXTURE_ROUND + 5)]
 
 
 def test_single_source_order_is_unchanged():
