@@ -14,6 +14,7 @@ export PYTHONUNBUFFERED=1 MX_JAX_TEST_GPU=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHO
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 PY=${PY:-python3}
 MOE="--config configs/mixtral_8x7b.yaml model.n_layers=2 data.source=embedded data.seq_len=4096 mesh.fsdp=1"
+CTX8B="--config configs/llama3_8b.yaml model.n_layers=8 data.source=embedded data.batch_size=1 model.remat=save_matmuls model.scan_layers=false mesh.data=1 mesh.fsdp=1 mesh.expert=1"  # long sequences, 2 GPUs
 W64=tile_m=64,tile_n=256,wg_split=m,stages=4,epi_tile_m=64,epi_tile_n=32,delay_release=0,cluster=m,ring=static  # fp8 AUTO_DEFAULT
 DENSE8B="--config configs/llama3_8b.yaml model.n_layers=8 data.source=embedded data.seq_len=8192 data.batch_size=1 model.remat=none"
 
@@ -42,6 +43,10 @@ for s in "$@"; do
     bench_grouped_bf16) section bench_grouped_bf16 300 $PY -m pallas_kernels.bench_grouped --dtypes bf16 --no-ffn ;;
     bench_fp8_cublas) section bench_fp8_cublas 450 env CUDA_VISIBLE_DEVICES=0 XLA_FLAGS="--xla_gpu_enable_triton_gemm=false" $PY -m pallas_kernels.bench fp8 ;;
     fp8_cube) section fp8_cube 120 env CUDA_VISIBLE_DEVICES=0 XLA_FLAGS="--xla_gpu_enable_triton_gemm=false" $PY -m pallas_kernels.bench fp8 --shapes cube --config stages=4,epi_tile_m=64,epi_tile_n=64 --config stages=4,epi_tile_m=64,epi_tile_n=64,delay_release=0 --config stages=4,epi_tile_m=64,epi_tile_n=64,cluster=n --config tile_m=64,tile_n=256,wg_split=m,stages=4,epi_tile_m=64,epi_tile_n=64 --config tile_m=64,tile_n=256,wg_split=m,delay_release=0 --config delay_release=0,cluster=n --config stages=4,epi_tile_m=64,epi_tile_n=64,grid_tile_width=16 ;;
+    tests_context) section tests_context 240 $PY -m pytest -q -m gpu tests/test_context_parallel.py ;;
+    bench_context) section bench_context 420 env CUDA_VISIBLE_DEVICES=0 $PY benchmarks/bench_context.py ${CONTEXT_SEQS:+--seqs $CONTEXT_SEQS} ;;
+    train_context) section train_context 330 $PY benchmarks/bench_train.py --out "$LOGS" --steps 6 --log-every 1 --base "$CTX8B" --variant ctx2_32k:"data.seq_len=32768 mesh.context=2" --variant one_gpu_32k:"data.seq_len=32768 mesh.context=1 +CUDA_VISIBLE_DEVICES=0" --variant ctx2_64k:"data.seq_len=65536 mesh.context=2" ;;
+    profile_context) section profile_context 240 $PY -m mx_jax.train $CTX8B data.seq_len=32768 mesh.context=2 steps=7 log.profile_steps=2 log.profile_from=5 ckpt.every_steps=-1 log.eval_every_steps=-1 log.progress=false log.tensorboard=false run_dir=/tmp/mx_jax_profile_context ;;
     tests_a2a) section tests_a2a 200 $PY -m pytest -q -m gpu -x tests/test_all_to_all.py ;;
     dispatch_tune) section dispatch_tune 240 $PY benchmarks/bench_dispatch.py --tune ;;
     train_final) section train_final 420 env CUDA_VISIBLE_DEVICES=0 $PY benchmarks/bench_train.py --out "$LOGS" --steps 20 --base "$DENSE8B model.scan_layers=false" --variant bf16: --variant fp8_rowwise:quant.recipe=fp8_rowwise ;;

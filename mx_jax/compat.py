@@ -105,3 +105,47 @@ MGPU_TRANSPOSED_CAST = JAX_VERSION >= (0, 11, 0)
 #   kernel's first remote write is safe only behind that barrier; it is not checked for jax 0.10.2 (CPU only
 #   here, and 0.10.2 emits no such attribute), so impl="pallas" refuses there.
 MGPU_COLLECTIVE_PRELAUNCH_BARRIER = JAX_VERSION >= (0, 11, 0)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# cuDNN flash attention with its softmax statistics (mx_jax/context_parallel.py)
+# ---------------------------------------------------------------------------------------------------------------
+# Context parallelism merges attention over key blocks and runs each block's backward with the merged output and
+# log-sum-exp. The public API (jax.nn.dot_product_attention, and cudnn's `return_residual=True`) returns the
+# statistics but drops their cotangent and computes the backward from each call's own output, so the forward and
+# backward primitives behind it are bound directly. Their signatures are the same in jax 0.10.2 and 0.11.2
+# (jax/_src/cudnn/fused_attention_stablehlo.py: 10 array operands for the forward, 13 for the backward; BTNH layout
+# = 0; the statistics are (B, N, T) float32, natural-log log-sum-exp of the scaled logits, checked against
+# jnp by tests/test_context_parallel.py on a GPU).
+def _cudnn_attention_args(q, k, causal: bool, scale: float, kv_len):
+    """The primitives' 7 optional operands (bias, q/kv sequence lengths, offsets, page tables) and parameters."""
+    from jax._src.cudnn import fused_attention_stablehlo as fa
+
+    unused = jax.numpy.zeros(0, q.dtype)
+    if kv_len is None:
+        lengths, mask = (unused, unused), fa.MaskType.CAUSAL if causal else fa.MaskType.NO_MASK
+    else:  # keys [kv_len, S) are padding
+        assert not causal, "a padded block is never the causal diagonal"
+        b = q.shape[0]
+        lengths = (jax.numpy.full((b,), q.shape[1], jax.numpy.int32),
+                   jax.numpy.broadcast_to(jax.numpy.asarray(kv_len, jax.numpy.int32), (b,)))
+        mask = fa.MaskType.PADDING
+    operands = (unused, *lengths, *(unused,) * 4)
+    params = dict(scale=scale, seed=42, dropout_rate=0.0, variadic_args=(False, False), mask_type=mask,
+                  layout=fa.AttentionLayout.BTNH.value, sliding_window_length=None)
+    return fa, operands, params
+
+
+def cudnn_attention_fwd(q, k, v, *, causal: bool, scale: float, kv_len=None):
+    """q (B,T,N,H), k and v (B,S,G,H) -> (output like q, log-sum-exp (B,N,T) float32). Causal: top-left, T == S.
+    kv_len: only keys [0, kv_len) are attended to (an int32 scalar, may be traced)."""
+    fa, operands, params = _cudnn_attention_args(q, k, causal, scale, kv_len)
+    out, lse = fa._dot_product_attention_fwd_p_wrapper.bind(q, k, v, *operands, **params, is_training=True)
+    return out, lse
+
+
+def cudnn_attention_bwd(q, k, v, out, lse, dout, *, causal: bool, scale: float, kv_len=None):
+    """(dq, dk, dv) of these keys given the output and log-sum-exp of the rows over all the keys they attend to."""
+    fa, operands, params = _cudnn_attention_args(q, k, causal, scale, kv_len)
+    dq, dk, dv = fa._dot_product_attention_bwd_p_wrapper.bind(q, k, v, *operands, lse, out, dout, **params)
+    return dq, dk, dv

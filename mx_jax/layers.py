@@ -21,8 +21,8 @@ RoPE:      (x1, x2) -> (x1 cos(p w) - x2 sin(p w), x2 cos(p w) + x1 sin(p w)), w
            keeps those shorter than original_max_len/high_freq_factor, and interpolates smoothly in between.
 Attention: softmax(q k^T / sqrt(K) + causal mask) v with G key/value heads shared by H/G query heads each.
            cuDNN flash attention on GPU (jax.nn.dot_product_attention(implementation="cudnn")), XLA elsewhere.
-           With a `context` mesh axis the sequence is split; each shard all-gathers K and V over the axis and
-           masks by global position, which is exact (ring attention would trade the gather for overlap).
+           With a `context` mesh axis the sequence is split in load-balanced zigzag chunks; each shard all-gathers
+           K and V and merges a causal diagonal block with a wholly visible prefix (mx_jax/context_parallel.py).
 SwiGLU:    y = (silu(x W_gate) * (x W_up)) W_down                     (Shazeer 2020).
 
 Fused projections: q, k and v (and gate and up) are one GEMM, x [W_q | W_k | W_v], whose output is split. The
@@ -37,6 +37,7 @@ across the fused outputs. Linears whose recipes differ (a kernel that cannot tak
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -45,7 +46,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
-from mx_jax import quant, sharding
+from mx_jax import context_parallel, quant, sharding
 from mx_jax.config import ModelConfig, RopeScaling
 
 
@@ -139,24 +140,22 @@ def attention_impl(requested: str, dtype, head_dim: int) -> str:
     return "cudnn" if ok else "xla"
 
 
-def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, impl: str) -> jax.Array:
-    """q (B,T,H,K), k and v (B,T,G,K) -> (B,T,H,K). Exact under a `context` mesh axis (see module docstring)."""
+def context_shards() -> int:
+    """Size of the current mesh's `context` axis (1 without one)."""
     mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or mesh.shape.get("context", 1) == 1:
+    return 1 if mesh.empty else mesh.shape.get("context", 1)
+
+
+def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, impl: str) -> jax.Array:
+    """q (B,T,H,K), k and v (B,T,G,K) -> (B,T,H,K). Under a `context` mesh axis the sequence must be in
+    `context_parallel.to_zigzag` order (Llama.__call__ puts it there); exact either way."""
+    if context_shards() == 1:
         return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=impl)
-
+    mesh = jax.sharding.get_abstract_mesh()
     batch = tuple(a for a in sharding.batch_axes() if mesh.shape.get(a, 1) > 1) or None
-    qkv_spec = P(batch, "context", None, None)
-
-    def local(q, k, v):
-        t_local = q.shape[1]
-        k = jax.lax.all_gather(k, "context", axis=1, tiled=True)  # (b, T, G, K)
-        v = jax.lax.all_gather(v, "context", axis=1, tiled=True)
-        q_pos = jax.lax.axis_index("context") * t_local + jnp.arange(t_local)
-        mask = jnp.arange(k.shape[1])[None, :] <= q_pos[:, None]  # (T_local, T)
-        return jax.nn.dot_product_attention(q, k, v, mask=mask[None, None], implementation=impl)
-
-    return jax.shard_map(local, mesh=mesh, in_specs=(qkv_spec,) * 3, out_specs=qkv_spec, check_vma=False)(q, k, v)
+    spec = P(batch, "context", None, None)
+    local = functools.partial(context_parallel.context_attention, impl=impl, axis="context")
+    return jax.shard_map(local, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec, check_vma=False)(q, k, v)
 
 
 class Attention(nnx.Module):

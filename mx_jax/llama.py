@@ -33,7 +33,8 @@ from flax import nnx
 
 from mx_jax import grouped_linear, quant, sharding
 from mx_jax.config import ModelConfig, QuantConfig
-from mx_jax.layers import Attention, RMSNorm, SwiGLU, _param, linear, rope_inv_freq
+from mx_jax.context_parallel import from_zigzag, to_zigzag
+from mx_jax.layers import Attention, RMSNorm, SwiGLU, _param, context_shards, linear, rope_inv_freq
 from mx_jax.moe import MoE, RouterBias, update_bias
 
 ATTN_LINEARS = ("wq", "wk", "wv", "wo")
@@ -215,13 +216,18 @@ class Llama(nnx.Module):
         """
         cfg = self.cfg
         cdt = jnp.dtype(cfg.compute_dtype)
+        positions = jnp.arange(tokens.shape[1])
+        n_ctx = context_shards()
+        if n_ctx > 1:  # load-balanced causal attention over the context axis (mx_jax/context_parallel.py)
+            tokens, positions = to_zigzag(tokens, n_ctx), to_zigzag(positions, n_ctx, axis=0)
         x = jnp.take(self.embed[...], tokens, axis=0).astype(cdt)  # (B,T,D); gather first, cast B*T rows only
         x = sharding.constrain(x, ("batch", "seq", "act_embed"))
-        positions = jnp.arange(tokens.shape[1])
         inv_freq = rope_inv_freq(cfg.d_head, cfg.rope_theta, cfg.rope_scaling)
         if hasattr(self, "dense_blocks"):
             x, _ = _scan(self.dense_blocks, x, positions, inv_freq, cfg.remat, cfg.scan_layers)
         x, stats = _scan(self.blocks, x, positions, inv_freq, cfg.remat, cfg.scan_layers)  # leaves (n_groups, ...)
+        if n_ctx > 1:
+            x = sharding.constrain(from_zigzag(x, n_ctx), ("batch", "seq", "act_embed"))
         x = self.final_norm(x)
         logits = linear(x, self.head, self.head_recipe, self.quant_impl)
         return logits.astype(logits_dtype), stats

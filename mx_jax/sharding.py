@@ -4,7 +4,8 @@ Mesh axes (outermost first):
     data     replicated data parallelism; in HSDP it spans hosts while fsdp stays inside a host
     fsdp     ZeRO-3: parameters, gradients and optimizer state sharded, batch split
     expert   MoE experts sharded; for everything else it is one more batch axis
-    context  the sequence is split; attention all-gathers K and V over it (layers.causal_attention)
+    context  the sequence is split in load-balanced zigzag chunks; attention all-gathers K and V over it
+             (mx_jax/context_parallel.py)
 
 Parameters carry logical axis names (layers.py); activations are constrained at block boundaries only. `RULES` is
 the only place mesh axis names meet logical names: change the parallelism by changing this table or the mesh

@@ -273,9 +273,11 @@ def check_against_mesh(cfg: TrainConfig, mesh) -> None:
         raise ConfigError(
             f"config key 'data.batch_size': {cfg.data.batch_size} must be a multiple of the batch mesh axes "
             f"({sharding.batch_size_divisor(mesh)}) x data.grad_accum_steps ({cfg.data.grad_accum_steps})")
-    if cfg.data.seq_len % mesh.shape["context"]:
-        raise ConfigError(f"config key 'data.seq_len': {cfg.data.seq_len} must be a multiple of mesh.context "
-                          f"({mesh.shape['context']})")
+    n_ctx = mesh.shape["context"]
+    if n_ctx > 1 and cfg.data.seq_len % (2 * n_ctx):
+        raise ConfigError(f"config key 'data.seq_len': {cfg.data.seq_len} must be a multiple of 2 x mesh.context "
+                          f"({2 * n_ctx}): each context shard holds two chunks of the sequence "
+                          f"(mx_jax/context_parallel.py)")
     moe, n_ep = cfg.model.moe, mesh.shape["expert"]
     if moe.n_experts and moe.n_experts % n_ep:
         raise ConfigError(f"config key 'mesh.expert': {n_ep} devices must divide model.moe.n_experts "

@@ -1,0 +1,243 @@
+"""Context parallelism: exact causal attention over a sequence split across the `context` mesh axis.
+
+Layout. With C shards a sequence of T tokens is cut into 2C chunks of s = T / (2C) tokens, and shard c holds chunks
+c and 2C-1-c (the load-balanced "zigzag" order of the Llama 3 paper's all-gather context parallelism). Under a
+causal mask query chunk j attends to j whole chunks and half of its own, so shard c does
+
+    (c + 1/2) + (2C-1-c + 1/2) = 2C   chunk-by-chunk blocks of work,
+
+the same on every shard and 1/C of the whole causal attention. (Contiguous halves, chunks 2c and 2c+1, would give
+shard c 4c + 2 blocks: 2 for the first shard, 4C - 2 for the last, and the slowest shard sets the step.) `Llama.__call__` puts the tokens and their
+positions into this order on entry (`to_zigzag`) and the hidden states back before the output head
+(`from_zigzag`), so logits, losses and checkpoints never see it; RoPE uses the global positions.
+
+Attention on shard c. K and V are all-gathered over the axis (with grouped-query attention they are G/H the size of
+Q) and put into global order, K_0 .. K_{2C-1}. For a local query chunk j, the keys it sees split into a prefix that
+is wholly visible and a diagonal block that is causal:
+
+    prefix    (O_P, L_P) = attention(q_j, K[0 : j s], V[0 : j s])             no mask; absent for j = 0
+    diagonal  (O_D, L_D) = attention(q_j, K_j, V_j)                            causal, square
+    merge     L = logaddexp(L_P, L_D),   O = exp(L_P - L) O_P + exp(L_D - L) O_D
+
+where L is the row's log-sum-exp of the scaled logits (the "softmax statistics" a flash-attention kernel keeps).
+The backward is FlashAttention-2's, which splits over key blocks given the merged O and L: for a block b of keys
+with P_b = exp(S_b - L),
+
+    dV_b = P_b^T dO,   dS_b = P_b * (dO V_b^T - rowsum(dO * O)),   dQ += scale dS_b K_b,   dK_b = scale dS_b^T Q,
+
+so each part's backward is one call of the kernel's own backward with the merged (O, L) in place of its own. The
+gradients of the gathered K and V go back to their owners through the all-gather's transpose (a reduce-scatter).
+
+Which prefix a shard has depends on c, and kernels need static shapes. Chunk A = c has its prefix inside the first
+(C-1) s keys and chunk B = 2C-1-c inside the first (2C-1) s, so each prefix call takes that static window with a
+padding mask at its true length (cuDNN's kv_seqlen; its kernel skips key tiles past it): one program on every
+shard, with no branch on c. (A `lax.switch` over c was the first version: XLA:GPU runs a conditional by copying the
+branch index to the host and waiting for it, so every layer's attention blocked the host thread.) Two kernels
+compute the parts (`impl`):
+- "cudnn": cuDNN's flash attention (the forward and backward primitives behind jax.nn.dot_product_attention, bound
+  through `compat.cudnn_attention_fwd/bwd` so that the backward can take the merged O and L);
+- "xla": the same formulas in jnp (float32 softmax), for CPU and as the reference the GPU test compares against.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+
+from mx_jax import compat
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Sequence layout
+
+def to_zigzag(x: jax.Array, n_shards: int, axis: int = 1) -> jax.Array:
+    """Natural order -> zigzag order along `axis` (length divisible by 2 n_shards): chunk order
+    0, 2C-1, 1, 2C-2, ..., C-1, C, so that contiguous sharding over C devices gives shard c chunks c and 2C-1-c."""
+    axis = axis % x.ndim
+    shape = x.shape
+    c = n_shards
+    y = x.reshape(shape[:axis] + (2, c, shape[axis] // (2 * c)) + shape[axis + 1:])
+    first = jax.lax.index_in_dim(y, 0, axis, keepdims=False)  # chunks 0 .. C-1
+    second = jnp.flip(jax.lax.index_in_dim(y, 1, axis, keepdims=False), axis)  # chunks 2C-1 .. C
+    return jnp.stack([first, second], axis=axis + 1).reshape(shape)
+
+
+def from_zigzag(x: jax.Array, n_shards: int, axis: int = 1) -> jax.Array:
+    """Inverse of `to_zigzag`."""
+    axis = axis % x.ndim
+    shape = x.shape
+    c = n_shards
+    y = x.reshape(shape[:axis] + (c, 2, shape[axis] // (2 * c)) + shape[axis + 1:])
+    first = jax.lax.index_in_dim(y, 0, axis + 1, keepdims=False)
+    second = jnp.flip(jax.lax.index_in_dim(y, 1, axis + 1, keepdims=False), axis)
+    return jnp.concatenate([first, second], axis=axis).reshape(shape)
+
+
+def global_order(gathered: jax.Array) -> jax.Array:
+    """(C, B, 2s, ...) all-gathered zigzag shards -> (B, 2Cs, ...) in natural order."""
+    s = gathered.shape[2] // 2
+    first = jnp.concatenate(list(gathered[:, :, :s]), axis=1)  # chunks 0 .. C-1
+    second = jnp.concatenate(list(gathered[::-1, :, s:]), axis=1)  # chunks C .. 2C-1
+    return jnp.concatenate([first, second], axis=1)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# One block of attention: forward with its log-sum-exp, backward given the (merged) output and log-sum-exp.
+# q (B, t, H, K); k, v (B, u, G, K) with H a multiple of G; lse (B, H, t) float32 (cuDNN's softmax statistics).
+# kv_len (an int32 scalar, may be traced): only keys [0, kv_len) exist, the rest is padding (>= 1 key must exist).
+
+def _scores(q, k, causal, kv_len, scale):
+    b, t, h, d = q.shape
+    g, u = k.shape[2], k.shape[1]
+    qg = q.reshape(b, t, g, h // g, d).astype(jnp.float32)
+    s = jnp.einsum("btgrd,bugd->bgrtu", qg, k.astype(jnp.float32)) * scale
+    if causal:
+        s = jnp.where(jnp.tril(jnp.ones((t, u), bool)), s, -jnp.inf)
+    if kv_len is not None:
+        s = jnp.where(jnp.arange(u) < kv_len, s, -jnp.inf)
+    return qg, s
+
+
+def _block_fwd_xla(q, k, v, causal, kv_len, scale):
+    b, t, h, d = q.shape
+    _, s = _scores(q, k, causal, kv_len, scale)
+    lse = jax.nn.logsumexp(s, axis=-1)  # (B, G, R, t)
+    o = jnp.einsum("bgrtu,bugd->btgrd", jnp.exp(s - lse[..., None]), v.astype(jnp.float32))
+    return o.reshape(b, t, h, d).astype(q.dtype), lse.reshape(b, h, t)
+
+
+def _block_bwd_xla(q, k, v, o, lse, do, causal, kv_len, scale):
+    b, t, h, d = q.shape
+    g = k.shape[2]
+    f32 = jnp.float32
+    qg, s = _scores(q, k, causal, kv_len, scale)
+    og, dog = (a.reshape(b, t, g, h // g, d).astype(f32) for a in (o, do))
+    p = jnp.exp(s - lse.reshape(b, g, h // g, t)[..., None])
+    dv = jnp.einsum("bgrtu,btgrd->bugd", p, dog)
+    dp = jnp.einsum("btgrd,bugd->bgrtu", dog, v.astype(f32))
+    delta = jnp.einsum("btgrd,btgrd->bgrt", dog, og)
+    ds = p * (dp - delta[..., None]) * scale
+    dq = jnp.einsum("bgrtu,bugd->btgrd", ds, k.astype(f32)).reshape(b, t, h, d)
+    dk = jnp.einsum("bgrtu,btgrd->bugd", ds, qg)
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+
+
+def block_fwd(q, k, v, *, causal: bool, impl: str, kv_len=None):
+    """-> (o like q, lse (B, H, t) float32): softmax(q k^T / sqrt(K)) v over keys [0, kv_len), causal if asked
+    (square blocks only)."""
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    if impl == "cudnn":
+        return compat.cudnn_attention_fwd(q, k, v, causal=causal, scale=scale, kv_len=kv_len)
+    return _block_fwd_xla(q, k, v, causal, kv_len, scale)
+
+
+def block_bwd(q, k, v, o, lse, do, *, causal: bool, impl: str, kv_len=None):
+    """-> (dq, dk, dv) of this block's keys, given the output and log-sum-exp over all the keys q attends to. The
+    padding keys' dk and dv are zero."""
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    if impl == "cudnn":
+        dq, dk, dv = compat.cudnn_attention_bwd(q, k, v, o, lse, do, causal=causal, scale=scale, kv_len=kv_len)
+    else:
+        dq, dk, dv = _block_bwd_xla(q, k, v, o, lse, do, causal, kv_len, scale)
+    if kv_len is not None:
+        real = (jnp.arange(k.shape[1]) < kv_len)[None, :, None, None]
+        dk, dv = jnp.where(real, dk, 0), jnp.where(real, dv, 0)
+    return dq, dk, dv
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# One shard's attention. Shard c of n: chunk A = c, whose prefix [0, c s) lies within the first (n-1) s keys, and
+# chunk B = 2n-1-c, whose prefix [0, (2n-1-c) s) lies within the first (2n-1) s. The prefixes are padded to those
+# static lengths (kv_len masks the rest; cuDNN skips the padded key tiles), so every shard runs one program with no
+# branch on c. Chunk A of shard 0 has no prefix: its call sees one key (kv_len >= 1) and its result is dropped.
+
+def _merge(o_p, l_p, o_d, l_d):
+    l = jnp.logaddexp(l_p, l_d)  # (B, H, t)
+    w_p = jnp.exp(l_p - l).transpose(0, 2, 1)[..., None]  # (B, t, H, 1)
+    w_d = jnp.exp(l_d - l).transpose(0, 2, 1)[..., None]
+    return (w_p * o_p.astype(jnp.float32) + w_d * o_d.astype(jnp.float32)).astype(o_d.dtype), l
+
+
+def _pair(a, s):
+    """(B, 2s, ...) -> (2B, s, ...): the two local chunks stacked on the batch axis."""
+    return jnp.concatenate([a[:, :s], a[:, s:]])
+
+
+def _unpair(a, b):
+    return jnp.concatenate([a[:b], a[b:]], axis=1)
+
+
+def _prefixes(c, n, s):
+    """[(rows of q, static key window, kv_len, present)] for chunk A and chunk B of shard c."""
+    a = (slice(0, s), (n - 1) * s, jnp.maximum(c * s, 1), c > 0)
+    b = (slice(s, 2 * s), (2 * n - 1) * s, (2 * n - 1 - c) * s, None)
+    return [a, b] if n > 1 else [b]
+
+
+def shard_fwd(c, n: int, impl: str, q, k, v, kg, vg):
+    """Shard c's (traced or static) forward: q, k, v (B, 2s, ., K) its zigzag chunks, kg and vg (B, 2ns, G, K) the
+    whole sequence in natural order -> (o (B, 2s, H, K), lse (B, H, 2s))."""
+    b, s = q.shape[0], q.shape[1] // 2
+    o_d, l_d = block_fwd(_pair(q, s), _pair(k, s), _pair(v, s), causal=True, impl=impl)
+    o_d, l_d = _unpair(o_d, b), jnp.concatenate([l_d[:b], l_d[b:]], axis=2)
+    o, lse = o_d, l_d
+    for rows, window, kv_len, present in _prefixes(c, n, s):
+        o_p, l_p = block_fwd(q[:, rows], kg[:, :window], vg[:, :window], causal=False, impl=impl, kv_len=kv_len)
+        if present is not None:
+            l_p = jnp.where(present, l_p, -jnp.inf)
+        o_r, l_r = _merge(o_p, l_p, o_d[:, rows], l_d[:, :, rows])
+        o, lse = o.at[:, rows].set(o_r), lse.at[:, :, rows].set(l_r)
+    return o, lse
+
+
+def shard_bwd(c, n: int, impl: str, q, k, v, kg, vg, o, lse, do):
+    """-> (dq, dk, dv of the local chunks' diagonal blocks, dkg, dvg of the whole sequence's keys)."""
+    b, s = q.shape[0], q.shape[1] // 2
+    l_pair = jnp.concatenate([lse[:, :, :s], lse[:, :, s:]])
+    dq, dk, dv = block_bwd(_pair(q, s), _pair(k, s), _pair(v, s), _pair(o, s), l_pair, _pair(do, s), causal=True,
+                           impl=impl)
+    dq, dk, dv = _unpair(dq, b).astype(jnp.float32), _unpair(dk, b), _unpair(dv, b)
+    dkg = jnp.zeros(kg.shape, jnp.float32)
+    dvg = jnp.zeros(vg.shape, jnp.float32)
+    for rows, window, kv_len, present in _prefixes(c, n, s):
+        dq_p, dk_p, dv_p = block_bwd(q[:, rows], kg[:, :window], vg[:, :window], o[:, rows], lse[:, :, rows],
+                                     do[:, rows], causal=False, impl=impl, kv_len=kv_len)
+        if present is not None:
+            dq_p, dk_p, dv_p = (jnp.where(present, g, 0) for g in (dq_p, dk_p, dv_p))
+        dq = dq.at[:, rows].add(dq_p.astype(jnp.float32))
+        dkg = dkg.at[:, :window].add(dk_p.astype(jnp.float32))
+        dvg = dvg.at[:, :window].add(dv_p.astype(jnp.float32))
+    return dq.astype(q.dtype), dk, dv, dkg.astype(kg.dtype), dvg.astype(vg.dtype)
+
+
+def _gather(x: jax.Array, axis: str) -> jax.Array:
+    return global_order(jax.lax.all_gather(x, axis))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def context_attention(q: jax.Array, k: jax.Array, v: jax.Array, impl: str, axis: str = "context") -> jax.Array:
+    """Inside shard_map over `axis`: q (B, 2s, H, K), k and v (B, 2s, G, K), this shard's two zigzag chunks ->
+    causal attention output for them (module docstring). The backward gathers K and V again rather than keeping
+    the gathered copies (2 T G K bytes per layer) alive from forward to backward."""
+    return _fwd(q, k, v, impl, axis)[0]
+
+
+def _fwd(q, k, v, impl, axis):
+    n, c = jax.lax.axis_size(axis), jax.lax.axis_index(axis)
+    o, lse = shard_fwd(c, n, impl, q, k, v, _gather(k, axis), _gather(v, axis))
+    return o, (q, k, v, o, lse)
+
+
+def _bwd(impl, axis, res, do):
+    q, k, v, o, lse = res
+    n, c = jax.lax.axis_size(axis), jax.lax.axis_index(axis)
+    dq, dk, dv, dkg, dvg = shard_bwd(c, n, impl, q, k, v, _gather(k, axis), _gather(v, axis), o, lse, do)
+    # The gathered keys' gradients: back to zigzag order, summed over the shards, each shard keeping its own chunks.
+    scatter = lambda g: jax.lax.psum_scatter(to_zigzag(g, n), axis, scatter_dimension=1, tiled=True)
+    return dq, dk + scatter(dkg), dv + scatter(dvg)
+
+
+context_attention.defvjp(_fwd, _bwd)

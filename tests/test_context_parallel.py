@@ -1,0 +1,120 @@
+"""Context parallelism (mx_jax/context_parallel.py): the zigzag layout, each shard's merged attention and its
+backward against autodiff of plain causal attention, the shard_map path on 8 fake devices, and cuDNN on a GPU."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from mx_jax import context_parallel as cp
+from mx_jax import sharding
+from mx_jax.config import MeshConfig
+from mx_jax.layers import causal_attention
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+def test_zigzag_gives_shard_c_chunks_c_and_mirror(n):
+    t = 2 * n * 3  # chunks of 3 tokens
+    z = np.asarray(cp.to_zigzag(jnp.arange(t)[None], n))[0]
+    for c in range(n):
+        mine = z[c * 6:(c + 1) * 6]
+        np.testing.assert_array_equal(mine, np.r_[np.arange(3) + 3 * c, np.arange(3) + 3 * (2 * n - 1 - c)])
+    np.testing.assert_array_equal(np.asarray(cp.from_zigzag(jnp.asarray(z)[None], n))[0], np.arange(t))
+    x = jnp.arange(2 * t * 5).reshape(2, t, 5)  # other axes ride along
+    np.testing.assert_array_equal(cp.from_zigzag(cp.to_zigzag(x, n), n), x)
+    shards = jnp.stack(jnp.split(cp.to_zigzag(x, n), n, axis=1))  # what all_gather returns: (C, B, 2s, ...)
+    np.testing.assert_array_equal(cp.global_order(shards), x)
+
+
+def _inputs(b, t, h, g, d, dtype, seed=0):
+    keys = jax.random.split(jax.random.key(seed), 4)
+    q = jax.random.normal(keys[0], (b, t, h, d), jnp.float32)
+    k = jax.random.normal(keys[1], (b, t, g, d), jnp.float32)
+    v = jax.random.normal(keys[2], (b, t, g, d), jnp.float32)
+    w = jax.random.normal(keys[3], (b, t, h, d), jnp.float32)  # the loss sum(o * w) gives a dense cotangent
+    return [a.astype(dtype) for a in (q, k, v)] + [w]
+
+
+def _reference(q, k, v, w):
+    f32 = lambda a: a.astype(jnp.float32)
+    loss = lambda q, k, v: jnp.sum(jax.nn.dot_product_attention(q, k, v, is_causal=True) * w)
+    o = jax.nn.dot_product_attention(f32(q), f32(k), f32(v), is_causal=True)
+    return o, jax.grad(loss, argnums=(0, 1, 2))(f32(q), f32(k), f32(v))
+
+
+@functools.partial(jax.jit, static_argnums=(4, 5))
+def _simulate_shards(q, k, v, w, n, impl):
+    """Every shard's forward and backward on one device, assembled in natural order: (o, (dq, dk, dv))."""
+    zq, zk, zv, zw = (cp.to_zigzag(a, n) for a in (q, k, v, w))
+    split = lambda a: jnp.split(a, n, axis=1)
+    outs, dqs, dks, dvs = [], [], [], []
+    dkg = dvg = 0.0
+    for c, (qc, kc, vc, wc) in enumerate(zip(*(split(a) for a in (zq, zk, zv, zw)))):
+        o, lse = cp.shard_fwd(c, n, impl, qc, kc, vc, k, v)
+        dq, dk, dv, dkg_c, dvg_c = cp.shard_bwd(c, n, impl, qc, kc, vc, k, v, o, lse, wc.astype(o.dtype))
+        outs.append(o), dqs.append(dq), dks.append(dk), dvs.append(dv)
+        dkg, dvg = dkg + dkg_c.astype(jnp.float32), dvg + dvg_c.astype(jnp.float32)
+    back = lambda parts: cp.from_zigzag(jnp.concatenate(parts, axis=1), n).astype(jnp.float32)
+    return back(outs), (back(dqs), back(dks) + dkg, back(dvs) + dvg)
+
+
+@pytest.mark.parametrize("n", [1, 2, 4])
+def test_each_shard_merges_prefix_and_diagonal_exactly(n):
+    q, k, v, w = _inputs(2, 8 * n, 4, 2, 8, jnp.float32, seed=n)
+    ref_o, ref_grads = _reference(q, k, v, w)
+    o, grads = _simulate_shards(q, k, v, w, n, "xla")
+    np.testing.assert_allclose(o, ref_o, rtol=1e-5, atol=1e-5)
+    for name, got, want in zip("qkv", grads, ref_grads):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4, err_msg=f"d{name}")
+
+
+def test_context_mesh_attention_and_gradients_match_one_device():
+    """context=4 x fsdp=2 on 8 fake devices, through causal_attention's shard_map (collectives included)."""
+    n = 4
+    q, k, v, w = _inputs(2, 32, 4, 2, 8, jnp.float32, seed=7)
+    ref_o, ref_grads = _reference(q, k, v, w)
+    mesh = sharding.make_mesh(MeshConfig(data=1, fsdp=2, context=n))
+
+    def loss(q, k, v):
+        o = causal_attention(cp.to_zigzag(q, n), cp.to_zigzag(k, n), cp.to_zigzag(v, n), impl="xla")
+        return jnp.sum(cp.from_zigzag(o, n) * w), cp.from_zigzag(o, n)
+
+    with jax.set_mesh(mesh):
+        (_, o), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
+    np.testing.assert_allclose(o, ref_o, rtol=1e-5, atol=1e-5)
+    for name, got, want in zip("qkv", grads, ref_grads):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4, err_msg=f"d{name}")
+
+
+def test_seq_len_must_split_into_two_chunks_per_context_shard(tmp_path):
+    from mx_jax.config import ConfigError, load_config
+    from mx_jax.train import check_against_mesh
+
+    cfg = load_config("configs/llama3_debug.yaml", [f"run_dir={tmp_path}", "data.seq_len=12", "mesh.context=4",
+                                                    "mesh.fsdp=2"])
+    with pytest.raises(ConfigError, match=r"data.seq_len.*2 x mesh.context \(8\)"):
+        check_against_mesh(cfg, sharding.make_mesh(cfg.mesh))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [2, 4])
+def test_cudnn_shards_match_the_jnp_formulas(n):
+    """cuDNN's forward statistics and its backward fed the merged (O, L) agree with the jnp formulas; the whole
+    sequence's output and gradients with plain cuDNN causal attention."""
+    q, k, v, w = _inputs(1, 512 * n, 8, 2, 128, jnp.bfloat16, seed=n)
+    o_x, lse_x = cp.block_fwd(q[:, :256], k[:, :256], v[:, :256], causal=True, impl="xla")
+    o_c, lse_c = cp.block_fwd(q[:, :256], k[:, :256], v[:, :256], causal=True, impl="cudnn")
+    np.testing.assert_allclose(lse_c, lse_x, atol=2e-2)  # natural-log log-sum-exp, (B, H, t)
+    got_o, got = _simulate_shards(q, k, v, w, n, "cudnn")
+    want_o, want = _simulate_shards(q, k, v, w, n, "xla")
+    cudnn_loss = lambda q, k, v: jnp.sum(
+        jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn").astype(jnp.float32) * w)
+    plain = jax.jit(jax.grad(cudnn_loss, argnums=(0, 1, 2)))(q, k, v)
+    scale = lambda a: float(jnp.max(jnp.abs(a)))
+    assert scale(got_o - want_o) < 2e-2 * scale(want_o)
+    for name, g, wnt, p in zip("qkv", got, want, plain):
+        err, plain_err = scale(g - wnt), scale(p.astype(jnp.float32) - wnt)
+        assert err < 2e-2 * scale(wnt), f"d{name}: {err} vs {scale(wnt)}"
+        assert err < 2 * plain_err + 1e-3, f"d{name}: merged {err}, cuDNN's own causal call {plain_err}"
