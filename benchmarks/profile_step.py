@@ -283,9 +283,9 @@ def main() -> None:
             state, m = step(state, batch)
         jax.block_until_ready(m["loss"])
         jax.profiler.stop_trace()
+        hlo = step.lower(state, batch).compile().as_text()  # under the mesh, as traced (context attention needs it)
     tokens = cfg.data.batch_size * cfg.data.seq_len
     print(f"wall time per step (untraced): {1000 * wall:.1f} ms = {tokens / wall:,.0f} tokens/s")
-    hlo = step.lower(state, batch).compile().as_text()
     del state, batch  # free the step's memory for the replay
     summarize(args.trace_dir, args.steps, args.top, hlo, args.dump, args.replay)
 

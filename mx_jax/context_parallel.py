@@ -46,6 +46,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from mx_jax import compat
 
@@ -148,6 +149,33 @@ def block_bwd(q, k, v, o, lse, do, *, causal: bool, impl: str, kv_len=None):
     return dq, dk, dv
 
 
+@jax.custom_vjp
+def cudnn_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    """Causal attention on one device through cuDNN (jax.nn.dot_product_attention's kernels), with its output and
+    softmax statistics tagged "attention" for remat policies (see `_remat_tags`)."""
+    return _cudnn_causal_fwd(q, k, v)[0]
+
+
+def _cudnn_causal_fwd(q, k, v):
+    o, lse = _remat_tags(*block_fwd(q, k, v, causal=True, impl="cudnn"))
+    return o, (q, k, v, o, lse)
+
+
+def _cudnn_causal_bwd(res, do):
+    return block_bwd(*res, do, causal=True, impl="cudnn")
+
+
+cudnn_causal_attention.defvjp(_cudnn_causal_fwd, _cudnn_causal_bwd)
+
+
+def _remat_tags(o, lse):
+    """Name a forward's residuals "attention", the name model.remat=save_matmuls saves. A custom_vjp's residuals are
+    otherwise invisible to the policy, so the backward would run the forward kernels again to rebuild them. Unrolled,
+    XLA merges that second forward with the first; inside lax.scan it cannot (forward and backward are separate
+    loop bodies), and on the 8B shape every layer ran cuDNN's forward twice (benchmarks/RESULTS.md)."""
+    return checkpoint_name(o, "attention"), checkpoint_name(lse, "attention")
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # One shard's attention. Shard c of n: chunk A = c, whose prefix [0, c s) lies within the first (n-1) s keys, and
 # chunk B = 2n-1-c, whose prefix [0, (2n-1-c) s) lies within the first (2n-1) s. The prefixes are padded to those
@@ -228,6 +256,7 @@ def context_attention(q: jax.Array, k: jax.Array, v: jax.Array, impl: str, axis:
 def _fwd(q, k, v, impl, axis):
     n, c = jax.lax.axis_size(axis), jax.lax.axis_index(axis)
     o, lse = shard_fwd(c, n, impl, q, k, v, _gather(k, axis), _gather(v, axis))
+    o, lse = _remat_tags(o, lse)
     return o, (q, k, v, o, lse)
 
 

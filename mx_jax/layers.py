@@ -20,7 +20,8 @@ RoPE:      (x1, x2) -> (x1 cos(p w) - x2 sin(p w), x2 cos(p w) + x1 sin(p w)), w
            Llama 3.1 scaling divides w_i by `factor` for wavelengths longer than original_max_len/low_freq_factor,
            keeps those shorter than original_max_len/high_freq_factor, and interpolates smoothly in between.
 Attention: softmax(q k^T / sqrt(K) + causal mask) v with G key/value heads shared by H/G query heads each.
-           cuDNN flash attention on GPU (jax.nn.dot_product_attention(implementation="cudnn")), XLA elsewhere.
+           cuDNN flash attention on GPU (the kernels of jax.nn.dot_product_attention(implementation="cudnn"),
+           through context_parallel.cudnn_causal_attention, whose residuals remat policies can keep), XLA elsewhere.
            With a `context` mesh axis the sequence is split in load-balanced zigzag chunks; each shard all-gathers
            K and V and merges a causal diagonal block with a wholly visible prefix (mx_jax/context_parallel.py).
 SwiGLU:    y = (silu(x W_gate) * (x W_up)) W_down                     (Shazeer 2020).
@@ -60,13 +61,23 @@ def linear(x: jax.Array, w: nnx.Param, recipe: str, impl: str) -> jax.Array:
     return checkpoint_name(quant.linear(x, w[...], recipe=recipe, impl=impl), "matmul")
 
 
-def fused_linear(x: jax.Array, ws: tuple[nnx.Param, ...], recipes: tuple[str, ...], impl: str
-                 ) -> tuple[jax.Array, ...]:
-    """(x @ w for w in ws) as one GEMM over the concatenated weights when they share a recipe (module docstring)."""
+def fused_linear(x: jax.Array, ws: tuple[nnx.Param, ...], recipes: tuple[str, ...], impl: str,
+                 scanned: bool = False) -> tuple[jax.Array, ...]:
+    """(x @ w for w in ws) as one GEMM over the concatenated weights when they share a recipe (module docstring).
+
+    scanned (the layer runs inside lax.scan): the GEMM's output passes an optimization barrier. Inside a scan the
+    saved output is written into the stacked residuals by a dynamic-update-slice; XLA:GPU (jax 0.11.2) fused the
+    GEMM into that update and, for the output's other users (the split), kept a second copy of the same GEMM: every
+    gate|up GEMM ran twice. The barrier leaves XLA one GEMM to feed both (8-layer 8B, model.remat=save_matmuls, one
+    H100: 29,553 -> 32,551 tokens/s; benchmarks/RESULTS.md). Unrolled layers do not need it.
+    """
     if len(set(recipes)) > 1:
         return tuple(linear(x, w, r, impl) for w, r in zip(ws, recipes))
     w = jnp.concatenate([w[...] for w in ws], axis=1)
-    y = checkpoint_name(quant.linear(x, w, recipe=recipes[0], impl=impl), "matmul")
+    y = quant.linear(x, w, recipe=recipes[0], impl=impl)
+    if scanned:
+        y = jax.lax.optimization_barrier(y)
+    y = checkpoint_name(y, "matmul")
     bounds = [w.shape[1] for w in ws]
     return tuple(jnp.split(y, [sum(bounds[:i]) for i in range(1, len(bounds))], axis=-1))
 
@@ -150,6 +161,8 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, impl: str) -> jax
     """q (B,T,H,K), k and v (B,T,G,K) -> (B,T,H,K). Under a `context` mesh axis the sequence must be in
     `context_parallel.to_zigzag` order (Llama.__call__ puts it there); exact either way."""
     if context_shards() == 1:
+        if impl == "cudnn":
+            return context_parallel.cudnn_causal_attention(q, k, v)
         return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=impl)
     mesh = jax.sharding.get_abstract_mesh()
     batch = tuple(a for a in sharding.batch_axes() if mesh.shape.get(a, 1) > 1) or None
@@ -168,13 +181,13 @@ class Attention(nnx.Module):
         self.wv = _param(rngs, (d, g * k), cfg.init_std, ("embed", "kv_heads"), pd)
         self.wo = _param(rngs, (h * k, d), out_std, ("q_heads", "embed"), pd)
         self.n_heads, self.n_kv_heads, self.head_dim = h, g, k
-        self.recipes, self.impl = recipes, impl
+        self.recipes, self.impl, self.scanned = recipes, impl, cfg.scan_layers
         self.attention = attention_impl(cfg.attention, cfg.compute_dtype, k)
 
     def __call__(self, x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
         b, t, _ = x.shape
         r = self.recipes
-        q, k, v = fused_linear(x, (self.wq, self.wk, self.wv), (r["wq"], r["wk"], r["wv"]), self.impl)
+        q, k, v = fused_linear(x, (self.wq, self.wk, self.wv), (r["wq"], r["wk"], r["wv"]), self.impl, self.scanned)
         q = q.reshape(b, t, self.n_heads, self.head_dim)
         k = k.reshape(b, t, self.n_kv_heads, self.head_dim)
         v = v.reshape(b, t, self.n_kv_heads, self.head_dim)
@@ -190,9 +203,9 @@ class SwiGLU(nnx.Module):
         self.w_gate = _param(rngs, (d, d_ff), cfg.init_std, ("embed", "mlp"), pd)
         self.w_up = _param(rngs, (d, d_ff), cfg.init_std, ("embed", "mlp"), pd)
         self.w_down = _param(rngs, (d_ff, d), out_std, ("mlp", "embed"), pd)
-        self.recipes, self.impl = recipes, impl
+        self.recipes, self.impl, self.scanned = recipes, impl, cfg.scan_layers
 
     def __call__(self, x: jax.Array) -> jax.Array:
         r = self.recipes
-        gate, up = fused_linear(x, (self.w_gate, self.w_up), (r["w_gate"], r["w_up"]), self.impl)
+        gate, up = fused_linear(x, (self.w_gate, self.w_up), (r["w_gate"], r["w_up"]), self.impl, self.scanned)
         return linear(jax.nn.silu(gate) * up, self.w_down, r["w_down"], self.impl)
