@@ -140,6 +140,10 @@ def cudnn_attention_fwd(q, k, v, *, causal: bool, scale: float, kv_len=None):
     """q (B,T,N,H), k and v (B,S,G,H) -> (output like q, log-sum-exp (B,N,T) float32). Causal: top-left, T == S.
     kv_len: only keys [0, kv_len) are attended to (an int32 scalar, may be traced)."""
     fa, operands, params = _cudnn_attention_args(q, k, causal, scale, kv_len)
+    # The checks jax.nn.dot_product_attention runs, so that a dtype, layout or head dim cuDNN cannot take fails here
+    # with jax's message instead of inside XLA.
+    fa.check_layout(q, k, v, None, None, None, None, None, None, None, fa.AttentionLayout.BTNH)
+    fa.check_is_flash_attention(q, k, v, fa.AttentionLayout.BTNH.value, fa.check_cudnn_version(), False, True)
     out, lse = fa._dot_product_attention_fwd_p_wrapper.bind(q, k, v, *operands, **params, is_training=True)
     return out, lse
 

@@ -7,9 +7,10 @@ causal mask query chunk j attends to j whole chunks and half of its own, so shar
     (c + 1/2) + (2C-1-c + 1/2) = 2C   chunk-by-chunk blocks of work,
 
 the same on every shard and 1/C of the whole causal attention. (Contiguous halves, chunks 2c and 2c+1, would give
-shard c 4c + 2 blocks: 2 for the first shard, 4C - 2 for the last, and the slowest shard sets the step.) `Llama.__call__` puts the tokens and their
-positions into this order on entry (`to_zigzag`) and the hidden states back before the output head
-(`from_zigzag`), so logits, losses and checkpoints never see it; RoPE uses the global positions.
+shard c 4c + 2 blocks: 2 for the first shard, 4C - 2 for the last, and the slowest shard sets the step.)
+`Llama.__call__` puts the tokens and their positions into this order on entry (`to_zigzag`) and the hidden states
+back before the output head (`from_zigzag`), so logits, losses and checkpoints never see it; RoPE uses the global
+positions.
 
 Attention on shard c. K and V are all-gathered over the axis (with grouped-query attention they are G/H the size of
 Q) and put into global order, K_0 .. K_{2C-1}. For a local query chunk j, the keys it sees split into a prefix that
@@ -222,12 +223,13 @@ def shard_fwd(c, n: int, impl: str, q, k, v, kg, vg):
 
 
 def shard_bwd(c, n: int, impl: str, q, k, v, kg, vg, o, lse, do):
-    """-> (dq, dk, dv of the local chunks' diagonal blocks, dkg, dvg of the whole sequence's keys)."""
+    """-> (dq, then in float32: dk, dv of the local chunks' diagonal blocks, dkg, dvg of the whole sequence's
+    keys)."""
     b, s = q.shape[0], q.shape[1] // 2
     l_pair = jnp.concatenate([lse[:, :, :s], lse[:, :, s:]])
     dq, dk, dv = block_bwd(_pair(q, s), _pair(k, s), _pair(v, s), _pair(o, s), l_pair, _pair(do, s), causal=True,
                            impl=impl)
-    dq, dk, dv = _unpair(dq, b).astype(jnp.float32), _unpair(dk, b), _unpair(dv, b)
+    dq, dk, dv = (_unpair(g, b).astype(jnp.float32) for g in (dq, dk, dv))
     dkg = jnp.zeros(kg.shape, jnp.float32)
     dvg = jnp.zeros(vg.shape, jnp.float32)
     for rows, window, kv_len, present in _prefixes(c, n, s):
@@ -238,7 +240,7 @@ def shard_bwd(c, n: int, impl: str, q, k, v, kg, vg, o, lse, do):
         dq = dq.at[:, rows].add(dq_p.astype(jnp.float32))
         dkg = dkg.at[:, :window].add(dk_p.astype(jnp.float32))
         dvg = dvg.at[:, :window].add(dv_p.astype(jnp.float32))
-    return dq.astype(q.dtype), dk, dv, dkg.astype(kg.dtype), dvg.astype(vg.dtype)
+    return dq.astype(q.dtype), dk, dv, dkg, dvg  # dk, dv, dkg, dvg in float32: summed over shards before rounding
 
 
 def _gather(x: jax.Array, axis: str) -> jax.Array:
@@ -249,7 +251,7 @@ def _gather(x: jax.Array, axis: str) -> jax.Array:
 def context_attention(q: jax.Array, k: jax.Array, v: jax.Array, impl: str, axis: str = "context") -> jax.Array:
     """Inside shard_map over `axis`: q (B, 2s, H, K), k and v (B, 2s, G, K), this shard's two zigzag chunks ->
     causal attention output for them (module docstring). The backward gathers K and V again rather than keeping
-    the gathered copies (2 T G K bytes per layer) alive from forward to backward."""
+    the gathered copies (4 T G K bytes per layer in bf16) alive from forward to backward."""
     return _fwd(q, k, v, impl, axis)[0]
 
 
@@ -264,9 +266,10 @@ def _bwd(impl, axis, res, do):
     q, k, v, o, lse = res
     n, c = jax.lax.axis_size(axis), jax.lax.axis_index(axis)
     dq, dk, dv, dkg, dvg = shard_bwd(c, n, impl, q, k, v, _gather(k, axis), _gather(v, axis), o, lse, do)
-    # The gathered keys' gradients: back to zigzag order, summed over the shards, each shard keeping its own chunks.
+    # The gathered keys' gradients: back to zigzag order, summed over the shards in float32 (K and V are G/H the
+    # size of Q, so this costs little), each shard keeping its own chunks; one rounding at the end.
     scatter = lambda g: jax.lax.psum_scatter(to_zigzag(g, n), axis, scatter_dimension=1, tiled=True)
-    return dq, dk + scatter(dkg), dv + scatter(dvg)
+    return dq, (dk + scatter(dkg)).astype(k.dtype), (dv + scatter(dvg)).astype(v.dtype)
 
 
 context_attention.defvjp(_fwd, _bwd)

@@ -69,7 +69,9 @@ def fused_linear(x: jax.Array, ws: tuple[nnx.Param, ...], recipes: tuple[str, ..
     saved output is written into the stacked residuals by a dynamic-update-slice; XLA:GPU (jax 0.11.2) fused the
     GEMM into that update and, for the output's other users (the split), kept a second copy of the same GEMM: every
     gate|up GEMM ran twice. The barrier leaves XLA one GEMM to feed both (8-layer 8B, model.remat=save_matmuls, one
-    H100: 29,553 -> 32,551 tokens/s; benchmarks/RESULTS.md). Unrolled layers do not need it.
+    H100: 29,553 -> 32,551 tokens/s; benchmarks/RESULTS.md). Measured with save_matmuls only; with remat=none a
+    scan stacks the same output, with remat=full it stacks nothing and the barrier changes nothing. Unrolled
+    layers do not need it (it cost them 0.8%).
     """
     if len(set(recipes)) > 1:
         return tuple(linear(x, w, r, impl) for w, r in zip(ws, recipes))

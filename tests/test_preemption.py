@@ -68,8 +68,9 @@ def test_sigterm_saves_the_step_reached_and_the_run_resumes_there(tmp_path):
                                [_losses(tmp_path / "straight")[s] for s in range(1, stopped + 3)], rtol=1e-6)
     # The first steps ran in another process (one CPU device, its own XLA:CPU program), whose float32 rounding
     # may differ in the last bits; Adam's update enlarges that where a second moment is tiny (seen: 2.9e-7 on one
-    # weight of 1e-2, after the context-parallel commit reordered the model's first ops). A wrong resume (a step
-    # skipped or repeated) moves weights by up to the learning rate, 3e-3 here.
+    # weight of 1e-2 from the context-parallel commit on, which at mesh.context=1 only reorders the model's first
+    # ops; the commit before passed at 1e-7). A wrong resume (a step skipped or repeated) moves weights by up to
+    # the learning rate, 3e-3 here.
     for a, b in zip(jax.tree.leaves(resumed.state["params"]), jax.tree.leaves(straight.state["params"]), strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
 
