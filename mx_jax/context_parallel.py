@@ -190,13 +190,15 @@ def _merge(o_p, l_p, o_d, l_d):
     return (w_p * o_p.astype(jnp.float32) + w_d * o_d.astype(jnp.float32)).astype(o_d.dtype), l
 
 
-def _pair(a, s):
-    """(B, 2s, ...) -> (2B, s, ...): the two local chunks stacked on the batch axis."""
-    return jnp.concatenate([a[:, :s], a[:, s:]])
+def _pair(a, s, axis=1):
+    """(B, 2s, ...) -> (2B, s, ...): the two local chunks (along `axis`: 2 for lse) stacked on the batch axis."""
+    first, second = jnp.split(a, [s], axis=axis)
+    return jnp.concatenate([first, second])
 
 
-def _unpair(a, b):
-    return jnp.concatenate([a[:b], a[b:]], axis=1)
+def _unpair(a, b, axis=1):
+    """Inverse of `_pair`."""
+    return jnp.concatenate([a[:b], a[b:]], axis=axis)
 
 
 def _prefixes(c, n, s):
@@ -211,7 +213,7 @@ def shard_fwd(c, n: int, impl: str, q, k, v, kg, vg):
     whole sequence in natural order -> (o (B, 2s, H, K), lse (B, H, 2s))."""
     b, s = q.shape[0], q.shape[1] // 2
     o_d, l_d = block_fwd(_pair(q, s), _pair(k, s), _pair(v, s), causal=True, impl=impl)
-    o_d, l_d = _unpair(o_d, b), jnp.concatenate([l_d[:b], l_d[b:]], axis=2)
+    o_d, l_d = _unpair(o_d, b), _unpair(l_d, b, axis=2)
     o, lse = o_d, l_d
     for rows, window, kv_len, present in _prefixes(c, n, s):
         o_p, l_p = block_fwd(q[:, rows], kg[:, :window], vg[:, :window], causal=False, impl=impl, kv_len=kv_len)
@@ -226,9 +228,8 @@ def shard_bwd(c, n: int, impl: str, q, k, v, kg, vg, o, lse, do):
     """-> (dq, then in float32: dk, dv of the local chunks' diagonal blocks, dkg, dvg of the whole sequence's
     keys)."""
     b, s = q.shape[0], q.shape[1] // 2
-    l_pair = jnp.concatenate([lse[:, :, :s], lse[:, :, s:]])
-    dq, dk, dv = block_bwd(_pair(q, s), _pair(k, s), _pair(v, s), _pair(o, s), l_pair, _pair(do, s), causal=True,
-                           impl=impl)
+    dq, dk, dv = block_bwd(_pair(q, s), _pair(k, s), _pair(v, s), _pair(o, s), _pair(lse, s, axis=2),
+                           _pair(do, s), causal=True, impl=impl)
     dq, dk, dv = (_unpair(g, b).astype(jnp.float32) for g in (dq, dk, dv))
     dkg = jnp.zeros(kg.shape, jnp.float32)
     dvg = jnp.zeros(vg.shape, jnp.float32)
