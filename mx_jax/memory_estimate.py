@@ -8,8 +8,9 @@
 
 Bytes kept per token and layer for the backward pass, bf16 (2 bytes) unless noted, with flash attention
 (no T x T scores are stored), D model, H*K query width, G*K key/value width, F feed-forward width:
-    remat=none          2 (6D + 4HK + 5GK + 5F) + 4H (softmax statistics, f32)
+    remat=none          2 (6D + 4HK + 5GK + 3F) + 4H (softmax statistics, f32; 3F: the SwiGLU's gate, up and h)
     remat=save_matmuls  2 (2D + 2HK + 2GK + 3F)   (linear outputs and attention only)
+                        + (2D + HK + F) with an fp8 or MX recipe (each linear's fp8 transposed input, 1 byte)
     remat=full          2D                        (the block input; one block is recomputed at a time, +1 layer)
 The logits add tokens x V x 2 bytes twice (values and gradient, in the compute dtype: bf16 unless compute is
 f32). The estimate ignores XLA's temporary buffers and fragmentation; compile on the real mesh (train.py --dry-run
@@ -65,10 +66,12 @@ def estimate(cfg: TrainConfig) -> dict:
     m = cfg.model
     d, hk, gk, f = m.d_model, m.n_heads * m.d_head, m.n_kv_heads * m.d_head, m.d_ff
     per_token_layer = {
-        "none": 2 * (6 * d + 4 * hk + 5 * gk + 5 * f) + 4 * m.n_heads,
+        "none": 2 * (6 * d + 4 * hk + 5 * gk + 3 * f) + 4 * m.n_heads,
         "save_matmuls": 2 * (2 * d + 2 * hk + 2 * gk + 3 * f),
         "full": 2 * d,
     }[m.remat]
+    if m.remat == "save_matmuls" and cfg.quant.recipe in ("fp8_tensorwise", "fp8_rowwise", "mxfp8"):
+        per_token_layer += 2 * d + hk + f
     batch_shards = math.prod(shape[a] for a in sharding.batch_axes())
     micro_batch = cfg.data.batch_size // cfg.data.grad_accum_steps
     tokens_dev = micro_batch * cfg.data.seq_len / (batch_shards * shape["context"])

@@ -44,6 +44,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 mxmm = importlib.import_module("pallas_kernels.mx_matmul")  # modules: tests intercept mxmm.mx_matmul
 mxq = importlib.import_module("pallas_kernels.mx_quantize")
@@ -91,7 +92,8 @@ def _make_linear2d(impl: str):
         x_k, x_t = _dim01(x, impl)  # x along K (T, K); xᵀ along T (K, T): for grad_w
         w_n, w_k = _dim01(w, impl)  # w along N (K, N): for grad_x; wᵀ along K (N, K)
         y = _gemm(x_k, w_k, x.dtype, impl)  # (T, N)
-        return y, (x_t, w_n)
+        # xᵀ is named like the linear outputs, so model.remat=save_matmuls keeps it (mx_jax/quant.py, docstring).
+        return y, (checkpoint_name(x_t, "matmul"), w_n)
 
     def backward(res, g):
         x_t, w_n = res

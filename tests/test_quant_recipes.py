@@ -157,6 +157,35 @@ def test_jit_grad_and_leading_dims():
     assert y1.shape == (w.shape[1],)
 
 
+def test_save_matmuls_keeps_the_fp8_activation_residuals_under_scan():
+    """Under a scanned, rematerialized layer with the "matmul" name saved (model.remat=save_matmuls), the fp8
+    transposed copy of each linear's input is a stacked residual, and the backward casts no (T, F) activation again
+    (before x's residual was named, it recomputed the SwiGLU output h and its cast)."""
+    from jax._src import core
+    from mx_jax.layers import linear, swiglu
+    t, d, f, n_layers = 32, 64, 128, 2
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((t, d)), jnp.bfloat16)
+    ws = (jnp.full((n_layers, d, 2 * f), 0.05, jnp.bfloat16), jnp.full((n_layers, f, d), 0.05, jnp.bfloat16))
+
+    def layer(x, w):
+        gu = linear(x, w[0], "fp8_rowwise", "xla")
+        return linear(swiglu(gu[:, :f], gu[:, f:]), w[1], "fp8_rowwise", "xla"), None
+
+    policy = jax.checkpoint_policies.save_only_these_names("matmul")
+    loss = lambda x, ws: jnp.sum(jax.lax.scan(jax.checkpoint(layer, policy=policy), x, ws)[0].astype(jnp.float32))
+    jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(x, ws).jaxpr
+    fwd, bwd = [e for e in jaxpr.eqns if e.primitive.name == "scan"]
+    fp8_saved = {v.aval.shape for v in fwd.outvars if v.aval.dtype == jnp.float8_e4m3fn}
+    assert {(n_layers, d, t), (n_layers, f, t)} <= fp8_saved
+
+    def reduced_shapes(j):
+        out = [tuple(e.invars[0].aval.shape) for e in j.eqns if e.primitive.name == "reduce_max"]
+        return out + [s for e in j.eqns for sub in core.jaxprs_in_params(e.params) for s in reduced_shapes(sub)]
+
+    assert (t, f) not in reduced_shapes(bwd.params["jaxpr"].jaxpr)
+    assert (t, f) in reduced_shapes(fwd.params["jaxpr"].jaxpr)  # the forward does cast h: the check can see it
+
+
 def test_kernel_support_and_errors():
     assert quant.kernel_support("bf16", 7, 3) is None
     assert quant.kernel_support("fp8_rowwise", 4096, 14336) is None
