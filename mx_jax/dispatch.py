@@ -37,6 +37,15 @@ segfaulted on the gathers-only form (jax 0.11.2, 4 x H200), so that case sorts b
 Under fp8_rowwise every expert's rows are padded with zero rows to a multiple of 64, so that the grad-weight casts
 read them in place (`ExpertFFN.align`).
 
+Rematerialization: without expert parallelism the experts' three grouped-GEMM outputs are named "matmul", as every
+dense linear's are, so model.remat=save_matmuls keeps them (`ExpertFFN.name_outputs`). Unnamed, the backward ran
+all three forward GEMMs again: on one H200 with the configs' scanned layers, naming them (behind an optimization
+barrier) took the 2-layer Mixtral step from 54,450 to 62,230 tokens/s in bf16 (59,444 to 62,989 in fp8_rowwise) and
+the 4-layer DeepSeekMoE step from 106,678 to 112,893, for 1.0-1.3 GiB (benchmarks/RESULTS.md). With expert
+parallelism they stay unnamed: there the GEMMs run on the receive buffer, padded to the worst case (P x the rows
+for the dense exchange), and keeping that per layer would cost P x the memory. The price is that the backward
+recomputes the forward there, dispatch exchange included.
+
 An fp8 recipe pays for quantizing every expert weight each step (~ parameters) and gains GEMM time (~ rows), so
 `expert_recipe` picks bf16 where a device's experts average fewer than `min_rows` rows each (quant.expert_min_rows):
 with R rows expected on a device for its E_l experts, fp8 runs iff R >= min_rows * E_l (moe.MoE decides it).
@@ -52,8 +61,10 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from mx_jax import grouped_linear
+from mx_jax.layers import swiglu
 from pallas_kernels.all_to_all import all_to_all
 
 
@@ -112,6 +123,8 @@ class ExpertFFN:
     recipe: str
     impl: str
     group_align: int | None = None  # None: 64 for fp8_rowwise, 1 otherwise (see __call__)
+    name_outputs: bool = False  # name the GEMM outputs for remat policies (module docstring: compact rows only)
+    scanned: bool = False  # the layer runs inside lax.scan (`_saved`)
 
     @property
     def n_local(self) -> int:
@@ -164,8 +177,21 @@ class ExpertFFN:
             return grouped_linear.grouped_linear(a, w, sizes, recipe=self.recipe, impl=self.impl,
                                                  group_align=group_align)
 
-        h = jax.nn.silu(gl(xs, self.w_gate)) * gl(xs, self.w_up)
-        return gl(h.astype(xs.dtype), self.w_down).astype(xs.dtype)
+        g, u = self._saved(gl(xs, self.w_gate), gl(xs, self.w_up))
+        (y,) = self._saved(gl(swiglu(g, u).astype(xs.dtype), self.w_down).astype(xs.dtype))
+        return y
+
+    def _saved(self, *ys: jax.Array) -> tuple[jax.Array, ...]:
+        """With `name_outputs`, the grouped GEMMs' outputs are named "matmul" like every dense linear's, so that
+        model.remat=save_matmuls keeps them instead of running the forward GEMMs again in the backward; inside
+        lax.scan they first pass an optimization barrier, as `layers.fused_linear`'s do. Named without the barrier,
+        the scanned steps ran 2.5-2.8% slower than unnamed instead of faster (not profiled; for the dense gate|up
+        GEMM the profile showed XLA fusing the GEMM into the residual's dynamic-update-slice and running it twice)."""
+        if not self.name_outputs:
+            return ys
+        if self.scanned:
+            ys = jax.lax.optimization_barrier(ys)
+        return tuple(checkpoint_name(y, "matmul") for y in ys)
 
     def _by_scatter(self, rows: jax.Array, local_expert: jax.Array) -> jax.Array:
         """`__call__` for fan_out 1 without padding (the expert-parallel path in bf16): sorted by a gather, put back

@@ -81,7 +81,7 @@ class MoE(nnx.Module):
         self.w_down = _param(rngs, (e, f, d), out_std, ("expert", "expert_mlp", None), pd)
         self.bias = RouterBias(jnp.zeros((e,), jnp.float32), logical_axes=("router",))
         self.shared = SwiGLU(cfg, m.n_shared * f, shared_recipes, impl, rngs=rngs) if m.n_shared else None
-        self.cfg, self.recipe, self.impl = m, recipe, impl
+        self.cfg, self.recipe, self.impl, self.scanned = m, recipe, impl, cfg.scan_layers
         self.min_rows = min_rows  # quant.expert_min_rows: fewer rows per expert run the experts in bf16
 
     def __call__(self, x: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
@@ -134,7 +134,7 @@ class MoE(nnx.Module):
         ep = "expert" in axes and jax.lax.axis_size("expert") > 1  # no exchange at all without expert parallelism
         # n k rows arrive on a device on average (all of its own without expert parallelism) for its E / P experts
         recipe = dispatch.expert_recipe(self.recipe, n * m.top_k, w_gate.shape[0], self.min_rows)
-        ffn = dispatch.ExpertFFN(w_gate, w_up, w_down, recipe, self.impl)
+        ffn = dispatch.ExpertFFN(w_gate, w_up, w_down, recipe, self.impl, name_outputs=not ep, scanned=self.scanned)
         y, traffic = dispatch.dispatch_combine(xt, idx, g, keep, ffn, axis="expert" if ep else None,
                                                method=m.dispatch, gpus_per_node=m.gpus_per_node,
                                                a2a_impl=m.all_to_all)

@@ -363,3 +363,28 @@ def test_balancing_statistics_on_a_known_routing(capacity_factor):
     np.testing.assert_allclose(y, want_y, rtol=1e-4, atol=1e-4 * np.abs(want_y).max())
     if capacity_factor:
         assert not y[7].any(), "a token whose every assignment was dropped gets no expert output"
+
+
+def test_save_matmuls_keeps_the_expert_gemm_outputs_under_scan():
+    """model.remat=save_matmuls, scanned layers, no expert parallelism: the backward runs no forward grouped GEMM
+    again (as many as with remat=none), while remat=full does recompute them, so the count can see it."""
+    from jax._src import core
+
+    def count(j) -> int:
+        return sum((e.primitive.name == "ragged_dot_general") + sum(count(s) for s in core.jaxprs_in_params(e.params))
+                   for e in j.eqns)
+
+    def backward_grouped_gemms(remat: str) -> int:
+        cfg = load_config(None, MOE + [f"model.remat={remat}", "model.scan_layers=true"])
+        graphdef, state = nnx.split(Llama(cfg.model, cfg.quant, rngs=nnx.Rngs(0)))
+
+        def loss(state):
+            logits, _ = nnx.merge(graphdef, state)(jnp.zeros((2, 16), jnp.int32))
+            return jnp.sum(logits.astype(jnp.float32))
+
+        scans = [e for e in jax.make_jaxpr(jax.grad(loss))(state).jaxpr.eqns if e.primitive.name == "scan"]
+        return count(scans[-1].params["jaxpr"].jaxpr)  # the last scan runs the backward
+
+    saved = backward_grouped_gemms("save_matmuls")
+    assert saved == backward_grouped_gemms("none")
+    assert backward_grouped_gemms("full") > saved
