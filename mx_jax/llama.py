@@ -6,14 +6,15 @@ The L blocks are one stacked set of parameters with a leading layer axis. `model
 `jax.lax.scan`: compile time stays flat in L (an 80-layer 70B compiles like a 1-layer one). `false` unrolls the same
 stacked parameters into a Python loop: XLA then keeps each layer's saved activations in their own buffers instead of
 writing them into the scan's stacked residuals (dynamic_update_slice copies, ~10 ms of a 260 ms 8B step,
-benchmarks/RESULTS.md), at a compile time that grows with L. The scan also zero-fills those buffers before the
-first layer (jax 0.11.2 allocates a scan's stacked outputs as a broadcast zero: ~4.6 ms of the 8-layer 8B fp8
-step) and, under remat, recomputes the fp8 weight casts and the fused weights' concatenation in the backward; on
-an H200 that step ran 43,300-43,600 tokens/s scanned with save_matmuls against 46,300 unrolled without remat. The loop takes its layers through `unstack`, whose
-gradient stacks the per-layer gradients; differentiating `stacked[i]` would instead add L zero-padded copies, which
-the clipping norm and the optimizer re-evaluate element by element (1.1-1.8 ms per reduction on the 8B step).
-Rematerialization wraps each block: "full" recomputes everything in the backward pass, "save_matmuls" keeps the
-outputs of every linear and of attention (tagged with checkpoint_name in layers.py) and recomputes only the cheap
+benchmarks/RESULTS.md), at a compile time that grows with L. The scan also zero-fills those buffers before the first
+layer (jax 0.11.2 allocates a scan's stacked outputs as a broadcast zero: ~4.6 ms of the 8-layer 8B fp8 step) and,
+under remat, recomputes the fp8 weight casts and the fused weights' concatenation in the backward; on an H200 that
+step ran 43,300-43,600 tokens/s scanned with save_matmuls against 46,300 unrolled without remat. The loop takes its
+layers through `unstack`, whose gradient stacks the per-layer gradients; differentiating `stacked[i]` would instead
+add L zero-padded copies, which the clipping norm and the optimizer re-evaluate element by element (1.1-1.8 ms per
+reduction on the 8B step). Rematerialization wraps each block: "full" recomputes everything in the backward pass,
+"save_matmuls" keeps the outputs of every linear and of attention (tagged with checkpoint_name in layers.py; also
+the routed experts' grouped GEMMs without expert parallelism, mx_jax/dispatch.py) and recomputes only the cheap
 elementwise work.
 
 The output head is untied from the embedding, as in Llama 3. Training keeps the logits in the compute dtype
