@@ -61,10 +61,9 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
-from jax.ad_checkpoint import checkpoint_name
 
 from mx_jax import grouped_linear
-from mx_jax.layers import swiglu
+from mx_jax.layers import saved_output, swiglu
 from pallas_kernels.all_to_all import all_to_all
 
 
@@ -182,16 +181,11 @@ class ExpertFFN:
         return y
 
     def _saved(self, *ys: jax.Array) -> tuple[jax.Array, ...]:
-        """With `name_outputs`, the grouped GEMMs' outputs are named "matmul" like every dense linear's, so that
-        model.remat=save_matmuls keeps them instead of running the forward GEMMs again in the backward; inside
-        lax.scan they first pass an optimization barrier, as `layers.fused_linear`'s do. Named without the barrier,
-        the scanned steps ran 2.5-2.8% slower than unnamed instead of faster (not profiled; for the dense gate|up
-        GEMM the profile showed XLA fusing the GEMM into the residual's dynamic-update-slice and running it twice)."""
-        if not self.name_outputs:
-            return ys
-        if self.scanned:
-            ys = jax.lax.optimization_barrier(ys)
-        return tuple(checkpoint_name(y, "matmul") for y in ys)
+        """With `name_outputs`, the grouped GEMMs' outputs go through `layers.saved_output` like every dense
+        linear's, so that model.remat=save_matmuls keeps them instead of running the forward GEMMs again in the
+        backward. Named without its barrier, the scanned steps ran 2.5-2.8% slower than unnamed instead of faster
+        (not profiled; for the dense gate|up GEMM the profile showed the GEMM running twice)."""
+        return tuple(saved_output(ys, self.scanned)) if self.name_outputs else ys
 
     def _by_scatter(self, rows: jax.Array, local_expert: jax.Array) -> jax.Array:
         """`__call__` for fan_out 1 without padding (the expert-parallel path in bf16): sorted by a gather, put back

@@ -66,25 +66,30 @@ def linear(x: jax.Array, w: nnx.Param, recipe: str, impl: str) -> jax.Array:
     return checkpoint_name(quant.linear(x, w[...], recipe=recipe, impl=impl), "matmul")
 
 
+def saved_output(y, scanned: bool):
+    """A GEMM output (array or pytree) named "matmul" for remat policies (model.remat=save_matmuls keeps it).
+
+    scanned (the layer runs inside lax.scan): the output first passes an optimization barrier. Inside a scan the
+    saved output is written into the stacked residuals by a dynamic-update-slice; XLA:GPU (jax 0.11.2) fused the
+    GEMM into that update and, for the output's other users, kept a second copy of the same GEMM: every gate|up GEMM
+    ran twice. The barrier leaves XLA one GEMM to feed both (8-layer 8B, model.remat=save_matmuls, one H100:
+    29,553 -> 32,551 tokens/s; the MoE experts' grouped GEMMs need it too, mx_jax/dispatch.py; benchmarks/
+    RESULTS.md). Measured with save_matmuls only; with remat=none a scan stacks the same output, with remat=full it
+    stacks nothing and the barrier changes nothing. Unrolled layers do not need it (it cost them 0.8%).
+    """
+    if scanned:
+        y = jax.lax.optimization_barrier(y)
+    return checkpoint_name(y, "matmul")
+
+
 def fused_linear(x: jax.Array, ws: tuple[nnx.Param, ...], recipes: tuple[str, ...], impl: str,
                  scanned: bool = False) -> tuple[jax.Array, ...]:
-    """(x @ w for w in ws) as one GEMM over the concatenated weights when they share a recipe (module docstring).
-
-    scanned (the layer runs inside lax.scan): the GEMM's output passes an optimization barrier. Inside a scan the
-    saved output is written into the stacked residuals by a dynamic-update-slice; XLA:GPU (jax 0.11.2) fused the
-    GEMM into that update and, for the output's other users (the split), kept a second copy of the same GEMM: every
-    gate|up GEMM ran twice. The barrier leaves XLA one GEMM to feed both (8-layer 8B, model.remat=save_matmuls, one
-    H100: 29,553 -> 32,551 tokens/s; benchmarks/RESULTS.md). Measured with save_matmuls only; with remat=none a
-    scan stacks the same output, with remat=full it stacks nothing and the barrier changes nothing. Unrolled
-    layers do not need it (it cost them 0.8%).
-    """
+    """(x @ w for w in ws) as one GEMM over the concatenated weights when they share a recipe (module docstring);
+    its output goes through `saved_output`."""
     if len(set(recipes)) > 1:
         return tuple(linear(x, w, r, impl) for w, r in zip(ws, recipes))
     w = jnp.concatenate([w[...] for w in ws], axis=1)
-    y = quant.linear(x, w, recipe=recipes[0], impl=impl)
-    if scanned:
-        y = jax.lax.optimization_barrier(y)
-    y = checkpoint_name(y, "matmul")
+    y = saved_output(quant.linear(x, w, recipe=recipes[0], impl=impl), scanned)
     bounds = [w.shape[1] for w in ws]
     return tuple(jnp.split(y, [sum(bounds[:i]) for i in range(1, len(bounds))], axis=-1))
 
