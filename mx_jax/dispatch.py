@@ -18,14 +18,15 @@ Hierarchical (two stages, as DeepEP's normal kernels):
     Cross-node rows per token = distinct destination nodes, against flat's expert copies on other nodes.
 
 Exchanges move rows to peers inside a group of the expert axis (all of it, a rail, or a node):
-    "dense"  each peer's chunk is padded to the same worst-case bound; the hidden states move in one all-to-all
+    "dense"  each peer's chunk is padded to the same worst-case bound (`peer_bound`: min(k, E_l) rows per token,
+             or the capacity's); the hidden states move in one all-to-all
              and the per-row metadata (expert ids, weights, validity) packed in 32-bit words in a second
              (`moved_together`). Over the whole axis the all-to-all is pallas_kernels.all_to_all, an NVLink
              Mosaic-GPU kernel, where it applies, else lax.all_to_all. Chosen on CPU (XLA has no ragged all-to-all
              there) and for groups of up to 8 GPUs, where it measured 4x faster than the ragged one on 4 x H200
-             despite moving P x the bytes.
-    "ragged" jax.lax.ragged_all_to_all moves only real rows; the receive buffer holds the worst case (every peer
-             sends every row it has), so nothing is ever dropped. Chosen for larger groups on GPU.
+             despite moving P x the bytes (then counting k rows per token; now min(k, E_l)).
+    "ragged" jax.lax.ragged_all_to_all moves only real rows; the receive buffer holds the same worst case from
+             every peer, so nothing is ever dropped. Chosen for larger groups on GPU.
 Both have the same semantics; tests/test_moe.py checks flat == hierarchical == single device (outputs, gradients).
 
 Sorting by expert (`ExpertFFN`) uses gathers only, forward and backward (`take_rows`, whose transpose is a gather by
@@ -42,9 +43,9 @@ dense linear's are, so model.remat=save_matmuls keeps them (`ExpertFFN.name_outp
 all three forward GEMMs again: on one H200 with the configs' scanned layers, naming them (behind an optimization
 barrier) took the 2-layer Mixtral step from 54,450 to 62,230 tokens/s in bf16 (59,444 to 62,989 in fp8_rowwise) and
 the 4-layer DeepSeekMoE step from 106,678 to 112,893, for 1.0-1.3 GiB (benchmarks/RESULTS.md). With expert
-parallelism they stay unnamed: there the GEMMs run on the receive buffer, padded to the worst case (P x the rows
-for the dense exchange), and keeping that per layer would cost P x the memory. The price is that the backward
-recomputes the forward there, dispatch exchange included.
+parallelism they stay unnamed: there the GEMMs run on the receive buffer, padded to the worst routing (P peers x
+min(k, E_l) rows per token: `peer_bound`), and keeping that per layer would cost up to P x the memory. The price is
+that the backward recomputes the forward there, dispatch exchange included.
 
 An fp8 recipe pays for quantizing every expert weight each step (~ parameters) and gains GEMM time (~ rows), so
 `expert_recipe` picks bf16 where a device's experts average fewer than `min_rows` rows each (quant.expert_min_rows):
@@ -377,11 +378,12 @@ def pick_exchange(method: str, n_peers: int) -> str:
 
 def dispatch_combine(x: jax.Array, idx: jax.Array, g: jax.Array, keep: jax.Array, ffn: ExpertFFN, *,
                      axis: str | None, method: str = "flat", gpus_per_node: int = 8, exchange_method: str = "auto",
-                     a2a_impl: str = "auto") -> tuple[jax.Array, dict[str, jax.Array]]:
+                     a2a_impl: str = "auto", capacity: int = 0) -> tuple[jax.Array, dict[str, jax.Array]]:
     """y (n,D) = sum_j g[:, j] * Expert_{idx[:, j]}(x) with experts spread over mesh axis `axis` (None: all local).
 
-    Also returns the rows this device sent for dispatch to devices on other nodes and to other devices of its own
-    node (the combine sends the same numbers back).
+    `capacity` > 0: `keep` holds at most that many of this device's assignments per expert (moe.capacity_keep),
+    which bounds the rows a peer can receive (`peer_bound`). Also returns the rows this device sent for dispatch to
+    devices on other nodes and to other devices of its own node (the combine sends the same numbers back).
     """
     n, k = idx.shape
     e_l = ffn.n_local
@@ -391,9 +393,20 @@ def dispatch_combine(x: jax.Array, idx: jax.Array, g: jax.Array, keep: jax.Array
         zero = jnp.zeros((), jnp.int32)
         return _combine(out, g, x.dtype), {"rows_cross_node": zero, "rows_intra_node": zero}
     if method == "flat":
-        out, traffic = _flat(x, eid, ffn, axis, gpus_per_node, exchange_method, a2a_impl)
+        out, traffic = _flat(x, eid, ffn, axis, gpus_per_node, exchange_method, a2a_impl, capacity)
         return _combine(out, g, x.dtype), traffic
-    return _hierarchical(x, eid, g, ffn, axis, gpus_per_node, exchange_method, a2a_impl)
+    return _hierarchical(x, eid, g, ffn, axis, gpus_per_node, exchange_method, a2a_impl, capacity)
+
+
+def peer_bound(tokens: int, k: int, n_local: int, capacity: int = 0) -> int:
+    """The most rows a device owning `n_local` experts can be sent by one peer with `tokens` tokens of k choices.
+
+    A token's k choices are distinct experts, so at most min(k, n_local) of its rows go to one device; with a
+    capacity, the peer keeps at most `capacity` rows per expert. Exact: a routing that reaches it exists (every
+    token choosing this device's experts), so no row can drop. Mixtral on 8 devices (k = 2, one expert each) needs
+    half the worst case that counts every row (tokens x k)."""
+    bound = tokens * min(k, n_local)
+    return min(bound, n_local * capacity) if capacity > 0 else bound
 
 
 def _combine(out: jax.Array, g: jax.Array, dtype) -> jax.Array:
@@ -412,15 +425,15 @@ def _node_layout(axis: str, gpus_per_node: int) -> tuple[int, int, jax.Array]:
     return p, l, jax.lax.axis_index(axis) // l
 
 
-def _flat(x, eid, ffn: ExpertFFN, axis: str, gpus_per_node: int, how: str, a2a_impl: str):
+def _flat(x, eid, ffn: ExpertFFN, axis: str, gpus_per_node: int, how: str, a2a_impl: str, capacity: int):
     n_dev, l, my_node = _node_layout(axis, gpus_per_node)
-    k = eid.shape[1]
+    n, k = eid.shape
     e_l = ffn.n_local
     flat_e = eid.reshape(-1)
     rows = jnp.repeat(x, k, axis=0)  # (n k, D): assignment i = token i // k, choice i % k
     dest = jnp.where(flat_e >= 0, flat_e // e_l, n_dev)
     recv, valid, back = exchange({"x": rows, "e": flat_e % e_l}, dest, Group(axis, n_dev),
-                                 pick_exchange(how, n_dev), a2a_impl=a2a_impl)
+                                 pick_exchange(how, n_dev), bound=peer_bound(n, k, e_l, capacity), a2a_impl=a2a_impl)
     out = back(ffn(recv["x"], jnp.where(valid, recv["e"], e_l)))
     off_dev = (dest < n_dev) & (dest != jax.lax.axis_index(axis))
     cross = off_dev & (dest // l != my_node)
@@ -429,7 +442,7 @@ def _flat(x, eid, ffn: ExpertFFN, axis: str, gpus_per_node: int, how: str, a2a_i
     return out, traffic
 
 
-def _hierarchical(x, eid, g, ffn: ExpertFFN, axis: str, gpus_per_node: int, how: str, a2a_impl: str):
+def _hierarchical(x, eid, g, ffn: ExpertFFN, axis: str, gpus_per_node: int, how: str, a2a_impl: str, capacity: int):
     n_dev, l, my_node = _node_layout(axis, gpus_per_node)
     n_nodes = n_dev // l
     n, k = eid.shape
@@ -449,8 +462,10 @@ def _hierarchical(x, eid, g, ffn: ExpertFFN, axis: str, gpus_per_node: int, how:
     e2 = recv1["e"].reshape(-1)  # (N n k,)
     mine = jnp.repeat(valid1, k) & (e2 >= 0) & ((e2 // e_l) // l == my_node)
     dest2 = jnp.where(mine, (e2 // e_l) % l, l)
+    # A node peer gets rows from my N rail sources' tokens, each source's within its own bound.
+    bound2 = n_nodes * peer_bound(n, k, e_l, capacity)
     recv2, valid2, back2 = exchange({"x": jnp.repeat(recv1["x"], k, axis=0), "e": e2 % e_l}, dest2, node,
-                                    pick_exchange(how, l), a2a_impl=a2a_impl)
+                                    pick_exchange(how, l), bound=bound2, a2a_impl=a2a_impl)
     out2 = back2(ffn(recv2["x"], jnp.where(valid2, recv2["e"], e_l)))  # (N n k, D); zero where not mine
     # Combine inside the node: the weighted partial sum over this token's experts here, then one row home.
     partial = jnp.sum(out2.reshape(-1, k, d).astype(jnp.float32) * recv1["g"][..., None], axis=1)

@@ -114,8 +114,9 @@ class MoE(nnx.Module):
         s, idx, g = route(logits, bias, m.top_k, m.score, m.normalize_top_k)
         n = xt.shape[0]
         keep = jnp.ones(idx.shape, bool)
-        if m.capacity_factor > 0:
-            keep = capacity_keep(idx, m.n_experts, math.ceil(m.capacity_factor * n * m.top_k / m.n_experts))
+        capacity = math.ceil(m.capacity_factor * n * m.top_k / m.n_experts) if m.capacity_factor > 0 else 0
+        if capacity:
+            keep = capacity_keep(idx, m.n_experts, capacity)
         g = jnp.where(keep, g, 0.0)
 
         def psum(v):
@@ -137,7 +138,7 @@ class MoE(nnx.Module):
         ffn = dispatch.ExpertFFN(w_gate, w_up, w_down, recipe, self.impl, name_outputs=not ep, scanned=self.scanned)
         y, traffic = dispatch.dispatch_combine(xt, idx, g, keep, ffn, axis="expert" if ep else None,
                                                method=m.dispatch, gpus_per_node=m.gpus_per_node,
-                                               a2a_impl=m.all_to_all)
+                                               a2a_impl=m.all_to_all, capacity=capacity)
         stats = {"aux_loss": aux, "z_loss": z, "load": load, "dropped": dropped,
                  **{k: psum(v) for k, v in traffic.items()}}  # rows_cross_node, rows_intra_node
         return y.reshape(b, t, d), stats

@@ -388,3 +388,57 @@ def test_save_matmuls_keeps_the_expert_gemm_outputs_under_scan():
     saved = backward_grouped_gemms("save_matmuls")
     assert saved == backward_grouped_gemms("none")
     assert backward_grouped_gemms("full") > saved
+
+
+@pytest.mark.parametrize("method, gpus_per_node", [("flat", 8), ("hierarchical", 4), ("hierarchical", 2)])
+@pytest.mark.parametrize("capacity", [0, 3])
+def test_receive_buffers_hold_the_exact_bound_and_drop_nothing(method, gpus_per_node, capacity, monkeypatch):
+    """8 devices, 8 experts (one each), top-2. Receive buffers hold peer_bound rows per sender: min(k, 1) = 1 per
+    token instead of k, or the capacity. The routing reaches the bound: every token of every device chooses experts
+    0 and 1 (some also others), so devices 0 and 1 get a full chunk from each peer; the mixture must still equal the
+    single-device one with the same keep mask."""
+    from jax.sharding import PartitionSpec as P
+
+    from mx_jax import dispatch
+    from mx_jax.moe import capacity_keep
+
+    n_dev, n_experts, n_tok, k, d, f = 8, 8, 6, 2, 8, 4
+    rng = np.random.default_rng(3)
+    idx = np.zeros((n_dev * n_tok, k), np.int32)
+    idx[:, 0] = 0
+    idx[:, 1] = 1
+    idx[::3, 1] = rng.integers(2, n_experts, size=idx[::3].shape[0])  # a third of the tokens pick another second
+    keep = np.ones(idx.shape, bool)
+    if capacity:
+        keep = np.concatenate([np.asarray(capacity_keep(jnp.asarray(idx[i * n_tok:(i + 1) * n_tok]), n_experts,
+                                                        capacity)) for i in range(n_dev)])
+    x = jnp.asarray(rng.standard_normal((n_dev * n_tok, d)), jnp.float32)
+    g = jnp.asarray(rng.uniform(0.2, 0.8, idx.shape), jnp.float32)
+    w = [jnp.asarray(rng.standard_normal(s) * 0.1, jnp.float32) for s in
+         ((n_experts, d, f), (n_experts, d, f), (n_experts, f, d))]
+    seen = []
+    call = dispatch.ExpertFFN.__call__
+    monkeypatch.setattr(dispatch.ExpertFFN, "__call__", lambda self, rows, *a, **kw: seen.append(rows.shape[0])
+                        or call(self, rows, *a, **kw))
+    mesh = sharding.make_mesh(MeshConfig(fsdp=1, expert=8))
+
+    def body(x, idx, g, keep, w1, w2, w3):
+        ffn = dispatch.ExpertFFN(w1, w2, w3, "bf16", "xla")
+        return dispatch.dispatch_combine(x, idx, g, keep, ffn, axis="expert", method=method,
+                                         gpus_per_node=gpus_per_node, capacity=capacity)[0]
+
+    tok, wspec = P("expert"), P("expert", None, None)
+    with jax.set_mesh(mesh):
+        y = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(tok, tok, tok, tok, wspec, wspec, wspec),
+                                  out_specs=tok, check_vma=False))(x, jnp.asarray(idx), g, jnp.asarray(keep), *w)
+    per_sender = min(n_tok, capacity) if capacity else n_tok  # min(k, 1 expert) = 1 row per token
+    if method == "flat":
+        assert seen == [n_dev * per_sender]  # the worst case that counts every row: 8 x 12
+    else:
+        nodes = n_dev // gpus_per_node
+        assert seen == [gpus_per_node * nodes * per_sender]
+    ref = dispatch.dispatch_combine(x, jnp.asarray(idx), g, jnp.asarray(keep), dispatch.ExpertFFN(*w, "bf16", "xla"),
+                                    axis=None)[0]
+    np.testing.assert_allclose(np.asarray(y), np.asarray(ref), rtol=1e-5, atol=1e-6)
+    if capacity:
+        assert not keep.all()  # the capacity dropped rows: the bound is the capacity's, not the routing's
