@@ -4,6 +4,8 @@ Supported range: jax 0.10.2 (CPU machines and CI, Python 3.11) to jax 0.11.2 (th
 Each shim names the versions that differ and what changed.
 """
 
+import contextlib
+
 import jax
 
 JAX_VERSION = tuple(int(p) for p in jax.__version__.split(".")[:3])
@@ -142,8 +144,9 @@ def cudnn_attention_fwd(q, k, v, *, causal: bool, scale: float, kv_len=None):
     fa, operands, params = _cudnn_attention_args(q, k, causal, scale, kv_len)
     # The checks jax.nn.dot_product_attention runs, so that a dtype, layout or head dim cuDNN cannot take fails here
     # with jax's message instead of inside XLA.
-    fa.check_layout(q, k, v, None, None, None, None, None, None, None, fa.AttentionLayout.BTNH)
-    fa.check_is_flash_attention(q, k, v, fa.AttentionLayout.BTNH.value, fa.check_cudnn_version(), False, True)
+    if not _CUDNN_SHAPES_ONLY:
+        fa.check_layout(q, k, v, None, None, None, None, None, None, None, fa.AttentionLayout.BTNH)
+        fa.check_is_flash_attention(q, k, v, fa.AttentionLayout.BTNH.value, fa.check_cudnn_version(), False, True)
     out, lse = fa._dot_product_attention_fwd_p_wrapper.bind(q, k, v, *operands, **params, is_training=True)
     return out, lse
 
@@ -153,3 +156,26 @@ def cudnn_attention_bwd(q, k, v, out, lse, dout, *, causal: bool, scale: float, 
     fa, operands, params = _cudnn_attention_args(q, k, causal, scale, kv_len)
     dq, dk, dv = fa._dot_product_attention_bwd_p_wrapper.bind(q, k, v, *operands, lse, out, dout, **params)
     return dq, dk, dv
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Shape-only traces (mx_jax/memory_estimate.py)
+# ---------------------------------------------------------------------------------------------------------------
+# - `saved_residuals(f, *args)`: the residuals jax keeps for f's backward, as (aval, origin) pairs. Public only as
+#   `jax.ad_checkpoint.print_saved_residuals` in 0.10.2 and 0.11.2; the list itself is jax._src.ad_checkpoint's.
+# - cuDNN attention checks the installed cuDNN and the GPU when it is traced. Inside `cudnn_shapes_only()` those
+#   checks are skipped, so a machine without either can trace (never run) the GPU's attention for its shapes; the
+#   primitives' abstract evaluation needs neither (0.10.2 and 0.11.2).
+from jax._src.ad_checkpoint import saved_residuals  # noqa: E402,F401  (the list print_saved_residuals prints)
+
+_CUDNN_SHAPES_ONLY = False
+
+
+@contextlib.contextmanager
+def cudnn_shapes_only():
+    global _CUDNN_SHAPES_ONLY
+    saved, _CUDNN_SHAPES_ONLY = _CUDNN_SHAPES_ONLY, True
+    try:
+        yield
+    finally:
+        _CUDNN_SHAPES_ONLY = saved

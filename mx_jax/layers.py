@@ -192,11 +192,17 @@ def context_shards() -> int:
 
 def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, impl: str) -> jax.Array:
     """q (B,T,H,K), k and v (B,T,G,K) -> (B,T,H,K). Under a `context` mesh axis the sequence must be in
-    `context_parallel.to_zigzag` order (Llama.__call__ puts it there); exact either way."""
+    `context_parallel.to_zigzag` order (Llama.__call__ puts it there); exact either way.
+
+    The output is named "attention" (kept by model.remat=save_matmuls) exactly once: the cuDNN and context-parallel
+    paths name it inside their custom_vjp, with the softmax statistics. A second name outside made jax list a
+    second residual of the same values (a second stacked buffer in a scanned layer stack; XLA's buffer assignment
+    merged them, but memory_estimate, which reads jax's list, counted both)."""
     if context_shards() == 1:
         if impl == "cudnn":
             return context_parallel.cudnn_causal_attention(q, k, v)
-        return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=impl)
+        o = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=impl)
+        return checkpoint_name(o, "attention")
     mesh = jax.sharding.get_abstract_mesh()
     batch = tuple(a for a in sharding.batch_axes() if mesh.shape.get(a, 1) > 1) or None
     spec = P(batch, "context", None, None)
@@ -225,7 +231,7 @@ class Attention(nnx.Module):
         k = k.reshape(b, t, self.n_kv_heads, self.head_dim)
         v = v.reshape(b, t, self.n_kv_heads, self.head_dim)
         q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
-        o = checkpoint_name(causal_attention(q, k, v, self.attention), "attention")  # (B,T,H,K)
+        o = causal_attention(q, k, v, self.attention)  # (B,T,H,K)
         return linear(o.reshape(b, t, self.n_heads * self.head_dim), self.wo, r["wo"], self.impl)
 
 

@@ -1,34 +1,56 @@
-"""Per-device memory of a training run, from shapes alone (`jax.eval_shape`): nothing is allocated.
+"""Per-device memory of a training run, from shapes alone (`jax.eval_shape`, `jax.make_jaxpr`): nothing is allocated.
 
     parameters   sum over weights of  size x 4 bytes / (product of the mesh axes sharding it)
     copies       the GEMM weights again in the compute dtype (2 bytes; llama.compute_copies), sharded alike
-    gradients    the same (float32, same sharding)
+    gradients    the same sharding, in the dtype the train step differentiates in: the compute dtype for the GEMM
+                 weights (llama.with_compute), the parameter dtype for the rest; plus a float32 sum of them
+                 under gradient accumulation
     optimizer    AdamW moments: 2 x the parameter bytes, sharded like their parameters
-    activations  tokens per device x layers x bytes saved per token per layer (below) + the logits
+    activations  sum over the layer stacks of  layers x the bytes one layer keeps for the backward
+                 + the rest of one layer's intermediates (below)  + the logits
 
-Bytes kept per token and layer for the backward pass, bf16 (2 bytes) unless noted, with flash attention
-(no T x T scores are stored), D model, H*K query width, G*K key/value width, F feed-forward width:
-    remat=none          2 (6D + 4HK + 5GK + 3F) + 4H (softmax statistics, f32; 3F: the SwiGLU's gate, up and h)
-    remat=save_matmuls  2 (2D + 2HK + 2GK + 3F)   (linear outputs and attention only)
-                        + (2D + HK + F) with an fp8 or MX recipe (each linear's fp8 transposed input, 1 byte)
-    remat=full          2D                        (the block input; one block is recomputed at a time, +1 layer)
+The bytes a layer keeps are not a formula kept beside the model: they are the residuals jax itself saves for one
+block's backward (`jax.ad_checkpoint.saved_residuals` of the block under the run's remat policy), traced on the
+run's mesh at its micro-batch, with the GEMM weights in the compute dtype as the train step feeds them. The weights
+themselves are not counted again; the block's input is (the layer loop stacks it). A residual made outside any
+`shard_map` has the global activation's shape and is divided over the batch and context shards; one made inside
+(the MoE layer, context-parallel attention) comes out of jax stacked over every device and is divided by their
+number. Attention is traced as the GPU runs it, cuDNN flash attention (output and softmax statistics kept, no
+T x T scores), without needing cuDNN here (`compat.cudnn_shapes_only`).
+
+For a dense block this comes to, per token and layer (2 bytes per bf16 element; D model, H*K query width, G*K
+key/value width, F feed-forward width; tests/test_dry_run.py checks the trace against these):
+    remat=save_matmuls  2 (2D + 2HK + 2GK + 2F) + 4H   x, q|k|v, attention's output and f32 statistics, the output
+                                                      projection, gate|up (the configs' default)
+                        + (2D + HK + F)               with an fp8 or MX recipe: each linear's 1-byte transposed input
+    remat=full          2D                            the block input
+    remat=none          every intermediate the backward reads (about twice save_matmuls for the 8B block), and
+                        each layer's concatenated q|k|v and gate|up weights (weight-shaped residuals count whole)
+A routed-expert layer under save_matmuls keeps, without expert parallelism, its three grouped GEMMs' outputs for
+every (token, expert) row, 2k (2F + D) bytes per token plus row padding; with expert parallelism nothing of the
+experts (the backward recomputes them, dispatch included; mx_jax/dispatch.py).
+On top of what every layer keeps, the layer whose backward is running holds the rest of its intermediates (under
+remat, recomputed): the largest of (remat=none minus kept) over the stacks, counted once. With expert parallelism
+that includes the dispatch's receive buffers and the expert GEMMs run over them, sized for the worst routing
+(dispatch.peer_bound: P peers x min(k, experts per device) rows per token, dropless), which dominate at large P.
 The logits add tokens x V x 2 bytes twice (values and gradient, in the compute dtype: bf16 unless compute is
-f32). The estimate ignores XLA's temporary buffers and fragmentation; compile on the real mesh (train.py --dry-run
-on a machine that has the devices) for an exact figure.
+f32). XLA's own workspace and fragmentation are not counted, and XLA may fuse away a residual jax lists (remat=none
+unrolled, mostly); `train.py --dry-run` also compiles the step for the mesh and prints XLA's figure beside this one.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import AbstractMesh
+from jax.sharding import AbstractMesh, AxisType
 
-from mx_jax import sharding
+from mx_jax import compat, sharding
 from mx_jax.config import TrainConfig
-from mx_jax.llama import COMPUTE_CAST, Llama, param_axes, params_of
+from mx_jax.llama import _REMAT_POLICIES, COMPUTE_CAST, Llama, param_axes, params_of, rope_inv_freq
 
 GPUS_GB = {"H100 80GB": 80.0, "H200 141GB": 141.0, "B200 192GB": 192.0}
 
@@ -42,14 +64,74 @@ def _mesh_shape(cfg: TrainConfig) -> dict[str, int]:
     return shape
 
 
+def _gpu_attention(cfg: TrainConfig) -> TrainConfig:
+    """The config as a GPU runs it: attention "auto" is cuDNN there where layers.attention_impl would pick it."""
+    m = cfg.model
+    if m.attention == "auto" and m.compute_dtype in ("bfloat16", "float16") and m.d_head <= 256 and m.d_head % 8 == 0:
+        return dataclasses.replace(cfg, model=dataclasses.replace(m, attention="cudnn"))
+    return cfg
+
+
+def layer_residuals(cfg: TrainConfig, abstract_model: Llama, mesh: AbstractMesh) -> dict[str, tuple[int, float, float]]:
+    """{stack: (layers, bytes one layer keeps per device under cfg.model.remat, the same under remat=none)}.
+
+    Each stack's layer is traced as `llama._scan` runs it (module docstring), at the global micro-batch."""
+    m = cfg.model
+    shape = dict(mesh.shape)
+    n_dev = math.prod(shape.values())
+    act_shards = math.prod(shape[a] for a in sharding.batch_axes()) * shape["context"]
+    cdt = jnp.dtype(m.compute_dtype)
+    x = jax.ShapeDtypeStruct((cfg.data.batch_size // cfg.data.grad_accum_steps, cfg.data.seq_len, m.d_model), cdt)
+    positions = jnp.arange(cfg.data.seq_len)
+    inv_freq = rope_inv_freq(m.d_head, m.rope_theta, m.rope_scaling)
+    micro_batch, seq = x.shape[:2]
+
+    def per_device(residuals) -> float:
+        total = 0.0
+        for aval, origin in residuals:
+            if origin.startswith(("from a constant", "from a literal")) or "layer_state" in origin:
+                continue  # positions are shared by every layer; the weights are counted above
+            nbytes = aval.size * aval.dtype.itemsize
+            if "shard_map" in origin:
+                total += nbytes / n_dev
+            elif micro_batch * seq in aval.shape or (aval.shape[:1] == (micro_batch,) and seq in aval.shape[1:]):
+                total += nbytes / act_shards  # an activation, (B, T, ...), (B, H, T) or (tokens, ...) transposed
+            else:
+                total += nbytes  # weight-shaped (remat=none keeps each layer's concatenated and fp8 weights): whole
+        return total
+
+    out = {}
+    for name in ("dense_blocks", "blocks"):
+        if not hasattr(abstract_model, name):
+            continue
+        graphdef, state = nnx.split(getattr(abstract_model, name))
+        layer = jax.tree_util.tree_map_with_path(
+            lambda path, a: jax.ShapeDtypeStruct(
+                a.shape[1:], cdt if any(getattr(k, "key", None) in COMPUTE_CAST for k in path) else a.dtype),
+            state)
+        n_layers = jax.tree.leaves(state)[0].shape[0]
+
+        def body(x, layer_state):
+            return nnx.merge(graphdef, layer_state)(x, positions, inv_freq)
+
+        kept = {}
+        for remat in {m.remat, "none"}:
+            f = body if remat == "none" else jax.checkpoint(body, policy=_REMAT_POLICIES[remat], prevent_cse=False)
+            with jax.sharding.use_abstract_mesh(mesh), compat.cudnn_shapes_only():
+                kept[remat] = per_device(compat.saved_residuals(f, x, layer))
+        out[name] = (n_layers, kept[m.remat], kept["none"])
+    return out
+
+
 def estimate(cfg: TrainConfig) -> dict:
+    cfg = _gpu_attention(cfg)
     shape = _mesh_shape(cfg)
-    mesh = AbstractMesh(tuple(shape.values()), tuple(shape.keys()))
+    mesh = AbstractMesh(tuple(shape.values()), tuple(shape.keys()), axis_types=(AxisType.Auto,) * len(shape))
     abstract_model = nnx.eval_shape(lambda: Llama(cfg.model, cfg.quant, rngs=nnx.Rngs(0)))
     params = params_of(abstract_model)
     logical = param_axes(abstract_model)
     n_params = 0
-    param_bytes_dev = copy_bytes_dev = 0.0
+    param_bytes_dev = copy_bytes_dev = grad_bytes_dev = 0.0
     cdt = jnp.dtype(cfg.model.compute_dtype)
     for ax, (path, v) in zip(jax.tree.leaves(logical, is_leaf=lambda x: isinstance(x, tuple)),
                              jax.tree_util.tree_leaves_with_path(params)):
@@ -62,22 +144,20 @@ def estimate(cfg: TrainConfig) -> dict:
         param_bytes_dev += v.size * v.dtype.itemsize / shards
         if path[-1].key in COMPUTE_CAST and v.dtype != cdt:
             copy_bytes_dev += v.size * cdt.itemsize / shards
+            grad_bytes_dev += v.size * cdt.itemsize / shards
+        else:
+            grad_bytes_dev += v.size * v.dtype.itemsize / shards
 
     m = cfg.model
-    d, hk, gk, f = m.d_model, m.n_heads * m.d_head, m.n_kv_heads * m.d_head, m.d_ff
-    per_token_layer = {
-        "none": 2 * (6 * d + 4 * hk + 5 * gk + 3 * f) + 4 * m.n_heads,
-        "save_matmuls": 2 * (2 * d + 2 * hk + 2 * gk + 3 * f),
-        "full": 2 * d,
-    }[m.remat]
-    if m.remat == "save_matmuls" and cfg.quant.recipe in ("fp8_tensorwise", "fp8_rowwise", "mxfp8"):
-        per_token_layer += 2 * d + hk + f
     batch_shards = math.prod(shape[a] for a in sharding.batch_axes())
     micro_batch = cfg.data.batch_size // cfg.data.grad_accum_steps
     tokens_dev = micro_batch * cfg.data.seq_len / (batch_shards * shape["context"])
-    layers = m.n_layers + (1 if m.remat == "full" else 0)
+    stacks = layer_residuals(cfg, abstract_model, mesh)
     logit_bytes = 4 if m.compute_dtype == "float32" else 2
-    act = tokens_dev * (layers * per_token_layer + 2 * logit_bytes * m.vocab_size)
+    kept_all = sum(n * kept for n, kept, _ in stacks.values())
+    # The layer whose backward is running holds all of its intermediates at once (recomputed under remat).
+    transient = max(everything - kept for _, kept, everything in stacks.values())
+    act = kept_all + transient + tokens_dev * 2 * logit_bytes * m.vocab_size
     gb = 1e9
     report = {
         "n_params": n_params,
@@ -85,9 +165,13 @@ def estimate(cfg: TrainConfig) -> dict:
         "devices": math.prod(shape.values()),
         "params_gb": param_bytes_dev / gb,
         "copies_gb": copy_bytes_dev / gb,
-        "grads_gb": param_bytes_dev / gb,
+        # With gradient accumulation the sum is float32 (train.make_train_step), beside each micro-step's gradients.
+        "grads_gb": (grad_bytes_dev + (param_bytes_dev if cfg.data.grad_accum_steps > 1 else 0)) / gb,
         "optimizer_gb": 2 * param_bytes_dev / gb,
         "activations_gb": act / gb,
+        "tokens_per_device": tokens_dev,
+        "layer_gb": {name: (n, kept / gb) for name, (n, kept, _) in stacks.items()},
+        "transient_gb": transient / gb,
     }
     parts = ("params_gb", "copies_gb", "grads_gb", "optimizer_gb", "activations_gb")
     report["total_gb"] = sum(report[k] for k in parts)
@@ -102,9 +186,12 @@ def format_report(r: dict) -> str:
         "per device (estimate from shapes; nothing allocated):",
         f"  parameters    {r['params_gb']:8.2f} GB (float32)",
         f"  bf16 copies   {r['copies_gb']:8.2f} GB (GEMM weights in the compute dtype)",
-        f"  gradients     {r['grads_gb']:8.2f} GB",
+        f"  gradients     {r['grads_gb']:8.2f} GB (GEMM weights' in the compute dtype)",
         f"  optimizer     {r['optimizer_gb']:8.2f} GB (AdamW moments)",
-        f"  activations   {r['activations_gb']:8.2f} GB",
+        f"  activations   {r['activations_gb']:8.2f} GB ({r['tokens_per_device']:,.0f} tokens of each micro-batch)",
+        *(f"    {name:<12}  {n} x {kept:.3f} GB kept per layer for the backward" for name, (n, kept) in
+          r["layer_gb"].items()),
+        f"    transient     {r['transient_gb']:8.2f} GB (the rest of one layer's intermediates, while its backward runs)",
         f"  total         {r['total_gb']:8.2f} GB",
     ]
     for name, ok in r["fits"].items():

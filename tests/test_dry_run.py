@@ -6,6 +6,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 from mx_jax import memory_estimate
 from mx_jax.config import load_config
 
@@ -25,6 +27,11 @@ def test_8b_parameter_count_shapes_only():
     assert report["n_params"] == 8_030_261_248  # Llama 3.1 8B: 8.03 B
     assert abs(report["params_gb"] - 4 * 8.03) < 0.1  # float32 masters on one device
     assert abs(report["copies_gb"] - 2 * (8.03 - 0.525)) < 0.05  # bf16 GEMM weights: all but the embedding
+    # Gradients as the step makes them: bf16 for the GEMM weights, float32 for the embedding (and the norms)
+    assert abs(report["grads_gb"] - (2 * (8.03 - 0.525) + 4 * 0.525)) < 0.05
+    accum = memory_estimate.estimate(load_config(str(ROOT / "configs/llama3_8b.yaml"),
+                                                 ["mesh.fsdp=1", "data.grad_accum_steps=2"]))
+    assert abs(accum["grads_gb"] - report["grads_gb"] - 4 * 8.03) < 0.1  # + the float32 sum of the micro-steps
 
 
 def test_70b_compiles_for_64_devices_it_does_not_have():
@@ -43,3 +50,67 @@ def test_70b_memory_shrinks_with_fsdp():
     many = memory_estimate.estimate(load_config(str(ROOT / "configs/llama3_70b.yaml"), ["mesh.fsdp=64"]))
     assert abs(one["params_gb"] / many["params_gb"] - 8) < 0.05  # every large weight is fsdp-sharded
     assert many["devices"] == 64
+
+
+def _per_token(args, stack="blocks"):
+    """(bytes one layer keeps per device and token, the same under remat=none) from the estimate's own trace."""
+    from flax import nnx
+    from jax.sharding import AbstractMesh, AxisType
+
+    from mx_jax.llama import Llama
+
+    cfg = memory_estimate._gpu_attention(load_config(str(ROOT / args[0]), list(args[1:])))
+    shape = memory_estimate._mesh_shape(cfg)
+    mesh = AbstractMesh(tuple(shape.values()), tuple(shape.keys()), axis_types=(AxisType.Auto,) * len(shape))
+    model = nnx.eval_shape(lambda: Llama(cfg.model, cfg.quant, rngs=nnx.Rngs(0)))
+    n, kept, everything = memory_estimate.layer_residuals(cfg, model, mesh)[stack]
+    tokens = cfg.data.seq_len * cfg.data.batch_size / (shape["data"] * shape["fsdp"] * shape["expert"] * shape["context"])
+    return kept / tokens, everything / tokens
+
+
+SHAPE_8B = ("configs/llama3_8b.yaml", "model.n_layers=2", "data.seq_len=2048", "data.batch_size=2", "mesh.fsdp=1")
+
+
+@pytest.mark.parametrize("context", [1, 2])
+def test_a_dense_layer_keeps_what_the_docstring_formula_says(context):
+    """The trace of the 8B block (cuDNN attention, as on a GPU) against memory_estimate's docstring: x, q|k|v, the
+    attention output and its statistics once (cuDNN's and context parallelism's own tags, no second copy), the
+    output projection and gate|up; an fp8 recipe adds each linear's 1-byte transposed input."""
+    d, hk, gk, f, h = 4096, 4096, 1024, 14336, 32
+    save = 2 * (2 * d + 2 * hk + 2 * gk + 2 * f) + 4 * h
+    mesh = f"mesh.context={context}"
+    kept, everything = _per_token((*SHAPE_8B, mesh, "model.remat=save_matmuls"))
+    assert kept == save and everything > 1.5 * save
+    kept, _ = _per_token((*SHAPE_8B, mesh, "model.remat=save_matmuls", "quant.recipe=fp8_rowwise"))
+    assert save + (2 * d + hk + f) <= kept < save + (2 * d + hk + f) + 64  # + per-channel f32 scale vectors
+    kept, none = _per_token((*SHAPE_8B, mesh, "model.remat=full"))
+    assert kept == 2 * d and none == everything
+
+
+def test_a_routed_expert_layer_keeps_its_rows_only_without_expert_parallelism():
+    """Mixtral's block: without expert parallelism save_matmuls keeps the three grouped-GEMM outputs of its k rows
+    per token; with it, none (the backward recomputes the experts, dispatch included), and the worst-case receive
+    buffers (every peer sends every row) appear as the layer's intermediates instead."""
+    d, hk, gk, f, h, k = 4096, 4096, 1024, 14336, 32, 2
+    attention = 2 * (2 * d + 2 * hk + 2 * gk) + 4 * h
+    mixtral = ("configs/mixtral_8x7b.yaml", "model.n_layers=1", "data.seq_len=2048", "data.batch_size=8")
+    kept, everything = _per_token((*mixtral, "mesh.fsdp=8"))
+    assert kept == attention + 2 * k * (2 * f + d)
+    kept_ep, everything_ep = _per_token((*mixtral, "mesh.fsdp=1", "mesh.expert=8"))
+    assert kept_ep == attention
+    assert everything_ep > 8 * k * 2 * (2 * f + d)  # P = 8 peers' worst case: 8 k rows per token of gate, up, h
+    assert everything < 2 * k * 2 * (3 * f + d) + 4 * attention
+
+
+def test_moe_models_estimate_every_stack():
+    """DeepSeekMoE: a dense first layer and 27 MoE layers, each stack traced; remat=full adds one layer's
+    intermediates once, not per layer."""
+    report = memory_estimate.estimate(load_config(str(ROOT / "configs/deepseek_moe_16b.yaml"),
+                                                  ["mesh.fsdp=8", "data.batch_size=8"]))
+    assert set(report["layer_gb"]) == {"dense_blocks", "blocks"}
+    assert report["layer_gb"]["dense_blocks"][0] == 1 and report["layer_gb"]["blocks"][0] == 27
+    full = memory_estimate.estimate(load_config(str(ROOT / "configs/deepseek_moe_16b.yaml"),
+                                                ["mesh.fsdp=8", "data.batch_size=8", "model.remat=full"]))
+    per_layer = full["layer_gb"]["blocks"][1]
+    assert per_layer == 2 * 2048 * 4096 / 1e9  # the block input, bf16, 4096 tokens per device
+    assert 0 < full["transient_gb"] < report["activations_gb"] / 4
