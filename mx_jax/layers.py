@@ -196,8 +196,9 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, impl: str) -> jax
 
     The output is named "attention" (kept by model.remat=save_matmuls) exactly once: the cuDNN and context-parallel
     paths name it inside their custom_vjp, with the softmax statistics. A second name outside made jax list a
-    second residual of the same values (a second stacked buffer in a scanned layer stack; XLA's buffer assignment
-    merged them, but memory_estimate, which reads jax's list, counted both)."""
+    second residual of the same values: a second stacked output of a scanned stack's forward loop (whether XLA's
+    GPU buffer assignment merged the two is not yet measured), and memory_estimate, which reads jax's list, counted
+    both."""
     if context_shards() == 1:
         if impl == "cudnn":
             return context_parallel.cudnn_causal_attention(q, k, v)

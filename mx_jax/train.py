@@ -700,15 +700,17 @@ def prepare_dry_run_backend(n_devices: int) -> str:
 
     On a machine with the CUDA plugin, XLA's mock GPU topology gives a GPU compile (cuDNN attention, real GPU
     memory analysis) for n devices on hosts of 8; elsewhere n fake CPU devices (XLA:CPU's attention keeps the
-    T x T scores, so its temporary memory overstates what flash attention needs on a GPU).
+    T x T scores, so its temporary memory overstates what flash attention needs on a GPU). The CPU device count
+    is set either way: where the plugin is installed but cannot start (no driver), jax falls back to the CPU backend,
+    and `dry_run` names that target instead.
     """
+    jax.config.update("jax_num_cpu_devices", n_devices)
     if compat.cuda_plugin_available() and os.environ.get("JAX_PLATFORMS", "") in ("", "cuda", "gpu"):
         per_host = min(8, n_devices)
         hosts = -(-n_devices // per_host)
         jax.config.update("jax_mock_gpu_topology", f"1x{hosts}x{per_host}")
         return f"mock GPU topology {hosts} host(s) x {per_host}"
     jax.config.update("jax_platforms", "cpu")
-    jax.config.update("jax_num_cpu_devices", n_devices)
     return f"{n_devices} fake CPU devices"
 
 
@@ -721,6 +723,8 @@ def dry_run(cfg: TrainConfig, target: str) -> dict:
     print(memory_estimate.format_report(report), flush=True)
     n = report["devices"]
     devices = jax.devices()[:n]
+    if "GPU" in target and devices[0].platform != "gpu":
+        target = f"{len(jax.devices())} fake CPU devices (the CUDA plugin is installed but did not start)"
     if len(devices) < n:
         print(f"compile: skipped ({len(jax.devices())} devices available, the mesh needs {n})")
         return report

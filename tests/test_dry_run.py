@@ -114,3 +114,16 @@ def test_moe_models_estimate_every_stack():
     per_layer = full["layer_gb"]["blocks"][1]
     assert per_layer == 2 * 2048 * 4096 / 1e9  # the block input, bf16, 4096 tokens per device
     assert 0 < full["transient_gb"] < report["activations_gb"] / 4
+
+
+def test_a_cuda_plugin_that_cannot_start_compiles_on_named_cpu_devices():
+    """Where the CUDA plugin is installed but cannot start (no driver), jax falls back to its CPU backend: the dry run
+    must still compile for the mesh's device count and say that it compiled for CPU devices, not a GPU topology."""
+    code = ("import sys; from mx_jax import compat, train; compat.cuda_plugin_available = lambda: True; "
+            "sys.exit(train.main(sys.argv[1:]))")
+    env = {**os.environ, "XLA_FLAGS": "", "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": ""}
+    p = subprocess.run([sys.executable, "-c", code, "--dry-run", "--config", str(ROOT / "configs/moe_debug.yaml"),
+                        "mesh.expert=2"], capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "compiled train step for 2 fake CPU devices (the CUDA plugin is installed but did not start)" in p.stdout
+    assert "XLA:CPU attention keeps T x T scores" in p.stdout
