@@ -175,11 +175,12 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.A
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
-def attention_impl(requested: str, dtype, head_dim: int) -> str:
-    """cuDNN flash attention on GPU for bf16/fp16 with a head dim it takes (<= 256, multiple of 8), else XLA."""
+def attention_impl(requested: str, dtype, head_dim: int, platform: str | None = None) -> str:
+    """cuDNN flash attention on GPU for bf16/fp16 with a head dim it takes (<= 256, multiple of 8), else XLA.
+    `platform`: the backend to decide for (default: jax's default backend)."""
     if requested != "auto":
         return requested
-    ok = (jax.default_backend() == "gpu" and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)
+    ok = ((platform or jax.default_backend()) == "gpu" and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)
           and head_dim <= 256 and head_dim % 8 == 0)
     return "cudnn" if ok else "xla"
 

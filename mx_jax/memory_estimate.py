@@ -50,6 +50,7 @@ from jax.sharding import AbstractMesh, AxisType
 
 from mx_jax import compat, sharding
 from mx_jax.config import TrainConfig
+from mx_jax.layers import attention_impl
 from mx_jax.llama import _REMAT_POLICIES, COMPUTE_CAST, Llama, param_axes, params_of, rope_inv_freq
 
 GPUS_GB = {"H100 80GB": 80.0, "H200 141GB": 141.0, "B200 192GB": 192.0}
@@ -65,11 +66,10 @@ def _mesh_shape(cfg: TrainConfig) -> dict[str, int]:
 
 
 def _gpu_attention(cfg: TrainConfig) -> TrainConfig:
-    """The config as a GPU runs it: attention "auto" is cuDNN there where layers.attention_impl would pick it."""
+    """The config as a GPU runs it: attention "auto" resolved for the GPU (cuDNN where it takes the shapes)."""
     m = cfg.model
-    if m.attention == "auto" and m.compute_dtype in ("bfloat16", "float16") and m.d_head <= 256 and m.d_head % 8 == 0:
-        return dataclasses.replace(cfg, model=dataclasses.replace(m, attention="cudnn"))
-    return cfg
+    attention = attention_impl(m.attention, m.compute_dtype, m.d_head, platform="gpu")
+    return dataclasses.replace(cfg, model=dataclasses.replace(m, attention=attention))
 
 
 def layer_residuals(cfg: TrainConfig, abstract_model: Llama, mesh: AbstractMesh) -> dict[str, tuple[int, float, float]]:
