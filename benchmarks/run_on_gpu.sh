@@ -17,6 +17,7 @@ MOE="--config configs/mixtral_8x7b.yaml model.n_layers=2 data.source=embedded da
 CTX8B="--config configs/llama3_8b.yaml model.n_layers=8 data.source=embedded data.batch_size=1 model.remat=save_matmuls model.scan_layers=false mesh.data=1 mesh.fsdp=1 mesh.expert=1"  # long sequences, 2 GPUs
 W64=tile_m=64,tile_n=256,wg_split=m,stages=4,epi_tile_m=64,epi_tile_n=32,delay_release=0,cluster=m,ring=static  # fp8 AUTO_DEFAULT
 DENSE8B="--config configs/llama3_8b.yaml model.n_layers=8 data.source=embedded data.seq_len=8192 data.batch_size=1 model.remat=none"
+LAYOUT8B="--config configs/llama3_8b.yaml model.n_layers=8 data.source=embedded data.seq_len=8192 data.batch_size=1 mesh.fsdp=1"  # the configs' scanned save_matmuls layout
 
 section() {  # name, seconds, command...
   local name=$1 limit=$2; shift 2
@@ -94,6 +95,7 @@ for s in "$@"; do
     moe_ep_xla) section moe_ep_xla 200 $PY benchmarks/profile_step.py --steps 3 --top 15 $MOE data.batch_size="$(nvidia-smi -L | wc -l)" mesh.expert="$(nvidia-smi -L | wc -l)" model.moe.all_to_all=xla ;;
     moe_recipes) section moe_recipes 300 env CUDA_VISIBLE_DEVICES=0 $PY benchmarks/bench_train.py --steps 20 --base "$MOE data.batch_size=1 mesh.expert=1" --variant bf16: --variant fp8_rowwise:quant.recipe=fp8_rowwise ;;
     moe_ep_recipes) section moe_ep_recipes 300 $PY benchmarks/bench_train.py --steps 20 --base "$MOE data.batch_size=$(nvidia-smi -L | wc -l) mesh.expert=$(nvidia-smi -L | wc -l)" --variant bf16: --variant fp8_rowwise:quant.recipe=fp8_rowwise ;;
+    memory_check) section memory_check 420 bash -c "$PY -m mx_jax.train --dry-run $LAYOUT8B quant.recipe=fp8_rowwise; $PY -m mx_jax.train --dry-run $MOE data.batch_size=1 mesh.expert=1; env CUDA_VISIBLE_DEVICES=0 $PY benchmarks/bench_train.py --out $LOGS --steps 10 --base '$LAYOUT8B' --variant fp8_rowwise:quant.recipe=fp8_rowwise; env CUDA_VISIBLE_DEVICES=0 $PY benchmarks/bench_train.py --out $LOGS --steps 10 --base '$MOE data.batch_size=1 mesh.expert=1' --variant mixtral2_bf16:" ;;  # memory_estimate and XLA's GPU compile against the measured peaks
     moe_ep) section moe_ep 200 $PY benchmarks/profile_step.py --steps 3 --top 15 $MOE data.batch_size="$(nvidia-smi -L | wc -l)" mesh.expert="$(nvidia-smi -L | wc -l)" ;;
     train_profile) section train_profile 300 $PY -m mx_jax.train $DENSE8B steps=13 quant.recipe=fp8_rowwise log.profile_steps=3 log.profile_from=10 ckpt.every_steps=-1 log.eval_every_steps=-1 log.progress=false log.tensorboard=false run_dir=/tmp/mx_jax_profile_run ;;
     sigterm) section sigterm 420 bash benchmarks/sigterm_check.sh 20 $DENSE8B quant.recipe=fp8_rowwise ckpt.every_steps=0 log.eval_every_steps=-1 log.every_steps=5 log.progress=false log.tensorboard=false run_dir=/tmp/mx_jax_sigterm_run ;;
