@@ -167,15 +167,22 @@ def unstack(tree, n: int) -> list:
     return [jax.tree.unflatten(treedef, layer) for layer in split(*leaves)]
 
 
-def _scan(stack: nnx.Module, x, positions, inv_freq, remat: str, scan: bool = True):
-    """Run a stacked module layer by layer, by lax.scan or unrolled; returns (x, per-layer stats stacked)."""
-    graphdef, state = nnx.split(stack)
+def layer_body(graphdef, positions, inv_freq, remat: str):
+    """body(x, layer_state) -> (x, stats): one layer of a stack under the remat policy, as `_scan` runs it (and
+    memory_estimate traces it; its argument name `layer_state` is how the estimate tells weights from activations)."""
 
     def body(x, layer_state):
         return nnx.merge(graphdef, layer_state)(x, positions, inv_freq)
 
     if remat != "none":
         body = jax.checkpoint(body, policy=_REMAT_POLICIES[remat], prevent_cse=False)
+    return body
+
+
+def _scan(stack: nnx.Module, x, positions, inv_freq, remat: str, scan: bool = True):
+    """Run a stacked module layer by layer, by lax.scan or unrolled; returns (x, per-layer stats stacked)."""
+    graphdef, state = nnx.split(stack)
+    body = layer_body(graphdef, positions, inv_freq, remat)
     if scan:
         return jax.lax.scan(body, x, state)
     n = jax.tree.leaves(state)[0].shape[0]

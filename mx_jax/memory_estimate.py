@@ -51,7 +51,7 @@ from jax.sharding import AbstractMesh, AxisType
 from mx_jax import compat, sharding
 from mx_jax.config import TrainConfig
 from mx_jax.layers import attention_impl
-from mx_jax.llama import _REMAT_POLICIES, COMPUTE_CAST, Llama, param_axes, params_of, rope_inv_freq
+from mx_jax.llama import COMPUTE_CAST, Llama, layer_body, param_axes, params_of, rope_inv_freq
 
 GPUS_GB = {"H100 80GB": 80.0, "H200 141GB": 141.0, "B200 192GB": 192.0}
 
@@ -75,7 +75,7 @@ def _gpu_attention(cfg: TrainConfig) -> TrainConfig:
 def layer_residuals(cfg: TrainConfig, abstract_model: Llama, mesh: AbstractMesh) -> dict[str, tuple[int, float, float]]:
     """{stack: (layers, bytes one layer keeps per device under cfg.model.remat, the same under remat=none)}.
 
-    Each stack's layer is traced as `llama._scan` runs it (module docstring), at the global micro-batch."""
+    Each stack's layer is traced as `llama._scan` runs it (`llama.layer_body`), at the global micro-batch."""
     m = cfg.model
     shape = dict(mesh.shape)
     n_dev = math.prod(shape.values())
@@ -110,15 +110,11 @@ def layer_residuals(cfg: TrainConfig, abstract_model: Llama, mesh: AbstractMesh)
                 a.shape[1:], cdt if any(getattr(k, "key", None) in COMPUTE_CAST for k in path) else a.dtype),
             state)
         n_layers = jax.tree.leaves(state)[0].shape[0]
-
-        def body(x, layer_state):
-            return nnx.merge(graphdef, layer_state)(x, positions, inv_freq)
-
         kept = {}
         for remat in {m.remat, "none"}:
-            f = body if remat == "none" else jax.checkpoint(body, policy=_REMAT_POLICIES[remat], prevent_cse=False)
+            body = layer_body(graphdef, positions, inv_freq, remat)
             with jax.sharding.use_abstract_mesh(mesh), compat.cudnn_shapes_only():
-                kept[remat] = per_device(compat.saved_residuals(f, x, layer))
+                kept[remat] = per_device(compat.saved_residuals(body, x, layer))
         out[name] = (n_layers, kept[m.remat], kept["none"])
     return out
 
