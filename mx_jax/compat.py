@@ -179,3 +179,43 @@ def cudnn_shapes_only():
         yield
     finally:
         _CUDNN_SHAPES_ONLY = saved
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# lax.scan's stacked outputs, left uninitialized (mx_jax/llama.py's scanned layers)
+# ---------------------------------------------------------------------------------------------------------------
+# A scan's stacked outputs (the per-layer residuals of a scanned model's forward) are while-loop buffers that the
+# loop overwrites slice by slice. jax 0.10.2 and 0.11.2 create them in `loops._empty_array` as a broadcast of
+# `lax.empty2`, which lowers to zeros: on the GPU a memset of every buffer before the first layer (~4.6 ms of the
+# 8-layer 8B fp8 step on an H200, RESULTS.md "The configs' layout"). jax's own TODO there is to use `lax.empty`,
+# whose GPU lowering is XLA's AllocateBuffer (no kernel), once "AllocateBuffer issues" are fixed; it is kept on
+# empty2 for host-offloaded outputs (lax.empty takes no memory space). `uninitialize_scan_outputs()` swaps in that
+# form for device-memory outputs and keeps jax's function for the rest. The values are the same: every slice of a
+# stacked output is written by its iteration before anything reads it. On CPU lax.empty still lowers to zeros.
+_JAX_EMPTY_ARRAY = None
+
+
+def _scan_output_buffer(prefix, length_spec, aval):
+    from jax._src import core
+    from jax._src.lax import lax as lax_internal
+    from jax._src.mesh import get_abstract_mesh, use_abstract_mesh
+
+    if aval.memory_space != core.MemorySpace.Device:
+        return _JAX_EMPTY_ARRAY(prefix, length_spec, aval)
+    sharding = aval.sharding
+    if JAX_VERSION >= (0, 11, 0) and sharding.mesh.empty:  # 0.11 takes the context's mesh; 0.10.2 does not
+        sharding = sharding.update(mesh=get_abstract_mesh())
+    sharding = sharding.update(spec=sharding.spec.update(partitions=(*length_spec, *sharding.spec.partitions)))
+    with use_abstract_mesh(sharding.mesh):
+        out = lax_internal.empty((*prefix, *aval.shape), aval.dtype, out_sharding=sharding)
+    return core.pvary(out, tuple(aval.mat.varying))
+
+
+def uninitialize_scan_outputs() -> None:
+    """Install `_scan_output_buffer` as jax's scan-output allocator (idempotent; process-wide, values unchanged)."""
+    global _JAX_EMPTY_ARRAY
+    from jax._src.lax.control_flow import loops
+
+    if _JAX_EMPTY_ARRAY is None:
+        _JAX_EMPTY_ARRAY = loops._empty_array
+        loops._empty_array = _scan_output_buffer

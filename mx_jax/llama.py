@@ -6,10 +6,11 @@ The L blocks are one stacked set of parameters with a leading layer axis. `model
 `jax.lax.scan`: compile time stays flat in L (an 80-layer 70B compiles like a 1-layer one). `false` unrolls the same
 stacked parameters into a Python loop: XLA then keeps each layer's saved activations in their own buffers instead of
 writing them into the scan's stacked residuals (dynamic_update_slice copies, ~10 ms of a 260 ms 8B step,
-benchmarks/RESULTS.md), at a compile time that grows with L. The scan also zero-fills those buffers before the first
-layer (jax 0.11.2 allocates a scan's stacked outputs as a broadcast zero: ~4.6 ms of the 8-layer 8B fp8 step) and,
-under remat, recomputes the fp8 weight casts and the fused weights' concatenation in the backward; on an H200 that
-step ran 43,300-43,600 tokens/s scanned with save_matmuls against 46,300 unrolled without remat. The loop takes its
+benchmarks/RESULTS.md), at a compile time that grows with L. jax would also zero-fill those buffers before the first
+layer (a broadcast zero: ~4.6 ms of the 8-layer 8B fp8 step); `compat.uninitialize_scan_outputs`, installed on
+import, has XLA allocate them instead (+1.8% on that step on an H100). Under remat the scan still recomputes the fp8
+weight casts and the fused weights' concatenation in the backward; on an H200 that step ran 43,300-43,600 tokens/s
+scanned with save_matmuls (before the allocation fix) against 46,300 unrolled without remat. The loop takes its
 layers through `unstack`, whose gradient stacks the per-layer gradients; differentiating `stacked[i]` would instead
 add L zero-padded copies, which the clipping norm and the optimizer re-evaluate element by element (1.1-1.8 ms per
 reduction on the 8B step). Rematerialization wraps each block: "full" recomputes everything in the backward pass,
@@ -35,11 +36,13 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from mx_jax import grouped_linear, quant, sharding
+from mx_jax import compat, grouped_linear, quant, sharding
 from mx_jax.config import ModelConfig, QuantConfig
 from mx_jax.context_parallel import from_zigzag, to_zigzag
 from mx_jax.layers import Attention, RMSNorm, SwiGLU, _param, context_shards, linear, rope_inv_freq
 from mx_jax.moe import MoE, RouterBias, update_bias
+
+compat.uninitialize_scan_outputs()  # the scanned layers' residual buffers are allocated, not zero-filled
 
 ATTN_LINEARS = ("wq", "wk", "wv", "wo")
 MLP_LINEARS = ("w_gate", "w_up", "w_down")
