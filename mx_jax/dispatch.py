@@ -404,7 +404,9 @@ def peer_bound(tokens: int, k: int, n_local: int, capacity: int = 0) -> int:
     A token's k choices are distinct experts, so at most min(k, n_local) of its rows go to one device; with a
     capacity, the peer keeps at most `capacity` rows per expert. Exact: a routing that reaches it exists (every
     token choosing this device's experts), so no row can drop. Mixtral on 8 devices (k = 2, one expert each) needs
-    half the worst case that counts every row (tokens x k)."""
+    half the worst case that counts every row (tokens x k). With a capacity the saving is larger: the 2-layer
+    Mixtral step with capacity_factor=1.25 on 4 H100s (expert=4) went from 171,600-171,900 to 209,400-215,900
+    tokens/s, peak 20.9 -> 17.4 GiB (benchmarks/RESULTS.md)."""
     bound = tokens * min(k, n_local)
     return min(bound, n_local * capacity) if capacity > 0 else bound
 
