@@ -8,12 +8,12 @@ stacked parameters into a Python loop: XLA then keeps each layer's saved activat
 writing them into the scan's stacked residuals (dynamic_update_slice copies, ~10 ms of a 260 ms 8B step,
 benchmarks/RESULTS.md), at a compile time that grows with L. jax would also zero-fill those buffers before the first
 layer (a broadcast zero: ~4.6 ms of the 8-layer 8B fp8 step); `compat.uninitialize_scan_outputs`, installed on
-import, has XLA allocate them instead (+2.9% on that step on an H200, +1.8% on an H100). Under remat the scan still recomputes the fp8
-weight casts and the fused weights' concatenation in the backward; on an H200 that step ran 43,300-43,600 tokens/s
-scanned with save_matmuls (before the allocation fix) against 46,300 unrolled without remat. The loop takes its
-layers through `unstack`, whose gradient stacks the per-layer gradients; differentiating `stacked[i]` would instead
-add L zero-padded copies, which the clipping norm and the optimizer re-evaluate element by element (1.1-1.8 ms per
-reduction on the 8B step). Rematerialization wraps each block: "full" recomputes everything in the backward pass,
+import, has XLA allocate them instead (+2.9% on that step on an H200, +1.8% on an H100). Under remat the scan still
+recomputes the fp8 weight casts and the fused weights' concatenation in the backward; on H200s that step ran
+43,600-43,900 tokens/s scanned with save_matmuls, and 46,300 unrolled without remat on a host ~2% faster. The loop
+takes its layers through `unstack`, whose gradient stacks the per-layer gradients; differentiating `stacked[i]` would
+instead add L zero-padded copies, which the clipping norm and the optimizer re-evaluate element by element (1.1-1.8
+ms per reduction on the 8B step). Rematerialization wraps each block: "full" recomputes everything in the backward pass,
 "save_matmuls" keeps the outputs of every linear and of attention (tagged with checkpoint_name in layers.py; also
 the routed experts' grouped GEMMs without expert parallelism, mx_jax/dispatch.py) and recomputes only the cheap
 elementwise work.

@@ -143,8 +143,9 @@ def test_fused_projection_equals_separate_linears(recipe):
         np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=tol, atol=tol)
 
 
-def _scanned_and_unrolled(remat: str):
-    """(loss, grads) of a 3-layer float32 model, scanned and unrolled, on the default device."""
+def _assert_scan_equals_loop(remat: str):
+    """A 3-layer float32 model's loss and gradients, scanned and unrolled, agree on the default device; returns the
+    scanned model's jitted value_and_grad and its parameters."""
     import dataclasses
     from mx_jax.llama import cross_entropy
     cfg = ModelConfig(vocab_size=64, d_model=32, n_layers=3, n_heads=4, n_kv_heads=2, d_ff=64,
@@ -160,25 +161,23 @@ def _scanned_and_unrolled(remat: str):
             return cross_entropy(logits, tokens[:, 1:])
 
         fn = jax.jit(jax.value_and_grad(loss))
-        return fn(params), fn.trace(params).lower(lowering_platforms=("cuda",)).as_text()
+        return fn, params, fn(params)
 
-    return loss_and_grads(cfg), loss_and_grads(dataclasses.replace(cfg, scan_layers=False))
-
-
-def _assert_scan_equals_loop(remat: str):
-    ((l_scan, g_scan), hlo_scan), ((l_loop, g_loop), _) = _scanned_and_unrolled(remat)
+    fn, params, (l_scan, g_scan) = loss_and_grads(cfg)
+    _, _, (l_loop, g_loop) = loss_and_grads(dataclasses.replace(cfg, scan_layers=False))
     np.testing.assert_allclose(float(l_loop), float(l_scan), rtol=1e-6)
     for a, b in zip(jax.tree.leaves(g_loop), jax.tree.leaves(g_scan)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
-    return hlo_scan
+    return fn, params
 
 
 @pytest.mark.parametrize("remat", ["none", "save_matmuls"])
 def test_unrolled_layers_equal_scanned_layers(remat):
-    hlo_scan = _assert_scan_equals_loop(remat)
+    fn, params = _assert_scan_equals_loop(remat)
     # The scan's stacked residuals are allocated, not zero-filled, on the GPU (compat.uninitialize_scan_outputs):
     # the forward loop's outputs are AllocateBuffer custom calls in the CUDA lowering.
-    assert hlo_scan.count("AllocateBuffer") >= 2, "the scanned layers' residuals are zero-filled again"
+    hlo = fn.trace(params).lower(lowering_platforms=("cuda",)).as_text()
+    assert hlo.count("AllocateBuffer") >= 2, "the scanned layers' residuals are zero-filled again"
 
 
 @pytest.mark.gpu
