@@ -193,7 +193,9 @@ def cudnn_shapes_only():
 # form for device-memory outputs and keeps jax's function for the rest. The values are the same: every slice of a
 # stacked output is written by its iteration before anything reads it. On CPU lax.empty still lowers to zeros.
 # Measured on an H200 (RESULTS.md, session 25): +2.9% on the 8B fp8, Mixtral and DeepSeekMoE scanned steps; the
-# DeepSeekMoE step's peak grew by 1.7 GiB (not explained yet; the dense and Mixtral peaks did not move).
+# DeepSeekMoE step's peak grew by 1.7 GiB: its backward scan's stacked expert-weight gradients, allocated, are live
+# from the start of the step, where their zero fill had been placed just before the backward loop (the dense and
+# Mixtral peaks did not move).
 _JAX_EMPTY_ARRAY = None
 
 
