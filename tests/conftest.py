@@ -1,6 +1,8 @@
 """Test setup: 8 fake CPU devices (set before jax is imported), and the `gpu` / `slow` markers."""
 
 import os
+import shutil
+import tempfile
 
 # Must happen before jax initialises its backends. Tests that need another device count run a subprocess.
 os.environ.setdefault("XLA_FLAGS", "")
@@ -9,8 +11,24 @@ if "xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
 if os.environ.get("MX_JAX_TEST_GPU") != "1":
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+# One XLA compilation cache for the run, shared by the xdist workers and the trainer processes the tests start (they
+# inherit the environment): many tests train the same tiny model again (a resume, a second process, a restored
+# checkpoint), and each compile of its step and of Orbax's slicing ops cost seconds of a 2-core CI machine. A fresh
+# directory per run (no state from earlier runs), removed by the process that made it. jax keys each entry on the
+# HLO, the compile options, the devices and its own version.
+_XLA_CACHE = None
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    _XLA_CACHE = os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="mx_jax_test_xla_cache_")
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+
 import jax  # noqa: E402
 import pytest  # noqa: E402
+
+
+def pytest_unconfigure(config):
+    if _XLA_CACHE is not None:
+        shutil.rmtree(_XLA_CACHE, ignore_errors=True)
 
 
 def _has_gpu() -> bool:
