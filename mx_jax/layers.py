@@ -5,7 +5,8 @@ Dimension letters, used in every comment and einsum of the model:
     E experts, V vocabulary, L layers.
 
 Parameters are float32 masters. The train step hands the GEMM weights in already cast to the compute dtype (the
-state's bf16 copies, llama.with_compute); any other weight is cast at the point of use. Every weight is a 2-D
+state's bf16 copies, llama.with_compute) or, under an fp8 recipe, as `quant.Prequantized` (a gradient slot and the
+fp8 operands made at the last update); any other weight is cast at the point of use. Every weight is a 2-D
 (in, out) matrix that goes through `quant.linear`, which applies the model's low-precision recipe (bf16, fp8
 rowwise/tensorwise, MX) to that linear.
 
@@ -61,9 +62,17 @@ def _param(rngs: nnx.Rngs, shape: tuple[int, ...], std: float, axes: tuple[str, 
     return nnx.Param(value, logical_axes=axes)
 
 
+def _weight(w: nnx.Param | jax.Array) -> tuple[jax.Array, quant.Operands | None]:
+    """(the array a linear differentiates, its prequantized operands or None): a Param holds an array, or in the
+    train step a `quant.Prequantized` whose operands were made at the last update (llama.with_operands)."""
+    v = w.get_value() if isinstance(w, nnx.Variable) else w
+    return (v.slot, v.operands) if isinstance(v, quant.Prequantized) else (v, None)
+
+
 def linear(x: jax.Array, w: nnx.Param, recipe: str, impl: str) -> jax.Array:
     """x (..., in) @ w (in, out) through the quantization recipe; the output is tagged for remat policies."""
-    return checkpoint_name(quant.linear(x, w[...], recipe=recipe, impl=impl), "matmul")
+    w, ops = _weight(w)
+    return checkpoint_name(quant.linear(x, w, recipe=recipe, impl=impl, operands=ops), "matmul")
 
 
 def saved_output(y, scanned: bool):
@@ -88,9 +97,12 @@ def fused_linear(x: jax.Array, ws: tuple[nnx.Param, ...], recipes: tuple[str, ..
     its output goes through `saved_output`."""
     if len(set(recipes)) > 1:
         return tuple(linear(x, w, r, impl) for w, r in zip(ws, recipes))
-    w = jnp.concatenate([w[...] for w in ws], axis=1)
-    y = saved_output(quant.linear(x, w, recipe=recipes[0], impl=impl), scanned)
-    bounds = [w.shape[1] for w in ws]
+    parts = [_weight(w) for w in ws]
+    # With prequantized operands (the first weight's, made from the concatenation) the weights are zero slots: their
+    # concatenation is never materialized, and its gradient is split back by slicing.
+    w = jnp.concatenate([p[0] for p in parts], axis=1)
+    y = saved_output(quant.linear(x, w, recipe=recipes[0], impl=impl, operands=parts[0][1]), scanned)
+    bounds = [p[0].shape[1] for p in parts]
     return tuple(jnp.split(y, [sum(bounds[:i]) for i in range(1, len(bounds))], axis=-1))
 
 

@@ -8,9 +8,9 @@ stacked parameters into a Python loop: XLA then keeps each layer's saved activat
 writing them into the scan's stacked residuals (dynamic_update_slice copies, ~10 ms of a 260 ms 8B step,
 benchmarks/RESULTS.md), at a compile time that grows with L. jax would also zero-fill those buffers before the first
 layer (a broadcast zero: ~4.6 ms of the 8-layer 8B fp8 step); `compat.uninitialize_scan_outputs`, installed on
-import, has XLA allocate them instead (+2.9% on that step on an H200, +1.8% on an H100). Under remat the scan still
-recomputes the fp8 weight casts and the fused weights' concatenation in the backward; on H200s that step ran
-43,600-43,900 tokens/s scanned with save_matmuls, and 46,300 unrolled without remat on a host ~2% faster. The loop
+import, has XLA allocate them instead (+2.9% on that step on an H200, +1.8% on an H100). Under an fp8 recipe the dense
+linears read fp8 operands made at the update (`compute_copies`, quant.prequantize), so neither the forward nor the
+rematerialized backward concatenates or casts a weight (+1.5% on that step on an H100, 1.4 GiB less peak). The loop
 takes its layers through `unstack`, whose gradient stacks the per-layer gradients; differentiating `stacked[i]` would
 instead add L zero-padded copies, which the clipping norm and the optimizer re-evaluate element by element (1.1-1.8
 ms per reduction on the 8B step). Rematerialization wraps each block: "full" recomputes everything in the backward pass,
@@ -55,6 +55,7 @@ class LinearPlan:
     recipes: dict[str, str]
     notes: tuple[str, ...]
     expert_min_rows: int = 0  # quant.expert_min_rows, for the routed experts (dispatch.expert_recipe)
+    impl: str = "auto"  # quant.impl: the GEMM and cast dispatchers' choice
 
 
 def plan_linears(cfg: ModelConfig, qcfg: QuantConfig) -> LinearPlan:
@@ -88,7 +89,7 @@ def plan_linears(cfg: ModelConfig, qcfg: QuantConfig) -> LinearPlan:
             notes.append(f"routed experts stay bf16: no grouped-GEMM kernel for recipe {qcfg.recipe}")
         else:
             recipes["experts"] = grouped
-    return LinearPlan(recipes, tuple(notes), qcfg.expert_min_rows)
+    return LinearPlan(recipes, tuple(notes), qcfg.expert_min_rows, qcfg.impl)
 
 
 class Block(nnx.Module):
@@ -154,7 +155,8 @@ def unstack(tree, n: int) -> list:
     adds the n pads, which every consumer of the gradient (clipping norm, optimizer) then re-evaluates per element.
     """
     leaves, treedef = jax.tree.flatten(tree)
-    differentiable = [jnp.issubdtype(a.dtype, jnp.inexact) for a in leaves]
+    # fp8 leaves are prequantized operands (quant.Prequantized), never differentiated
+    differentiable = [jnp.issubdtype(a.dtype, jnp.inexact) and jnp.dtype(a.dtype).itemsize > 1 for a in leaves]
 
     @jax.custom_vjp
     def split(*leaves):
@@ -299,49 +301,123 @@ cross_entropy.defvjp(_cross_entropy_fwd, _cross_entropy_bwd)
 COMPUTE_CAST = frozenset((*ATTN_LINEARS, *MLP_LINEARS, "head"))  # the matrices every GEMM reads
 
 
-def compute_copies(cfg: ModelConfig, params: dict) -> dict:
-    """The linear weights (COMPUTE_CAST: dense, shared and routed experts, head) cast to the compute dtype, as a
-    nested dict holding only those leaves; {} when the compute dtype is the parameters' own.
+# The linears whose fp8 operands the train step makes at the update, by the parameter dict that holds them
+# (Block.attn, Block.mlp, MoE.shared) and grouped as layers.fused_linear fuses them.
+LINEAR_GROUPS = {"attn": (("wq", "wk", "wv"), ("wo",)), "mlp": (("w_gate", "w_up"), ("w_down",)),
+                 "shared": (("w_gate", "w_up"), ("w_down",))}
 
-    The train state keeps these copies beside the float32 masters (train.py "compute"), written by the step that
-    updates the masters (XLA fuses the cast into AdamW's update kernels: 2 bytes written per weight instead of a
-    separate pass that reads 4 and writes 2 at the start of the next step), the way Megatron-LM keeps bf16 model
-    weights beside its optimizer's f32 main weights. The checkpoint stores only the masters; the copies are cast
-    again on restore (the same rounding of the same values).
+
+def _operand_groups(plan: LinearPlan | None, where: str) -> list[tuple[tuple[str, ...], str]]:
+    """(weights, recipe) of the prequantized GEMMs in the parameter dict `where`: a fused group whose weights share
+    an fp8 recipe in quant.PREQUANTIZED; with mixed recipes each weight on its own, as fused_linear runs them."""
+    if plan is None or where not in LINEAR_GROUPS:
+        return []
+    prefix = "shared." if where == "shared" else ""
+    out = []
+    for group in LINEAR_GROUPS[where]:
+        recipes = [plan.recipes.get(prefix + name) for name in group]
+        for names in [group] if len(set(recipes)) == 1 else [(name,) for name in group]:
+            recipe = plan.recipes.get(prefix + names[0])
+            if recipe in quant.PREQUANTIZED:
+                out.append((names, recipe))
+    return out
+
+
+def compute_copies(cfg: ModelConfig, params: dict, plan: LinearPlan | None = None) -> dict:
+    """What the GEMMs read in the train step, made from the masters by the step that updates them, as a nested dict:
+    - for the linears `plan` gives an fp8 recipe (LINEAR_GROUPS): their fp8 operands (`quant.prequantize`), one
+      `quant.Operands` per GEMM under the key "wq|wk|wv" (the weights of a fused GEMM joined by "|");
+    - every other linear weight (COMPUTE_CAST: dense, shared and routed experts, head) cast to the compute dtype.
+    Without a plan only the casts ({} when the compute dtype is the parameters' own).
+
+    The train state keeps these beside the float32 masters (train.py "compute"), the way Megatron-LM keeps bf16
+    model weights beside its optimizer's f32 main weights. XLA fuses the casts into AdamW's update kernels: 2 bytes
+    written per weight instead of a separate pass that reads 4 and writes 2 at the start of the next step. The fp8
+    operands (2 bytes per weight too: the forward's and the grad-input GEMM's layouts) replace what each scanned
+    layer did twice per step, in its forward and again in its rematerialized backward: concatenate the fused
+    weights and cast them (benchmarks/RESULTS.md, session 26). The checkpoint stores only the masters; these are
+    made again on restore (the same rounding of the same values).
     """
     cdt = jnp.dtype(cfg.compute_dtype)
+    impl = plan.impl if plan is not None else "auto"
 
-    def pick(tree: dict) -> dict:
+    def pick(tree: dict, where: str) -> dict:
         out = {}
+        done = set()
+        for names, recipe in _operand_groups(plan, where):
+            out["|".join(names)] = quant.prequantize(tuple(tree[n] for n in names), recipe=recipe, impl=impl,
+                                                     compute_dtype=cdt)
+            done.update(names)
         for k, v in tree.items():
             if isinstance(v, dict):
-                sub = pick(v)
+                sub = pick(v, k)
                 if sub:
                     out[k] = sub
-            elif k in COMPUTE_CAST and jnp.issubdtype(v.dtype, jnp.floating) and v.dtype != cdt:
+            elif k not in done and k in COMPUTE_CAST and jnp.issubdtype(v.dtype, jnp.floating) and v.dtype != cdt:
                 out[k] = v.astype(cdt)
         return out
 
-    return pick(params)
+    return pick(params, "")
 
 
-def with_compute(params: dict, copies: dict) -> dict:
-    """The parameters as the train step differentiates them: `params` with the leaves of `copies` in their place.
+def with_compute(params: dict, copies: dict, compute_dtype=jnp.bfloat16) -> dict:
+    """The parameters as the train step differentiates them: `params` with the leaves of `copies` in their place,
+    and each prequantized weight (a member of an operands entry of `copies`) as a zero slot in `compute_dtype`.
 
     Only the GEMM weights come in the compute dtype; everything else stays as stored (the embedding table, whose
     rows are gathered and whose scatter-added gradient needs f32; norm scales; the router). The forward is
     unchanged (each GEMM cast its weight to the compute dtype anyway). The weight gradients come out in that dtype,
     rounded once from the GEMM's f32 accumulator (quant._grad_w_dtype), as under TorchTitan's FSDP2 mixed precision
     (param_dtype=bf16), and the step upcasts them for the clipping norm and AdamW, which keep the float32 masters
-    and moments. A bf16 gradient halves the bytes of its write, the norm's read and AdamW's read.
+    and moments. A bf16 gradient halves the bytes of its write, the norm's read and AdamW's read. A slot's values
+    are never read (`with_operands` pairs it with its operands), so XLA never materializes the zeros.
     """
-    return {k: (with_compute(v, copies[k]) if isinstance(v, dict) else copies[k]) if k in copies else v
-            for k, v in params.items()}
+    slots = {n for k, v in copies.items() if isinstance(v, quant.Operands) for n in k.split("|")}
+    out = {}
+    for k, v in params.items():
+        if isinstance(v, dict):
+            out[k] = with_compute(v, copies[k], compute_dtype) if k in copies else v
+        elif k in slots:
+            out[k] = jnp.zeros(v.shape, compute_dtype)
+        else:
+            out[k] = copies.get(k, v)
+    return out
 
 
-def prune_like(pruned: dict, full: dict) -> dict:
-    """The subtree of `full` with the nesting and keys of `pruned` (e.g. the shardings of the compute copies)."""
-    return {k: prune_like(v, full[k]) if isinstance(v, dict) else full[k] for k, v in pruned.items()}
+def with_operands(params: dict, copies: dict) -> dict:
+    """`params` (as `with_compute` makes them) with each prequantized weight wrapped as `quant.Prequantized`: its
+    slot and, on the first weight of its group, the group's operands from `copies` (what the layers read)."""
+    out = dict(params)
+    for k, v in copies.items():
+        if isinstance(v, dict):
+            out[k] = with_operands(params[k], v)
+        elif isinstance(v, quant.Operands):
+            names = k.split("|")
+            for i, n in enumerate(names):
+                out[n] = quant.Prequantized(params[n], v if i == 0 else None)
+    return out
+
+
+def compute_axes(copies: dict, axes: dict) -> dict:
+    """Logical axes of `copies`' leaves from the parameters' (`param_axes`): a cast copy keeps its weight's; an
+    operand (w (..., K, N) -> out wᵀ (..., N, K), scale (..., N); grad_x w (..., K, N), scale (..., K); a
+    tensorwise scale has only the layer axes) follows the first weight of its group."""
+    out = {}
+    for k, v in copies.items():
+        if isinstance(v, dict):
+            out[k] = compute_axes(v, axes[k])
+        elif isinstance(v, quant.Operands):
+            *lead, ak, an = axes[k.split("|")[0]]
+            lead = tuple(lead)
+
+            def scale(s, a):
+                return (*lead, a) if s.ndim > len(lead) else lead
+
+            out[k] = quant.Operands(out=((*lead, an, ak), scale(v.out[1], an)),
+                                    grad_x=((*lead, ak, an), scale(v.grad_x[1], ak)))
+        else:
+            out[k] = axes[k]
+    return out
 
 
 def params_of(model: nnx.Module) -> dict:

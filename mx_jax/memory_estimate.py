@@ -1,7 +1,8 @@
 """Per-device memory of a training run, from shapes alone (`jax.eval_shape`, `jax.make_jaxpr`): nothing is allocated.
 
     parameters   sum over weights of  size x 4 bytes / (product of the mesh axes sharding it)
-    copies       the GEMM weights again in the compute dtype (2 bytes; llama.compute_copies), sharded alike
+    copies       what the GEMMs read (llama.compute_copies), sharded like the weights: each GEMM weight in the
+                 compute dtype (2 bytes), or under an fp8 recipe its two fp8 operands (2 bytes and the scales)
     gradients    the same sharding, in the dtype the train step differentiates in: the compute dtype for the GEMM
                  weights (llama.with_compute), the parameter dtype for the rest; plus a float32 sum of them
                  under gradient accumulation
@@ -51,7 +52,8 @@ from jax.sharding import AbstractMesh, AxisType
 from mx_jax import compat, sharding
 from mx_jax.config import TrainConfig
 from mx_jax.layers import attention_impl
-from mx_jax.llama import COMPUTE_CAST, Llama, layer_body, param_axes, params_of, rope_inv_freq
+from mx_jax.llama import (COMPUTE_CAST, Llama, compute_axes, compute_copies, layer_body, param_axes, params_of, rope_inv_freq,
+                          with_compute, with_operands)
 
 GPUS_GB = {"H100 80GB": 80.0, "H200 141GB": 141.0, "B200 192GB": 192.0}
 
@@ -81,6 +83,7 @@ def layer_residuals(cfg: TrainConfig, abstract_model: Llama, mesh: AbstractMesh)
     n_dev = math.prod(shape.values())
     act_shards = math.prod(shape[a] for a in sharding.batch_axes()) * shape["context"]
     cdt = jnp.dtype(m.compute_dtype)
+    copies = jax.eval_shape(lambda p: compute_copies(m, p, abstract_model.plan), params_of(abstract_model))
     x = jax.ShapeDtypeStruct((cfg.data.batch_size // cfg.data.grad_accum_steps, cfg.data.seq_len, m.d_model), cdt)
     positions = jnp.arange(cfg.data.seq_len)
     inv_freq = rope_inv_freq(m.d_head, m.rope_theta, m.rope_scaling)
@@ -105,10 +108,10 @@ def layer_residuals(cfg: TrainConfig, abstract_model: Llama, mesh: AbstractMesh)
         if not hasattr(abstract_model, name):
             continue
         graphdef, state = nnx.split(getattr(abstract_model, name))
-        layer = jax.tree_util.tree_map_with_path(
-            lambda path, a: jax.ShapeDtypeStruct(
-                a.shape[1:], cdt if any(getattr(k, "key", None) in COMPUTE_CAST for k in path) else a.dtype),
-            state)
+        # One layer's weights as the train step feeds them: compute-dtype copies, or slots with fp8 operands.
+        fed = jax.eval_shape(lambda p, c: with_operands(with_compute(p, c, cdt), c), nnx.to_pure_dict(state),
+                             copies.get(name, {}))
+        layer = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), fed)
         n_layers = jax.tree.leaves(state)[0].shape[0]
         kept = {}
         for remat in {m.remat, "none"}:
@@ -127,24 +130,27 @@ def estimate(cfg: TrainConfig) -> dict:
     params = params_of(abstract_model)
     logical = param_axes(abstract_model)
     n_params = 0
-    param_bytes_dev = copy_bytes_dev = grad_bytes_dev = 0.0
-    cdt = jnp.dtype(cfg.model.compute_dtype)
+    param_bytes_dev = grad_bytes_dev = 0.0
+    m, cdt = cfg.model, jnp.dtype(cfg.model.compute_dtype)
+
+    def shards(ax, v) -> int:
+        out = 1
+        for entry in sharding.fit_spec(sharding.spec(ax), v.shape, mesh):
+            for a in ((entry,) if isinstance(entry, str) else (entry or ())):
+                out *= shape[a]
+        return out
+
     for ax, (path, v) in zip(jax.tree.leaves(logical, is_leaf=lambda x: isinstance(x, tuple)),
                              jax.tree_util.tree_leaves_with_path(params)):
-        spec = sharding.fit_spec(sharding.spec(ax), v.shape, mesh)
-        shards = 1
-        for entry in spec:
-            for a in ((entry,) if isinstance(entry, str) else (entry or ())):
-                shards *= shape[a]
         n_params += v.size
-        param_bytes_dev += v.size * v.dtype.itemsize / shards
-        if path[-1].key in COMPUTE_CAST and v.dtype != cdt:
-            copy_bytes_dev += v.size * cdt.itemsize / shards
-            grad_bytes_dev += v.size * cdt.itemsize / shards
-        else:
-            grad_bytes_dev += v.size * v.dtype.itemsize / shards
+        param_bytes_dev += v.size * v.dtype.itemsize / shards(ax, v)
+        gemm = path[-1].key in COMPUTE_CAST and v.dtype != cdt  # differentiated in the compute dtype
+        grad_bytes_dev += v.size * (cdt if gemm else v.dtype).itemsize / shards(ax, v)
+    # What the GEMMs read: compute-dtype copies and fp8 operands (llama.compute_copies), sharded like their weights.
+    copies = jax.eval_shape(lambda p: compute_copies(m, p, abstract_model.plan), params)
+    copy_bytes_dev = sum(jax.tree.leaves(jax.tree.map(lambda v, ax: v.size * v.dtype.itemsize / shards(ax, v), copies,
+                                                      compute_axes(copies, logical))))
 
-    m = cfg.model
     batch_shards = math.prod(shape[a] for a in sharding.batch_axes())
     micro_batch = cfg.data.batch_size // cfg.data.grad_accum_steps
     tokens_dev = micro_batch * cfg.data.seq_len / (batch_shards * shape["context"])
@@ -181,7 +187,7 @@ def format_report(r: dict) -> str:
         f"mesh            {r['mesh']} = {r['devices']} devices",
         "per device (estimate from shapes; nothing allocated):",
         f"  parameters    {r['params_gb']:8.2f} GB (float32)",
-        f"  bf16 copies   {r['copies_gb']:8.2f} GB (GEMM weights in the compute dtype)",
+        f"  GEMM copies   {r['copies_gb']:8.2f} GB (GEMM weights in the compute dtype, or their fp8 operands)",
         f"  gradients     {r['grads_gb']:8.2f} GB (GEMM weights' in the compute dtype)",
         f"  optimizer     {r['optimizer_gb']:8.2f} GB (AdamW moments)",
         f"  activations   {r['activations_gb']:8.2f} GB ({r['tokens_per_device']:,.0f} tokens of each micro-batch)",

@@ -40,18 +40,26 @@ backward-layout fp8 copies as residuals (1 byte per element instead of the bf16 
 K-major: the forward w operand is the transposed (N, K) copy the cast writes; so are the backward xᵀ and gᵀ.
 
 Rematerialization (model.remat=save_matmuls keeps values named "matmul"): x's fp8 residual carries that name, so
-the backward reads it instead of recomputing x (a norm or the SwiGLU) and casting it again; w's is recomputed from
-the weight, because keeping every layer's gathered fp8 weight would undo what FSDP saves. Unnamed, both casts ran
-again in the backward: 17 extra kernels per 8B layer, and 42,167 against 42,876 tokens/s for the scanned 8-layer
-8B step on an H200, for +1.1 GiB (benchmarks/RESULTS.md).
+the backward reads it instead of recomputing x (a norm or the SwiGLU) and casting it again (unnamed: 17 extra
+kernels per 8B layer, 42,167 against 42,876 tokens/s for the scanned 8-layer 8B step on an H200).
+
+Weight operands made at the update. A weight's two fp8 operands (`Operands`: wᵀ for out, w for grad_x) depend only
+on the weight, so the train step makes them once per optimizer step from the updated masters (`prequantize`, called
+by llama.compute_copies, one dual cast per fused weight) and keeps them in its state instead of the weight's bf16
+copy: 2 bytes per weight either way. Each linear then receives `Prequantized`: a zero "slot" shaped like the weight,
+which only receives the gradient (XLA never builds it), and the operands, which are not differentiated. The
+forward and the rematerialized backward no longer concatenate the fused weights or cast any weight, and a scanned
+layer's backward reads the same operands its forward did (no fp8 weight residual). Measured on the scanned
+8-layer 8B step on an H100: 64 fewer kernels, +1.5% tokens/s, 1.4 GiB less peak memory (benchmarks/RESULTS.md,
+session 26). Called with a plain weight, `linear` makes the operands itself (evaluation, sampling, benchmarks).
 
 mxfp8 (OCP MX, blocks of 32 with a power-of-two E8M0 scale, TorchAO's MXFP8 training recipe): all three GEMMs in
 MX e4m3, each operand blocked along its own contraction axis (out: x and w along K; grad_x: g and w along N;
 grad_w: x and g along T), rceil scales. It lives in mx_jax/mx_linear.py (format: mx_jax/mx_format.py) and
 `linear` hands it over.
 
-Public API: `linear(x, w, *, recipe, impl)`, `RECIPES`, `kernel_support(recipe, k, n)`, `mx_quantize` (the OCP MX
-cast, re-exported from mx_format).
+Public API: `linear(x, w, *, recipe, impl, operands)`, `prequantize`, `Operands`, `Prequantized`, `RECIPES`,
+`PREQUANTIZED`, `kernel_support(recipe, k, n)`, `mx_quantize` (the OCP MX cast, re-exported from mx_format).
 """
 
 from __future__ import annotations
@@ -76,6 +84,7 @@ from mx_jax.mx_linear import mx_kernel_support, mx_linear  # noqa: E402
 E4M3 = jnp.dtype(jnp.float8_e4m3fn)
 E5M2 = jnp.dtype(jnp.float8_e5m2)
 RECIPES = ("bf16", "fp8_tensorwise", "fp8_rowwise", "fp8_rowwise_gw_hp", "mxfp8")
+PREQUANTIZED = ("fp8_tensorwise", "fp8_rowwise", "fp8_rowwise_gw_hp")  # recipes whose weight operands `prequantize` makes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,9 +151,10 @@ def _cols_t(t, cast: Cast, pow2: bool, impl: str):
     return qz.quantize_t(t, dtype=cast.dtype, scaling=cast.scaling, pow2_scale=pow2, impl=impl)
 
 
-def _both(t, cast: Cast, pow2: bool, impl: str):
-    """Both layouts of t with one cast: ((fp8 (R, C), scale), (fp8 (C, R), scale))."""
-    return qz.quantize_dual(t, dtype=cast.dtype, scaling=cast.scaling, pow2_scale=pow2, impl=impl)
+def _both(t, cast: Cast, pow2: bool, impl: str, round_to=None):
+    """Both layouts of t with one cast: ((fp8 (R, C), scale), (fp8 (C, R), scale)); of t rounded to `round_to`
+    first when given (quantize_dual rounds f32 tiles in the kernel, never writing the rounded copy)."""
+    return qz.quantize_dual(t, dtype=cast.dtype, scaling=cast.scaling, pow2_scale=pow2, impl=impl, round_to=round_to)
 
 
 def _gemm_fp8(a_op, b_op, out_dtype, impl: str):
@@ -172,22 +182,99 @@ def _grad_w_dtype(w_dtype) -> jnp.dtype:
 
 
 # --------------------------------------------------------------------------------------------------------------
+# A weight's fp8 operands, made once per optimizer step (`prequantize`) or inside the forward (`_weight_operands`).
+# --------------------------------------------------------------------------------------------------------------
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Operands:
+    """A weight w (K, N) as its two fp8 GEMMs take it, each a K-major (fp8 array, dequantization scale) pair:
+    `out` = (wᵀ (N, K), scale (N,) or ()) for y = x @ w, `grad_x` = (w (K, N), scale (K,) or ()) for
+    grad_x = g @ wᵀ. Stacked layers add leading axes to every array."""
+
+    out: tuple[jax.Array, jax.Array]
+    grad_x: tuple[jax.Array, jax.Array]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Prequantized:
+    """What a linear's weight parameter holds in the train step when its operands were made at the last update:
+    `slot` (K, N) in the compute dtype receives the weight's gradient and is never read (the step passes zeros,
+    which XLA does not materialize); `operands` are the fused GEMM's (`layers.fused_linear`: on the first weight of
+    a fused group, None on the others)."""
+
+    slot: jax.Array
+    operands: Operands | None
+
+
+def _weight_operands(w, r: Recipe, impl: str, round_to=None) -> Operands:
+    """The operands of w (K, N), rounded to `round_to` first when given, under recipe `r`: one dual cast when both
+    GEMMs use the same cast, else two casts."""
+    (_, w_out), (_, w_gx) = r.out, r.grad_x
+    if w_out == w_gx:
+        gx, out = _both(w, w_out, r.pow2_scale, impl, round_to)
+    else:
+        w = w if round_to is None else w.astype(round_to)
+        out, gx = _cols_t(w, w_out, r.pow2_scale, impl), _rows(w, w_gx, r.pow2_scale, impl)
+    return Operands(out=out, grad_x=gx)
+
+
+def prequantize(ws, *, recipe: str, impl: str = "auto", compute_dtype=jnp.bfloat16) -> Operands:
+    """The operands of concatenate(ws, axis=-1) (one array or a tuple sharing all but the last axis), each weight
+    first rounded to `compute_dtype`: exactly what `linear` quantizes from the compute copy of a (fused) weight.
+
+    Weights (..., K, N) with leading layer axes are quantized one layer at a time (`lax.map`), so only one layer's
+    rounded, concatenated copy exists at once. The train step calls this on the updated masters (llama.
+    compute_copies) and passes the result to every `linear` of that weight through `Prequantized`: the forward
+    and the backward then read the fp8 operands instead of concatenating and casting the weight again each time.
+    """
+    if recipe not in PREQUANTIZED:
+        raise ValueError(f"prequantize: recipe {recipe!r} has no fp8 weight operands; choose from {PREQUANTIZED}")
+    ws = tuple(ws) if isinstance(ws, (tuple, list)) else (ws,)
+    lead, k = ws[0].shape[:-2], ws[0].shape[-2]
+    if any(w.ndim < 2 or w.shape[:-1] != (*lead, k) for w in ws):
+        raise ValueError(f"prequantize: weights must share every axis but the last, got {[w.shape for w in ws]}")
+    r = RECIPE_TABLE[recipe]
+
+    def one(*layer):
+        if len(layer) == 1:  # the cast kernel rounds the master's tiles itself
+            return _weight_operands(layer[0], r, impl, round_to=compute_dtype)
+        return _weight_operands(jnp.concatenate([m.astype(compute_dtype) for m in layer], axis=-1), r, impl)
+
+    if not lead:
+        return one(*ws)
+    flat = [w.reshape(-1, *w.shape[-2:]) for w in ws]
+    ops = jax.lax.map(lambda layer: one(*layer), flat)
+    return jax.tree.map(lambda a: a.reshape(*lead, *a.shape[1:]), ops)
+
+
+def _check_operands(ops, w, recipe: str) -> None:
+    k, n = w.shape
+    got = (getattr(ops, "out", (None,))[0], getattr(ops, "grad_x", (None,))[0])
+    if (recipe not in PREQUANTIZED or not isinstance(ops, Operands) or got[0].shape != (n, k)
+            or got[1].shape != (k, n)):
+        raise ValueError(
+            f"linear: operands must be quant.prequantize's for a ({k}, {n}) weight under an fp8 recipe; got recipe "
+            f"{recipe!r} and operands {jax.tree.map(lambda a: (a.shape, str(a.dtype)), ops)}")
+
+
+# --------------------------------------------------------------------------------------------------------------
 # The quantized dot: custom_vjp over 2-D x (T, K) and w (K, N), one per (recipe, impl).
 # --------------------------------------------------------------------------------------------------------------
 @functools.lru_cache(maxsize=None)
 def _make_linear2d(recipe_name: str, impl: str):
     r = RECIPE_TABLE[recipe_name]
-    x_out, w_out = r.out
-    g_gx, w_gx = r.grad_x
+    x_out, _ = r.out
+    g_gx, _ = r.grad_x
     x_gw, g_gw = r.grad_w
     p2 = r.pow2_scale
     # An operand used by two fp8 GEMMs with the same cast is quantized once for both layouts.
     x_dual = x_out.fp8 and x_out == x_gw
-    w_dual = w_out.fp8 and w_out == w_gx
     g_dual = g_gx.fp8 and g_gx == g_gw
 
-    def forward(x, w):
-        # x (T, K), w (K, N) -> y (T, N) in x.dtype, plus the residuals the backward GEMMs need.
+    def forward(x, w, ops: Operands | None = None):
+        # x (T, K), w (K, N) -> y (T, N) in x.dtype, plus the residuals the backward GEMMs need. With `ops` (the
+        # weight's operands made by `prequantize`), w only gives the gradient's shape and dtype.
         if x_out.fp8:
             if x_dual:
                 x_op, x_res = _both(x, x_out, p2, impl)  # (x (T,K), xᵀ (K,T)): xᵀ waits for grad_w
@@ -196,11 +283,10 @@ def _make_linear2d(recipe_name: str, impl: str):
                 x_res = checkpoint_name(x_res, "matmul")
             else:
                 x_op, x_res = _rows(x, x_out, p2, impl), x
-            if w_dual:
-                w_res, w_op = _both(w, w_out, p2, impl)  # (w (K,N) for grad_x, wᵀ (N,K) for out)
-            else:
-                w_op, w_res = _cols_t(w, w_out, p2, impl), w
-            y = _gemm_fp8(x_op, w_op, x.dtype, impl)
+            if ops is None:
+                ops = _weight_operands(w, r, impl)
+            y = _gemm_fp8(x_op, ops.out, x.dtype, impl)
+            w_res = ops.grad_x
         else:
             # Keep w's compute-dtype copy as the residual: the backward GEMM then reuses it instead of casting the
             # f32 master again (one convert of every weight per step saved, at the cost of holding the copy).
@@ -218,8 +304,7 @@ def _make_linear2d(recipe_name: str, impl: str):
             g_cols_t = _cols_t(g, g_gw, p2, impl) if g_gw.fp8 else None
         # grad_x (T, K) = g (T, N) @ wᵀ: contraction over N; w (K, N) is already K-major for it.
         if g_gx.fp8:
-            w_op = w_res if w_dual else _rows(w_res, w_gx, p2, impl)
-            grad_x = _gemm_fp8(g_rows, w_op, g.dtype, impl)
+            grad_x = _gemm_fp8(g_rows, w_res, g.dtype, impl)  # w_res: w's grad_x operand (_weight_operands)
         else:
             grad_x = _dot_hp(g, w_res, (1, 1), g.dtype, g.dtype)
         # grad_w (K, N) = xᵀ @ g: contraction over T; operands xᵀ (K, T) and gᵀ (N, T).
@@ -231,28 +316,33 @@ def _make_linear2d(recipe_name: str, impl: str):
         return grad_x, grad_w
 
     @jax.custom_vjp
-    def linear2d(x, w):
-        return forward(x, w)[0]
+    def linear2d(x, w, ops):
+        return forward(x, w, ops)[0]
 
-    def fwd(x, w):
-        y, res = forward(x, w)
+    def fwd(x, w, ops):
+        y, res = forward(x, w, ops)
         return y, (res, jnp.zeros((0,), x.dtype), jnp.zeros((0,), w.dtype))
 
     def bwd(saved, g):
         res, x_tag, w_tag = saved  # empty arrays carrying the primal dtypes
         grad_x, grad_w = backward(res, g.astype(x_tag.dtype), _grad_w_dtype(w_tag.dtype))
-        return grad_x.astype(x_tag.dtype), grad_w.astype(w_tag.dtype)
+        return grad_x.astype(x_tag.dtype), grad_w.astype(w_tag.dtype), None  # the operands are not differentiated
 
     linear2d.defvjp(fwd, bwd)
     return linear2d
 
 
-def linear(x: jax.Array, w: jax.Array, *, recipe: str, impl: str = "auto") -> jax.Array:
+def linear(x: jax.Array, w: jax.Array, *, recipe: str, impl: str = "auto",
+           operands: Operands | None = None) -> jax.Array:
     """y = x @ w under `recipe`, differentiable in x and w (grads in x's and w's dtypes).
 
     x (..., K) in the compute dtype (bf16); w (K, N) the parameter (f32 master or bf16; quantized from it directly).
     Returns y (..., N) in x.dtype. impl ("auto" | "pallas" | "xla" | "reference") goes to the GEMM and cast
     dispatchers (pallas_kernels.fp8_matmul / quantize); "bf16" ignores it.
+
+    operands: w's fp8 operands, made by `prequantize(w, recipe=recipe, impl=impl)` when the weight was last
+    updated. w's values are then never read (it can be a zero "slot" that XLA never materializes): it only receives
+    the weight gradient.
     """
     # MX (block-scaled, mx_jax/mx_format.py) recipes join RECIPES and branch off here, before the fp8 table.
     if recipe not in RECIPES:
@@ -261,9 +351,11 @@ def linear(x: jax.Array, w: jax.Array, *, recipe: str, impl: str = "auto") -> ja
         raise ValueError(f"linear: impl must be 'auto', 'pallas', 'xla' or 'reference', got {impl!r}")
     if w.ndim != 2 or x.ndim < 1 or x.shape[-1] != w.shape[0]:
         raise ValueError(f"linear: need x (..., K) and w (K, N), got x {x.shape} {x.dtype}, w {w.shape} {w.dtype}")
+    if operands is not None:
+        _check_operands(operands, w, recipe)
     if recipe == "mxfp8":
         return mx_linear(x, w, impl=impl)
     lead = x.shape[:-1]
     x2 = x.reshape(math.prod(lead), x.shape[-1])
-    y = _make_linear2d(recipe, impl)(x2, w)
+    y = _make_linear2d(recipe, impl)(x2, w, operands)
     return y.reshape(*lead, w.shape[1])

@@ -5,13 +5,14 @@ accumulation is a scan inside it) -> read the previous step's metrics (one step 
 the device) -> log / evaluate / checkpoint on schedule. A NaN or Inf loss stops the run and names the step; no
 checkpoint of a diverged state is written.
 
-Train state: {"step": int32, "params": nested dict of float32 arrays, "compute": the GEMM weights' compute-dtype
-copies (llama.compute_copies), "buffers": MoE router biases, "opt_state": optax state}, sharded by `sharding.RULES`
-(the optimizer moments and the copies take their parameter's sharding). The step differentiates
-`llama.with_compute(params, compute)`: the GEMM weights in the compute dtype, whose gradients arrive in bf16 (summed
-across devices in f32 first, see quant._grad_w_dtype) and are upcast for the clipping norm and AdamW; the update
-writes the new masters and their new copies in one pass. Checkpoints hold everything but the copies, which are cast
-again from the restored masters.
+Train state: {"step": int32, "params": nested dict of float32 arrays, "compute": what the GEMMs read
+(llama.compute_copies: the GEMM weights' compute-dtype copies, and under an fp8 recipe the dense linears' fp8
+operands), "buffers": MoE router biases, "opt_state": optax state}, sharded by `sharding.RULES` (the optimizer
+moments and the copies take their parameter's sharding). The step differentiates `llama.with_compute(params,
+compute)`: the GEMM weights in the compute dtype (zero slots where the layers read fp8 operands, llama.
+with_operands), whose gradients arrive in bf16 (summed across devices in f32 first, see quant._grad_w_dtype) and
+are upcast for the clipping norm and AdamW; the update writes the new masters and makes their new copies and
+operands. Checkpoints hold everything but "compute", which is made again from the restored masters.
 """
 
 from __future__ import annotations
@@ -36,8 +37,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from mx_jax import checkpoint, compat, metrics, preemption, profiling, sharding
 from mx_jax.config import ConfigError, TrainConfig, load_config, mixture_entries, to_dict, to_yaml
 from mx_jax.data import MIXTURE_ROUND, Batches, Dataset, Mixture, Windows, mixture_quota, open_dataset
-from mx_jax.llama import (Llama, buffers_of, compute_copies, cross_entropy, flops_per_token, moe_loss, param_axes,
-                          params_of, prune_like, update_buffers, with_compute)
+from mx_jax.llama import (LinearPlan, Llama, buffers_of, compute_axes, compute_copies, cross_entropy, flops_per_token,
+                          moe_loss, param_axes, params_of, update_buffers, with_compute, with_operands)
 from mx_jax.moe import RouterBias
 from mx_jax.optim import global_norm, make_optimizer, schedule
 
@@ -76,7 +77,11 @@ class Setup:
     optimizer: optax.GradientTransformation
     state_shardings: Any
     batch_shardings: dict[str, NamedSharding]
-    notes: tuple[str, ...]
+    plan: LinearPlan  # each linear's recipe (llama.plan_linears); its notes name the linears kept in bf16
+
+    @property
+    def notes(self) -> tuple[str, ...]:
+        return self.plan.notes
 
 
 def _opt_shardings(abstract_opt, param_shardings: dict, mesh) -> Any:
@@ -100,8 +105,8 @@ def _key(k) -> Any:
 
 
 def _shardings_for(mesh, logical: dict, abstract: dict) -> dict:
-    return jax.tree.map(lambda ax, v: sharding.named(mesh, ax, v.shape), logical, abstract,
-                        is_leaf=lambda x: isinstance(x, tuple))
+    # `abstract` leads: its leaves meet the logical axes tuples (pytree nodes themselves) whole.
+    return jax.tree.map(lambda v, ax: sharding.named(mesh, ax, v.shape), abstract, logical)
 
 
 def _abstract(tree) -> dict:
@@ -116,11 +121,13 @@ def build(cfg: TrainConfig, mesh: jax.sharding.Mesh) -> Setup:
     param_shardings = _shardings_for(mesh, param_axes(abstract_model), abstract_params)
     optimizer = make_optimizer(cfg.optim, cfg.steps)
     abstract_opt = jax.eval_shape(optimizer.init, abstract_params)
-    abstract_compute = jax.eval_shape(lambda p: compute_copies(cfg.model, p), abstract_params)
+    plan = abstract_model.plan
+    abstract_compute = jax.eval_shape(lambda p: compute_copies(cfg.model, p, plan), abstract_params)
+    compute_logical = compute_axes(abstract_compute, param_axes(abstract_model))
     state_shardings = {
         "step": NamedSharding(mesh, P()),
         "params": param_shardings,
-        "compute": prune_like(abstract_compute, param_shardings),
+        "compute": _shardings_for(mesh, compute_logical, abstract_compute),
         "buffers": _shardings_for(mesh, param_axes(abstract_model, RouterBias), abstract_buffers),
         "opt_state": _opt_shardings(abstract_opt, param_shardings, mesh),
     }
@@ -128,8 +135,7 @@ def build(cfg: TrainConfig, mesh: jax.sharding.Mesh) -> Setup:
     batch_shardings = {k: NamedSharding(mesh, bspec) for k in ("inputs", "targets")}
     abstract = {"step": jax.ShapeDtypeStruct((), jnp.int32), "params": abstract_params,
                 "compute": abstract_compute, "buffers": abstract_buffers, "opt_state": abstract_opt}
-    return Setup(cfg, mesh, graphdef, abstract, param_shardings, optimizer, state_shardings, batch_shardings,
-                 abstract_model.plan.notes)
+    return Setup(cfg, mesh, graphdef, abstract, param_shardings, optimizer, state_shardings, batch_shardings, plan)
 
 
 def abstract_state(setup: Setup) -> dict:
@@ -145,7 +151,8 @@ def saved_part(state: dict) -> dict:
 
 def with_fresh_compute(setup: Setup, state: dict) -> dict:
     """`state` with its compute copies cast from its masters (after a restore or an HF import)."""
-    cast = jax.jit(lambda p: compute_copies(setup.cfg.model, p), out_shardings=setup.state_shardings["compute"])
+    cast = jax.jit(lambda p: compute_copies(setup.cfg.model, p, setup.plan),
+                   out_shardings=setup.state_shardings["compute"])
     return {**state, "compute": cast(state["params"])}
 
 
@@ -155,7 +162,8 @@ def init_state(setup: Setup) -> dict:
     def init():
         model = Llama(cfg.model, cfg.quant, rngs=nnx.Rngs(cfg.seed))
         params = params_of(model)
-        return {"step": jnp.zeros((), jnp.int32), "params": params, "compute": compute_copies(cfg.model, params),
+        return {"step": jnp.zeros((), jnp.int32), "params": params,
+                "compute": compute_copies(cfg.model, params, setup.plan),
                 "buffers": buffers_of(model), "opt_state": setup.optimizer.init(params)}
 
     return jax.jit(init, out_shardings=setup.state_shardings)()
@@ -200,8 +208,14 @@ def make_train_step(setup: Setup):
 
     def train_step(state, batch):
         params, buffers = state["params"], state["buffers"]
-        compute = with_compute(params, state["compute"])  # the GEMM weights as the last update cast them
-        grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+        # The GEMM weights as the last update made them: cast copies, or zero slots whose fp8 operands the layers
+        # read (llama.with_operands); the operands are not differentiated.
+        compute = with_compute(params, state["compute"], cfg.model.compute_dtype)
+
+        def loss_of(compute, buffers, inputs, targets):
+            return loss_fn(with_operands(compute, state["compute"]), buffers, inputs, targets)
+
+        grad_fn = jax.value_and_grad(loss_of, has_aux=True)
 
         def one(inputs, targets):
             # Differentiated in the compute dtype (llama.with_compute); summed and clipped in float32.
@@ -225,7 +239,8 @@ def make_train_step(setup: Setup):
             stats = {k: (v if k in counts else v / accum) for k, v in stats.items()}
         updates, opt_state = setup.optimizer.update(grads, state["opt_state"], params)
         new_params = optax.apply_updates(params, updates)
-        new_state = {"step": state["step"] + 1, "params": new_params, "compute": compute_copies(cfg.model, new_params),
+        new_state = {"step": state["step"] + 1, "params": new_params,
+                     "compute": compute_copies(cfg.model, new_params, setup.plan),
                      "buffers": update_buffers(cfg.model, buffers, stats), "opt_state": opt_state}
         out = {"loss": ce, "grad_norm": global_norm(grads), "lr": lr_at(state["step"]), **_moe_metrics(stats)}
         return new_state, out

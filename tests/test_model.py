@@ -340,3 +340,81 @@ def test_flops_per_token_llama3_8b_and_mfu(monkeypatch):
     unknown.step()
     clock["now"] += 1.0
     assert unknown.report()["mfu"] is None  # no known peak (the CPU): no MFU
+
+
+def _weight_casts(jaxpr, weight_shapes) -> int:
+    """fp8 casts in `jaxpr` (nested jaxprs included) whose operand has the shape of a weight or its transpose."""
+    from jax._src import core
+    n = 0
+    for e in jaxpr.eqns:
+        if (e.primitive.name == "convert_element_type" and jnp.dtype(e.params["new_dtype"]).itemsize == 1
+                and tuple(e.invars[0].aval.shape) in weight_shapes):
+            n += 1
+        n += sum(_weight_casts(sub, weight_shapes) for sub in core.jaxprs_in_params(e.params))
+    return n
+
+
+@pytest.mark.parametrize("recipe,layout", [
+    ("fp8_rowwise", "model.scan_layers=true model.remat=save_matmuls"),
+    ("fp8_tensorwise", "model.scan_layers=false model.remat=none"),
+    ("fp8_rowwise_gw_hp", "model.scan_layers=true model.remat=none"),
+])
+def test_prequantized_operands_give_the_same_loss_and_grads(recipe, layout):
+    """The train step's fp8 operands, made from the masters at the update (llama.compute_copies with the plan),
+    give the loss and weight gradients of quantizing the bf16 copies inside every linear, bit for bit, and the
+    differentiated function then casts no weight at all (the forward's and the rematerialized backward's casts
+    are gone)."""
+    from mx_jax.config import QuantConfig, load_config
+    from mx_jax.llama import compute_copies, cross_entropy, params_of, with_compute, with_operands
+    from mx_jax import quant
+    cfg = load_config(None, ["model.vocab_size=64", "model.d_model=64", "model.n_layers=2", "model.n_heads=4",
+                             "model.n_kv_heads=2", "model.d_ff=128", "model.compute_dtype=bfloat16",
+                             *layout.split()]).model
+    model = Llama(cfg, QuantConfig(recipe=recipe, impl="xla"), rngs=nnx.Rngs(0))
+    graphdef, _ = nnx.split(model, nnx.Param)
+    params = params_of(model)
+    tokens = jax.random.randint(jax.random.key(1), (2, 25), 0, 64)  # 48 tokens: no activation has a weight's shape
+
+    def loss(p):
+        return cross_entropy(nnx.merge(graphdef, p)(tokens[:, :-1], logits_dtype=jnp.bfloat16)[0], tokens[:, 1:])
+
+    plain = jax.jit(jax.value_and_grad(loss))(with_compute(params, compute_copies(cfg, params)))
+    copies = compute_copies(cfg, params, model.plan)
+    attn_ops = copies["blocks"]["attn"]["wq|wk|wv"]
+    assert isinstance(attn_ops, quant.Operands) and "wq" not in copies["blocks"]["attn"]
+    assert attn_ops.out[0].shape == (2, 64 + 2 * 32, 64) and attn_ops.out[0].dtype == jnp.float8_e4m3fn
+    assert attn_ops.grad_x[0].shape == (2, 64, 128)
+    assert isinstance(copies["blocks"]["mlp"]["w_gate|w_up"], quant.Operands)
+    assert copies["head"].dtype == jnp.bfloat16  # the head stays bf16: a cast copy
+
+    def loss_pre(c):
+        return loss(with_operands(c, copies))
+
+    slots = with_compute(params, copies, jnp.bfloat16)
+    pre = jax.jit(jax.value_and_grad(loss_pre))(slots)
+    assert float(pre[0]) == float(plain[0])
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(pre[1]), jax.tree.leaves(plain[1])):
+        assert a.dtype == b.dtype, jax.tree_util.keystr(path)
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32),
+                                      err_msg=jax.tree_util.keystr(path))
+    # What the step no longer does: every weight-shaped fp8 cast (forward and rematerialized backward) is gone.
+    shapes = {s for w in jax.tree.leaves(params) if w.ndim >= 2 for s in (w.shape[-2:], w.shape[-2:][::-1])}
+    shapes |= {(64, 128), (128, 64), (64, 256), (256, 64)}  # the fused q|k|v and gate|up weights
+    assert _weight_casts(jax.make_jaxpr(jax.grad(loss))(with_compute(params, compute_copies(cfg, params))).jaxpr,
+                         shapes) > 0
+    assert _weight_casts(jax.make_jaxpr(jax.grad(loss_pre))(slots).jaxpr, shapes) == 0
+
+
+def test_prequantize_errors_name_the_problem():
+    from mx_jax import quant
+    w = jnp.ones((64, 32), jnp.float32)
+    with pytest.raises(ValueError, match="recipe 'mxfp8' has no fp8 weight operands"):
+        quant.prequantize(w, recipe="mxfp8")
+    with pytest.raises(ValueError, match=r"share every axis but the last.*\(64, 32\), \(32, 32\)"):
+        quant.prequantize((w, jnp.ones((32, 32))), recipe="fp8_rowwise")
+    ops = quant.prequantize(w, recipe="fp8_rowwise", impl="xla")
+    x = jnp.ones((4, 32), jnp.bfloat16)
+    with pytest.raises(ValueError, match=r"operands must be quant.prequantize's for a \(32, 64\) weight"):
+        quant.linear(x, jnp.zeros((32, 64), jnp.bfloat16), recipe="fp8_rowwise", operands=ops)
+    with pytest.raises(ValueError, match="recipe 'bf16'"):
+        quant.linear(jnp.ones((4, 64), jnp.bfloat16), w, recipe="bf16", operands=ops)
