@@ -125,6 +125,8 @@ class ExpertFFN:
     group_align: int | None = None  # None: 64 for fp8_rowwise, 1 otherwise (see __call__)
     name_outputs: bool = False  # name the GEMM outputs for remat policies (module docstring: compact rows only)
     scanned: bool = False  # the layer runs inside lax.scan (`_saved`)
+    # (gate, up, down) fp8 operands made at the update (quant.prequantize, batched); the weights are then slots
+    operands: tuple | None = None
 
     @property
     def n_local(self) -> int:
@@ -173,12 +175,14 @@ class ExpertFFN:
     def _swiglu(self, xs: jax.Array, sizes: jax.Array, group_align: int = 1) -> jax.Array:
         """The experts on rows sorted by expert (group sizes `sizes`); zero past sum(sizes) (padding, dropped)."""
 
-        def gl(a, w):
-            return grouped_linear.grouped_linear(a, w, sizes, recipe=self.recipe, impl=self.impl,
-                                                 group_align=group_align)
+        ops = self.operands or (None, None, None)
 
-        g, u = self._saved(gl(xs, self.w_gate), gl(xs, self.w_up))
-        (y,) = self._saved(gl(swiglu(g, u).astype(xs.dtype), self.w_down).astype(xs.dtype))
+        def gl(a, w, op):
+            return grouped_linear.grouped_linear(a, w, sizes, recipe=self.recipe, impl=self.impl,
+                                                 group_align=group_align, operands=op)
+
+        g, u = self._saved(gl(xs, self.w_gate, ops[0]), gl(xs, self.w_up, ops[1]))
+        (y,) = self._saved(gl(swiglu(g, u).astype(xs.dtype), self.w_down, ops[2]).astype(xs.dtype))
         return y
 
     def _saved(self, *ys: jax.Array) -> tuple[jax.Array, ...]:

@@ -33,6 +33,9 @@ held from forward to backward (fp8_rowwise; the bf16 recipe holds the bf16 copy,
 the f32 master again in the backward. HBM bytes per f32 weight element: 4 + 4+1+1 = 10, where converting to bf16
 first costs 4+2 + 2 + 2+1+1 = 12, and each direction reading the f32 weight twice (amax, then cast) costs 18.
 x is kept in high precision and requantized by the backward, because grad_w needs it scaled along another axis.
+In the train step the weights' operands come ready (`operands`, made at the optimizer update by
+mx_jax.quant.prequantize with batched=True, the same rounding and casts): the forward then casts no weight, and a
+rematerialized backward does not cast it again (+6.3% on the 2-layer Mixtral fp8 step on an H100, RESULTS.md).
 
 Source: TorchAO's fp8 rowwise MoE training, torchao/prototype/moe_training/fp8_grouped_mm.py (`_Float8GroupedMM`,
 pytorch/ao): A rowwise and B_t per output column for the forward; grad_output rowwise and B per output column of
@@ -79,16 +82,19 @@ def _rowwise(t: jax.Array, impl: str) -> tuple[jax.Array, jax.Array]:
 quantize_group_cols = gmm_ops.quantize_group_cols  # t (M, C) -> e4m3 (M, C), per (group, column) scales (E, C)
 
 
-def _forward(x, w, group_sizes, recipe: str, impl: str):
+def _forward(x, w, group_sizes, ops, recipe: str, impl: str):
     """y and the residuals of the backward: (x, w's compute copy) for bf16, (x, (w e4m3 (E, K, N), scales (E, K)))
-    for fp8_rowwise."""
+    for fp8_rowwise. `ops`: w's operands made at the update (mx_jax.quant.prequantize, batched), or None."""
     if recipe == "bf16":
         w_c = w.astype(x.dtype)
         return gmm_ops.gmm(x, w_c, group_sizes, out_dtype=x.dtype, impl=impl), (x, w_c)
     xq, xs = _rowwise(x, impl)  # (M, K), (M,)
     # (E, K, N) scaled along N for grad_x, and the (E, N, K) copy scaled along K that the forward's 8-bit wgmma
     # reads (K-major operands only), from the same two passes over w, rounded to x.dtype on the way.
-    w_k, (w_n, ws_n) = qz.quantize_dual(w, dtype=E4M3, pow2_scale=True, impl=_quant_impl(impl), round_to=x.dtype)
+    if ops is None:
+        w_k, (w_n, ws_n) = qz.quantize_dual(w, dtype=E4M3, pow2_scale=True, impl=_quant_impl(impl), round_to=x.dtype)
+    else:
+        w_k, (w_n, ws_n) = ops.grad_x, ops.out
     y = gmm_ops.gmm(
         xq, w_n, group_sizes, transpose_rhs=True, lhs_scale=xs, rhs_scale=ws_n, out_dtype=x.dtype, impl=impl
     )
@@ -111,20 +117,20 @@ def _backward(x, w_res, group_sizes, dy, recipe: str, impl: str, w_dtype, group_
     return dx, dw
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _grouped_linear(x, w, group_sizes, recipe, impl, group_align):
-    return _forward(x, w, group_sizes, recipe, impl)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _grouped_linear(x, w, group_sizes, ops, recipe, impl, group_align):
+    return _forward(x, w, group_sizes, ops, recipe, impl)[0]
 
 
-def _grouped_linear_fwd(x, w, group_sizes, recipe, impl, group_align):
-    y, (x_res, w_res) = _forward(x, w, group_sizes, recipe, impl)
+def _grouped_linear_fwd(x, w, group_sizes, ops, recipe, impl, group_align):
+    y, (x_res, w_res) = _forward(x, w, group_sizes, ops, recipe, impl)
     return y, (x_res, w_res, group_sizes, jnp.zeros((0,), w.dtype))  # the empty array carries w's dtype
 
 
 def _grouped_linear_bwd(recipe, impl, group_align, res, dy):
     x, w_res, group_sizes, w_tag = res
     dx, dw = _backward(x, w_res, group_sizes, dy, recipe, impl, w_tag.dtype, group_align)
-    return dx.astype(x.dtype), dw.astype(w_tag.dtype), None
+    return dx.astype(x.dtype), dw.astype(w_tag.dtype), None, None  # group sizes and operands: no gradient
 
 
 _grouped_linear.defvjp(_grouped_linear_fwd, _grouped_linear_bwd)
@@ -132,7 +138,7 @@ _grouped_linear.defvjp(_grouped_linear_fwd, _grouped_linear_bwd)
 
 def grouped_linear(
     x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, recipe: str = "bf16", impl: str = "auto",
-    group_align: int = 1,
+    group_align: int = 1, operands=None,
 ) -> jax.Array:
     """y (M, N) = x[r] @ w[e(r)] per token row, zero on padding rows; differentiable in x and w.
 
@@ -140,7 +146,9 @@ def grouped_linear(
     x.dtype) | "fp8_rowwise". impl ("auto" | "pallas" | "xla" | "reference") goes to the grouped GEMMs.
     group_align: the caller's promise that every group size is a multiple of it, with the rows that pad a group to
     it zero (mx_jax.dispatch.ExpertFFN lays rows out so); 64 lets the fp8 backward cast tokens in place
-    (`grouped_matmul.tgmm_fp8_rowwise`). The result does not depend on it."""
+    (`grouped_matmul.tgmm_fp8_rowwise`). The result does not depend on it.
+    operands (fp8_rowwise): w's fp8 operands made when it was last updated (`mx_jax.quant.prequantize(w,
+    recipe="fp8_rowwise", batched=True)`); w's values are then never read, it only receives the gradient."""
     if recipe not in RECIPES:
         raise ValueError(f"grouped_linear: unknown recipe {recipe!r}; choose from {RECIPES}")
     if impl not in ("auto", "pallas", "xla", "reference"):
@@ -158,4 +166,12 @@ def grouped_linear(
         )
     if not isinstance(group_align, int) or group_align < 1:
         raise ValueError(f"grouped_linear: group_align must be a positive int, got {group_align!r}")
-    return _grouped_linear(x, w, group_sizes.astype(jnp.int32), recipe, impl, group_align)
+    if operands is not None:
+        e, k, n = w.shape
+        shapes = (getattr(operands, "out", (None,))[0], getattr(operands, "grad_x", (None,))[0])
+        if recipe != "fp8_rowwise" or getattr(shapes[0], "shape", None) != (e, n, k) or \
+                getattr(shapes[1], "shape", None) != (e, k, n):
+            raise ValueError(f"grouped_linear: operands must be quant.prequantize's (batched) for a {w.shape} weight "
+                             f"under fp8_rowwise; got recipe {recipe!r} and operands "
+                             f"{jax.tree.map(lambda a: a.shape, operands)}")
+    return _grouped_linear(x, w, group_sizes.astype(jnp.int32), operands, recipe, impl, group_align)

@@ -62,7 +62,7 @@ def _param(rngs: nnx.Rngs, shape: tuple[int, ...], std: float, axes: tuple[str, 
     return nnx.Param(value, logical_axes=axes)
 
 
-def _weight(w: nnx.Param | jax.Array) -> tuple[jax.Array, quant.Operands | None]:
+def weight_and_operands(w: nnx.Param | jax.Array) -> tuple[jax.Array, quant.Operands | None]:
     """(the array a linear differentiates, its prequantized operands or None): a Param holds an array, or in the
     train step a `quant.Prequantized` whose operands were made at the last update (llama.with_operands)."""
     v = w.get_value() if isinstance(w, nnx.Variable) else w
@@ -71,7 +71,7 @@ def _weight(w: nnx.Param | jax.Array) -> tuple[jax.Array, quant.Operands | None]
 
 def linear(x: jax.Array, w: nnx.Param, recipe: str, impl: str) -> jax.Array:
     """x (..., in) @ w (in, out) through the quantization recipe; the output is tagged for remat policies."""
-    w, ops = _weight(w)
+    w, ops = weight_and_operands(w)
     return checkpoint_name(quant.linear(x, w, recipe=recipe, impl=impl, operands=ops), "matmul")
 
 
@@ -97,7 +97,7 @@ def fused_linear(x: jax.Array, ws: tuple[nnx.Param, ...], recipes: tuple[str, ..
     its output goes through `saved_output`."""
     if len(set(recipes)) > 1:
         return tuple(linear(x, w, r, impl) for w, r in zip(ws, recipes))
-    parts = [_weight(w) for w in ws]
+    parts = [weight_and_operands(w) for w in ws]
     # With prequantized operands (the first weight's, made from the concatenation) the weights are zero slots: their
     # concatenation is never materialized, and its gradient is split back by slicing.
     w = jnp.concatenate([p[0] for p in parts], axis=1)

@@ -31,12 +31,13 @@ of the plain expression would materialize float32 softmax and one-hot scatter bu
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from mx_jax import compat, grouped_linear, quant, sharding
+from mx_jax import compat, dispatch, grouped_linear, quant, sharding
 from mx_jax.config import ModelConfig, QuantConfig
 from mx_jax.context_parallel import from_zigzag, to_zigzag
 from mx_jax.layers import Attention, RMSNorm, SwiGLU, _param, context_shards, linear, rope_inv_freq
@@ -56,6 +57,8 @@ class LinearPlan:
     notes: tuple[str, ...]
     expert_min_rows: int = 0  # quant.expert_min_rows, for the routed experts (dispatch.expert_recipe)
     impl: str = "auto"  # quant.impl: the GEMM and cast dispatchers' choice
+    # the routed experts' fp8 operands are made at the update (`plan_for_run`: the run's rows per device suffice)
+    prequantize_experts: bool = False
 
 
 def plan_linears(cfg: ModelConfig, qcfg: QuantConfig) -> LinearPlan:
@@ -307,9 +310,27 @@ LINEAR_GROUPS = {"attn": (("wq", "wk", "wv"), ("wo",)), "mlp": (("w_gate", "w_up
                  "shared": (("w_gate", "w_up"), ("w_down",))}
 
 
+def plan_for_run(plan: LinearPlan, cfg: ModelConfig, micro_batch: int, seq_len: int,
+                 mesh_shape: dict[str, int]) -> LinearPlan:
+    """`plan` for a train step of `micro_batch` x `seq_len` tokens on a mesh of `mesh_shape`: with fp8 routed
+    experts, their operands are made at the update when each device's experts get the rows that fp8 needs
+    (dispatch.expert_recipe over the rows one device's MoE layer sees, as moe.MoE counts them); otherwise the
+    experts keep bf16 copies and each trace decides."""
+    if not cfg.moe.n_experts or plan.recipes["experts"] == "bf16":
+        return plan
+    batch = math.prod(mesh_shape.get(a, 1) for a in sharding.batch_axes())
+    rows = micro_batch // batch * (seq_len // mesh_shape.get("context", 1)) * cfg.moe.top_k
+    n_local = cfg.moe.n_experts // mesh_shape.get("expert", 1)
+    fp8 = dispatch.expert_recipe(plan.recipes["experts"], rows, n_local, plan.expert_min_rows) != "bf16"
+    return dataclasses.replace(plan, prequantize_experts=fp8)
+
+
 def _operand_groups(plan: LinearPlan | None, where: str) -> list[tuple[tuple[str, ...], str]]:
     """(weights, recipe) of the prequantized GEMMs in the parameter dict `where`: a fused group whose weights share
-    an fp8 recipe in quant.PREQUANTIZED; with mixed recipes each weight on its own, as fused_linear runs them."""
+    an fp8 recipe in quant.PREQUANTIZED; with mixed recipes each weight on its own, as fused_linear runs them; the
+    routed experts' three weights ("moe") each on its own when `plan.prequantize_experts`."""
+    if plan is not None and where == "moe" and plan.prequantize_experts:
+        return [((name,), plan.recipes["experts"]) for name in MLP_LINEARS]
     if plan is None or where not in LINEAR_GROUPS:
         return []
     prefix = "shared." if where == "shared" else ""
@@ -326,7 +347,8 @@ def _operand_groups(plan: LinearPlan | None, where: str) -> list[tuple[tuple[str
 def compute_copies(cfg: ModelConfig, params: dict, plan: LinearPlan | None = None) -> dict:
     """What the GEMMs read in the train step, made from the masters by the step that updates them, as a nested dict:
     - for the linears `plan` gives an fp8 recipe (LINEAR_GROUPS): their fp8 operands (`quant.prequantize`), one
-      `quant.Operands` per GEMM under the key "wq|wk|wv" (the weights of a fused GEMM joined by "|");
+      `quant.Operands` per GEMM under the key "wq|wk|wv" (the weights of a fused GEMM joined by "|"); likewise the
+      routed experts' w_gate, w_up and w_down (each a batch of E matrices) when `plan.prequantize_experts`;
     - every other linear weight (COMPUTE_CAST: dense, shared and routed experts, head) cast to the compute dtype.
     Without a plan only the casts ({} when the compute dtype is the parameters' own).
 
@@ -346,7 +368,7 @@ def compute_copies(cfg: ModelConfig, params: dict, plan: LinearPlan | None = Non
         done = set()
         for names, recipe in _operand_groups(plan, where):
             out["|".join(names)] = quant.prequantize(tuple(tree[n] for n in names), recipe=recipe, impl=impl,
-                                                     compute_dtype=cdt)
+                                                     compute_dtype=cdt, batched=where == "moe")
             done.update(names)
         for k, v in tree.items():
             if isinstance(v, dict):

@@ -52,8 +52,8 @@ from jax.sharding import AbstractMesh, AxisType
 from mx_jax import compat, sharding
 from mx_jax.config import TrainConfig
 from mx_jax.layers import attention_impl
-from mx_jax.llama import (COMPUTE_CAST, Llama, compute_axes, compute_copies, layer_body, param_axes, params_of, rope_inv_freq,
-                          with_compute, with_operands)
+from mx_jax.llama import (COMPUTE_CAST, Llama, compute_axes, compute_copies, layer_body, param_axes, params_of,
+                          plan_for_run, rope_inv_freq, with_compute, with_operands)
 
 GPUS_GB = {"H100 80GB": 80.0, "H200 141GB": 141.0, "B200 192GB": 192.0}
 
@@ -83,8 +83,9 @@ def layer_residuals(cfg: TrainConfig, abstract_model: Llama, mesh: AbstractMesh)
     n_dev = math.prod(shape.values())
     act_shards = math.prod(shape[a] for a in sharding.batch_axes()) * shape["context"]
     cdt = jnp.dtype(m.compute_dtype)
-    copies = jax.eval_shape(lambda p: compute_copies(m, p, abstract_model.plan), params_of(abstract_model))
     x = jax.ShapeDtypeStruct((cfg.data.batch_size // cfg.data.grad_accum_steps, cfg.data.seq_len, m.d_model), cdt)
+    plan = plan_for_run(abstract_model.plan, m, x.shape[0], cfg.data.seq_len, shape)
+    copies = jax.eval_shape(lambda p: compute_copies(m, p, plan), params_of(abstract_model))
     positions = jnp.arange(cfg.data.seq_len)
     inv_freq = rope_inv_freq(m.d_head, m.rope_theta, m.rope_scaling)
     micro_batch, seq = x.shape[:2]
@@ -147,7 +148,9 @@ def estimate(cfg: TrainConfig) -> dict:
         gemm = path[-1].key in COMPUTE_CAST and v.dtype != cdt  # differentiated in the compute dtype
         grad_bytes_dev += v.size * (cdt if gemm else v.dtype).itemsize / shards(ax, v)
     # What the GEMMs read: compute-dtype copies and fp8 operands (llama.compute_copies), sharded like their weights.
-    copies = jax.eval_shape(lambda p: compute_copies(m, p, abstract_model.plan), params)
+    plan = plan_for_run(abstract_model.plan, m, cfg.data.batch_size // cfg.data.grad_accum_steps, cfg.data.seq_len,
+                        shape)
+    copies = jax.eval_shape(lambda p: compute_copies(m, p, plan), params)
     copy_bytes_dev = sum(jax.tree.leaves(jax.tree.map(lambda v, ax: v.size * v.dtype.itemsize / shards(ax, v), copies,
                                                       compute_axes(copies, logical))))
 

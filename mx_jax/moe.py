@@ -39,7 +39,7 @@ from jax.sharding import PartitionSpec as P
 
 from mx_jax import dispatch, sharding
 from mx_jax.config import ModelConfig
-from mx_jax.layers import SwiGLU, _param
+from mx_jax.layers import SwiGLU, _param, weight_and_operands
 
 
 STATS = ("aux_loss", "z_loss", "load", "dropped", "rows_cross_node", "rows_intra_node")
@@ -87,7 +87,11 @@ class MoE(nnx.Module):
     def __call__(self, x: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
         """x (B,T,D) -> (y (B,T,D), stats). stats: aux_loss, z_loss (scalars), load (E,) the router's choices
         per expert (before capacity drops), dropped."""
-        weights = (self.router[...], self.bias[...], self.w_gate[...], self.w_up[...], self.w_down[...])
+        # The expert weights, or in the train step their gradient slots and fp8 operands (llama.with_operands).
+        (w_gate, ops_gate), (w_up, ops_up), (w_down, ops_down) = (
+            weight_and_operands(w) for w in (self.w_gate, self.w_up, self.w_down))
+        ops = None if ops_gate is None else (ops_gate, ops_up, ops_down)
+        weights = (self.router[...], self.bias[...], w_gate, w_up, w_down, ops)
         mesh = jax.sharding.get_abstract_mesh()
         if mesh.empty:
             y, stats = self._local(x, *weights, axes=())
@@ -95,9 +99,10 @@ class MoE(nnx.Module):
             batch = tuple(a for a in sharding.batch_axes() if a in mesh.axis_names)
             x_spec = P(batch, "context", None)
             w_spec = P("expert", None, None)
+            ops_spec = jax.tree.map(lambda a: P("expert"), ops)
             body = jax.shard_map(
                 lambda *args: self._local(*args, axes=tuple(mesh.axis_names)), mesh=mesh,
-                in_specs=(x_spec, P(), P(), w_spec, w_spec, w_spec),
+                in_specs=(x_spec, P(), P(), w_spec, w_spec, w_spec, ops_spec),
                 out_specs=(x_spec, {k: P() for k in STATS}),
                 check_vma=False)
             y, stats = body(x, *weights)
@@ -105,7 +110,7 @@ class MoE(nnx.Module):
             y = y + self.shared(x)
         return y, stats
 
-    def _local(self, x, w_router, bias, w_gate, w_up, w_down, *, axes: tuple[str, ...]):
+    def _local(self, x, w_router, bias, w_gate, w_up, w_down, ops, *, axes: tuple[str, ...]):
         """One device's tokens. x (b,t,D); expert weights (E_local, ...). `axes`: mesh axes to reduce statistics over."""
         m = self.cfg
         b, t, d = x.shape
@@ -134,8 +139,12 @@ class MoE(nnx.Module):
 
         ep = "expert" in axes and jax.lax.axis_size("expert") > 1  # no exchange at all without expert parallelism
         # n k rows arrive on a device on average (all of its own without expert parallelism) for its E / P experts
-        recipe = dispatch.expert_recipe(self.recipe, n * m.top_k, w_gate.shape[0], self.min_rows)
-        ffn = dispatch.ExpertFFN(w_gate, w_up, w_down, recipe, self.impl, name_outputs=not ep, scanned=self.scanned)
+        # With operands made at the update (the run's rows suffice, llama.plan_for_run) the experts run their fp8
+        # recipe; otherwise the trace decides from the rows it sees.
+        recipe = self.recipe if ops is not None else dispatch.expert_recipe(self.recipe, n * m.top_k,
+                                                                             w_gate.shape[0], self.min_rows)
+        ffn = dispatch.ExpertFFN(w_gate, w_up, w_down, recipe, self.impl, name_outputs=not ep, scanned=self.scanned,
+                                 operands=ops)
         y, traffic = dispatch.dispatch_combine(xt, idx, g, keep, ffn, axis="expert" if ep else None,
                                                method=m.dispatch, gpus_per_node=m.gpus_per_node,
                                                a2a_impl=m.all_to_all, capacity=capacity)

@@ -51,7 +51,9 @@ which only receives the gradient (XLA never builds it), and the operands, which 
 forward and the rematerialized backward no longer concatenate the fused weights or cast any weight, and a scanned
 layer's backward reads the same operands its forward did (no fp8 weight residual). Measured on the scanned
 8-layer 8B step on an H100: 64 fewer kernels, +1.5% tokens/s, 1.4 GiB less peak memory (benchmarks/RESULTS.md,
-session 26). Called with a plain weight, `linear` makes the operands itself (evaluation, sampling, benchmarks).
+session 26). The routed experts' grouped GEMMs take theirs the same way (mx_jax/grouped_linear.py; +6.3% on the
+2-layer Mixtral fp8 step). Called with a plain weight, `linear` makes the operands itself (evaluation, sampling,
+benchmarks).
 
 mxfp8 (OCP MX, blocks of 32 with a power-of-two E8M0 scale, TorchAO's MXFP8 training recipe): all three GEMMs in
 MX e4m3, each operand blocked along its own contraction axis (out: x and w along K; grad_x: g and w along N;
@@ -219,22 +221,26 @@ def _weight_operands(w, r: Recipe, impl: str, round_to=None) -> Operands:
     return Operands(out=out, grad_x=gx)
 
 
-def prequantize(ws, *, recipe: str, impl: str = "auto", compute_dtype=jnp.bfloat16) -> Operands:
+def prequantize(ws, *, recipe: str, impl: str = "auto", compute_dtype=jnp.bfloat16, batched: bool = False) -> Operands:
     """The operands of concatenate(ws, axis=-1) (one array or a tuple sharing all but the last axis), each weight
     first rounded to `compute_dtype`: exactly what `linear` quantizes from the compute copy of a (fused) weight.
 
     Weights (..., K, N) with leading layer axes are quantized one layer at a time (`lax.map`), so only one layer's
-    rounded, concatenated copy exists at once. The train step calls this on the updated masters (llama.
+    rounded, concatenated copy exists at once. batched: the last leading axis is a batch of matrices quantized each on
+    its own in one cast (the routed experts' (E, K, N), rowwise only; what mx_jax.grouped_linear's forward does). The train step calls this on the updated masters (llama.
     compute_copies) and passes the result to every `linear` of that weight through `Prequantized`: the forward
     and the backward then read the fp8 operands instead of concatenating and casting the weight again each time.
     """
     if recipe not in PREQUANTIZED:
         raise ValueError(f"prequantize: recipe {recipe!r} has no fp8 weight operands; choose from {PREQUANTIZED}")
     ws = tuple(ws) if isinstance(ws, (tuple, list)) else (ws,)
-    lead, k = ws[0].shape[:-2], ws[0].shape[-2]
-    if any(w.ndim < 2 or w.shape[:-1] != (*lead, k) for w in ws):
+    core = 3 if batched else 2  # the axes one cast takes
+    lead = ws[0].shape[:-core]
+    if any(w.ndim < core or w.shape[:-1] != ws[0].shape[:-1] for w in ws):
         raise ValueError(f"prequantize: weights must share every axis but the last, got {[w.shape for w in ws]}")
     r = RECIPE_TABLE[recipe]
+    if batched and recipe != "fp8_rowwise":
+        raise ValueError(f"prequantize: batched (expert) weights take fp8_rowwise only, got {recipe!r}")
 
     def one(*layer):
         if len(layer) == 1:  # the cast kernel rounds the master's tiles itself
@@ -243,7 +249,7 @@ def prequantize(ws, *, recipe: str, impl: str = "auto", compute_dtype=jnp.bfloat
 
     if not lead:
         return one(*ws)
-    flat = [w.reshape(-1, *w.shape[-2:]) for w in ws]
+    flat = [w.reshape(-1, *w.shape[-core:]) for w in ws]
     ops = jax.lax.map(lambda layer: one(*layer), flat)
     return jax.tree.map(lambda a: a.reshape(*lead, *a.shape[1:]), ops)
 

@@ -38,7 +38,7 @@ from mx_jax import checkpoint, compat, metrics, preemption, profiling, sharding
 from mx_jax.config import ConfigError, TrainConfig, load_config, mixture_entries, to_dict, to_yaml
 from mx_jax.data import MIXTURE_ROUND, Batches, Dataset, Mixture, Windows, mixture_quota, open_dataset
 from mx_jax.llama import (LinearPlan, Llama, buffers_of, compute_axes, compute_copies, cross_entropy, flops_per_token,
-                          moe_loss, param_axes, params_of, update_buffers, with_compute, with_operands)
+                          moe_loss, param_axes, params_of, plan_for_run, update_buffers, with_compute, with_operands)
 from mx_jax.moe import RouterBias
 from mx_jax.optim import global_norm, make_optimizer, schedule
 
@@ -121,7 +121,8 @@ def build(cfg: TrainConfig, mesh: jax.sharding.Mesh) -> Setup:
     param_shardings = _shardings_for(mesh, param_axes(abstract_model), abstract_params)
     optimizer = make_optimizer(cfg.optim, cfg.steps)
     abstract_opt = jax.eval_shape(optimizer.init, abstract_params)
-    plan = abstract_model.plan
+    plan = plan_for_run(abstract_model.plan, cfg.model, cfg.data.batch_size // cfg.data.grad_accum_steps,
+                        cfg.data.seq_len, dict(mesh.shape))
     abstract_compute = jax.eval_shape(lambda p: compute_copies(cfg.model, p, plan), abstract_params)
     compute_logical = compute_axes(abstract_compute, param_axes(abstract_model))
     state_shardings = {

@@ -355,11 +355,12 @@ def _weight_casts(jaxpr, weight_shapes) -> int:
 
 
 @pytest.mark.parametrize("recipe,layout", [
-    ("fp8_rowwise", "model.scan_layers=true model.remat=save_matmuls"),
-    ("fp8_tensorwise", "model.scan_layers=false model.remat=none"),
-    ("fp8_rowwise_gw_hp", "model.scan_layers=true model.remat=none"),
-    ("fp8_rowwise", "model.scan_layers=true model.remat=save_matmuls model.moe.n_experts=4 model.moe.top_k=2 "
-                    "model.moe.n_shared=1 model.moe.d_expert=32 model.moe.n_dense_first=1"),
+    pytest.param("fp8_rowwise", "model.scan_layers=true model.remat=save_matmuls", id="rowwise-scanned"),
+    pytest.param("fp8_tensorwise", "model.scan_layers=false model.remat=none", id="tensorwise-unrolled"),
+    pytest.param("fp8_rowwise_gw_hp", "model.scan_layers=true model.remat=none", id="gw_hp-scanned"),
+    pytest.param("fp8_rowwise", "model.scan_layers=true model.remat=save_matmuls model.moe.n_experts=4 "
+                 "model.moe.top_k=2 model.moe.n_shared=1 model.moe.d_expert=32 model.moe.n_dense_first=1",
+                 id="rowwise-moe"),
 ])
 def test_prequantized_operands_give_the_same_loss_and_grads(recipe, layout):
     """The train step's fp8 operands, made from the masters at the update (llama.compute_copies with the plan),
@@ -367,12 +368,12 @@ def test_prequantized_operands_give_the_same_loss_and_grads(recipe, layout):
     differentiated function then casts no weight at all (the forward's and the rematerialized backward's casts
     are gone)."""
     from mx_jax.config import QuantConfig, load_config
-    from mx_jax import quant
+    from mx_jax import llama, quant
     from mx_jax.llama import buffers_of, compute_copies, cross_entropy, params_of, with_compute, with_operands
     cfg = load_config(None, ["model.vocab_size=64", "model.d_model=64", "model.n_layers=2", "model.n_heads=4",
                              "model.n_kv_heads=2", "model.d_ff=128", "model.compute_dtype=bfloat16",
                              *layout.split()]).model
-    model = Llama(cfg, QuantConfig(recipe=recipe, impl="xla"), rngs=nnx.Rngs(0))
+    model = Llama(cfg, QuantConfig(recipe=recipe, impl="xla", expert_min_rows=0), rngs=nnx.Rngs(0))
     graphdef, _, _ = nnx.split(model, nnx.Param, ...)
     params, buffers = params_of(model), buffers_of(model)
     tokens = jax.random.randint(jax.random.key(1), (2, 25), 0, 64)  # 48 tokens: no activation has a weight's shape
@@ -382,17 +383,20 @@ def test_prequantized_operands_give_the_same_loss_and_grads(recipe, layout):
         return cross_entropy(logits, tokens[:, 1:])
 
     plain = jax.jit(jax.value_and_grad(loss))(with_compute(params, compute_copies(cfg, params)))
-    copies = compute_copies(cfg, params, model.plan)
     moe = cfg.moe.n_experts > 0
+    plan = llama.plan_for_run(model.plan, cfg, 2, 24, {})  # one device; expert_min_rows=0: the experts run fp8
+    assert plan.prequantize_experts == moe
+    copies = compute_copies(cfg, params, plan)
     layers = 1 if moe else 2  # the MoE model: one dense layer first ("dense_blocks"), then one MoE layer
     attn_ops = copies["blocks"]["attn"]["wq|wk|wv"]
     assert isinstance(attn_ops, quant.Operands) and "wq" not in copies["blocks"]["attn"]
     assert attn_ops.out[0].shape == (layers, 64 + 2 * 32, 64) and attn_ops.out[0].dtype == jnp.float8_e4m3fn
     assert attn_ops.grad_x[0].shape == (layers, 64, 128)
-    if moe:  # the shared experts and the dense first layer are prequantized; the routed experts keep bf16 copies
+    if moe:  # the shared experts, the dense first layer and the routed experts (one per weight) are prequantized
         assert isinstance(copies["blocks"]["moe"]["shared"]["w_gate|w_up"], quant.Operands)
         assert isinstance(copies["dense_blocks"]["mlp"]["w_down"], quant.Operands)
-        assert copies["blocks"]["moe"]["w_gate"].dtype == jnp.bfloat16
+        experts = copies["blocks"]["moe"]["w_gate"]  # (L, E, D, F) weights: out (L, E, F, D), grad_x (L, E, D, F)
+        assert experts.out[0].shape == (1, 4, 32, 64) and experts.grad_x[1].shape == (1, 4, 64)
     else:
         assert isinstance(copies["blocks"]["mlp"]["w_gate|w_up"], quant.Operands)
     assert copies["head"].dtype == jnp.bfloat16  # the head stays bf16: a cast copy
@@ -410,6 +414,7 @@ def test_prequantized_operands_give_the_same_loss_and_grads(recipe, layout):
     # What the step no longer does: every weight-shaped fp8 cast (forward and rematerialized backward) is gone.
     shapes = {s for w in jax.tree.leaves(params) if w.ndim >= 2 for s in (w.shape[-2:], w.shape[-2:][::-1])}
     shapes |= {(64, 128), (128, 64), (64, 256), (256, 64)}  # the fused q|k|v and gate|up weights
+    shapes |= {(4, *s) for s in shapes}  # the routed experts' (E, K, N) batches
     assert _weight_casts(jax.make_jaxpr(jax.grad(loss))(with_compute(params, compute_copies(cfg, params))).jaxpr,
                          shapes) > 0
     assert _weight_casts(jax.make_jaxpr(jax.grad(loss_pre))(slots).jaxpr, shapes) == 0

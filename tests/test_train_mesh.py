@@ -43,24 +43,28 @@ def test_params_are_sharded_as_configured(tmp_path):
 
 
 def test_fp8_operands_are_sharded_like_their_weights(tmp_path):
-    """Under fp8_rowwise the state keeps each dense GEMM's fp8 operands (llama.compute_copies) with its weight's
-    sharding (transposed for the forward operand), and the loss matches one device's: the operands are made from
-    the sharded masters (amax over the fsdp shards) exactly as one device makes them."""
+    """Under fp8_rowwise the state keeps each GEMM's fp8 operands (llama.compute_copies) with its weight's sharding
+    (transposed for the forward operand): the dense linears' over fsdp, the routed experts' (whose rows suffice here:
+    quant.expert_min_rows=0) over the expert axis, entering each device's shard_map body. The loss matches one
+    device's: the operands are made from the sharded masters (amax over the fsdp shards) as one device makes them."""
     from mx_jax import quant
-    cfg = tiny_config(tmp_path / "mesh", "steps=2", "mesh.data=2", "mesh.fsdp=4", "quant.recipe=fp8_rowwise")
-    result = train.train(cfg)
+    over = ("steps=2", "quant.recipe=fp8_rowwise", "quant.expert_min_rows=0", "model.moe.n_experts=8",
+            "model.moe.top_k=2", "model.moe.d_expert=16")
+    result = train.train(tiny_config(tmp_path / "mesh", *over, "mesh.data=2", "mesh.fsdp=2", "mesh.expert=2"))
     state = result.state
     wq = state["params"]["blocks"]["attn"]["wq"]  # (L, D, H*K), D over fsdp
     ops = state["compute"]["blocks"]["attn"]["wq|wk|wv"]
     assert isinstance(ops, quant.Operands) and "wq" not in state["compute"]["blocks"]["attn"]
-    (out, out_scale), (gx, gx_scale) = ops.out, ops.grad_x
+    (out, _), (gx, gx_scale) = ops.out, ops.grad_x
     assert out.shape == (2, 4 * 16 + 2 * 2 * 16, 64) and gx.shape == (2, 64, 128) and out.dtype == jnp.float8_e4m3fn
     d_axes = wq.sharding.spec[1]
-    assert d_axes and out.sharding.spec[2] == d_axes and gx.sharding.spec[1] == d_axes and gx_scale.sharding.spec[1] == d_axes
-    assert out.addressable_shards[0].data.shape == (2, 128, 64 // 4)
-    one = train.train(tiny_config(tmp_path / "one", "steps=2", "mesh.fsdp=1", "quant.recipe=fp8_rowwise"),
-                      devices=jax.devices()[:1])
-    np.testing.assert_allclose(result.metrics["loss"], one.metrics["loss"], rtol=1e-5)
+    assert d_axes and out.sharding.spec[2] == d_axes and gx.sharding.spec[1] == d_axes
+    assert gx_scale.sharding.spec[1] == d_axes and out.addressable_shards[0].data.shape == (2, 128, 64 // 2)
+    experts = state["compute"]["blocks"]["moe"]["w_gate"]  # (L, E, D, F) weights
+    assert isinstance(experts, quant.Operands) and experts.out[0].shape == (2, 8, 16, 64)
+    assert experts.out[0].sharding.spec[1] == "expert" and experts.grad_x[1].sharding.spec[1] == "expert"
+    one = train.train(tiny_config(tmp_path / "one", *over, "mesh.fsdp=1"), devices=jax.devices()[:1])
+    np.testing.assert_allclose(result.metrics["loss"], one.metrics["loss"], rtol=1e-4)
 
 
 def _step_with_accum(tmp_path, tokens: np.ndarray, extra: tuple[str, ...]) -> dict:
