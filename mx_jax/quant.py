@@ -86,7 +86,8 @@ from mx_jax.mx_linear import mx_kernel_support, mx_linear  # noqa: E402
 E4M3 = jnp.dtype(jnp.float8_e4m3fn)
 E5M2 = jnp.dtype(jnp.float8_e5m2)
 RECIPES = ("bf16", "fp8_tensorwise", "fp8_rowwise", "fp8_rowwise_gw_hp", "mxfp8")
-PREQUANTIZED = ("fp8_tensorwise", "fp8_rowwise", "fp8_rowwise_gw_hp")  # recipes whose weight operands `prequantize` makes
+# the recipes whose weight operands `prequantize` makes (all three GEMMs' weight operands in fp8)
+PREQUANTIZED = ("fp8_tensorwise", "fp8_rowwise", "fp8_rowwise_gw_hp")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -226,10 +227,11 @@ def prequantize(ws, *, recipe: str, impl: str = "auto", compute_dtype=jnp.bfloat
     first rounded to `compute_dtype`: exactly what `linear` quantizes from the compute copy of a (fused) weight.
 
     Weights (..., K, N) with leading layer axes are quantized one layer at a time (`lax.map`), so only one layer's
-    rounded, concatenated copy exists at once. batched: the last leading axis is a batch of matrices quantized each on
-    its own in one cast (the routed experts' (E, K, N), rowwise only; what mx_jax.grouped_linear's forward does). The train step calls this on the updated masters (llama.
-    compute_copies) and passes the result to every `linear` of that weight through `Prequantized`: the forward
-    and the backward then read the fp8 operands instead of concatenating and casting the weight again each time.
+    rounded, concatenated copy exists at once. batched: the last leading axis is a batch of matrices quantized each
+    on its own in one cast (the routed experts' (E, K, N), rowwise only; what mx_jax.grouped_linear's forward did).
+    The train step calls this on the updated masters (llama.compute_copies) and passes the result to every `linear`
+    of that weight through `Prequantized`: the forward and the backward then read the fp8 operands instead of
+    concatenating and casting the weight again each time.
     """
     if recipe not in PREQUANTIZED:
         raise ValueError(f"prequantize: recipe {recipe!r} has no fp8 weight operands; choose from {PREQUANTIZED}")
