@@ -354,8 +354,9 @@ def _weight_casts(jaxpr, weight_shapes) -> int:
     return n
 
 
+# fp8_rowwise runs scanned with save_matmuls on the MoE model, which has a dense first layer, attention, shared and
+# routed experts.
 @pytest.mark.parametrize("recipe,layout", [
-    pytest.param("fp8_rowwise", "model.scan_layers=true model.remat=save_matmuls", id="rowwise-scanned"),
     pytest.param("fp8_tensorwise", "model.scan_layers=false model.remat=none", id="tensorwise-unrolled"),
     pytest.param("fp8_rowwise_gw_hp", "model.scan_layers=true model.remat=none", id="gw_hp-scanned"),
     pytest.param("fp8_rowwise", "model.scan_layers=true model.remat=save_matmuls model.moe.n_experts=4 "

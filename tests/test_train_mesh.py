@@ -43,10 +43,11 @@ def test_params_are_sharded_as_configured(tmp_path):
 
 
 def test_fp8_operands_are_sharded_like_their_weights(tmp_path):
-    """Under fp8_rowwise the state keeps each GEMM's fp8 operands (llama.compute_copies) with its weight's sharding
-    (transposed for the forward operand): the dense linears' over fsdp, the routed experts' (whose rows suffice here:
-    quant.expert_min_rows=0) over the expert axis, entering each device's shard_map body. The loss matches one
-    device's: the operands are made from the sharded masters (amax over the fsdp shards) as one device makes them."""
+    """Under fp8_rowwise the state keeps each GEMM's fp8 operands (llama.compute_copies), made from the masters the
+    same step wrote, with its weight's sharding (transposed for the forward operand): the dense linears' over fsdp,
+    the routed experts' (whose rows suffice here: quant.expert_min_rows=0) over the expert axis, entering each
+    device's shard_map body. The loss matches one device's: the operands are made from the sharded masters (amax
+    over the fsdp shards) as one device makes them. (Restored runs make them with the same function: test_resume.)"""
     from mx_jax import quant
     over = ("steps=2", "quant.recipe=fp8_rowwise", "quant.expert_min_rows=0", "model.moe.n_experts=8",
             "model.moe.top_k=2", "model.moe.d_expert=16")
@@ -60,6 +61,12 @@ def test_fp8_operands_are_sharded_like_their_weights(tmp_path):
     d_axes = wq.sharding.spec[1]
     assert d_axes and out.sharding.spec[2] == d_axes and gx.sharding.spec[1] == d_axes
     assert gx_scale.sharding.spec[1] == d_axes and out.addressable_shards[0].data.shape == (2, 128, 64 // 2)
+    # made from the masters the same step wrote (not the previous ones), as prequantize makes them
+    attn = state["params"]["blocks"]["attn"]
+    want = jax.jit(lambda *w: quant.prequantize(w, recipe="fp8_rowwise", compute_dtype=jnp.float32))(
+        attn["wq"], attn["wk"], attn["wv"])
+    for a, b in zip(jax.tree.leaves(ops), jax.tree.leaves(want), strict=True):
+        np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32)))
     experts = state["compute"]["blocks"]["moe"]["w_gate"]  # (L, E, D, F) weights
     assert isinstance(experts, quant.Operands) and experts.out[0].shape == (2, 8, 16, 64)
     assert experts.out[0].sharding.spec[1] == "expert" and experts.grad_x[1].sharding.spec[1] == "expert"
