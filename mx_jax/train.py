@@ -6,8 +6,8 @@ the device) -> log / evaluate / checkpoint on schedule. A NaN or Inf loss stops 
 checkpoint of a diverged state is written.
 
 Train state: {"step": int32, "params": nested dict of float32 arrays, "compute": what the GEMMs read
-(llama.compute_copies: the GEMM weights' compute-dtype copies, and under an fp8 recipe the dense linears' fp8
-operands), "buffers": MoE router biases, "opt_state": optax state}, sharded by `sharding.RULES` (the optimizer
+(llama.compute_copies: the GEMM weights' compute-dtype copies, and under an fp8 recipe the dense linears' and, when
+llama.plan_for_run says so, the routed experts' fp8 operands), "buffers": MoE router biases, "opt_state": optax state}, sharded by `sharding.RULES` (the optimizer
 moments and the copies take their parameter's sharding). The step differentiates `llama.with_compute(params,
 compute)`: the GEMM weights in the compute dtype (zero slots where the layers read fp8 operands, llama.
 with_operands), whose gradients arrive in bf16 (summed across devices in f32 first, see quant._grad_w_dtype) and
