@@ -56,6 +56,8 @@ import importlib
 import jax
 import jax.numpy as jnp
 
+from mx_jax import quant
+
 gmm_ops = importlib.import_module("pallas_kernels.grouped_matmul")
 qz = importlib.import_module("pallas_kernels.quantize")
 
@@ -167,11 +169,5 @@ def grouped_linear(
     if not isinstance(group_align, int) or group_align < 1:
         raise ValueError(f"grouped_linear: group_align must be a positive int, got {group_align!r}")
     if operands is not None:
-        e, k, n = w.shape
-        shapes = (getattr(operands, "out", (None,))[0], getattr(operands, "grad_x", (None,))[0])
-        if recipe != "fp8_rowwise" or getattr(shapes[0], "shape", None) != (e, n, k) or \
-                getattr(shapes[1], "shape", None) != (e, k, n):
-            raise ValueError(f"grouped_linear: operands must be quant.prequantize's (batched) for a {w.shape} weight "
-                             f"under fp8_rowwise; got recipe {recipe!r} and operands "
-                             f"{jax.tree.map(lambda a: a.shape, operands)}")
+        quant.check_operands(operands, w, recipe, ("fp8_rowwise",), "grouped_linear")
     return _grouped_linear(x, w, group_sizes.astype(jnp.int32), operands, recipe, impl, group_align)

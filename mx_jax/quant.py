@@ -256,13 +256,14 @@ def prequantize(ws, *, recipe: str, impl: str = "auto", compute_dtype=jnp.bfloat
     return jax.tree.map(lambda a: a.reshape(*lead, *a.shape[1:]), ops)
 
 
-def _check_operands(ops, w, recipe: str) -> None:
-    k, n = w.shape
-    got = (getattr(ops, "out", (None,))[0], getattr(ops, "grad_x", (None,))[0])
-    if (recipe not in PREQUANTIZED or not isinstance(ops, Operands) or got[0].shape != (n, k)
-            or got[1].shape != (k, n)):
+def check_operands(ops, w, recipe: str, recipes: tuple[str, ...], caller: str) -> None:
+    """Raise unless `ops` are `prequantize`'s Operands for a weight shaped like w (..., K, N) and `recipe` is one of
+    `recipes` (the caller's fp8 recipes that take them)."""
+    *lead, k, n = w.shape
+    got = (ops.out[0].shape, ops.grad_x[0].shape) if isinstance(ops, Operands) else None
+    if recipe not in recipes or got != ((*lead, n, k), (*lead, k, n)):
         raise ValueError(
-            f"linear: operands must be quant.prequantize's for a ({k}, {n}) weight under an fp8 recipe; got recipe "
+            f"{caller}: operands must be quant.prequantize's for a {tuple(w.shape)} weight under {recipes}; got recipe "
             f"{recipe!r} and operands {jax.tree.map(lambda a: (a.shape, str(a.dtype)), ops)}")
 
 
@@ -360,7 +361,7 @@ def linear(x: jax.Array, w: jax.Array, *, recipe: str, impl: str = "auto",
     if w.ndim != 2 or x.ndim < 1 or x.shape[-1] != w.shape[0]:
         raise ValueError(f"linear: need x (..., K) and w (K, N), got x {x.shape} {x.dtype}, w {w.shape} {w.dtype}")
     if operands is not None:
-        _check_operands(operands, w, recipe)
+        check_operands(operands, w, recipe, PREQUANTIZED, "linear")
     if recipe == "mxfp8":
         return mx_linear(x, w, impl=impl)
     lead = x.shape[:-1]
