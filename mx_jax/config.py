@@ -132,10 +132,11 @@ class QuantConfig:
     impl: Literal["auto", "pallas", "xla", "reference"] = "auto"
     # MoE: the routed experts run an fp8 recipe only where a device's experts average at least this many rows a
     # step (token assignments / local experts); below it they run bf16, with a warning. fp8 quantizes every expert
-    # weight each step (cost ~ parameters) to save GEMM time (~ rows): a DeepSeekMoE-16B layer fwd+bwd on an H200 ran
-    # at 0.86x bf16's speed with 384 rows per expert, 1.01x with 768, 1.15x with 1536 (Mixtral: 1.26x with 1024;
-    # benchmarks/RESULTS.md). 0 = always fp8.
-    expert_min_rows: int = 768
+    # weight each step (cost ~ parameters) and casts every row (cost ~ rows x (K + N)) to save GEMM time
+    # (~ rows x K x N). Whole train steps on one H100, fp8 experts against bf16 experts (the rest fp8 either way):
+    # DeepSeekMoE-16B 0.92x with 768 rows per expert, 0.97x with 1536, 1.01x with 3072; Mixtral 0.99x with 1024,
+    # 1.09x with 2048 (benchmarks/RESULTS.md, session 27). 2048 picks the faster side at all five. 0 = always fp8.
+    expert_min_rows: int = 2048
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

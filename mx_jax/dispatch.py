@@ -166,11 +166,16 @@ class ExpertFFN:
         pos = rank + shift[local_expert]  # assignment -> row of the expert layout
         src = jnp.full((r_pad,), r, jnp.int32).at[pos].set(jnp.arange(r, dtype=jnp.int32))  # row -> assignment
         real = src < r
-        xs = take_rows(rows, jnp.where(real, src // fan_out, 0), pos.reshape(s, fan_out))
+        # The row indices are materialized: fused into the (rows, D) gathers that read them, XLA computed them again
+        # for every element (the padding's prefix sum, a signed division), which doubled the combine's time
+        # (DeepSeekMoE fp8 layer on an H100, RESULTS.md).
+        pos, src_row, src, real = jax.lax.optimization_barrier(
+            (pos, jnp.where(real, src // fan_out, 0), jnp.where(real, src, -1), real))
+        xs = take_rows(rows, src_row, pos.reshape(s, fan_out))
         if a > 1:
             xs = jnp.where(real[:, None], xs, jnp.zeros((), xs.dtype))  # padding rows inside a group must be zero
         ys = self._swiglu(xs, sizes, a)
-        return take_rows(ys, pos, jnp.where(real, src, -1)[:, None])
+        return take_rows(ys, pos, src[:, None])
 
     def _swiglu(self, xs: jax.Array, sizes: jax.Array, group_align: int = 1) -> jax.Array:
         """The experts on rows sorted by expert (group sizes `sizes`); zero past sum(sizes) (padding, dropped)."""
