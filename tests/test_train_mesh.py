@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from mx_jax import train
-from tests.helpers import tiny_config
+from tests.helpers import NO_IO, tiny_config
 
 LAYOUTS = {
     "data8": ["mesh.data=8", "mesh.fsdp=1"],
@@ -18,13 +18,13 @@ LAYOUTS = {
 
 @pytest.fixture(scope="module")
 def reference_loss(tmp_path_factory):
-    cfg = tiny_config(tmp_path_factory.mktemp("one"), "steps=3", "mesh.fsdp=1")
+    cfg = tiny_config(tmp_path_factory.mktemp("one"), "steps=3", "mesh.fsdp=1", *NO_IO)
     return train.train(cfg, devices=jax.devices()[:1]).metrics["loss"]
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_loss_matches_single_device(layout, reference_loss, tmp_path):
-    cfg = tiny_config(tmp_path, "steps=3", *LAYOUTS[layout])
+    cfg = tiny_config(tmp_path, "steps=3", *LAYOUTS[layout], *NO_IO)
     result = train.train(cfg)
     assert jax.device_count() == 8
     # fp32 everywhere: only the reduction order differs between layouts.
@@ -33,7 +33,7 @@ def test_loss_matches_single_device(layout, reference_loss, tmp_path):
 
 
 def test_params_are_sharded_as_configured(tmp_path):
-    cfg = tiny_config(tmp_path, "steps=1", "mesh.data=2", "mesh.fsdp=4")
+    cfg = tiny_config(tmp_path, "steps=1", "mesh.data=2", "mesh.fsdp=4", *NO_IO)
     state = train.train(cfg).state
     wq = state["params"]["blocks"]["attn"]["wq"]  # (L, D, H*K) with D over fsdp (and context, size 1)
     assert wq.sharding.spec[1] in ("fsdp", ("fsdp",), ("fsdp", "context"))
@@ -50,7 +50,7 @@ def test_fp8_operands_are_sharded_like_their_weights(tmp_path):
     over the fsdp shards) as one device makes them. (Restored runs make them with the same function: test_resume.)"""
     from mx_jax import quant
     over = ("steps=2", "quant.recipe=fp8_rowwise", "quant.expert_min_rows=0", "model.moe.n_experts=8",
-            "model.moe.top_k=2", "model.moe.d_expert=16")
+            "model.moe.top_k=2", "model.moe.d_expert=16", *NO_IO)
     result = train.train(tiny_config(tmp_path / "mesh", *over, "mesh.data=2", "mesh.fsdp=2", "mesh.expert=2"))
     state = result.state
     wq = state["params"]["blocks"]["attn"]["wq"]  # (L, D, H*K), D over fsdp
