@@ -47,8 +47,9 @@ parallelism they stay unnamed: there the GEMMs run on the receive buffer, padded
 min(k, E_l) rows per token: `peer_bound`), and keeping that per layer would cost up to P x the memory. The price is
 that the backward recomputes the forward there, dispatch exchange included.
 
-An fp8 recipe pays for quantizing every expert weight each step (~ parameters) and gains GEMM time (~ rows), so
-`expert_recipe` picks bf16 where a device's experts average fewer than `min_rows` rows each (quant.expert_min_rows):
+An fp8 recipe pays for quantizing every expert weight each step (~ parameters) and every row (~ rows x (K + N)),
+and gains GEMM time (~ rows x K x N), so `expert_recipe` picks bf16 where a device's experts average fewer than
+`min_rows` rows each (quant.expert_min_rows; whole-step crossovers on an H100 in benchmarks/RESULTS.md, session 27):
 with R rows expected on a device for its E_l experts, fp8 runs iff R >= min_rows * E_l (moe.MoE decides it).
 """
 
