@@ -110,7 +110,7 @@ def expert_recipe(recipe: str, rows: int, n_local: int, min_rows: int) -> str:
 def _warn_bf16(recipe: str, rows: int, n_local: int, min_rows: int) -> None:
     logging.getLogger("mx_jax").warning(
         "MoE: the routed experts run bf16 instead of %s: %d rows for %d experts is %.0f rows each, below "
-        "quant.expert_min_rows=%d, where fp8's per-step weight quantization costs more than its GEMMs save "
+        "quant.expert_min_rows=%d, where fp8's casts of the weights and rows cost more than its GEMMs save "
         "(quant.expert_min_rows=0 forces %s)", recipe, rows, n_local, rows / n_local, min_rows, recipe)
 
 

@@ -67,9 +67,9 @@ def test_batch_building_time_is_measured_and_a_slow_one_warned(tmp_path, monkeyp
     import time
 
     from mx_jax import data, train
-    from tests.helpers import tiny_config
+    from tests.helpers import NO_IO, tiny_config
 
-    fast = train.train(tiny_config(tmp_path / "fast", "steps=4", "log.every_steps=2"))
+    fast = train.train(tiny_config(tmp_path / "fast", "steps=4", "log.every_steps=2", *NO_IO))
     assert 0 <= fast.metrics["data_ms"] < 1000 * fast.metrics["step_time_s"]
     # The tiny CPU step is ~20 ms, so on a loaded machine building its batch can cross the tenth: the warning must
     # then appear exactly when a logged step crossed it.
@@ -83,7 +83,7 @@ def test_batch_building_time_is_measured_and_a_slow_one_warned(tmp_path, monkeyp
         return slow_next(self, *args, **kwargs)
 
     monkeypatch.setattr(data.Batches, "next_global", slow)
-    slow_run = train.train(tiny_config(tmp_path / "slow", "steps=6", "log.every_steps=2"))
+    slow_run = train.train(tiny_config(tmp_path / "slow", "steps=6", "log.every_steps=2", *NO_IO))
     assert slow_run.metrics["data_ms"] >= 200
     out = capsys.readouterr().out
     assert out.count("building a batch took") == 1 and "on process 0: the device may wait for data" in out

@@ -16,7 +16,7 @@ import pytest
 
 from mx_jax import preemption, train
 from mx_jax.config import ConfigError
-from tests.helpers import TINY, tiny_config
+from tests.helpers import NO_IO, TINY, tiny_config
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 # decay_steps pinned: the schedule must not depend on `steps`, so a stopped and resumed run equals a straight one
@@ -105,7 +105,7 @@ def test_two_processes_save_the_same_step_when_one_is_signalled(tmp_path):
     assert os.listdir(run / "checkpoints") == [str(stopped)]
     # Both processes wrote their shards of that one step: it restores whole on another mesh.
     resumed = train.train(tiny_config(run, "optim.decay_steps=50", "mesh.data=1", "mesh.fsdp=8",
-                                      f"steps={stopped + 1}"))
+                                      f"steps={stopped + 1}", *NO_IO))
     assert int(resumed.state["step"]) == stopped + 1
 
 

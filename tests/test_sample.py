@@ -9,6 +9,8 @@ from flax import nnx
 from mx_jax import sample, sharding, train
 from tests.helpers import tiny_config
 
+NO_EVAL = "log.eval_every_steps=-1"  # the runs' checkpoints are sampled from; their evaluation is not needed
+
 MOE = ["model.moe.n_experts=4", "model.moe.top_k=2", "model.moe.score=sigmoid", "model.moe.bias_update_rate=0.01"]
 
 
@@ -24,7 +26,7 @@ def _setup_and_state(run_dir):
 def test_greedy_tokens_are_the_full_sequence_argmax(tmp_path, moe):
     """Each greedy token is the argmax of one teacher-forced forward over the final sequence at the previous position:
     the padding after the current position never reaches its logits. Two window sizes give the same text."""
-    trained = train.train(tiny_config(tmp_path, "steps=4", "mesh.data=1", "mesh.fsdp=1", *(MOE if moe else []),
+    trained = train.train(tiny_config(tmp_path, "steps=4", "mesh.data=1", "mesh.fsdp=1", NO_EVAL, *(MOE if moe else []),
                                       *(["mesh.expert=1"] if moe else [])), devices=jax.devices()[:1])
     mesh, setup, params, buffers = _setup_and_state(tmp_path)
     if moe:  # the router biases the run learned come back (they change the expert choice)
@@ -41,7 +43,7 @@ def test_greedy_tokens_are_the_full_sequence_argmax(tmp_path, moe):
 
 
 def test_sampling_draws_only_from_the_top_k_and_the_tokenizer_vocab(tmp_path):
-    train.train(tiny_config(tmp_path, "steps=2", "mesh.data=1", "mesh.fsdp=1"), devices=jax.devices()[:1])
+    train.train(tiny_config(tmp_path, "steps=2", "mesh.data=1", "mesh.fsdp=1", NO_EVAL), devices=jax.devices()[:1])
     mesh, setup, params, buffers = _setup_and_state(tmp_path)
     prompt = list(b"import ")
     with jax.set_mesh(mesh):
@@ -58,7 +60,7 @@ def test_sampling_draws_only_from_the_top_k_and_the_tokenizer_vocab(tmp_path):
 
 def test_cli_prints_samples_and_names_bad_flags(tmp_path, capsys):
     tmp_path = tmp_path / "checkpoints" / "run"  # a run stored under a folder that happens to be named so
-    train.train(tiny_config(tmp_path, "steps=2", "mesh.data=1", "mesh.fsdp=1"), devices=jax.devices()[:1])
+    train.train(tiny_config(tmp_path, "steps=2", "mesh.data=1", "mesh.fsdp=1", NO_EVAL), devices=jax.devices()[:1])
     assert sample.main([str(tmp_path / "checkpoints" / "2"), "--tokens", "8", "--prompt", "x = ", "--num", "2",
                         "--temperature", "0", "model.attention=xla"]) == 0  # overrides after the options
     out = capsys.readouterr()
