@@ -13,7 +13,7 @@ import jax
 import numpy as np
 
 from mx_jax import train
-from tests.helpers import NO_IO, TINY, tiny_config
+from tests.helpers import NO_EVAL, NO_IO, TINY, tiny_config
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -46,7 +46,7 @@ def test_bf16_weight_copies_follow_the_masters_and_resume_bitwise(tmp_path):
             p = p[k.key]
         assert c.dtype == np.dtype("bfloat16")
         np.testing.assert_array_equal(np.asarray(c), np.asarray(p.astype(c.dtype)))
-    train.train(tiny_config(tmp_path / "b", "steps=2", *over, "log.eval_every_steps=-1"))  # its checkpoint: kept
+    train.train(tiny_config(tmp_path / "b", "steps=2", *over, NO_EVAL))  # its checkpoint: kept
     resumed = train.train(tiny_config(tmp_path / "b", "steps=4", *over, *NO_IO))
     for a, b in zip(_leaves(straight.state), _leaves(resumed.state), strict=True):
         np.testing.assert_array_equal(a, b)

@@ -7,9 +7,7 @@ import pytest
 from flax import nnx
 
 from mx_jax import sample, sharding, train
-from tests.helpers import tiny_config
-
-NO_EVAL = "log.eval_every_steps=-1"  # the runs' checkpoints are sampled from; their evaluation is not needed
+from tests.helpers import NO_EVAL, tiny_config  # NO_EVAL: the runs here are sampled from, never evaluated
 
 MOE = ["model.moe.n_experts=4", "model.moe.top_k=2", "model.moe.score=sigmoid", "model.moe.bias_update_rate=0.01"]
 
