@@ -418,7 +418,8 @@ def test_mixtral_maps_router_and_experts_both_ways(tmp_path):
     result = train(tiny_config(tmp_path / "run", "model.vocab_size=256", "model.d_model=48", "model.n_layers=3",
                                "model.n_heads=4", "model.n_kv_heads=2", "model.head_dim=8", "model.d_ff=80",
                                "model.moe.n_experts=4", "model.moe.top_k=2", f"init_from={tmp_path / 'hf'}",
-                               "steps=1", "optim.warmup_steps=0", "mesh.data=2", "mesh.fsdp=1", "mesh.expert=4", *NO_IO))
+                               "steps=1", "optim.warmup_steps=0", "mesh.data=2", "mesh.fsdp=1", "mesh.expert=4",
+                               *NO_IO))
     assert np.isfinite(result.metrics["loss"])
     with pytest.raises(ConfigError, match="model.moe.n_experts"):
         hf.load_hf_llama(tmp_path / "hf", dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, n_experts=8)))
