@@ -212,11 +212,13 @@ class Prequantized:
 
 def _weight_operands(w, r: Recipe, impl: str, round_to=None) -> Operands:
     """The operands of w (K, N), rounded to `round_to` first when given, under recipe `r`: one dual cast when both
-    GEMMs use the same cast, else two casts."""
+    GEMMs use the same cast, else two casts. w may be a tuple of weights, the parts of a fused weight along N:
+    the dual cast then reads each tile from its part (`quantize_dual`) instead of a concatenated copy."""
     (_, w_out), (_, w_gx) = r.out, r.grad_x
     if w_out == w_gx:
         gx, out = _both(w, w_out, r.pow2_scale, impl, round_to)
     else:
+        w = jnp.concatenate(w, axis=-1) if isinstance(w, tuple) else w
         w = w if round_to is None else w.astype(round_to)
         out, gx = _cols_t(w, w_out, r.pow2_scale, impl), _rows(w, w_gx, r.pow2_scale, impl)
     return Operands(out=out, grad_x=gx)
@@ -226,8 +228,11 @@ def prequantize(ws, *, recipe: str, impl: str = "auto", compute_dtype=jnp.bfloat
     """The operands of concatenate(ws, axis=-1) (one array or a tuple sharing all but the last axis), each weight
     first rounded to `compute_dtype`: exactly what `linear` quantizes from the compute copy of a (fused) weight.
 
-    Weights (..., K, N) with leading layer axes are quantized one layer at a time (`lax.map`), so only one layer's
-    rounded, concatenated copy exists at once. batched: the last leading axis is a batch of matrices quantized each
+    The Pallas casts read the f32 masters' tiles, each from its own weight, and round them in SMEM: neither the
+    rounded copy nor the concatenation is written (per element 4 + 4 bytes read, 1 + 1 written; the concatenated
+    bf16 copy cost 4 + 2 more and its two reads 2 + 2 where the masters' are 4 + 4). Elsewhere (XLA) one layer's
+    rounded, concatenated copy exists at a time: weights (..., K, N) with leading layer axes are quantized one layer
+    at a time (`lax.map`). batched: the last leading axis is a batch of matrices quantized each
     on its own in one cast (the routed experts' (E, K, N), rowwise only; what mx_jax.grouped_linear's forward did).
     The train step calls this on the updated masters (llama.compute_copies) and passes the result to every `linear`
     of that weight through `Prequantized`: the forward and the backward then read the fp8 operands instead of
@@ -244,10 +249,8 @@ def prequantize(ws, *, recipe: str, impl: str = "auto", compute_dtype=jnp.bfloat
     if batched and recipe != "fp8_rowwise":
         raise ValueError(f"prequantize: batched (expert) weights take fp8_rowwise only, got {recipe!r}")
 
-    def one(*layer):
-        if len(layer) == 1:  # the cast kernel rounds the master's tiles itself
-            return _weight_operands(layer[0], r, impl, round_to=compute_dtype)
-        return _weight_operands(jnp.concatenate([m.astype(compute_dtype) for m in layer], axis=-1), r, impl)
+    def one(*layer):  # the cast kernels round the masters' tiles themselves and read each from its own weight
+        return _weight_operands(layer if len(layer) > 1 else layer[0], r, impl, round_to=compute_dtype)
 
     if not lead:
         return one(*ws)

@@ -18,7 +18,9 @@ Layouts. An fp8 GEMM operand must be K-major (the contraction axis last). `quant
 `quantize_dual` produces both (rowwise along axis 1 as (R, C), rowwise along axis 0 as (C, R)) from the same reads
 of x, which is what the rowwise recipe needs for every tensor (x, w and the output gradient). It also takes a batch
 of matrices (B, R, C), each entry scaled on its own: the MoE experts' weights (E, K, N), whose forward GEMM wants
-(E, N, K) scaled per (e, n) and whose grad-input GEMM wants (E, K, N) scaled per (e, k).
+(E, N, K) scaled per (e, n) and whose grad-input GEMM wants (E, K, N) scaled per (e, k). And it takes a fused
+weight as its parts (w_q, w_k, w_v), reading each tile from the part that holds it, so that the concatenation is
+never written.
 
 Implementations. The jnp reference is also the "xla" path: XLA fuses it (an amax reduction fusion, then a cast
 fusion with the transpose folded in). The Pallas kernels (Mosaic-GPU, one CTA per tile) take a 2-D x (or a batch
@@ -181,19 +183,35 @@ def _stage_scratch(x_dtype, round_to, shape) -> list:
     return [plgpu.SMEM(shape, round_to, transforms=_smem_transforms(shape[1], round_to))]
 
 
-def _amax_kernel(x_gmem, *refs, want_rows: bool, want_cols: bool, bm: int, bn: int):
+def _copy_tile(x_gmems, col_tiles: tuple[int, ...], b, rows, j, bn: int, dst, barrier) -> None:
+    """Start the TMA copy of column tile j of concatenate(x_gmems, axis=-1)[b, rows] into dst: from the part that
+    holds it (part p holds col_tiles[p] tiles of bn columns), so the concatenation is never written."""
+    if len(x_gmems) == 1:
+        plgpu.copy_gmem_to_smem(x_gmems[0].at[b, rows, pl.ds(j * bn, bn)], dst, barrier)
+        return
+    start = 0
+    for x_gmem, n in zip(x_gmems, col_tiles):
+        @pl.when((j >= start) & (j < start + n))
+        def _(x_gmem=x_gmem, start=start):
+            plgpu.copy_gmem_to_smem(x_gmem.at[b, rows, pl.ds((j - start) * bn, bn)], dst, barrier)
+
+        start += n
+
+
+def _amax_kernel(*refs, n_x: int, col_tiles: tuple[int, ...], want_rows: bool, want_cols: bool, bm: int, bn: int):
     """One (bm, bn) tile of |x[b]|: its row maxima -> rows_part[b, j, i*bm:(i+1)*bm], column maxima ->
-    cols_part[b, i, j*bn:(j+1)*bn].
+    cols_part[b, i, j*bn:(j+1)*bn]. x is the concatenation of the first n_x refs along their last axis.
 
     The column maxima are the row maxima of the tile read through its transposed SMEM view (16-bit x, which every
     transposed cast needs anyway): a row of the register tile lives in one warp's quad, so its max is a few
     shuffles, where a column max crosses the four warps of the warpgroup. Reducing along axis 0 directly ran this
     pass at ~1.6 TB/s, under half the cast pass's ~3.7 (RESULTS.md, seventh pass).
     """
+    x_gmems, refs = refs[:n_x], refs[n_x:]
     outs = list(refs[: want_rows + want_cols])
     x_smem, rows_smem, cols_smem, barrier, *stage_smem = refs[want_rows + want_cols :]
     i, j, b = lax.axis_index("i"), lax.axis_index("j"), lax.axis_index("b")
-    plgpu.copy_gmem_to_smem(x_gmem.at[b, pl.ds(i * bm, bm), pl.ds(j * bn, bn)], x_smem, barrier)
+    _copy_tile(x_gmems, col_tiles, b, pl.ds(i * bm, bm), j, bn, x_smem, barrier)
     plgpu.barrier_wait(barrier)
     x_smem = _staged(x_smem, stage_smem)
     if want_rows:
@@ -208,19 +226,29 @@ def _amax_kernel(x_gmem, *refs, want_rows: bool, want_cols: bool, bm: int, bn: i
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
+def _parts(x) -> tuple[tuple[jax.Array, ...], tuple[int, int, int]]:
+    """x: one (B, R, C) array, or a tuple of (B, R, C_p) parts of its last axis -> (parts, (B, R, sum C_p))."""
+    xs = tuple(x) if isinstance(x, (tuple, list)) else (x,)
+    nb, r, _ = xs[0].shape
+    return xs, (nb, r, sum(p.shape[-1] for p in xs))
+
+
 def _amax_pallas(x, *, want_rows: bool, want_cols: bool, config: CastConfig, interpret, round_to=None):
     """x (B, R, C) -> row amax (B, R) and/or column amax (B, C), f32: per-tile partials in Pallas, a tiny max in
     XLA. Each batch entry is its own matrix (an expert's weight): a column's amax never crosses entries. With
-    `round_to` (16-bit, x f32), the maxima of x rounded to it."""
-    nb, r, c = x.shape
+    `round_to` (16-bit, x f32), the maxima of x rounded to it. x may be a tuple of parts (`_parts`), each a
+    multiple of amax_bn wide: the maxima of their concatenation."""
+    xs, (nb, r, c) = _parts(x)
+    x = xs[0]
     bm, bn = config.amax_bm, config.amax_bn
     out_type = []
     if want_rows:
         out_type.append(jax.ShapeDtypeStruct((nb, c // bn, r), jnp.float32))
     if want_cols:
         out_type.append(jax.ShapeDtypeStruct((nb, r // bm, c), jnp.float32))
-    parts = plgpu.kernel(
-        functools.partial(_amax_kernel, want_rows=want_rows, want_cols=want_cols, bm=bm, bn=bn),
+    partials = plgpu.kernel(
+        functools.partial(_amax_kernel, n_x=len(xs), col_tiles=tuple(p.shape[-1] // bn for p in xs),
+                          want_rows=want_rows, want_cols=want_cols, bm=bm, bn=bn),
         out_type=tuple(out_type),
         scratch_types=[
             plgpu.SMEM((bm, bn), x.dtype, transforms=_smem_transforms(bn, x.dtype)),
@@ -233,20 +261,23 @@ def _amax_pallas(x, *, want_rows: bool, want_cols: bool, config: CastConfig, int
         grid_names=("i", "j", "b"),
         compiler_params=_compiler_params(),
         interpret=interpret,
-    )(x)
-    return tuple(jnp.max(p, axis=1) for p in parts)
+    )(*xs)
+    return tuple(jnp.max(p, axis=1) for p in partials)
 
 
-def _cast_kernel(x_gmem, *refs, want_rows: bool, want_cols: bool, bm: int, bn: int, dtype, tiled_src: bool):
+def _cast_kernel(*refs, n_x: int, col_tiles: tuple[int, ...], want_rows: bool, want_cols: bool, bm: int, bn: int,
+                 dtype, tiled_src: bool):
     """One (bm, bn) tile of x[b]: rows output x*q_row cast (bm, bn) at [b, i, j]; cols output (x*q_col)ᵀ (bn, bm)
-    at [b, j, i]. With `tiled_src` the tile's rows are x[b, src[i]*bm : (src[i]+1)*bm] instead of row tile i."""
+    at [b, j, i]. x is the concatenation of the first n_x refs along their last axis. With `tiled_src` the tile's
+    rows are x[b, src[i]*bm : (src[i]+1)*bm] instead of row tile i."""
+    x_gmems, refs = refs[:n_x], refs[n_x:]
     n_in, n_out = want_rows + want_cols + tiled_src, want_rows + want_cols
     q_refs, out_refs = list(refs[:n_in]), list(refs[n_in : n_in + n_out])
     x_smem, q_row_smem, q_col_smem, o_smem, ot_smem, barrier, *stage_smem = refs[n_in + n_out :]
     i, j, b = lax.axis_index("i"), lax.axis_index("j"), lax.axis_index("b")
     f = fp8_max(dtype)
     row0 = q_refs.pop()[i] * bm if tiled_src else i * bm  # a multiple of bm that Mosaic's TMA lowering can see
-    plgpu.copy_gmem_to_smem(x_gmem.at[b, pl.ds(row0, bm), pl.ds(j * bn, bn)], x_smem, barrier)
+    _copy_tile(x_gmems, col_tiles, b, pl.ds(row0, bm), j, bn, x_smem, barrier)
     if want_rows:
         plgpu.copy_gmem_to_smem(q_refs.pop(0).at[b, pl.ds(i * bm, bm)], q_row_smem, barrier)
     if want_cols:
@@ -277,12 +308,15 @@ def _cast_pallas(x, q_row, q_col, *, dtype, config: CastConfig, interpret, round
     of a 3-D x): a per-row-tile q_col gives each tile of cast_bm rows its own column multipliers. With `round_to`
     (16-bit, x f32) x is rounded to it in SMEM first. `src_tiles` (T,) int32 (cols output of a 2-D x only): output
     row tile i is read from x's row tile src_tiles[i], so the (C, T cast_bm) output can reorder and repeat x's row
-    tiles (q_col then has one row per output tile)."""
-    batched = x.ndim == 3
+    tiles (q_col then has one row per output tile). x may be a tuple of parts (`_parts`, each 2-D or each 3-D
+    and a multiple of cast_bn wide): the casts of their concatenation along the last axis."""
+    xs = tuple(x) if isinstance(x, (tuple, list)) else (x,)
+    batched = xs[0].ndim == 3
     if not batched:
-        x = x[None]
+        xs = tuple(p[None] for p in xs)
         q_row, q_col = (None if q is None else q[None] for q in (q_row, q_col))
-    nb, r, c = x.shape
+    xs, (nb, r, c) = _parts(xs)
+    x = xs[0]
     bm, bn = config.cast_bm, config.cast_bn
     want_rows, want_cols = q_row is not None, q_col is not None
     tiled_src = src_tiles is not None
@@ -296,8 +330,8 @@ def _cast_pallas(x, q_row, q_col, *, dtype, config: CastConfig, interpret, round
         out_type.append(jax.ShapeDtypeStruct((nb, c, r), dtype))
     outs = plgpu.kernel(
         functools.partial(
-            _cast_kernel, want_rows=want_rows, want_cols=want_cols, bm=bm, bn=bn, dtype=jnp.dtype(dtype),
-            tiled_src=tiled_src,
+            _cast_kernel, n_x=len(xs), col_tiles=tuple(p.shape[-1] // bn for p in xs), want_rows=want_rows,
+            want_cols=want_cols, bm=bm, bn=bn, dtype=jnp.dtype(dtype), tiled_src=tiled_src,
         ),
         out_type=tuple(out_type),
         scratch_types=[
@@ -313,13 +347,13 @@ def _cast_pallas(x, q_row, q_col, *, dtype, config: CastConfig, interpret, round
         grid_names=("i", "j", "b"),
         compiler_params=_compiler_params(),
         interpret=interpret,
-    )(x, *[q for q in (q_row, q_col, src_tiles) if q is not None])
+    )(*xs, *[q for q in (q_row, q_col, src_tiles) if q is not None])
     return tuple(outs) if batched else tuple(o[0] for o in outs)
 
 
 def pallas_cover(
     shape: tuple[int, ...], x_dtype, *, transposed: bool, config: CastConfig = DEFAULT_CAST_CONFIG, round_to=None,
-    interpret=None,
+    interpret=None, parts: tuple[int, ...] = (),
 ) -> str | None:
     """None when the Pallas cast kernels take an x (R, C) or a batch of them (B, R, C) of this shape and dtype,
     else the reason.
@@ -329,6 +363,7 @@ def pallas_cover(
     `round_to`: the kernels then round each tile into a 16-bit SMEM copy and read that. jax 0.10.2 lowers no
     transposed view for the GPU (`compat.MGPU_TRANSPOSED_CAST`); its interpreter runs them (`interpret`, or
     `compat.force_gpu_interpret_mode`).
+    `parts`: the widths of the arrays whose concatenation along the last axis is x (`quantize_dual`), if several.
     """
     if len(shape) not in (2, 3):
         return f"x must be 2-D or 3-D, got shape {shape}"
@@ -341,6 +376,8 @@ def pallas_cover(
     tile_r, tile_c = math.lcm(config.amax_bm, config.cast_bm), math.lcm(config.amax_bn, config.cast_bn)
     if shape[-2] % tile_r or shape[-1] % tile_c:
         return f"x shape {shape} must be a multiple of ({tile_r}, {tile_c}) in its last two dims"
+    if any(w % tile_c for w in parts):
+        return f"each concatenated part must be a multiple of {tile_c} wide, got widths {parts}"
     lowered = interpret is None and not compat.gpu_interpret_forced()
     if transposed and lowered and not compat.MGPU_TRANSPOSED_CAST:
         return f"the transposed cast lowers for the GPU with jax >= 0.11 only (this is jax {jax.__version__})"
@@ -351,14 +388,18 @@ def pallas_cover(
 def _pallas_quantize(x, *, rows: bool, cols: bool, dtype, scaling, pow2_scale, config, interpret, round_to=None):
     """Both passes. Returns [(x_fp8 (R, C), scale)] for rows and/or [(x_fp8ᵀ (C, R), scale)] for cols; for a
     batch x (B, R, C) (rowwise only) each entry is its own matrix: (B, R, C) with (B, R), (B, C, R) with (B, C).
-    With `round_to`, of x rounded to that 16-bit dtype (in SMEM, no rounded copy of x in HBM)."""
-    reason = pallas_cover(x.shape, x.dtype, transposed=cols, config=config, round_to=round_to, interpret=interpret)
+    With `round_to`, of x rounded to that 16-bit dtype (in SMEM, no rounded copy of x in HBM). x may be a tuple of
+    arrays: the parts of x along its last axis, never concatenated in HBM (`quantize_dual`)."""
+    xs = tuple(x) if isinstance(x, (tuple, list)) else (x,)
+    shape, widths = (*xs[0].shape[:-1], sum(p.shape[-1] for p in xs)), tuple(p.shape[-1] for p in xs)
+    reason = pallas_cover(shape, xs[0].dtype, transposed=cols, config=config, round_to=round_to,
+                          interpret=interpret, parts=widths if len(xs) > 1 else ())
     if reason is not None:
         raise NotImplementedError(f"quantize (pallas): {reason}")
     rt = dict(round_to=round_to)
-    batched = x.ndim == 3
-    x = x if batched else x[None]
-    nb, r, c = x.shape
+    batched = len(shape) == 3
+    x = xs if batched else tuple(p[None] for p in xs)
+    r, c = shape[-2:]
     if scaling == "tensorwise":
         assert not batched, "tensorwise scaling of a batch has no per-entry meaning; flatten it"
         (row_amax,) = _amax_pallas(x, want_rows=True, want_cols=False, config=config, interpret=interpret, **rt)
@@ -395,14 +436,15 @@ def _pallas_quantize(x, *, rows: bool, cols: bool, dtype, scaling, pow2_scale, c
 AUTO_PALLAS = {"rows": True, "cols_t": False, "dual": True}
 
 
-def _use_pallas(variant: str, impl: Impl, shape, x_dtype, config: CastConfig, round_to=None) -> bool:
+def _use_pallas(variant: str, impl: Impl, shape, x_dtype, config: CastConfig, round_to=None, parts=()) -> bool:
     if impl == "pallas":
         return True
     if impl != "auto" or not AUTO_PALLAS[variant]:
         return False
     if not device.kernels_apply():
         return False
-    return pallas_cover(shape, x_dtype, transposed=variant != "rows", config=config, round_to=round_to) is None
+    return pallas_cover(shape, x_dtype, transposed=variant != "rows", config=config, round_to=round_to,
+                        parts=parts) is None
 
 
 def quantize(
@@ -462,7 +504,7 @@ def quantize_t(
 
 
 def quantize_dual(
-    x: jax.Array,
+    x: jax.Array | tuple[jax.Array, ...],
     *,
     dtype,
     scaling: Scaling = "rowwise",
@@ -477,21 +519,34 @@ def quantize_dual(
     x may be a batch of matrices (B, R, C) (the experts' weights), rowwise only: each entry is quantized on its
     own, ((B, R, C), (B, R)), ((B, C, R), (B, C)). `round_to` (bf16 or f16): quantize `rounded(x, round_to)`,
     the compute copy of an f32 master weight, bit for bit; the kernels round each f32 tile in SMEM, so the copy
-    is never written to HBM (per element 4 + 4+1+1 bytes instead of 4+2 for the copy, then 2 + 2+1+1)."""
-    if x.ndim not in (2, 3) or (x.ndim == 3 and scaling != "rowwise"):
+    is never written to HBM (per element 4 + 4+1+1 bytes instead of 4+2 for the copy, then 2 + 2+1+1).
+
+    x may be a tuple of arrays sharing every axis but the last (a fused weight's parts, e.g. w_gate and w_up):
+    the result is that of their concatenation along the last axis, which the kernels never write (each tile is
+    read from the part that holds it; the parts must then be multiples of the 128-column tiles), where
+    `jnp.concatenate` would write and read again 2 + 2 bytes per element, or 4 + 2 + 2 from f32 masters."""
+    parts = tuple(x) if isinstance(x, (tuple, list)) else (x,)
+    if not parts or len({(p.shape[:-1], jnp.dtype(p.dtype)) for p in parts}) != 1:
+        raise ValueError(f"quantize_dual: the parts of x must share every axis but the last and their dtype, got "
+                         f"{[(p.shape, str(p.dtype)) for p in parts]}")
+    shape = (*parts[0].shape[:-1], sum(p.shape[-1] for p in parts))
+    if len(shape) not in (2, 3) or (len(shape) == 3 and scaling != "rowwise"):
         raise ValueError(
-            f"quantize_dual: `x` must be 2-D, or 3-D with rowwise scaling, got shape {x.shape} dtype {x.dtype} "
+            f"quantize_dual: `x` must be 2-D, or 3-D with rowwise scaling, got shape {shape} dtype {parts[0].dtype} "
             f"with scaling={scaling!r}"
         )
-    _check(x, 0, dtype, scaling, "quantize_dual")
-    if round_to is not None and jnp.dtype(x.dtype).itemsize <= jnp.dtype(round_to).itemsize:
-        x, round_to = x.astype(round_to), None  # nothing to round away
-    if _use_pallas("dual", impl, x.shape, x.dtype, config, round_to):
+    _check(parts[0], 0, dtype, scaling, "quantize_dual")
+    if round_to is not None and jnp.dtype(parts[0].dtype).itemsize <= jnp.dtype(round_to).itemsize:
+        parts, round_to = tuple(p.astype(round_to) for p in parts), None  # nothing to round away
+    widths = tuple(p.shape[-1] for p in parts) if len(parts) > 1 else ()
+    if _use_pallas("dual", impl, shape, parts[0].dtype, config, round_to, parts=widths):
         rows, cols = _pallas_quantize(
-            x, rows=True, cols=True, dtype=dtype, scaling=scaling, pow2_scale=pow2_scale, config=config,
-            interpret=interpret, round_to=None if round_to is None else jnp.dtype(round_to),
+            parts if widths else parts[0], rows=True, cols=True, dtype=dtype, scaling=scaling,
+            pow2_scale=pow2_scale, config=config, interpret=interpret,
+            round_to=None if round_to is None else jnp.dtype(round_to),
         )
         return rows, cols
+    x = jnp.concatenate(parts, axis=-1) if widths else parts[0]
     if round_to is not None:
         x = rounded(x, round_to)
     return quantize_dual_reference(x, dtype=dtype, scaling=scaling, pow2_scale=pow2_scale)

@@ -39,6 +39,12 @@ def same(a, b) -> bool:
         np.array_equal(np.asarray(a), np.asarray(b))
 
 
+def all_same(a, b) -> bool:
+    """Every leaf of a equal to b's, bit for bit, with the same shapes and dtypes."""
+    a, b = jax.tree.leaves(a), jax.tree.leaves(b)
+    return len(a) == len(b) and all(x.shape == y.shape and x.dtype == y.dtype and same(x, y) for x, y in zip(a, b))
+
+
 @pytest.mark.parametrize("dtype", [E4M3, E5M2])
 @pytest.mark.parametrize("pow2", [False, True])
 def test_reference_semantics(dtype, pow2):
@@ -121,6 +127,32 @@ def test_pallas_interpreted_is_bit_exact(fn, shape, x_dtype, dtype, scaling, pow
     assert [g.shape for g in got] == [w.shape for w in want]
     for g, w in zip(got, want):
         assert g.dtype == w.dtype and same(g, w)
+
+
+@pytest.mark.parametrize("widths,lead,x_dtype,scaling,round_to", [
+    ((128, 256, 128), (128,), jnp.float32, "rowwise", jnp.bfloat16),  # q|k|v from f32 masters
+    ((128, 256), (3, 64), jnp.bfloat16, "rowwise", None),  # the experts' gate|up, a batch of 3
+    ((256, 128), (128,), jnp.bfloat16, "tensorwise", None),
+])
+def test_pallas_dual_of_parts_is_the_dual_of_their_concatenation(widths, lead, x_dtype, scaling, round_to):
+    keys = jax.random.split(jax.random.key(sum(widths) + len(lead)), len(widths))
+    parts = tuple(sample(k, (*lead, w), x_dtype) * (i + 1) for i, (k, w) in enumerate(zip(keys, widths)))
+    kw = dict(dtype=E4M3, scaling=scaling, pow2_scale=True, round_to=round_to)
+    got = qz.quantize_dual(parts, impl="pallas", interpret=compat.InterpretGPUParams(), **kw)
+    want = qz.quantize_dual(jnp.concatenate(parts, axis=-1), impl="xla", **kw)
+    assert all_same(got, want) and all_same(qz.quantize_dual(parts, impl="xla", **kw), want)
+
+
+def test_dual_of_parts_rejects_bad_parts():
+    a, b = sample(jax.random.key(0), (128, 192)), sample(jax.random.key(1), (128, 64))
+    with pytest.raises(NotImplementedError, match="part must be a multiple of 128"):
+        qz.quantize_dual((a, b), dtype=E4M3, impl="pallas")  # 256 columns in all, but a tile would straddle them
+    assert all_same(qz.quantize_dual((a, b), dtype=E4M3, impl="auto"),
+                    qz.quantize_dual(jnp.concatenate([a, b], axis=1), dtype=E4M3, impl="xla"))
+    with pytest.raises(ValueError, match="share every axis but the last"):
+        qz.quantize_dual((a, sample(jax.random.key(2), (64, 128))), dtype=E4M3)
+    with pytest.raises(ValueError, match="share every axis but the last and their dtype"):
+        qz.quantize_dual((a, b.astype(jnp.float32)), dtype=E4M3)
 
 
 def test_cover_and_fallback():
