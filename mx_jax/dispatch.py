@@ -187,7 +187,8 @@ class ExpertFFN:
             return grouped_linear.grouped_linear(a, w, sizes, recipe=self.recipe, impl=self.impl,
                                                  group_align=group_align, operands=op)
 
-        g, u = self._saved(gl(xs, self.w_gate, ops[0]), gl(xs, self.w_up, ops[1]))
+        # gate and up in one call: under fp8 the rows are cast once for both (forward and grad-weight)
+        g, u = self._saved(*gl(xs, (self.w_gate, self.w_up), None if self.operands is None else ops[:2]))
         (y,) = self._saved(gl(swiglu(g, u).astype(xs.dtype), self.w_down, ops[2]).astype(xs.dtype))
         return y
 

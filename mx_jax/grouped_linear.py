@@ -84,64 +84,81 @@ def _rowwise(t: jax.Array, impl: str) -> tuple[jax.Array, jax.Array]:
 quantize_group_cols = gmm_ops.quantize_group_cols  # t (M, C) -> e4m3 (M, C), per (group, column) scales (E, C)
 
 
-def _forward(x, w, group_sizes, ops, recipe: str, impl: str):
-    """y and the residuals of the backward: (x, w's compute copy) for bf16, (x, (w e4m3 (E, K, N), scales (E, K)))
-    for fp8_rowwise. `ops`: w's operands made at the update (mx_jax.quant.prequantize, batched), or None."""
+def _forward(x, ws, group_sizes, ops, recipe: str, impl: str):
+    """ys (one per weight of `ws`) and the residuals of the backward: (x, the weights' compute copies) for bf16,
+    (x, per weight (w e4m3 (E, K, N), scales (E, K))) for fp8_rowwise. `ops`: per weight its operands made at the
+    update (mx_jax.quant.prequantize, batched), or None."""
     if recipe == "bf16":
-        w_c = w.astype(x.dtype)
-        return gmm_ops.gmm(x, w_c, group_sizes, out_dtype=x.dtype, impl=impl), (x, w_c)
-    xq, xs = _rowwise(x, impl)  # (M, K), (M,)
-    # (E, K, N) scaled along N for grad_x, and the (E, N, K) copy scaled along K that the forward's 8-bit wgmma
-    # reads (K-major operands only), from the same two passes over w, rounded to x.dtype on the way.
-    if ops is None:
-        w_k, (w_n, ws_n) = qz.quantize_dual(w, dtype=E4M3, pow2_scale=True, impl=_quant_impl(impl), round_to=x.dtype)
+        w_cs = tuple(w.astype(x.dtype) for w in ws)
+        return tuple(gmm_ops.gmm(x, w_c, group_sizes, out_dtype=x.dtype, impl=impl) for w_c in w_cs), (x, w_cs)
+    xq, xs = _rowwise(x, impl)  # (M, K), (M,): once for every weight
+    ys, w_ks = [], []
+    for w, op in zip(ws, ops):
+        # (E, K, N) scaled along N for grad_x, and the (E, N, K) copy scaled along K that the forward's 8-bit wgmma
+        # reads (K-major operands only), from the same two passes over w, rounded to x.dtype on the way.
+        if op is None:
+            w_k, (w_n, ws_n) = qz.quantize_dual(w, dtype=E4M3, pow2_scale=True, impl=_quant_impl(impl),
+                                                round_to=x.dtype)
+        else:
+            w_k, (w_n, ws_n) = op.grad_x, op.out
+        ys.append(gmm_ops.gmm(
+            xq, w_n, group_sizes, transpose_rhs=True, lhs_scale=xs, rhs_scale=ws_n, out_dtype=x.dtype, impl=impl
+        ))
+        w_ks.append(w_k)
+    return tuple(ys), (x, tuple(w_ks))
+
+
+def _backward(x, w_res, group_sizes, dys, recipe: str, impl: str, w_dtypes, group_align: int):
+    """dx (the sum over the weights, in x.dtype, as autodiff adds the cotangents of a shared input) and each dw."""
+    if recipe == "bf16":
+        dys = tuple(dy.astype(x.dtype) for dy in dys)
+        dxs = [gmm_ops.gmm(dy, w, group_sizes, transpose_rhs=True, out_dtype=x.dtype, impl=impl)
+               for dy, w in zip(dys, w_res)]
+        dws = tuple(gmm_ops.tgmm(x, dy, group_sizes, out_dtype=dt, impl=impl) for dy, dt in zip(dys, w_dtypes))
     else:
-        w_k, (w_n, ws_n) = ops.grad_x, ops.out
-    y = gmm_ops.gmm(
-        xq, w_n, group_sizes, transpose_rhs=True, lhs_scale=xs, rhs_scale=ws_n, out_dtype=x.dtype, impl=impl
-    )
-    return y, (x, w_k)
-
-
-def _backward(x, w_res, group_sizes, dy, recipe: str, impl: str, w_dtype, group_align: int):
-    if recipe == "bf16":
-        dy = dy.astype(x.dtype)
-        dx = gmm_ops.gmm(dy, w_res, group_sizes, transpose_rhs=True, out_dtype=x.dtype, impl=impl)
-        dw = gmm_ops.tgmm(x, dy, group_sizes, out_dtype=w_dtype, impl=impl)
-        return dx, dw
-    wq, ws = w_res  # (E, K, N) scaled along N, ws (E, K): quantized by the forward
-    dyq, dys = _rowwise(dy, impl)  # (M, N), (M,)
-    dx = gmm_ops.gmm(
-        dyq, wq, group_sizes, transpose_rhs=True, lhs_scale=dys, rhs_scale=ws, out_dtype=x.dtype, impl=impl
-    )
-    # x and dy in e4m3 per (group, column), cast straight into the kernel's token layout where it runs
-    dw = gmm_ops.tgmm_fp8_rowwise(x, dy, group_sizes, out_dtype=w_dtype, impl=impl, group_align=group_align)
-    return dx, dw
+        dxs = []
+        for dy, (wq, ws) in zip(dys, w_res):  # wq (E, K, N) scaled along N, ws (E, K): quantized by the forward
+            dyq, dy_scale = _rowwise(dy, impl)  # (M, N), (M,)
+            dxs.append(gmm_ops.gmm(
+                dyq, wq, group_sizes, transpose_rhs=True, lhs_scale=dy_scale, rhs_scale=ws, out_dtype=x.dtype,
+                impl=impl,
+            ))
+        # x and each dy in e4m3 per (group, column), cast straight into the kernel's token layout where it runs;
+        # x once for every weight. The GEMMs write f32 for any weight that wants it, and the rest are rounded.
+        dt = jnp.result_type(*w_dtypes)
+        dws = gmm_ops.tgmm_fp8_rowwise(x, tuple(dys), group_sizes, out_dtype=dt, impl=impl, group_align=group_align)
+        dws = tuple(dw.astype(t) for dw, t in zip(dws, w_dtypes))
+    dx = dxs[0]
+    for d in dxs[1:]:
+        dx = dx + d
+    return dx, dws
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
-def _grouped_linear(x, w, group_sizes, ops, recipe, impl, group_align):
-    return _forward(x, w, group_sizes, ops, recipe, impl)[0]
+def _grouped_linear(x, ws, group_sizes, ops, recipe, impl, group_align):
+    return _forward(x, ws, group_sizes, ops, recipe, impl)[0]
 
 
-def _grouped_linear_fwd(x, w, group_sizes, ops, recipe, impl, group_align):
-    y, (x_res, w_res) = _forward(x, w, group_sizes, ops, recipe, impl)
-    return y, (x_res, w_res, group_sizes, jnp.zeros((0,), w.dtype))  # the empty array carries w's dtype
+def _grouped_linear_fwd(x, ws, group_sizes, ops, recipe, impl, group_align):
+    ys, (x_res, w_res) = _forward(x, ws, group_sizes, ops, recipe, impl)
+    tags = tuple(jnp.zeros((0,), w.dtype) for w in ws)  # empty arrays carrying the weights' dtypes
+    return ys, (x_res, w_res, group_sizes, tags)
 
 
-def _grouped_linear_bwd(recipe, impl, group_align, res, dy):
-    x, w_res, group_sizes, w_tag = res
-    dx, dw = _backward(x, w_res, group_sizes, dy, recipe, impl, w_tag.dtype, group_align)
-    return dx.astype(x.dtype), dw.astype(w_tag.dtype), None, None  # group sizes and operands: no gradient
+def _grouped_linear_bwd(recipe, impl, group_align, res, dys):
+    x, w_res, group_sizes, tags = res
+    dx, dws = _backward(x, w_res, group_sizes, dys, recipe, impl, tuple(t.dtype for t in tags), group_align)
+    dws = tuple(dw.astype(t.dtype) for dw, t in zip(dws, tags))
+    return dx.astype(x.dtype), dws, None, None  # group sizes and operands: no gradient
 
 
 _grouped_linear.defvjp(_grouped_linear_fwd, _grouped_linear_bwd)
 
 
 def grouped_linear(
-    x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, recipe: str = "bf16", impl: str = "auto",
+    x: jax.Array, w, group_sizes: jax.Array, *, recipe: str = "bf16", impl: str = "auto",
     group_align: int = 1, operands=None,
-) -> jax.Array:
+):
     """y (M, N) = x[r] @ w[e(r)] per token row, zero on padding rows; differentiable in x and w.
 
     x (M, K) float (bf16 in training), w (E, K, N) float, group_sizes (E,) integer. recipe: "bf16" (operands in
@@ -150,24 +167,39 @@ def grouped_linear(
     it zero (mx_jax.dispatch.ExpertFFN lays rows out so); 64 lets the fp8 backward cast tokens in place
     (`grouped_matmul.tgmm_fp8_rowwise`). The result does not depend on it.
     operands (fp8_rowwise): w's fp8 operands made when it was last updated (`mx_jax.quant.prequantize(w,
-    recipe="fp8_rowwise", batched=True)`); w's values are then never read, it only receives the gradient."""
+    recipe="fp8_rowwise", batched=True)`); w's values are then never read, it only receives the gradient.
+
+    w may be a tuple of weights (E, K, N_i) that read the same x (the experts' gate and up), with operands then a
+    tuple too (None or one per weight): the result is the tuple of their outputs, the same values as one call per
+    weight, and under fp8_rowwise x's casts (rowwise for the forward, per group and column for grad_w) are made
+    once for all of them instead of once per weight."""
+    several = isinstance(w, tuple)
+    ws = w if several else (w,)
+    ops = (operands if several else (operands,)) if operands is not None else (None,) * len(ws)
     if recipe not in RECIPES:
         raise ValueError(f"grouped_linear: unknown recipe {recipe!r}; choose from {RECIPES}")
     if impl not in ("auto", "pallas", "xla", "reference"):
         raise ValueError(f"grouped_linear: impl must be 'auto', 'pallas', 'xla' or 'reference', got {impl!r}")
-    if x.ndim != 2 or w.ndim != 3 or x.shape[1] != w.shape[1]:
+    if not ws or not isinstance(ops, tuple) or len(ops) != len(ws):
+        raise ValueError(f"grouped_linear: need one or more weights and, if given, operands for each; got "
+                         f"{len(ws)} weights and operands {type(operands).__name__}")
+    for w in ws:
+        if x.ndim != 2 or w.ndim != 3 or x.shape[1] != w.shape[1] or w.shape[0] != ws[0].shape[0]:
+            raise ValueError(
+                f"grouped_linear: need x (M, K) and w (E, K, N), got x {x.shape} {x.dtype}, w {w.shape} {w.dtype}"
+            )
+        if not (jnp.issubdtype(x.dtype, jnp.floating) and jnp.issubdtype(w.dtype, jnp.floating)):
+            raise ValueError(f"grouped_linear: x and w must be floating, got x {x.dtype}, w {w.dtype}")
+    e = ws[0].shape[0]
+    if group_sizes.shape != (e,) or not jnp.issubdtype(group_sizes.dtype, jnp.integer):
         raise ValueError(
-            f"grouped_linear: need x (M, K) and w (E, K, N), got x {x.shape} {x.dtype}, w {w.shape} {w.dtype}"
-        )
-    if not (jnp.issubdtype(x.dtype, jnp.floating) and jnp.issubdtype(w.dtype, jnp.floating)):
-        raise ValueError(f"grouped_linear: x and w must be floating, got x {x.dtype}, w {w.dtype}")
-    if group_sizes.shape != (w.shape[0],) or not jnp.issubdtype(group_sizes.dtype, jnp.integer):
-        raise ValueError(
-            f"grouped_linear: group_sizes must be ({w.shape[0]},) integer for w {w.shape}, "
+            f"grouped_linear: group_sizes must be ({e},) integer for w {ws[0].shape}, "
             f"got {group_sizes.shape} {group_sizes.dtype}"
         )
     if not isinstance(group_align, int) or group_align < 1:
         raise ValueError(f"grouped_linear: group_align must be a positive int, got {group_align!r}")
-    if operands is not None:
-        quant.check_operands(operands, w, recipe, ("fp8_rowwise",), "grouped_linear")
-    return _grouped_linear(x, w, group_sizes.astype(jnp.int32), operands, recipe, impl, group_align)
+    for w, op in zip(ws, ops):
+        if op is not None:
+            quant.check_operands(op, w, recipe, ("fp8_rowwise",), "grouped_linear")
+    ys = _grouped_linear(x, ws, group_sizes.astype(jnp.int32), ops, recipe, impl, group_align)
+    return ys if several else ys[0]

@@ -999,33 +999,40 @@ def _group_cast_t_in_place(t, group_sizes, q, align: int, interpret) -> tuple[ja
 
 @device.lowered_once(('out_dtype', 'config', 'interpret', 'group_align'))
 def tgmm_fp8_rowwise_pallas(lhs, rhs, group_sizes, *, out_dtype=jnp.float32, config: TileConfig | None = None,
-                            interpret=None, group_align: int = 1) -> jax.Array:
+                            interpret=None, group_align: int = 1):
     """`tgmm_fp8_rowwise` on the kernels; NotImplementedError outside their cover."""
-    (m, k), n = lhs.shape, rhs.shape[1]
-    f8 = (jax.ShapeDtypeStruct((m, k), E4M3), jax.ShapeDtypeStruct((m, n), E4M3))
-    config, reason = _pick(_tgmm_cover_fn(*f8, out_dtype, True), E4M3, config, "tgmm")
-    bm = qz.DEFAULT_CAST_CONFIG.cast_bm
-    if reason is None and config.tile_k % bm:
-        reason = f"tile_k={config.tile_k} must be a multiple of the transposed cast's {bm}-row tiles"
-    if reason is None:
-        mp = _aligned_len(m, group_sizes.shape[0], config.tile_k)
-        for cols in (k, n):
-            if (why := qz.pallas_cover((mp, cols), lhs.dtype, transposed=True, interpret=interpret)) is not None:
-                reason = f"the transposed cast: {why}"
-    if reason is not None:
-        raise NotImplementedError(f"tgmm_fp8_rowwise_pallas: {reason}")
+    rhs_all = rhs if isinstance(rhs, tuple) else (rhs,)
+    (m, k), bm = lhs.shape, qz.DEFAULT_CAST_CONFIG.cast_bm
+    for r in rhs_all:
+        f8 = (jax.ShapeDtypeStruct((m, k), E4M3), jax.ShapeDtypeStruct(r.shape, E4M3))
+        config_r, reason = _pick(_tgmm_cover_fn(*f8, out_dtype, True), E4M3, config, "tgmm")
+        if reason is None and config_r.tile_k % bm:
+            reason = f"tile_k={config_r.tile_k} must be a multiple of the transposed cast's {bm}-row tiles"
+        if reason is None:
+            mp = _aligned_len(m, group_sizes.shape[0], config_r.tile_k)
+            for cols in (k, r.shape[1]):
+                if (why := qz.pallas_cover((mp, cols), lhs.dtype, transposed=True, interpret=interpret)) is not None:
+                    reason = f"the transposed cast: {why}"
+        if reason is not None:
+            raise NotImplementedError(f"tgmm_fp8_rowwise_pallas: {reason}")
+        config = config_r  # the first right operand's pick serves all: one token layout of lhs for every GEMM
     ql, sl = qz.amax_to_scales(group_col_amax(lhs, group_sizes), E4M3, True)
-    qr, sr = qz.amax_to_scales(group_col_amax(rhs, group_sizes), E4M3, True)
     cast_t = _group_cast_t_in_place if group_align % bm == 0 and m % bm == 0 else _group_cast_t
     lhs_t, a_starts = cast_t(lhs, group_sizes, ql, config.tile_k, interpret)
-    rhs_t, _ = cast_t(rhs, group_sizes, qr, config.tile_k, interpret)
-    return _tgmm_launch(lhs_t, rhs_t, group_sizes, m, a_starts, (sl, sr), out_dtype, config, interpret)
+    outs = []
+    for r in rhs_all:
+        qr, sr = qz.amax_to_scales(group_col_amax(r, group_sizes), E4M3, True)
+        rhs_t, _ = cast_t(r, group_sizes, qr, config.tile_k, interpret)
+        outs.append(_tgmm_launch(lhs_t, rhs_t, group_sizes, m, a_starts, (sl, sr), out_dtype, config, interpret))
+    return tuple(outs) if isinstance(rhs, tuple) else outs[0]
 
 
-def tgmm_fp8_rowwise(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, out_dtype=jnp.float32,
-                     impl: Impl = "auto", config: TileConfig | None = None, group_align: int = 1) -> jax.Array:
+def tgmm_fp8_rowwise(lhs: jax.Array, rhs, group_sizes: jax.Array, *, out_dtype=jnp.float32,
+                     impl: Impl = "auto", config: TileConfig | None = None, group_align: int = 1):
     """The fp8 rowwise recipe's grad-weight GEMM: lhs (M, K), rhs (M, N) high precision, each cast to e4m3 with one
     power-of-two scale per (group, column) (`quantize_group_cols`), then `tgmm` with the scales -> (E, K, N).
+    rhs may be a tuple of (M, N_i) arrays (the gradients of the experts' gate and up, which share lhs): then a tuple
+    of (E, K, N_i), with lhs cast once for all of them.
 
     impl "pallas" (and "auto" where the kernels apply) casts straight into the kernel's aligned K-major token layout
     (`_group_cast_t`); the others quantize row-major and call `tgmm` with that impl. Same fp8 operands and scales
@@ -1041,8 +1048,12 @@ def tgmm_fp8_rowwise(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, 
         except NotImplementedError:
             pass  # tgmm below picks its own path for the row-major operands
     xq, xs = quantize_group_cols(lhs, group_sizes)
-    dq, ds = quantize_group_cols(rhs, group_sizes)
-    return tgmm(xq, dq, group_sizes, lhs_scale=xs, rhs_scale=ds, out_dtype=out_dtype, impl=impl, config=config)
+    outs = []
+    for r in rhs if isinstance(rhs, tuple) else (rhs,):
+        dq, ds = quantize_group_cols(r, group_sizes)
+        outs.append(tgmm(xq, dq, group_sizes, lhs_scale=xs, rhs_scale=ds, out_dtype=out_dtype, impl=impl,
+                         config=config))
+    return tuple(outs) if isinstance(rhs, tuple) else outs[0]
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -188,6 +188,28 @@ def test_pallas_path_types_check_in_shard_map(recipe):
     jax.jit(jax.grad(sharded, argnums=(0, 1))).trace(x, w, sizes)
 
 
+@pytest.mark.parametrize("recipe", ["bf16", "fp8_rowwise"])
+def test_weights_sharing_x_give_what_one_call_each_gives(recipe):
+    """grouped_linear(x, (w_gate, w_up)) (x cast once for both under fp8): the outputs and the gradients of x and of
+    both weights equal those of one call per weight, bit for bit."""
+    x, w, cot = _inputs(8)
+    w2 = jax.random.normal(jax.random.key(9), (E, K, 2 * N), jnp.float32) / np.sqrt(K)
+    cot2 = jax.random.normal(jax.random.key(10), (M, 2 * N), jnp.float32)
+    sizes = jnp.asarray(SIZES, jnp.int32)
+
+    def loss(x, w, w2, together):
+        kw = dict(recipe=recipe, impl="xla")
+        y, y2 = (grouped_linear(x, (w, w2), sizes, **kw) if together else
+                 (grouped_linear(x, w, sizes, **kw), grouped_linear(x, w2, sizes, **kw)))
+        return jnp.sum(y.astype(jnp.float32) * cot) + jnp.sum(y2.astype(jnp.float32) * cot2), (y, y2)
+
+    f = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True), static_argnums=3)
+    got, want = f(x, w, w2, True), f(x, w, w2, False)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert a.dtype == b.dtype
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
 def test_bad_arguments():
     x, w, _ = _inputs(5)
     sizes = jnp.asarray(SIZES, jnp.int32)
@@ -199,6 +221,10 @@ def test_bad_arguments():
         grouped_linear(x[:, :64], w, sizes)
     with pytest.raises(ValueError, match="group_align"):
         grouped_linear(x, w, sizes, group_align=0)
+    with pytest.raises(ValueError, match="operands for each"):
+        grouped_linear(x, (w, w), sizes, recipe="fp8_rowwise", operands=(None,))
+    with pytest.raises(ValueError, match=r"w \(E, K, N\)"):
+        grouped_linear(x, (w, w[:2]), sizes)
 
 
 # ------------------------------------------------------------------------------------------------------------

@@ -297,7 +297,13 @@ def test_tgmm_fp8_rowwise_pallas_matches_reference():
     assert not np.asarray(out[1]).any(), "the empty group's gradient is zero"
     aligned = _sizes((64, 0, 128, 64))  # with group_align=64 the operands are cast in place
     g = jax.jit(functools.partial(gm.tgmm_fp8_rowwise_pallas, config=SMALL_F8, interpret=INTERPRET, group_align=64))
-    _close(g(x, dy, aligned), gm.tgmm_fp8_rowwise(x, dy, aligned, impl="reference"), F32_TOL)
+    one = g(x, dy, aligned)
+    _close(one, gm.tgmm_fp8_rowwise(x, dy, aligned, impl="reference"), F32_TOL)
+    # two right operands sharing x (the experts' gate and up): x cast once, each result as from its own call
+    dy2 = dy[:, ::-1] * 3.0
+    both = g(x, (dy, dy2), aligned)
+    np.testing.assert_array_equal(np.asarray(both[0]), np.asarray(one))
+    np.testing.assert_array_equal(np.asarray(both[1]), np.asarray(g(x, dy2, aligned)))
 
 
 # ------------------------------------------------------------------------------------------------------------
