@@ -130,13 +130,14 @@ class QuantConfig:
     # Which linears convert: any of attn (q/k/v/o), mlp (gate/up/down), experts (MoE), head (the output head).
     modules: tuple[str, ...] = ("attn", "mlp", "experts")
     impl: Literal["auto", "pallas", "xla", "reference"] = "auto"
-    # MoE: the routed experts run an fp8 recipe only where a device's experts average at least this many rows a
-    # step (token assignments / local experts); below it they run bf16, with a warning. fp8 quantizes every expert
-    # weight each step (cost ~ parameters) and casts every row (cost ~ rows x (K + N)) to save GEMM time
-    # (~ rows x K x N). Whole train steps on one H100, fp8 experts against bf16 experts (the rest fp8 either way):
-    # DeepSeekMoE-16B 0.92x with 768 rows per expert, 0.97x with 1536, 1.01x with 3072; Mixtral 0.99x with 1024,
-    # 1.09x with 2048 (benchmarks/RESULTS.md, session 27). 2048 picks the faster side at all five. 0 = always fp8.
-    expert_min_rows: int = 2048
+    # MoE: the routed experts run an fp8 recipe only where each of a device's experts gets at least this many rows
+    # a step (token assignments / local experts) after discounting the row casts' share for the experts' dims:
+    # rows x (1 - 565 (1/D + 1/F)) >= expert_min_rows (dispatch.expert_recipe); below it they run bf16, with a
+    # warning. fp8 quantizes every expert weight each step (cost ~ parameters) and casts every row (cost ~ rows x
+    # (D + F)) to save GEMM time (~ rows x D x F). Fit to whole train steps, fp8 experts against bf16 experts:
+    # Mixtral (factor 0.82) breaks even near 1,100 rows per expert on an H100 and below 1,024 on an H200,
+    # DeepSeekMoE-16B (factor 0.32) near 2,800 and 1,536 (benchmarks/RESULTS.md, sessions 27-28). 0 = always fp8.
+    expert_min_rows: int = 700
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -47,10 +47,20 @@ parallelism they stay unnamed: there the GEMMs run on the receive buffer, padded
 min(k, E_l) rows per token: `peer_bound`), and keeping that per layer would cost up to P x the memory. The price is
 that the backward recomputes the forward there, dispatch exchange included.
 
-An fp8 recipe pays for quantizing every expert weight each step (~ parameters) and every row (~ rows x (K + N)),
-and gains GEMM time (~ rows x K x N), so `expert_recipe` picks bf16 where a device's experts average fewer than
-`min_rows` rows each (quant.expert_min_rows; whole-step crossovers on an H100 in benchmarks/RESULTS.md, session 27):
-with R rows expected on a device for its E_l experts, fp8 runs iff R >= min_rows * E_l (moe.MoE decides it).
+When the experts run fp8. Per expert with r rows, an fp8 recipe saves GEMM time ~ r K N and pays for casting
+the rows ~ r (K + N) and the weights ~ K N (the experts' GEMMs have (K, N) = (D, F) and (F, D)). Per row, the row
+casts take a share ~ c (1/D + 1/F) of the saving, the same for every r, and the weight casts are repaid once r
+rows are left after that. So with R rows expected on a device for its E_l experts, `expert_recipe` runs fp8 iff
+
+    R / E_l * (1 - c (1/D + 1/F)) >= min_rows          (quant.expert_min_rows; 0 = always fp8)
+
+c = ROW_CAST_WIDTH = 565 and min_rows = 700 fit the whole-step crossovers measured with the experts in fp8
+against bf16 (the rest fp8 either way; benchmarks/RESULTS.md, sessions 27-28). On one H100 both models break even
+near 900 such rows: Mixtral (D 4096, F 14336: factor 0.82) 0.99x at 1,024 rows and 1.09x at 2,048; DeepSeekMoE
+(D 2048, F 1408: factor 0.32) 0.92x at 768, 0.97x at 1,536, 1.01x at 3,072. On one H200 they break even sooner:
+Mixtral 1.09x at 1,024 rows, DeepSeekMoE 1.00x at 1,536 and 1.03x at 3,072. 700 picks the faster side at all nine
+points or loses at most 1% (Mixtral at 1,024 rows on the H100), where a threshold on rows alone lost 3% or 8%.
+moe.MoE decides it in the trace; llama.plan_for_run decides it the same way for the weights' operands.
 """
 
 from __future__ import annotations
@@ -97,21 +107,28 @@ def _take_rows_bwd(back, dout):
 take_rows.defvjp(_take_rows_fwd, _take_rows_bwd)
 
 
-def expert_recipe(recipe: str, rows: int, n_local: int, min_rows: int) -> str:
-    """The recipe for `n_local` experts that expect `rows` rows between them: `recipe`, or bf16 where they average
-    fewer than `min_rows` rows each (module doc), which logs a warning once per case."""
-    if recipe == "bf16" or rows >= min_rows * n_local:
+ROW_CAST_WIDTH = 565  # c in the module doc: the row casts take all of fp8's GEMM saving where 1/D + 1/F = 1/c
+
+
+def expert_recipe(recipe: str, rows: int, n_local: int, min_rows: int, dims: tuple[int, int]) -> str:
+    """The recipe for `n_local` experts of dims (D, F) that expect `rows` rows between them: `recipe`, or bf16
+    where the rows each expert keeps after the row casts fall short of `min_rows` (module doc), which logs a
+    warning once per case."""
+    keep = 1 - ROW_CAST_WIDTH * (1 / dims[0] + 1 / dims[1])
+    if recipe == "bf16" or min_rows == 0 or rows / n_local * keep >= min_rows:
         return recipe
-    _warn_bf16(recipe, rows, n_local, min_rows)
+    _warn_bf16(recipe, rows, n_local, min_rows, tuple(dims))
     return "bf16"
 
 
 @functools.lru_cache(maxsize=None)
-def _warn_bf16(recipe: str, rows: int, n_local: int, min_rows: int) -> None:
+def _warn_bf16(recipe: str, rows: int, n_local: int, min_rows: int, dims: tuple[int, int]) -> None:
+    keep = 1 - ROW_CAST_WIDTH * (1 / dims[0] + 1 / dims[1])
     logging.getLogger("mx_jax").warning(
-        "MoE: the routed experts run bf16 instead of %s: %d rows for %d experts is %.0f rows each, below "
-        "quant.expert_min_rows=%d, where fp8's casts of the weights and rows cost more than its GEMMs save "
-        "(quant.expert_min_rows=0 forces %s)", recipe, rows, n_local, rows / n_local, min_rows, recipe)
+        "MoE: the routed experts run bf16 instead of %s: %d rows for %d experts is %.0f rows each, and x %.2f (what "
+        "the row casts leave of fp8's saving at D=%d, F=%d) %.0f, below quant.expert_min_rows=%d, where fp8's casts "
+        "of the weights and rows cost more than its GEMMs save (quant.expert_min_rows=0 forces %s)",
+        recipe, rows, n_local, rows / n_local, keep, *dims, rows / n_local * keep, min_rows, recipe)
 
 
 @dataclasses.dataclass(frozen=True)

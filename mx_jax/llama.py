@@ -321,7 +321,8 @@ def plan_for_run(plan: LinearPlan, cfg: ModelConfig, micro_batch: int, seq_len: 
     batch = math.prod(mesh_shape.get(a, 1) for a in sharding.batch_axes())
     rows = micro_batch // batch * (seq_len // mesh_shape.get("context", 1)) * cfg.moe.top_k
     n_local = cfg.moe.n_experts // mesh_shape.get("expert", 1)
-    fp8 = dispatch.expert_recipe(plan.recipes["experts"], rows, n_local, plan.expert_min_rows) != "bf16"
+    dims = (cfg.d_model, cfg.moe.d_expert or cfg.d_ff)
+    fp8 = dispatch.expert_recipe(plan.recipes["experts"], rows, n_local, plan.expert_min_rows, dims) != "bf16"
     return dataclasses.replace(plan, prequantize_experts=fp8)
 
 

@@ -8,7 +8,7 @@ For N tokens x (N,D), E routed experts of hidden width F, top-k:
     y      = sum_j g_j Expert_{idx_j}(x) + sum_shared Expert_shared(x)  (DeepSeekMoE shared experts)
     Expert(x) = (silu(x W_gate) * (x W_up)) W_down, run for all experts at once as a grouped GEMM over the tokens
     sorted by expert (mx_jax.grouped_linear: Pallas on Hopper, jax.lax.ragged_dot elsewhere). Under fp8_rowwise
-    the experts run fp8 where they average at least quant.expert_min_rows rows each, else bf16
+    the experts run fp8 where they get enough rows each for their dims (quant.expert_min_rows), else bf16
     (dispatch.expert_recipe).
 
 Balancing, each optional:
@@ -83,6 +83,7 @@ class MoE(nnx.Module):
         self.shared = SwiGLU(cfg, m.n_shared * f, shared_recipes, impl, rngs=rngs) if m.n_shared else None
         self.cfg, self.recipe, self.impl, self.scanned = m, recipe, impl, cfg.scan_layers
         self.min_rows = min_rows  # quant.expert_min_rows: fewer rows per expert run the experts in bf16
+        self.expert_dims = (d, f)  # with min_rows, decides whether the experts run fp8 (dispatch.expert_recipe)
 
     def __call__(self, x: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
         """x (B,T,D) -> (y (B,T,D), stats). stats: aux_loss, z_loss (scalars), load (E,) the router's choices
@@ -141,8 +142,8 @@ class MoE(nnx.Module):
         # n k rows arrive on a device on average (all of its own without expert parallelism) for its E / P experts
         # With operands made at the update (the run's rows suffice, llama.plan_for_run) the experts run their fp8
         # recipe; otherwise the trace decides from the rows it sees.
-        recipe = self.recipe if ops is not None else dispatch.expert_recipe(self.recipe, n * m.top_k,
-                                                                             w_gate.shape[0], self.min_rows)
+        recipe = self.recipe if ops is not None else dispatch.expert_recipe(
+            self.recipe, n * m.top_k, w_gate.shape[0], self.min_rows, self.expert_dims)
         ffn = dispatch.ExpertFFN(w_gate, w_up, w_down, recipe, self.impl, name_outputs=not ep, scanned=self.scanned,
                                  operands=ops)
         y, traffic = dispatch.dispatch_combine(xt, idx, g, keep, ffn, axis="expert" if ep else None,

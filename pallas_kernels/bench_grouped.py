@@ -263,8 +263,8 @@ def moe_layer_step(problem: str, recipe: str, impl: str, smoke: bool = False, ex
     fn(params, x, cot) -> ((loss, load), (dparams, dx)) with loss = sum(y * cot) + aux_loss_coef * aux_loss; x (1, T,
     D) bf16 with T = M / top_k tokens; the GEMM weights come as the train step feeds them, the compute-dtype (bf16)
     copies of the f32 masters that AdamW writes (llama.compute_copies; the router stays f32). info: tokens, top_k,
-    the recipe the routed experts run (bf16 below quant.expert_min_rows rows per expert: `expert_min_rows`, None =
-    the config's default), and the layer's GEMM FLOPs (routed and shared experts, forward + both backward GEMMs;
+    the recipe the routed experts run (bf16 with too few rows per expert for quant.expert_min_rows at their dims:
+    `expert_min_rows`, None = the config's default), and the layer's GEMM FLOPs (routed and shared experts, forward + both backward GEMMs;
     the router's 2 T D E are left out)."""
     p = SMOKE if smoke else PROBLEMS[problem]
     over = [f"quant.recipe={recipe}"]
@@ -297,7 +297,8 @@ def moe_layer_step(problem: str, recipe: str, impl: str, smoke: bool = False, ex
 
     f = m.moe.d_expert or m.d_ff
     flops = 18.0 * tokens * m.d_model * f * (m.moe.top_k + m.moe.n_shared)
-    experts = expert_recipe(plan.recipes["experts"], tokens * m.moe.top_k, m.moe.n_experts, plan.expert_min_rows)
+    experts = expert_recipe(plan.recipes["experts"], tokens * m.moe.top_k, m.moe.n_experts, plan.expert_min_rows,
+                            (m.d_model, f))
     info = {"tokens": tokens, "top_k": m.moe.top_k, "experts_recipe": experts, "flops": flops}
     return fn, (params, x, cot), info
 

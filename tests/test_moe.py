@@ -250,9 +250,28 @@ def test_expert_ffn_gathers_equal_a_per_row_loop(fan_out, align):
     assert np.abs(np.asarray(got[1][1][2])).max() == 0  # the expert without rows
 
 
+@pytest.mark.parametrize("dims,rows_each,fp8", [
+    ((4096, 14336), 1024, True), ((4096, 14336), 2048, True),  # Mixtral: 1.09x and 1.16x on an H200
+    ((4096, 14336), 800, False),
+    ((2048, 1408), 768, False), ((2048, 1408), 1536, False),  # DeepSeekMoE: 0.92x, 0.97x on an H100
+    ((2048, 1408), 3072, True),  # 1.01x on an H100, 1.03x on an H200
+])
+def test_expert_recipe_at_the_measured_crossovers(dims, rows_each, fp8):
+    """The default quant.expert_min_rows with the experts' dims picks the side that measured faster (module doc of
+    mx_jax.dispatch); 0 always picks fp8, and bf16 stays bf16."""
+    from mx_jax import dispatch
+    from mx_jax.config import QuantConfig
+
+    min_rows = QuantConfig().expert_min_rows
+    got = dispatch.expert_recipe("fp8_rowwise", rows_each * 64, 64, min_rows, dims)
+    assert got == ("fp8_rowwise" if fp8 else "bf16")
+    assert dispatch.expert_recipe("fp8_rowwise", rows_each * 64, 64, 0, dims) == "fp8_rowwise"
+    assert dispatch.expert_recipe("bf16", rows_each * 64, 64, min_rows, dims) == "bf16"
+
+
 def test_fp8_experts_run_bf16_below_expert_min_rows(caplog):
-    """Where a device's experts average fewer rows than quant.expert_min_rows, fp8_rowwise runs them in bf16 (the
-    bf16 recipe's values exactly) and warns, naming the key; at the threshold they run fp8 (fp8's error from bf16)."""
+    """Where a device's experts get too few rows for their dims (quant.expert_min_rows), fp8_rowwise runs them in
+    bf16 (the bf16 recipe's values exactly) and warns, naming the key; with 0 they run fp8 (fp8's error from bf16)."""
     import logging
 
     from mx_jax import dispatch
@@ -260,7 +279,7 @@ def test_fp8_experts_run_bf16_below_expert_min_rows(caplog):
 
     cfg = load_config(None, MOE + ["model.compute_dtype=bfloat16"]).model
     x = jax.random.normal(jax.random.key(2), (2, 16, cfg.d_model), jnp.float32).astype(jnp.bfloat16)
-    # 32 tokens x top-2 = 64 rows for 8 experts: 8 rows each
+    # 32 tokens x top-2 = 64 rows for 8 experts: 8 rows each, at dims far too small for fp8 to pay
 
     def run(recipe, min_rows):
         layer = MoE(cfg, recipe, "xla", {}, min_rows=min_rows, rngs=nnx.Rngs(0))
@@ -272,12 +291,12 @@ def test_fp8_experts_run_bf16_below_expert_min_rows(caplog):
     logger.addHandler(caplog.handler)
     try:
         with caplog.at_level(logging.WARNING, logger="mx_jax"):
-            below = run("fp8_rowwise", 9)
+            below = run("fp8_rowwise", 1)
     finally:
         logger.removeHandler(caplog.handler)
     np.testing.assert_array_equal(below, bf16)
-    assert "run bf16 instead of fp8_rowwise" in caplog.text and "quant.expert_min_rows=9" in caplog.text
-    at = run("fp8_rowwise", 8)
+    assert "run bf16 instead of fp8_rowwise" in caplog.text and "quant.expert_min_rows=1" in caplog.text
+    at = run("fp8_rowwise", 0)
     lo, hi = FP8_MOE_REL  # fp8, not bf16 (0) and not garbage (~1); measured 0.071 here
     assert lo < _rel(at, bf16) < hi, _rel(at, bf16)
 
