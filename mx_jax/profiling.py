@@ -14,8 +14,10 @@ import collections
 import glob
 import pathlib
 
-# First match wins. Pallas kernels (fp8/MX GEMMs, grouped GEMMs, casts, the NVLink all-to-all) all trace as
-# "anonymous_mosaic_gpu_kernel", so they get their own category; cuBLAS's Hopper GEMMs are the "nvjet_*" kernels.
+# First match wins. Pallas kernels (fp8/MX GEMMs, grouped GEMMs, casts, the NVLink all-to-all) trace as
+# "<kernel_name>_mosaic_gpu_kernel" (fp8_matmul, gmm, tgmm, quantize_amax, quantize_cast, mx_matmul,
+# mx_quantize_<variant>, all_to_all), so they get their own category and, per op, their own rows; cuBLAS's Hopper
+# GEMMs are the "nvjet_*" kernels.
 CATEGORIES = (
     ("attention", ("cudnn", "fmha", "flash", "attention")),
     ("pallas kernels", ("mosaic",)),

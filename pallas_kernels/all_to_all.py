@@ -260,6 +260,7 @@ def all_to_all_pallas(x: jax.Array, axis_name: str, *, config: A2AConfig = DEFAU
         grid=(n_ctas,),
         grid_names=("cta",),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+        kernel_name="all_to_all",
     )(flat)
     # A Mosaic-GPU kernel's output carries no varying axes; inside shard_map (check_vma) it varies like x.
     missing = _varying_axes(x) - _varying_axes(out)

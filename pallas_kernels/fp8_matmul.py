@@ -534,6 +534,7 @@ def fp8_matmul_pallas(
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=interpret,
+        kernel_name="fp8_matmul",
     )
     return f(a, b_t, a_scale, b_scale)
 

@@ -877,7 +877,7 @@ def _varying_axes(x) -> set:
     return set(getattr(getattr(jax.typeof(x), "mat", None), "varying", None) or ())
 
 
-def _launch(body, out_type, work_items: int, args, interpret, cluster_size: int = 1):
+def _launch(body, out_type, work_items: int, args, interpret, cluster_size: int = 1, name: str = "gmm"):
     grid = max(1, min(device.num_sms(interpret) // cluster_size, work_items))
     f = plgpu.kernel(
         body,
@@ -890,6 +890,7 @@ def _launch(body, out_type, work_items: int, args, interpret, cluster_size: int 
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=interpret,
+        kernel_name=name,  # how the kernel is named in profiles
     )
     out = f(*args)
     # A Mosaic-GPU kernel's output carries no varying axes; inside shard_map (check_vma) it varies like its inputs.
@@ -968,7 +969,7 @@ def _tgmm_launch(lhs, rhs, group_sizes, m: int, a_starts, scales, out_dtype, con
     body = functools.partial(_tgmm_kernel, config=config, aligned=aligned, scaled=bool(scales))
     work = e * (k // config.cta_tile_m) * (n // config.cta_tile_n)
     out_type = jax.ShapeDtypeStruct((e, k, n), out_dtype)
-    return _launch(body, out_type, work, (meta, lhs, rhs, *scales), interpret)
+    return _launch(body, out_type, work, (meta, lhs, rhs, *scales), interpret, name="tgmm")
 
 
 def _group_cast_t(t, group_sizes, q, align: int, interpret) -> tuple[jax.Array, jax.Array]:

@@ -366,6 +366,7 @@ def mx_matmul_pallas(
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=interpret,
+        kernel_name="mx_matmul",
     )
     return f(a, b_t, fa, fb)
 

@@ -252,6 +252,7 @@ def _mx_cast_pallas(x, *, variant, mode, elem_dtype, config, interpret):
             lowering_semantics=plgpu.LoweringSemantics.Lane, unsafe_no_auto_barriers=True
         ),
         interpret=interpret,
+        kernel_name=f"mx_quantize_{variant}",
     )
     return f(x)
 

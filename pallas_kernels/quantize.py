@@ -261,6 +261,7 @@ def _amax_pallas(x, *, want_rows: bool, want_cols: bool, config: CastConfig, int
         grid_names=("i", "j", "b"),
         compiler_params=_compiler_params(),
         interpret=interpret,
+        kernel_name="quantize_amax",
     )(*xs)
     return tuple(jnp.max(p, axis=1) for p in partials)
 
@@ -347,6 +348,7 @@ def _cast_pallas(x, q_row, q_col, *, dtype, config: CastConfig, interpret, round
         grid_names=("i", "j", "b"),
         compiler_params=_compiler_params(),
         interpret=interpret,
+        kernel_name="quantize_cast",
     )(*xs, *[q for q in (q_row, q_col, src_tiles) if q is not None])
     return tuple(outs) if batched else tuple(o[0] for o in outs)
 

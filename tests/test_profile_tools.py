@@ -202,7 +202,7 @@ def test_profiling_summary_sums_device_time_per_category():
 
     # Two steps on two devices; the "XLA Ops" line is preferred over the stream's kernels where a plane has it.
     gpu0 = NS(name="/device:GPU:0", lines=[
-        NS(name="XLA Ops", events=[ev(4, "anonymous_mosaic_gpu_kernel"), ev(2, "nvjet_sm90_tst_128x256"),
+        NS(name="XLA Ops", events=[ev(4, "fp8_matmul_mosaic_gpu_kernel"), ev(2, "nvjet_sm90_tst_128x256"),
                                    ev(1, "loop_add_fusion"), ev(1, "all-reduce.3")]),
         NS(name="Stream #7", events=[ev(100, "ignored")])])
     gpu1 = NS(name="/device:GPU:1", lines=[
