@@ -45,7 +45,8 @@ kernels per 8B layer, 42,167 against 42,876 tokens/s for the scanned 8-layer 8B 
 
 Weight operands made at the update. A weight's two fp8 operands (`Operands`: wᵀ for out, w for grad_x) depend only
 on the weight, so the train step makes them once per optimizer step from the updated masters (`prequantize`, called
-by llama.compute_copies, one dual cast per fused weight) and keeps them in its state instead of the weight's bf16
+by llama.compute_copies, one dual cast per fused weight, which reads the parts (w_q, w_k, w_v) where they are
+instead of a concatenated copy) and keeps them in its state instead of the weight's bf16
 copy: 2 bytes per weight either way. Each linear then receives `Prequantized`: a zero "slot" shaped like the weight,
 which only receives the gradient (XLA never builds it), and the operands, which are not differentiated. The
 forward and the rematerialized backward no longer concatenate the fused weights or cast any weight, and a scanned
