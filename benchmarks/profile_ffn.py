@@ -9,8 +9,9 @@ time per call, the device time per op and category (`profile_step.summarize`), t
 launch order with their durations and register counts. Each Mosaic-GPU kernel is named for what it does
 (`fp8_matmul_mosaic_gpu_kernel`, `quantize_amax_...`, `quantize_cast_...`, `gmm_...`, `tgmm_...`), so the per-op
 table separates the fp8 GEMMs from the amax and cast passes; the launch-order list separates the calls of one kernel
-(GEMMs run ~0.7 ms with 168 registers, the amax and cast passes tens of microseconds with 72 and 96). `--moe mixtral|deepseek` profiles the whole MoE layer of `pallas_kernels.bench_grouped`
-(router, sort, grouped GEMMs, combine, shared experts; `--impl` goes to the layer) instead of the dense block.
+(GEMMs run ~0.7 ms with 168 registers, the amax and cast passes tens of microseconds with 72 and 96).
+`--moe mixtral|deepseek` profiles the whole MoE layer of `pallas_kernels.bench_grouped` (router, sort, grouped
+GEMMs, combine, shared experts; `--impl` goes to the layer) instead of the dense block.
 
 The wall time covers only `--steps` calls right after a short warm-up, while the clock is still high; the bench's
 median sample comes later in a longer burst, under the 700 W power cap, and reads a few percent slower.

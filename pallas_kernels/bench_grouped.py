@@ -264,8 +264,8 @@ def moe_layer_step(problem: str, recipe: str, impl: str, smoke: bool = False, ex
     D) bf16 with T = M / top_k tokens; the GEMM weights come as the train step feeds them, the compute-dtype (bf16)
     copies of the f32 masters that AdamW writes (llama.compute_copies; the router stays f32). info: tokens, top_k,
     the recipe the routed experts run (bf16 with too few rows per expert for quant.expert_min_rows at their dims:
-    `expert_min_rows`, None = the config's default), and the layer's GEMM FLOPs (routed and shared experts, forward + both backward GEMMs;
-    the router's 2 T D E are left out)."""
+    `expert_min_rows`, None = the config's default), and the layer's GEMM FLOPs (routed and shared experts,
+    forward + both backward GEMMs; the router's 2 T D E are left out)."""
     p = SMOKE if smoke else PROBLEMS[problem]
     over = [f"quant.recipe={recipe}"]
     if smoke:
