@@ -117,13 +117,12 @@ def expert_recipe(recipe: str, rows: int, n_local: int, min_rows: int, dims: tup
     keep = 1 - ROW_CAST_WIDTH * (1 / dims[0] + 1 / dims[1])
     if recipe == "bf16" or min_rows == 0 or rows / n_local * keep >= min_rows:
         return recipe
-    _warn_bf16(recipe, rows, n_local, min_rows, tuple(dims))
+    _warn_bf16(recipe, rows, n_local, min_rows, tuple(dims), keep)
     return "bf16"
 
 
 @functools.lru_cache(maxsize=None)
-def _warn_bf16(recipe: str, rows: int, n_local: int, min_rows: int, dims: tuple[int, int]) -> None:
-    keep = 1 - ROW_CAST_WIDTH * (1 / dims[0] + 1 / dims[1])
+def _warn_bf16(recipe: str, rows: int, n_local: int, min_rows: int, dims: tuple[int, int], keep: float) -> None:
     logging.getLogger("mx_jax").warning(
         "MoE: the routed experts run bf16 instead of %s: %d rows for %d experts is %.0f rows each, and x %.2f (what "
         "the row casts leave of fp8's saving at D=%d, F=%d) %.0f, below quant.expert_min_rows=%d, where fp8's casts "

@@ -226,11 +226,10 @@ def _amax_kernel(*refs, n_x: int, col_tiles: tuple[int, ...], want_rows: bool, w
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-def _parts(x) -> tuple[tuple[jax.Array, ...], tuple[int, int, int]]:
-    """x: one (B, R, C) array, or a tuple of (B, R, C_p) parts of its last axis -> (parts, (B, R, sum C_p))."""
+def _parts(x) -> tuple[tuple[jax.Array, ...], tuple[int, ...]]:
+    """x: one array, or a tuple of the parts of one along its last axis -> (the parts, the whole's shape)."""
     xs = tuple(x) if isinstance(x, (tuple, list)) else (x,)
-    nb, r, _ = xs[0].shape
-    return xs, (nb, r, sum(p.shape[-1] for p in xs))
+    return xs, (*xs[0].shape[:-1], sum(p.shape[-1] for p in xs))
 
 
 def _amax_pallas(x, *, want_rows: bool, want_cols: bool, config: CastConfig, interpret, round_to=None):
@@ -311,12 +310,12 @@ def _cast_pallas(x, q_row, q_col, *, dtype, config: CastConfig, interpret, round
     row tile i is read from x's row tile src_tiles[i], so the (C, T cast_bm) output can reorder and repeat x's row
     tiles (q_col then has one row per output tile). x may be a tuple of parts (`_parts`, each 2-D or each 3-D
     and a multiple of cast_bn wide): the casts of their concatenation along the last axis."""
-    xs = tuple(x) if isinstance(x, (tuple, list)) else (x,)
-    batched = xs[0].ndim == 3
+    xs, shape = _parts(x)
+    batched = len(shape) == 3
     if not batched:
         xs = tuple(p[None] for p in xs)
         q_row, q_col = (None if q is None else q[None] for q in (q_row, q_col))
-    xs, (nb, r, c) = _parts(xs)
+    nb, r, c = shape if batched else (1, *shape)
     x = xs[0]
     bm, bn = config.cast_bm, config.cast_bn
     want_rows, want_cols = q_row is not None, q_col is not None
@@ -392,8 +391,8 @@ def _pallas_quantize(x, *, rows: bool, cols: bool, dtype, scaling, pow2_scale, c
     batch x (B, R, C) (rowwise only) each entry is its own matrix: (B, R, C) with (B, R), (B, C, R) with (B, C).
     With `round_to`, of x rounded to that 16-bit dtype (in SMEM, no rounded copy of x in HBM). x may be a tuple of
     arrays: the parts of x along its last axis, never concatenated in HBM (`quantize_dual`)."""
-    xs = tuple(x) if isinstance(x, (tuple, list)) else (x,)
-    shape, widths = (*xs[0].shape[:-1], sum(p.shape[-1] for p in xs)), tuple(p.shape[-1] for p in xs)
+    xs, shape = _parts(x)
+    widths = tuple(p.shape[-1] for p in xs)
     reason = pallas_cover(shape, xs[0].dtype, transposed=cols, config=config, round_to=round_to,
                           interpret=interpret, parts=widths if len(xs) > 1 else ())
     if reason is not None:
