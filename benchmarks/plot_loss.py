@@ -50,9 +50,10 @@ def main() -> None:
     base_name = next(iter(runs))
     final = {n: [r for r in recs if r.get("eval_loss") is not None][-1] for n, recs in runs.items()}
     base = final[base_name]["eval_loss"]
-    print(f"{'run':<16}{'step':>6}{'held-out loss':>15}{'vs ' + base_name:>12}")
+    w = max(16, *(len(n) + 2 for n in final))  # the label column fits the longest label
+    print(f"{'run':<{w}}{'step':>6}{'held-out loss':>15}  vs {base_name}")
     for n, r in final.items():
-        print(f"{n:<16}{r['step']:>6}{r['eval_loss']:>15.4f}{100 * (r['eval_loss'] / base - 1):>+11.2f}%")
+        print(f"{n:<{w}}{r['step']:>6}{r['eval_loss']:>15.4f}{100 * (r['eval_loss'] / base - 1):>+11.2f}%")
     print(f"wrote {args.out}")
 
 

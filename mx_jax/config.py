@@ -107,6 +107,11 @@ class DataConfig:
     eval_batches: int = 8
 
 
+# A bf16 moment m decays by m (1 - b) a step. Round to nearest keeps m unless that exceeds half of bf16's spacing at
+# m, which is at most 2^-8 of m (8 significant bits): so 1 - b >= 2^-8 always moves it (optim.py).
+BF16_MOMENT_MIN_STEP = 2.0 ** -8
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class OptimConfig:
     lr_peak: float = 3e-3
@@ -120,6 +125,10 @@ class OptimConfig:
     eps: float = 1e-8
     weight_decay: float = 0.1  # not applied to norms and embeddings
     grad_clip_norm: float = 1.0  # 0 = off
+    # AdamW's two moments, stored in this dtype (whatever model.param_dtype is) and updated in float32 (optim.py).
+    # bfloat16 (as DeepSeek-V3) saves 4 of the 12 bytes of state per parameter and 8 of the 28 bytes the update
+    # moves; it needs b1, b2 <= 0.996.
+    moment_dtype: Literal["float32", "bfloat16"] = "float32"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -432,6 +441,13 @@ def validate(cfg: TrainConfig) -> None:
     _check(o.eps > 0, "optim.eps", f"must be positive, got {o.eps}")
     _check(o.weight_decay >= 0, "optim.weight_decay", f"must be >= 0, got {o.weight_decay}")
     _check(o.grad_clip_norm >= 0, "optim.grad_clip_norm", f"must be >= 0, got {o.grad_clip_norm}")
+    if o.moment_dtype == "bfloat16":
+        for key, b in (("optim.b1", o.b1), ("optim.b2", o.b2)):
+            _check(1 - b >= BF16_MOMENT_MIN_STEP, key,
+                   f"{b} with optim.moment_dtype=bfloat16: a step moves the moment by at most 1 - {key[-2:]} = "
+                   f"{100 * (1 - b):.2g}% of itself, under half of bf16's rounding step (up to 0.39%), so the stored "
+                   f"moment could stop decaying; use {key} <= {1 - BF16_MOMENT_MIN_STEP:.4f} or "
+                   f"optim.moment_dtype=float32")
     _check(c.every_steps >= -1, "ckpt.every_steps", f"must be >= -1, got {c.every_steps}")
     _check(c.keep >= 1, "ckpt.keep", f"must be >= 1, got {c.keep}")
     _check(c.resume in ("latest", "never") or c.resume.isdigit(), "ckpt.resume",

@@ -6,7 +6,7 @@
     gradients    the same sharding, in the dtype the train step differentiates in: the compute dtype for the GEMM
                  weights (llama.with_compute), the parameter dtype for the rest; plus a float32 sum of them
                  under gradient accumulation
-    optimizer    AdamW moments: 2 x the parameter bytes, sharded like their parameters
+    optimizer    AdamW moments: 2 x the parameters x the bytes of optim.moment_dtype, sharded like their parameters
     activations  sum over the layer stacks of  layers x the bytes one layer keeps for the backward
                  + the rest of one layer's intermediates (below)  + the logits
 
@@ -131,7 +131,8 @@ def estimate(cfg: TrainConfig) -> dict:
     params = params_of(abstract_model)
     logical = param_axes(abstract_model)
     n_params = 0
-    param_bytes_dev = grad_bytes_dev = 0.0
+    param_bytes_dev = grad_bytes_dev = moment_bytes_dev = 0.0
+    moment_size = jnp.dtype(cfg.optim.moment_dtype).itemsize
     m, cdt = cfg.model, jnp.dtype(cfg.model.compute_dtype)
 
     def shards(ax, v) -> int:
@@ -145,6 +146,7 @@ def estimate(cfg: TrainConfig) -> dict:
                              jax.tree_util.tree_leaves_with_path(params)):
         n_params += v.size
         param_bytes_dev += v.size * v.dtype.itemsize / shards(ax, v)
+        moment_bytes_dev += 2 * v.size * moment_size / shards(ax, v)
         gemm = path[-1].key in COMPUTE_CAST and v.dtype != cdt  # differentiated in the compute dtype
         grad_bytes_dev += v.size * (cdt if gemm else v.dtype).itemsize / shards(ax, v)
     # What the GEMMs read: compute-dtype copies and fp8 operands (llama.compute_copies), sharded like their weights.
@@ -172,7 +174,7 @@ def estimate(cfg: TrainConfig) -> dict:
         "copies_gb": copy_bytes_dev / gb,
         # With gradient accumulation the sum is float32 (train.make_train_step), beside each micro-step's gradients.
         "grads_gb": (grad_bytes_dev + (param_bytes_dev if cfg.data.grad_accum_steps > 1 else 0)) / gb,
-        "optimizer_gb": 2 * param_bytes_dev / gb,
+        "optimizer_gb": moment_bytes_dev / gb,
         "activations_gb": act / gb,
         "tokens_per_device": tokens_dev,
         "layer_gb": {name: (n, kept / gb) for name, (n, kept, _) in stacks.items()},

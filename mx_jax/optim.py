@@ -15,6 +15,17 @@ and Compute-Optimal Training Beyond Fixed Training Durations", found to match or
 before the cooldown does not depend on the run's length, so a run resumed with more `steps` from a checkpoint taken
 before its cooldown continues exactly as if it had been planned that long; a cosine run's schedule stretches.
 
+AdamW's moments (optim.moment_dtype). Per step, for gradient g, in float32 whatever the storage:
+    m' = b1 m + (1 - b1) g,   v' = b2 v + (1 - b2) g^2,   u = (m' / (1 - b1^t)) / (sqrt(v' / (1 - b2^t)) + eps)
+The step uses m' and v' unrounded; they are stored rounded to the moment dtype (round to nearest even). bfloat16
+moments (DeepSeek-V3 trained with them, with b2 = 0.95) hold 2 + 2 bytes per parameter instead of 4 + 4. The
+update reads the f32 master, its f32 gradient and both moments and writes the master and both moments: 20 bytes
+per parameter instead of 28, besides the compute copies it writes (llama.compute_copies). It is memory-bound, so
+the bytes are its time, and with one device's tokens few against its parameters it is a large share of the step
+(a quarter of the 2-layer Mixtral step on one GPU, benchmarks/RESULTS.md). Round to nearest stops a moment from
+decaying once 1 - b falls under half of bf16's spacing (up to 2^-8 of the value): config.py refuses b1, b2 above
+1 - 2^-8 with bf16 moments. float32 moments are optax.adamw's arithmetic exactly.
+
 Weight decay applies to matrices that multiply activations (attention, MLP, expert and head weights); the embedding
 table, norm scales and biases are excluded, as in GPT-2/Llama practice. Gradient accumulation happens in the train
 step (a scan over microbatches summing gradients), so the optimizer sees one averaged gradient per step.
@@ -90,10 +101,28 @@ def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
     return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
 
 
+def scale_by_adam(b1: float, b2: float, eps: float, moment_dtype) -> optax.GradientTransformation:
+    """optax.scale_by_adam with both moments stored in `moment_dtype` (module doc) and the same state, so that a
+    checkpoint restores across moment dtypes (Orbax casts to the target's dtype). optax computes the new moments in
+    float32 from float32 gradients and casts mu to mu_dtype and nu to the dtype it was initialized with."""
+    dt = jnp.dtype(moment_dtype)
+    inner = optax.scale_by_adam(b1=b1, b2=b2, eps=eps, mu_dtype=dt)
+
+    def init(params):
+        state = inner.init(params)
+        return state._replace(nu=jax.tree.map(lambda v: v.astype(dt), state.nu))
+
+    return optax.GradientTransformation(init, inner.update)
+
+
 def make_optimizer(cfg: OptimConfig, total_steps: int) -> optax.GradientTransformation:
     parts = []
     if cfg.grad_clip_norm > 0:
         parts.append(clip_by_global_norm(cfg.grad_clip_norm))
-    parts.append(optax.adamw(schedule(cfg, total_steps), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
-                             weight_decay=cfg.weight_decay, mask=decay_mask))
+    # optax.adamw's chain, with the moments' dtype: the same state tree (checkpoints written before stay readable).
+    parts.append(optax.chain(
+        scale_by_adam(cfg.b1, cfg.b2, cfg.eps, cfg.moment_dtype),
+        optax.add_decayed_weights(cfg.weight_decay, decay_mask),
+        optax.scale_by_learning_rate(schedule(cfg, total_steps)),
+    ))
     return optax.chain(*parts)

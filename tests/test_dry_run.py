@@ -29,9 +29,12 @@ def test_8b_parameter_count_shapes_only():
     assert abs(report["copies_gb"] - 2 * (8.03 - 0.525)) < 0.05  # bf16 GEMM weights: all but the embedding
     # Gradients as the step makes them: bf16 for the GEMM weights, float32 for the embedding (and the norms)
     assert abs(report["grads_gb"] - (2 * (8.03 - 0.525) + 4 * 0.525)) < 0.05
+    assert abs(report["optimizer_gb"] - 2 * 4 * 8.03) < 0.1  # AdamW's two moments, float32
     accum = memory_estimate.estimate(load_config(str(ROOT / "configs/llama3_8b.yaml"),
-                                                 ["mesh.fsdp=1", "data.grad_accum_steps=2"]))
+                                                 ["mesh.fsdp=1", "data.grad_accum_steps=2",
+                                                  "optim.moment_dtype=bfloat16"]))
     assert abs(accum["grads_gb"] - report["grads_gb"] - 4 * 8.03) < 0.1  # + the float32 sum of the micro-steps
+    assert abs(accum["optimizer_gb"] - 2 * 2 * 8.03) < 0.1  # the moments in bf16
 
 
 def test_70b_compiles_for_64_devices_it_does_not_have():

@@ -164,3 +164,64 @@ def test_cooldown_fraction_is_checked():
         load_config(None, ["optim.schedule=wsd", "optim.cooldown_fraction=0"])
     with pytest.raises(ConfigError, match="optim.schedule"):
         load_config(None, ["optim.schedule=linear"])
+
+
+def _adamw_runs(moment_dtype: str, steps: int):
+    """make_optimizer against optax.adamw (the float32 arithmetic the moments' dtype must not change) on the same
+    gradients: ([(our update, our state)] per step, [optax's update per step])."""
+    cfg = OptimConfig(lr_peak=1e-2, warmup_steps=2, moment_dtype=moment_dtype)
+    ours = optim.make_optimizer(cfg, total_steps=10)
+    ref = optax.chain(optim.clip_by_global_norm(cfg.grad_clip_norm),
+                      optax.adamw(optim.schedule(cfg, 10), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
+                                  weight_decay=cfg.weight_decay, mask=optim.decay_mask))
+    params = {k: v.astype(jnp.float32) for k, v in _tree(3).items()}
+    s_ours, s_ref, got, want = ours.init(params), ref.init(params), [], []
+    for i in range(steps):
+        grads = {k: v.astype(jnp.float32) * 0.3 for k, v in _tree(10 + i).items()}
+        u, s_ours = jax.jit(ours.update)(grads, s_ours, params)
+        got.append((u, s_ours))
+        u, s_ref = jax.jit(ref.update)(grads, s_ref, params)
+        want.append(u)
+    return got, want
+
+
+def test_float32_moments_are_optax_adamw_exactly():
+    got, want = _adamw_runs("float32", 3)
+    for (u, _), w in zip(got, want, strict=True):
+        for a, b in zip(jax.tree.leaves(u), jax.tree.leaves(w), strict=True):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_bf16_moments_are_stored_rounded_and_the_step_uses_them_unrounded():
+    """optim.moment_dtype=bfloat16: both moments stay bf16 through jit; the first step, from zero moments, makes
+    exactly optax's float32 update (it uses m' and v' before rounding) and stores them rounded to bf16; later steps
+    read the rounded moments, so they differ from float32's by about bf16's precision, not more."""
+    got, want = _adamw_runs("bfloat16", 4)
+    (u1, state1), *_ = got
+    adam = state1[1][0]
+    assert {x.dtype for x in jax.tree.leaves((adam.mu, adam.nu))} == {jnp.dtype(jnp.bfloat16)}
+    assert all(s[1][0].mu["matrix"].dtype == jnp.bfloat16 for _, s in got)  # still bf16 after updates
+    for a, b in zip(jax.tree.leaves(u1), jax.tree.leaves(want[0]), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    f32_first = _adamw_runs("float32", 1)[0][0][1][1][0]
+    for mine, full in ((adam.mu, f32_first.mu), (adam.nu, f32_first.nu)):
+        for a, b in zip(jax.tree.leaves(mine), jax.tree.leaves(full), strict=True):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b.astype(jnp.bfloat16)))
+    (u4, _), w4 = got[-1], want[-1]
+    for a, b in zip(jax.tree.leaves(u4), jax.tree.leaves(w4), strict=True):
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        assert not np.array_equal(a, b)  # the rounded moments are read
+        np.testing.assert_allclose(a, b, rtol=0.05, atol=1e-2 * np.abs(b).max())
+
+
+def test_bf16_moments_refuse_betas_they_cannot_track():
+    from mx_jax.config import ConfigError, load_config
+
+    assert load_config(None, ["optim.moment_dtype=bfloat16"]).optim.b2 == 0.95  # the default betas are fine
+    with pytest.raises(ConfigError, match=r"'optim.b2'.*0.999.*moment_dtype=bfloat16"):
+        load_config(None, ["optim.moment_dtype=bfloat16", "optim.b2=0.999"])
+    with pytest.raises(ConfigError, match=r"'optim.b1'"):
+        load_config(None, ["optim.moment_dtype=bfloat16", "optim.b1=0.998"])
+    assert load_config(None, ["optim.b2=0.999"]).optim.moment_dtype == "float32"
+    with pytest.raises(ConfigError, match="optim.moment_dtype"):
+        load_config(None, ["optim.moment_dtype=float16"])

@@ -35,7 +35,10 @@ def test_resume_is_bitwise_identical(tmp_path):
 
 def test_bf16_weight_copies_follow_the_masters_and_resume_bitwise(tmp_path):
     """The state's compute-dtype GEMM weights are the cast of the masters the same step wrote (not of the previous
-    ones), are not checkpointed, and are cast again on restore: a resumed bf16 run equals the straight one."""
+    ones), are not checkpointed, and are cast again on restore: a resumed bf16 run equals the straight one.
+    The same checkpoint (float32 AdamW moments) then resumes with optim.moment_dtype=bfloat16: its moments are
+    restored rounded, stay bf16 in the sharded step, and the run continues close to the float32 one (the step's
+    arithmetic is float32 either way)."""
     over = ("model.compute_dtype=bfloat16", "mesh.fsdp=2", "mesh.data=4")
     straight = train.train(tiny_config(tmp_path / "a", "steps=4", *over, *NO_IO))
     params, copies = straight.state["params"], straight.state["compute"]
@@ -50,6 +53,14 @@ def test_bf16_weight_copies_follow_the_masters_and_resume_bitwise(tmp_path):
     resumed = train.train(tiny_config(tmp_path / "b", "steps=4", *over, *NO_IO))
     for a, b in zip(_leaves(straight.state), _leaves(resumed.state), strict=True):
         np.testing.assert_array_equal(a, b)
+    assert sorted(os.listdir(tmp_path / "b" / "checkpoints")) == ["2"]
+    bf16_moments = train.train(tiny_config(tmp_path / "b", "steps=4", "optim.moment_dtype=bfloat16", *over, *NO_IO))
+    adam = bf16_moments.state["opt_state"][1][0]
+    assert {x.dtype for x in jax.tree.leaves((adam.mu, adam.nu))} == {np.dtype("bfloat16")}
+    for a, b in zip(_leaves(straight.state["params"]), _leaves(bf16_moments.state["params"]), strict=True):
+        # Adam moves a weight by up to ~lr = 1e-3 a step; moments lost on restore would show at that size.
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-4)
+    assert abs(straight.metrics["loss"] - bf16_moments.metrics["loss"]) < 1e-3 * straight.metrics["loss"]
 
 
 def test_resume_never_refuses_to_overwrite(tmp_path):
