@@ -229,11 +229,13 @@ def prequantize(ws, *, recipe: str, impl: str = "auto", compute_dtype=jnp.bfloat
     """The operands of concatenate(ws, axis=-1) (one array or a tuple sharing all but the last axis), each weight
     first rounded to `compute_dtype`: exactly what `linear` quantizes from the compute copy of a (fused) weight.
 
-    The Pallas casts read the f32 masters' tiles, each from its own weight, and round them in SMEM: neither the
-    rounded copy nor the concatenation is written (per element 4 + 4 bytes read, 1 + 1 written; the concatenated
-    bf16 copy cost 4 + 2 more and its two reads 2 + 2 where the masters' are 4 + 4). Elsewhere (XLA) one layer's
-    rounded, concatenated copy exists at a time: weights (..., K, N) with leading layer axes are quantized one layer
-    at a time (`lax.map`). batched: the last leading axis is a batch of matrices quantized each
+    Each weight is rounded to `compute_dtype` whole, before anything else reads it: in the train step that rounding
+    is an extra output of AdamW's update fusion, which has the new master in registers (2 bytes written per
+    element), and the casts then read the rounded copy twice (2 + 2) and write 1 + 1. Rounding the f32 tiles inside
+    the cast kernels instead reads the master twice (4 + 4): 2 bytes more per element (RESULTS.md, session 29).
+    The concatenation of a fused weight is never written: the Pallas casts read each tile from its own weight. Elsewhere
+    (XLA) one layer's concatenated copy exists at a time: weights (..., K, N) with leading layer axes are quantized
+    one layer at a time (`lax.map`). batched: the last leading axis is a batch of matrices quantized each
     on its own in one cast (the routed experts' (E, K, N), rowwise only; what mx_jax.grouped_linear's forward did).
     The train step calls this on the updated masters (llama.compute_copies) and passes the result to every `linear`
     of that weight through `Prequantized`: the forward and the backward then read the fp8 operands instead of
@@ -250,8 +252,10 @@ def prequantize(ws, *, recipe: str, impl: str = "auto", compute_dtype=jnp.bfloat
     if batched and recipe != "fp8_rowwise":
         raise ValueError(f"prequantize: batched (expert) weights take fp8_rowwise only, got {recipe!r}")
 
-    def one(*layer):  # the cast kernels round the masters' tiles themselves and read each from its own weight
-        return _weight_operands(layer if len(layer) > 1 else layer[0], r, impl, round_to=compute_dtype)
+    ws = tuple(qz.rounded(w, compute_dtype) for w in ws)  # whole arrays: XLA fuses this into the update
+
+    def one(*layer):  # the cast kernels read each tile from its own weight
+        return _weight_operands(layer if len(layer) > 1 else layer[0], r, impl)
 
     if not lead:
         return one(*ws)
