@@ -34,8 +34,9 @@ the f32 master again in the backward. HBM bytes per f32 weight element: 4 + 4+1+
 first costs 4+2 + 2 + 2+1+1 = 12, and each direction reading the f32 weight twice (amax, then cast) costs 18.
 x is kept in high precision and requantized by the backward, because grad_w needs it scaled along another axis.
 In the train step the weights' operands come ready (`operands`, made at the optimizer update by
-mx_jax.quant.prequantize with batched=True, the same rounding and casts): the forward then casts no weight, and a
-rematerialized backward does not cast it again (+6.3% on the 2-layer Mixtral fp8 step on an H100, RESULTS.md).
+mx_jax.quant.prequantize with batched=True, the same rounding and casts, from the bf16 copy the update fusion
+writes: 2 + 2+2+1+1 bytes per element): the forward then casts no weight, and a rematerialized backward does not
+cast it again (+6.3% on the 2-layer Mixtral fp8 step on an H100, RESULTS.md).
 
 Source: TorchAO's fp8 rowwise MoE training, torchao/prototype/moe_training/fp8_grouped_mm.py (`_Float8GroupedMM`,
 pytorch/ao): A rowwise and B_t per output column for the forward; grad_output rowwise and B per output column of
