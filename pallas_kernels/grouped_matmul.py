@@ -65,8 +65,8 @@ Kernels (Mosaic-GPU `plgpu.kernel`, persistent: one CTA per SM walks a list of o
   the epilogue in exchange for exact ragged stores); both compute warpgroups share one tile, so their epilogues do
   not overlap tensor-core work (the memory warpgroup does prefetch the next tile meanwhile).
 - Shared memory, `gmm`'s default CTA 128x256 tile: ring 4 x (128 + 256) rows x 128 B = 192 KiB, staging
-  2 x 128 x 64 x 2 B = 32 KiB (64-column epilogue chunks), fp8 scales 2 KiB: 226 KiB of the 227 KiB. The 3-stage
-  fallback (f32 outputs; `tgmm`'s default) has 144 KiB of ring beside 64 KiB of 128-column staging.
+  2 x 128 x 64 x 2 B = 32 KiB (64-column epilogue chunks), fp8 scales 2 KiB: 226 KiB of the 227 KiB; `tgmm`'s
+  default the same. The 3-stage fallback (f32 outputs) has 144 KiB of ring beside 64 KiB of 128-column staging.
 - `gmm` releases a stage one K step late (`delay_release=1`): step i issues its wgmma group, waits until at most
   that group is in flight (step i-1's is done) and releases step i-1's stage, so the tensor cores hold queued work
   while the warpgroup waits. emit_pipeline_warp_specialized never marks a tile's last step consumed in that mode,
@@ -162,11 +162,13 @@ def default_configs(dtype, op: Literal["gmm", "tgmm"] = "gmm") -> tuple[TileConf
     """Configs tried in order when none is given: 128 B of contraction per stage (tile_k 64 for 16-bit operands,
     128 for fp8); a 128x256 CTA tile, then 256x128, then 64-wide warpgroup tiles for small dims.
 
-    `gmm` tries each tile first with 4 stages and one wgmma group left in flight (delay_release 1; the 4th stage
-    fits beside 64-column epilogue chunks), then with 3 stages each awaited: the first ran 1-2% faster sustained at
-    Mixtral's shape, bf16 and fp8 (benchmarks/RESULTS.md, MoE eleventh pass); with 3 stages, delay_release 1 was
-    2% slower (one stage fewer in flight). Outputs whose staging does not fit beside 4 stages (f32) take the second;
-    a K of fewer steps than stages shrinks the ring (emit_pipeline_warp_specialized does)."""
+    Each tile is tried first with 4 stages beside 64-column epilogue chunks, then with 3 stages. `gmm`'s 4-stage
+    form also leaves one wgmma group in flight (delay_release 1): it ran 1-2% faster sustained at Mixtral's shape,
+    bf16 and fp8 (benchmarks/RESULTS.md, MoE eleventh pass); with 3 stages, delay_release 1 was 2% slower (one stage
+    fewer in flight). `tgmm`'s 4 stages (each awaited) ran 1-8% faster than 3 at the in-step shapes of Mixtral's fp8
+    and DeepSeekMoE's bf16 weight gradients (RESULTS.md, session 29). Outputs whose staging does not fit beside 4
+    stages (f32 at the largest tiles) take the second; a K of fewer steps than stages shrinks the ring
+    (emit_pipeline_warp_specialized does)."""
     tk = 128 // jnp.dtype(dtype).itemsize
     tiles = (
         TileConfig(tile_k=tk),
@@ -174,9 +176,7 @@ def default_configs(dtype, op: Literal["gmm", "tgmm"] = "gmm") -> tuple[TileConf
         TileConfig(tile_m=64, tile_n=64, tile_k=tk),
         TileConfig(tile_m=64, tile_n=64, tile_k=tk, wg_split="m"),
     )
-    if op == "tgmm":
-        return tiles
-    deep = lambda c: dataclasses.replace(c, stages=4, epi_tile_n=64, delay_release=1)
+    deep = lambda c: dataclasses.replace(c, stages=4, epi_tile_n=64, delay_release=int(op == "gmm"))
     return tuple(x for c in tiles for x in (deep(c), c))
 
 
