@@ -130,3 +130,26 @@ def test_a_cuda_plugin_that_cannot_start_compiles_on_named_cpu_devices():
     assert p.returncode == 0, p.stderr[-3000:]
     assert "compiled train step for 2 fake CPU devices (the CUDA plugin is installed but did not start)" in p.stdout
     assert "XLA:CPU attention keeps T x T scores" in p.stdout
+
+
+def test_the_trainer_takes_90_percent_of_gpu_memory_unless_told(monkeypatch):
+    """JAX's allocator would take 75% of a GPU; `python -m mx_jax.train` sets 90% unless the environment chose a
+    share (either name), and the dry run's fit check uses the share in force."""
+    from mx_jax import train
+
+    for var in memory_estimate.MEM_FRACTION_VARS:
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("XLA_FLAGS", "")
+    train.apply_default_xla_flags()
+    assert os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.9" and memory_estimate.mem_fraction() == 0.9
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION")
+    monkeypatch.setenv("XLA_CLIENT_MEM_FRACTION", "0.8")
+    train.apply_default_xla_flags()
+    assert "XLA_PYTHON_CLIENT_MEM_FRACTION" not in os.environ and memory_estimate.mem_fraction() == 0.8
+    # 8B on one H200 with bf16 moments and full remat: ~104 GB, which fits 0.8 x 141 but not 0.7 x 141
+    cfg = load_config(str(ROOT / "configs/llama3_8b.yaml"), ["mesh.fsdp=1", "data.batch_size=1", "model.remat=full",
+                                                            "optim.moment_dtype=bfloat16"])
+    assert memory_estimate.estimate(cfg)["fits"]["H200 141GB"]
+    monkeypatch.setenv("XLA_CLIENT_MEM_FRACTION", "0.7")
+    report = memory_estimate.estimate(cfg)
+    assert not report["fits"]["H200 141GB"] and "70% of capacity usable" in memory_estimate.format_report(report)
