@@ -155,10 +155,9 @@ def _cols_t(t, cast: Cast, pow2: bool, impl: str):
     return qz.quantize_t(t, dtype=cast.dtype, scaling=cast.scaling, pow2_scale=pow2, impl=impl)
 
 
-def _both(t, cast: Cast, pow2: bool, impl: str, round_to=None):
-    """Both layouts of t with one cast: ((fp8 (R, C), scale), (fp8 (C, R), scale)); of t rounded to `round_to`
-    first when given (quantize_dual rounds f32 tiles in the kernel, never writing the rounded copy)."""
-    return qz.quantize_dual(t, dtype=cast.dtype, scaling=cast.scaling, pow2_scale=pow2, impl=impl, round_to=round_to)
+def _both(t, cast: Cast, pow2: bool, impl: str):
+    """Both layouts of t with one cast: ((fp8 (R, C), scale), (fp8 (C, R), scale))."""
+    return qz.quantize_dual(t, dtype=cast.dtype, scaling=cast.scaling, pow2_scale=pow2, impl=impl)
 
 
 def _gemm_fp8(a_op, b_op, out_dtype, impl: str):
@@ -211,16 +210,15 @@ class Prequantized:
     operands: Operands | None
 
 
-def _weight_operands(w, r: Recipe, impl: str, round_to=None) -> Operands:
-    """The operands of w (K, N), rounded to `round_to` first when given, under recipe `r`: one dual cast when both
-    GEMMs use the same cast, else two casts. w may be a tuple of weights, the parts of a fused weight along N:
-    the dual cast then reads each tile from its part (`quantize_dual`) instead of a concatenated copy."""
+def _weight_operands(w, r: Recipe, impl: str) -> Operands:
+    """The operands of w (K, N) under recipe `r`: one dual cast when both GEMMs use the same cast, else two
+    casts. w may be a tuple of weights, the parts of a fused weight along N: the dual cast then reads each tile from
+    its part (`quantize_dual`) instead of a concatenated copy."""
     (_, w_out), (_, w_gx) = r.out, r.grad_x
     if w_out == w_gx:
-        gx, out = _both(w, w_out, r.pow2_scale, impl, round_to)
+        gx, out = _both(w, w_out, r.pow2_scale, impl)
     else:
         w = jnp.concatenate(w, axis=-1) if isinstance(w, tuple) else w
-        w = w if round_to is None else w.astype(round_to)
         out, gx = _cols_t(w, w_out, r.pow2_scale, impl), _rows(w, w_gx, r.pow2_scale, impl)
     return Operands(out=out, grad_x=gx)
 
