@@ -10,6 +10,10 @@ if "xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
     os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
 if os.environ.get("MX_JAX_TEST_GPU") != "1":
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    from tests.helpers import FAST_CPU_COMPILE  # noqa: E402  (imports jax, whose backends start later)
+
+    if FAST_CPU_COMPILE not in os.environ["XLA_FLAGS"]:
+        os.environ["XLA_FLAGS"] += " " + FAST_CPU_COMPILE
 
 # One XLA compilation cache for the run, shared by the xdist workers and the trainer processes the tests start (they
 # inherit the environment): many tests train the same tiny model again (a resume, a second process, a restored

@@ -6,13 +6,13 @@ import pathlib
 import subprocess
 import sys
 
-from tests.helpers import TINY
+from tests.helpers import TINY, xla_flags
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def _run(args, devices=2, timeout=300):
-    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
+    env = {**os.environ, "XLA_FLAGS": xla_flags(devices),
            "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
     return subprocess.run([sys.executable, "-m", "mx_jax.train", *args], capture_output=True, text=True,
                           env=env, cwd=ROOT, timeout=timeout)

@@ -10,12 +10,13 @@ import pytest
 
 from mx_jax import memory_estimate
 from mx_jax.config import load_config
+from tests.helpers import xla_flags
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def _dry_run(*args):
-    env = {**os.environ, "XLA_FLAGS": "", "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
+    env = {**os.environ, "XLA_FLAGS": xla_flags(), "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
     p = subprocess.run([sys.executable, "-m", "mx_jax.train", "--dry-run", *args], capture_output=True, text=True,
                        env=env, cwd=ROOT, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
@@ -124,7 +125,7 @@ def test_a_cuda_plugin_that_cannot_start_compiles_on_named_cpu_devices():
     must still compile for the mesh's device count and say that it compiled for CPU devices, not a GPU topology."""
     code = ("import sys; from mx_jax import compat, train; compat.cuda_plugin_available = lambda: True; "
             "sys.exit(train.main(sys.argv[1:]))")
-    env = {**os.environ, "XLA_FLAGS": "", "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": ""}
+    env = {**os.environ, "XLA_FLAGS": xla_flags(), "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": ""}
     p = subprocess.run([sys.executable, "-c", code, "--dry-run", "--config", str(ROOT / "configs/moe_debug.yaml"),
                         "mesh.expert=2"], capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]

@@ -11,7 +11,7 @@ import pytest
 
 from mx_jax import sharding, train
 from mx_jax.config import MeshConfig
-from tests.helpers import NO_IO, TINY, tiny_config
+from tests.helpers import NO_IO, TINY, tiny_config, xla_flags
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -21,7 +21,7 @@ def _losses(run_dir):
 
 
 def _local(n_proc, devices_each, args, log_dir, timeout=300):
-    env = {**os.environ, "XLA_FLAGS": "", "PYTHONPATH": str(ROOT), "MX_JAX_LOG_DIR": str(log_dir)}
+    env = {**os.environ, "XLA_FLAGS": xla_flags(), "PYTHONPATH": str(ROOT), "MX_JAX_LOG_DIR": str(log_dir)}
     return subprocess.run(["bash", "launch/local.sh", str(n_proc), "--cpu-devices", str(devices_each), *args],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 

@@ -7,6 +7,8 @@ import time
 
 import pytest
 
+from tests.helpers import xla_flags
+
 nbformat = pytest.importorskip("nbformat")
 nbclient = pytest.importorskip("nbclient")
 pytest.importorskip("ipykernel")
@@ -18,7 +20,7 @@ CELL_TIMEOUT_S = 240  # whole notebook: ~30 s on 2 CPU cores
 def test_quickstart_notebook_runs(tmp_path, monkeypatch):
     # The kernel is a subprocess that inherits this environment: give it 2 CPU devices (conftest sets 8), so the
     # notebook shows a sharded run and still compiles quickly.
-    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
+    monkeypatch.setenv("XLA_FLAGS", xla_flags(2))
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")
     nb = nbformat.read(NOTEBOOK, as_version=4)
     assert nb.metadata.kernelspec.name == "python3"

@@ -16,7 +16,7 @@ import pytest
 
 from mx_jax import preemption, train
 from mx_jax.config import ConfigError
-from tests.helpers import NO_IO, TINY, tiny_config
+from tests.helpers import NO_IO, TINY, tiny_config, xla_flags
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 # decay_steps pinned: the schedule must not depend on `steps`, so a stopped and resumed run equals a straight one
@@ -39,7 +39,7 @@ def _losses(run_dir):
 
 def test_sigterm_saves_the_step_reached_and_the_run_resumes_there(tmp_path):
     run = tmp_path / "run"
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1", "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "XLA_FLAGS": xla_flags(1), "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen([sys.executable, "-m", "mx_jax.train", *COMMON, "steps=1000", f"run_dir={run}",
                              "mesh.fsdp=1", "mesh.data=1"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, env=env, cwd=ROOT)
@@ -78,7 +78,7 @@ def test_sigterm_saves_the_step_reached_and_the_run_resumes_there(tmp_path):
 def test_two_processes_save_the_same_step_when_one_is_signalled(tmp_path):
     """SIGTERM to process 1 alone: jax's preemption service tells process 0, both save one agreed step."""
     run = tmp_path / "run"
-    env = {**os.environ, "XLA_FLAGS": "", "PYTHONPATH": str(ROOT), "MX_JAX_COORDINATOR": "",
+    env = {**os.environ, "XLA_FLAGS": xla_flags(), "PYTHONPATH": str(ROOT), "MX_JAX_COORDINATOR": "",
            "MX_JAX_NUM_PROCESSES": "2", "MX_JAX_CPU_DEVICES": "4", "JAX_PLATFORMS": "cpu"}
     import socket
     with socket.socket() as s:

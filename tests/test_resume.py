@@ -13,7 +13,7 @@ import jax
 import numpy as np
 
 from mx_jax import train
-from tests.helpers import NO_EVAL, NO_IO, TINY, tiny_config
+from tests.helpers import NO_EVAL, NO_IO, TINY, tiny_config, xla_flags
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -88,7 +88,7 @@ _CHILD = textwrap.dedent("""
 
 def test_sigkill_during_async_save_resumes_from_last_commit(tmp_path):
     args = [*TINY, f"run_dir={tmp_path}", "steps=6", "ckpt.every_steps=2", "mesh.fsdp=1", "mesh.data=1"]
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1", "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "XLA_FLAGS": xla_flags(1), "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen([sys.executable, "-c", _CHILD, *args], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT)
     lines = []
