@@ -120,19 +120,14 @@ class TileConfig:
     cluster: Literal["n"] | None = None  # gmm only: 2-CTA clusters on neighbouring N blocks multicast the A tile
     delay_release: int = 0  # gmm only: wgmma groups left in flight before a stage is released (module doc)
     tgmm_layout: Literal["masked", "aligned"] = "masked"  # 16-bit tgmm only; fp8 is always "aligned"
-    schedule: Literal["cooperative", "pingpong"] = "cooperative"  # gmm only; "pingpong": `_gmm_pingpong_kernel`
 
     @property
-    def pingpong(self) -> bool:
-        return self.schedule == "pingpong"
-
-    @property
-    def cta_tile_m(self) -> int:  # rows one pass of the TMA ring covers (ping-pong: one warpgroup's tile)
-        return self.tile_m * (2 if self.wg_split == "m" and not self.pingpong else 1)
+    def cta_tile_m(self) -> int:
+        return self.tile_m * (2 if self.wg_split == "m" else 1)
 
     @property
     def cta_tile_n(self) -> int:
-        return self.tile_n * (2 if self.wg_split == "n" and not self.pingpong else 1)
+        return self.tile_n * (2 if self.wg_split == "n" else 1)
 
     def epi_n(self, out_dtype) -> int:
         if self.epi_tile_n is not None:
@@ -148,10 +143,7 @@ class TileConfig:
         return ring + staging + scales + 1024  # + mbarriers and their alignment (~600 B measured)
 
     def name(self) -> str:
-        if self.pingpong:
-            s = f"pingpong wg{self.tile_m}x{self.tile_n}x{self.tile_k} s{self.stages}"
-        else:
-            s = f"wg{self.tile_m}x{self.tile_n}x{self.tile_k}/{self.wg_split} s{self.stages}"
+        s = f"wg{self.tile_m}x{self.tile_n}x{self.tile_k}/{self.wg_split} s{self.stages}"
         s += f" walk-{self.grid_minor}{self.grid_tile_width}"
         if self.epi_tile_n is not None:
             s += f" epi{self.epi_tile_n}"
@@ -673,143 +665,6 @@ def _gmm_kernel(
     plgpu.wait_smem_to_gmem(0)
 
 
-def _gmm_pingpong_kernel(
-    meta_gmem, count_gmem, lhs_gmem, rhs_gmem, *refs, config: TileConfig, transpose_rhs: bool, scaled: bool
-):
-    """`_gmm_kernel`'s work list on the ping-pong schedule: each compute warpgroup owns whole (tile_m, tile_n) work
-    items, a CTA's items alternating between the two, so one warpgroup's accumulator drain and epilogue run while
-    the other's wgmmas keep the tensor cores busy (the cooperative kernel idles them at every tile boundary: its
-    fitted per-tile cost is ~2 us, 10-15% of a K = 1408-2048 tile; RESULTS.md, session 30).
-
-    One ring of `stages` (A, B) slots, filled by the memory warpgroup in work-item order, so the two warpgroups'
-    K loops follow each other through it. Ring positions run on across items: the loops carry the count of K steps
-    issued so far (padding and unused items load nothing), so every warpgroup knows each slot and barrier phase
-    without sharing state. Each slot has a "produced" barrier per compute warpgroup (a barrier's phase parity is
-    tracked per thread, so a warpgroup waits on every phase of exactly the barriers it uses) and one "consumed"
-    barrier, arrived on by whichever warpgroup read the slot. Inside an item a warpgroup keeps 1 + delay_release wgmma
-    groups in flight and releases a slot once the wgmma reading it has completed."""
-    c = config
-    if scaled:
-        lhs_scale_gmem, rhs_scale_gmem, out_gmem = refs
-    else:
-        (out_gmem,) = refs
-    k = lhs_gmem.shape[1]
-    num_groups = rhs_gmem.shape[0]
-    n_iters, k_iters = out_gmem.shape[1] // c.tile_n, k // c.tile_k
-    stages = c.stages
-    in_flight = 1 + c.delay_release  # wgmma groups a warpgroup leaves in flight before it releases a slot
-    dtype = lhs_gmem.dtype
-    b_block = (c.tile_n, c.tile_k) if transpose_rhs else (c.tile_k, c.tile_n)
-    grid = (meta_gmem.shape[1] * n_iters,)
-
-    @functools.partial(
-        pl.run_scoped,
-        a_smem=plgpu.SMEM((stages, c.tile_m, c.tile_k), dtype, transforms=_in_transforms(dtype, c.tile_k)),
-        b_smem=plgpu.SMEM((stages, *b_block), dtype, transforms=_in_transforms(dtype, b_block[1])),
-        staging=plgpu.SMEM((2, c.tile_m, c.epi_n(out_gmem.dtype)), out_gmem.dtype),
-        scales=_scale_scratch(c, scaled),
-        produced=plgpu.Barrier(num_arrivals=2, num_barriers=2 * stages),  # [wg * stages + slot]: the A and B loads
-        consumed=plgpu.Barrier(num_arrivals=1, num_barriers=stages),
-        collective_axes="wg",
-    )
-    def _scope(a_smem, b_smem, staging, scales, produced, consumed):
-        wg = lax.axis_index("wg")
-        count = count_gmem[0]
-        live_items = count * n_iters
-
-        def work_item(lin):
-            """(segment, first row, row range [lo, hi) inside the tile, N block) of walk index `lin`."""
-            t, ni = _walk(jnp.minimum(lin, live_items - 1), count, n_iters, c.grid_minor, c.grid_tile_width)
-            seg, row8, lo, hi = (meta_gmem[i, t] for i in range(4))
-            return jnp.where(lin < live_items, seg, -1), row8 * _ROW_ALIGN, lo, hi, ni
-
-        def steps_of(seg):
-            return jnp.where((seg >= 0) & (seg < num_groups), k_iters, 0)
-
-        @pl.when(wg == 2)
-        def _memory():
-            plgpu.set_max_registers(40, action="decrease")
-
-            @plgpu.nd_loop(grid, collective_axes="sm", init_carry=jnp.int32(0))
-            def issued(info, carry):
-                seg, first_row, _, _, ni = work_item(info.index[0])
-                owner = lax.rem(info.local_index, 2)
-                a_rows = lhs_gmem.at[pl.ds(first_row, c.tile_m)]
-                cols = pl.ds(ni * c.tile_n, c.tile_n)
-                b_win = rhs_gmem.at[jnp.clip(seg, 0, num_groups - 1)]
-                b_win = b_win.at[cols, :] if transpose_rhs else b_win.at[:, cols]
-
-                @pl.when(steps_of(seg) > 0)
-                def _load():
-                    @pl.loop(0, k_iters)
-                    def _k_loop(kk):
-                        step = carry + kk
-                        slot = lax.rem(step, stages)
-
-                        @pl.when(step >= stages)
-                        def _():
-                            plgpu.barrier_wait(consumed.at[slot])
-
-                        ks = pl.ds(kk * c.tile_k, c.tile_k)
-                        barrier = produced.at[owner * stages + slot]
-                        plgpu.copy_gmem_to_smem(a_rows.at[:, ks], a_smem.at[slot], barrier)
-                        b_src = b_win.at[:, ks] if transpose_rhs else b_win.at[ks, :]
-                        plgpu.copy_gmem_to_smem(b_src, b_smem.at[slot], barrier)
-
-                return carry + steps_of(seg)
-
-            @pl.loop(jnp.maximum(issued - stages, 0), issued)
-            def _drain(step):  # observe the ring's last releases: no barrier is left with an unawaited phase
-                plgpu.barrier_wait(consumed.at[lax.rem(step, stages)])
-
-        @pl.when(wg < 2)
-        def _compute():
-            plgpu.set_max_registers(232, action="increase")
-
-            @plgpu.nd_loop(grid, collective_axes="sm", init_carry=jnp.int32(0))
-            def _tile_loop(info, carry):
-                seg, row0, lo, hi, ni = work_item(info.index[0])
-                mine = lax.rem(info.local_index, 2) == wg
-                col0 = ni * c.tile_n
-                dst = out_gmem.at[pl.ds(row0, c.tile_m), pl.ds(col0, c.tile_n)]
-
-                @pl.when(mine & (steps_of(seg) > 0))
-                def _matmul():
-                    if scaled:
-                        row_scales = lhs_scale_gmem.at[pl.ds(row0, c.tile_m)]
-                        _fetch_scales(scales, wg, row_scales, rhs_scale_gmem.at[seg, pl.ds(col0, c.tile_n)])
-
-                    @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((c.tile_m, c.tile_n), jnp.float32))
-                    def _acc_scope(acc_ref):
-                        @pl.loop(0, k_iters)
-                        def _k_loop(kk):
-                            step = carry + kk
-                            slot = lax.rem(step, stages)
-                            plgpu.barrier_wait(produced.at[wg * stages + slot])
-                            b = b_smem.at[slot]
-                            plgpu.wgmma(acc_ref, a_smem.at[slot], b.T if transpose_rhs else b)
-                            plgpu.wgmma_wait(in_flight)  # the wgmma `in_flight` steps back is done: release its slot
-
-                            @pl.when(kk >= in_flight)
-                            def _():
-                                plgpu.barrier_arrive(consumed.at[lax.rem(step - in_flight, stages)])
-
-                        acc = acc_ref[...]  # waits for the last wgmmas
-                        for j in range(min(in_flight, k_iters), 0, -1):
-                            plgpu.barrier_arrive(consumed.at[lax.rem(carry + k_iters - j, stages)])
-                        if scaled:
-                            acc = _apply_scales(acc, scales, wg)
-                        _store_rows(acc, staging.at[wg], dst, lo, hi - lo, full=False)
-
-                @pl.when(mine & (seg == num_groups))
-                def _padding():
-                    _store_zeros(c, staging.at[wg], dst, lo, hi - lo, full=False)
-
-                return carry + steps_of(seg)
-
-    plgpu.wait_smem_to_gmem(0)
-
-
 def _tgmm_kernel(meta_gmem, lhs_gmem, rhs_gmem, *refs, config: TileConfig, aligned: bool, scaled: bool):
     """meta (4, E): per group its first token block, block count, and token range [start, end) in this layout.
 
@@ -947,10 +802,6 @@ def _check_config(c: TileConfig, in_dtype, out_dtype, scaled: bool) -> str | Non
         return f"delay_release={c.delay_release} must be >= 0 and below stages={c.stages}"
     if (need := c.smem_bytes(in_dtype, out_dtype, scaled)) > _SMEM_BYTES:
         return f"config {c.name()} needs {need} B of shared memory (> {_SMEM_BYTES})"
-    if c.pingpong and c.cluster:
-        return "the ping-pong schedule has no clusters"
-    if c.pingpong and c.delay_release + 1 >= c.stages:
-        return f"the ping-pong schedule keeps 1 + delay_release wgmma groups in flight: stages={c.stages} too few"
     return None
 
 
@@ -993,8 +844,6 @@ def tgmm_pallas_cover(
         return reason
     if config.cluster:
         return "clusters are implemented for gmm only"
-    if config.pingpong:
-        return "the ping-pong schedule is implemented for gmm only"
     if config.delay_release:
         return "delay_release is implemented for gmm only (tgmm awaits every stage; see the module doc)"
     if k % config.cta_tile_m or n % config.cta_tile_n:
@@ -1080,8 +929,7 @@ def gmm_pallas(
     n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
     meta = _gmm_row_tiles(group_sizes, m, config.cta_tile_m)
     count = jnp.sum(meta[0] >= 0, dtype=jnp.int32, keepdims=True)  # used entries come first
-    kernel = _gmm_pingpong_kernel if config.pingpong else _gmm_kernel
-    body = functools.partial(kernel, config=config, transpose_rhs=transpose_rhs, scaled=bool(scales))
+    body = functools.partial(_gmm_kernel, config=config, transpose_rhs=transpose_rhs, scaled=bool(scales))
     work = meta.shape[1] * (n // (config.cta_tile_n * config.cluster_size))
     out_type = jax.ShapeDtypeStruct((m, n), out_dtype)
     return _launch(body, out_type, work, (meta, count, lhs, rhs, *scales), interpret, config.cluster_size)

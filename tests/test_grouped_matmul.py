@@ -223,27 +223,6 @@ def test_gmm_pallas_delay_release(cluster):
         assert not np.asarray(out[sum(sizes) :], np.float32).any(), "padding rows must be exactly zero"
 
 
-def test_gmm_pallas_pingpong():
-    """Each compute warpgroup owns whole work items, alternating; the ring's positions run on across items (4 K steps
-    over 2 or 3 stages, one or two wgmma groups in flight), padding and empty items load nothing. Both rhs
-    orientations, and the fp8 scales."""
-    config = gm.TileConfig(tile_m=64, tile_n=64, tile_k=64, stages=2, schedule="pingpong")
-    x, w = _inputs(28, (M, 2 * K), (E, 2 * K, N))
-    f = _gmm_fn(config, False)
-    for sizes in (RAGGED, ONE_GROUP):
-        out = f(x, w, _sizes(sizes))
-        _close(out, gm.gmm_reference(x, w, _sizes(sizes)), BF16_TOL)
-        assert not np.asarray(out[sum(sizes) :], np.float32).any(), "padding rows must be exactly zero"
-    x, w_t = _inputs(29, (M, 2 * K), (E, N, 2 * K))  # two wgmma groups in flight over a 3-stage ring
-    _close(_gmm_fn(dataclasses.replace(config, stages=3, delay_release=1), True)(x, w_t, _sizes(RAGGED)),
-           gm.gmm_reference(x, w_t, _sizes(RAGGED), transpose_rhs=True), BF16_TOL)
-    x8, w8 = _inputs(30, (M, K), (E, N, K), dtype=F8)
-    xs, ws = _scales(31, (M,), (E, N))
-    out = jax.jit(lambda *a: gm.gmm_pallas(*a[:3], transpose_rhs=True, lhs_scale=a[3], rhs_scale=a[4], config=config,
-                                           interpret=INTERPRET))(x8, w8, _sizes(RAGGED), xs, ws)
-    _close(out, gm.gmm_reference(x8, w8, _sizes(RAGGED), transpose_rhs=True, lhs_scale=xs, rhs_scale=ws), BF16_TOL)
-
-
 def test_gmm_pallas_fp8_rowwise():
     x, w_t = _inputs(12, (M, K), (E, N, K), dtype=F8)
     xs, ws = _scales(13, (M,), (E, N))
@@ -340,10 +319,6 @@ _LOWERING_CASES = {
     "gmm_bf16_grad_input": (
         lambda x, w, g: gm.gmm_pallas(x, w, g, transpose_rhs=True), ((16384, 14336), (8, 4096, 14336))
     ),
-    "gmm_bf16_pingpong": (
-        lambda x, w, g: gm.gmm_pallas(x, w, g, config=gm.TileConfig(stages=6, epi_tile_n=64, schedule="pingpong")),
-        ((16384, 4096), (8, 4096, 14336)),
-    ),
     "gmm_fp8_cluster": (
         lambda x, w, g: gm.gmm_pallas(
             x, w, g, transpose_rhs=True, lhs_scale=jnp.ones(x.shape[:1]), rhs_scale=jnp.ones(w.shape[:2]),
@@ -406,10 +381,6 @@ def test_pallas_refuses_uncovered_shapes():
         gm.gmm_pallas(x, w, _sizes(RAGGED), config=dataclasses.replace(SMALL, epi_tile_n=32))
     with pytest.raises(NotImplementedError, match="delay_release=2 must be >= 0 and below stages=2"):
         gm.gmm_pallas(x, w, _sizes(RAGGED), config=dataclasses.replace(SMALL, delay_release=2))
-    with pytest.raises(NotImplementedError, match="keeps 1 \\+ delay_release wgmma groups in flight: stages=2 too few"):
-        gm.gmm_pallas(x, w, _sizes(RAGGED), config=dataclasses.replace(SMALL, schedule="pingpong", delay_release=1))
-    with pytest.raises(NotImplementedError, match="ping-pong schedule is implemented for gmm only"):
-        gm.tgmm_pallas(x, x, _sizes(RAGGED), config=dataclasses.replace(SMALL, schedule="pingpong"))
     with pytest.raises(NotImplementedError, match="delay_release is implemented for gmm only"):
         gm.tgmm_pallas(x, x, _sizes(RAGGED), config=dataclasses.replace(SMALL, delay_release=1))
 
@@ -444,11 +415,8 @@ def _worst_row_err(out, ref) -> float:
     return float((np.linalg.norm(out - ref, axis=1)[live] / norms[live]).max())
 
 
-GPU_PINGPONG = gm.TileConfig(stages=4, epi_tile_n=64, schedule="pingpong")
-
-
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", [None, gm.TileConfig(), GPU_PINGPONG], ids=["default", "3_stages", "pingpong"])
+@pytest.mark.parametrize("config", [None, gm.TileConfig()], ids=["default", "3_stages"])
 @pytest.mark.parametrize("direction", ["forward", "grad_input"])
 def test_gpu_gmm_bf16(direction, config):
     k, n = (GPU_D, GPU_F) if direction == "forward" else (GPU_F, GPU_D)
@@ -462,13 +430,12 @@ def test_gpu_gmm_bf16(direction, config):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", [None, dataclasses.replace(GPU_PINGPONG, tile_k=128)], ids=["default", "pingpong"])
-def test_gpu_gmm_fp8(config):
+def test_gpu_gmm_fp8():
     x, w_t = _inputs(21, (GPU_M, GPU_D), (GPU_E, GPU_F, GPU_D), dtype=F8)
     xs, ws = _scales(22, (GPU_M,), (GPU_E, GPU_F))
-    f = lambda impl: jax.jit(functools.partial(
-        gm.gmm, transpose_rhs=True, lhs_scale=xs, rhs_scale=ws, impl=impl, config=config if impl == "pallas" else None
-    ))(x, w_t, _sizes(GPU_SIZES))
+    f = lambda impl: jax.jit(
+        functools.partial(gm.gmm, transpose_rhs=True, lhs_scale=xs, rhs_scale=ws, impl=impl)
+    )(x, w_t, _sizes(GPU_SIZES))
     out, ref = f("pallas"), f("reference")
     assert _worst_row_err(out[: sum(GPU_SIZES)], ref[: sum(GPU_SIZES)]) < GPU_ROW_TOL
     assert not np.asarray(out[sum(GPU_SIZES) :], np.float32).any()
