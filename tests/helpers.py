@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 from mx_jax.config import TrainConfig, load_config
 
 TINY = [
@@ -26,10 +28,12 @@ FAST_CPU_COMPILE = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emit
 
 
 def xla_flags(devices: int | None = None) -> str:
-    """XLA_FLAGS for a CPU test subprocess: `devices` fake devices (None: jax's default of one per process, or
-    what MX_JAX_CPU_DEVICES asks) and FAST_CPU_COMPILE."""
-    count = "" if devices is None else f"--xla_force_host_platform_device_count={devices} "
-    return count + FAST_CPU_COMPILE
+    """XLA_FLAGS for a test subprocess: `devices` fake CPU devices (None: jax's default of one per process, or what
+    MX_JAX_CPU_DEVICES asks), and FAST_CPU_COMPILE unless the suite runs on a GPU."""
+    flags = [] if devices is None else [f"--xla_force_host_platform_device_count={devices}"]
+    if os.environ.get("MX_JAX_TEST_GPU") != "1":
+        flags.append(FAST_CPU_COMPILE)
+    return " ".join(flags)
 
 
 def tiny_config(run_dir, *overrides: str) -> TrainConfig:
