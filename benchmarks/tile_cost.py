@@ -70,7 +70,7 @@ def main(argv=None) -> None:
     print(f"{'path':28s}" + "".join(f"{k:>8d}" for k in ks) + f"{'c us':>8s}{'t us':>8s}")
     for name, times in ms.items():
         (c, t), *_ = np.linalg.lstsq(design, np.asarray(times) * 1e3, rcond=None)
-        tflops = [2 * m * k * n / (x * 1e-3) / 1e12 for k, x in zip(ks, times)]
+        tflops = [2 * m * k * n / (t_ms * 1e-3) / 1e12 for k, t_ms in zip(ks, times)]
         print(f"{name:28s}" + "".join(f"{v:8.0f}" for v in tflops) + f"{c:8.2f}{t:8.3f}")
 
 
