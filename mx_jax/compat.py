@@ -12,6 +12,15 @@ JAX_VERSION = tuple(int(p) for p in jax.__version__.split(".")[:3])
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# XLA:CPU flags that compile the test suite's tiny programs fast (tests/helpers.FAST_CPU_COMPILE): LLVM at -O0, and
+# in jaxlib 0.10.2 the older elemental fusion emitters. jaxlib 0.11 removed `--xla_cpu_use_fusion_emitters`, and an
+# unknown flag in XLA_FLAGS aborts the process there.
+XLA_CPU_FAST_COMPILE = "--xla_backend_optimization_level=0" + (
+    "" if JAX_VERSION >= (0, 11, 0) else " --xla_cpu_use_fusion_emitters=false"
+)
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # GPU plugin detection (train.py --dry-run): the CUDA PJRT plugin is `jax_plugins.xla_cuda13` in the GPU image
 # (jax-cuda13-plugin 0.11.2) and `xla_cuda12` in CUDA-12 installs; finding it starts no backend.
 def cuda_plugin_available() -> bool:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+from mx_jax import compat
 from mx_jax.config import TrainConfig, load_config
 
 TINY = [
@@ -21,10 +22,11 @@ NO_IO = ("ckpt.every_steps=-1", NO_EVAL)
 
 # XLA:CPU compile options for every test process (conftest.py adds them to this process's XLA_FLAGS; tests that start
 # a process with their own XLA_FLAGS build them with `xla_flags`). The suite's time is mostly XLA:CPU compiling tiny
-# programs: LLVM at -O0 and the older elemental fusion emitters compile the 8-device fp8 MoE train step in 7.5 s
-# instead of 17 s (2 cores), and tiny programs run about as fast either way. GPU runs (MX_JAX_TEST_GPU=1) keep the
-# defaults: these flags would also reach the GPU backend's LLVM.
-FAST_CPU_COMPILE = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
+# programs: LLVM at -O0 and (jax 0.10.2) the older elemental fusion emitters compile the 8-device fp8 MoE train step
+# in 7.5 s instead of 17 s (2 cores), and tiny programs run about as fast either way. GPU runs (MX_JAX_TEST_GPU=1)
+# keep the defaults: these flags would also reach the GPU backend's LLVM. The flags per jax version:
+# mx_jax/compat.py.
+FAST_CPU_COMPILE = compat.XLA_CPU_FAST_COMPILE
 
 
 def xla_flags(devices: int | None = None) -> str:
