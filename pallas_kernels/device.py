@@ -13,13 +13,17 @@
 - `num_sms(interpret)`: the persistent grid's size: the abstract device's cores when tracing under a mesh (AOT, and
   inside shard_map), the GPU's SM count, or 2 when interpreted on CPU (so every CTA walks several tiles, as on
   the GPU).
+- `profiler_params()`: Mosaic GPU's on-device profiler, switched on by the environment (MX_JAX_MGPU_PROFILE).
 """
 
 from __future__ import annotations
 
 import functools
+import os
 
 import jax
+
+PROFILE_ENV = "MX_JAX_MGPU_PROFILE"
 
 
 def compute_capability() -> tuple[int, int] | None:
@@ -76,3 +80,21 @@ def lowered_once(static_argnames: tuple[str, ...]):
         return wrapper
 
     return decorate
+
+
+def profiler_params() -> dict:
+    """`plgpu.CompilerParams` fields for Mosaic GPU's on-device profiler, from MX_JAX_MGPU_PROFILE=DIR[:SPANS].
+
+    Unset: {}. Set: every launch of a kernel lowered afterwards writes DIR/<kernel>-<ns>-trace.json, a Chrome trace
+    with one track per warpgroup of each CTA and one span per `jax.named_scope` region its code passes through; span
+    times are SM clock cycles / 1000 (the events read %clock). SPANS (default 64) is the spans each warpgroup can
+    record. The buffer takes 16 B of shared memory per span and warpgroup, so a kernel that already fills shared
+    memory (the grouped GEMM's default: 226 of 227 KiB) only fits a few dozen: profile a problem with few tiles per
+    CTA. benchmarks/profile_tiles.py runs and reads such a profile."""
+    spec = os.environ.get(PROFILE_ENV, "")
+    if not spec:
+        return {}
+    path, _, spans = spec.partition(":")
+    if not path or (spans and not spans.isdigit()):
+        raise ValueError(f"{PROFILE_ENV}={spec!r}: expected DIR or DIR:SPANS (a positive integer)")
+    return dict(profile_space=int(spans or 64), profile_dir=path)

@@ -61,9 +61,12 @@ Kernels (Mosaic-GPU `plgpu.kernel`, persistent: one CTA per SM walks a list of o
                 64-row tile, each inside one group's aligned region) writes the fp8 (K, M') copy: 3 + 5 bytes per
                 element, all coalesced, and the fp8 operands and scales are the same bytes as before.
 - Trade-offs: partial row tiles cost on average E/2 tiles of extra work over M/cta_tile_m (3% at E=8, M=16384,
-  128-row tiles); the staging tile is unswizzled so that partial tiles can be stored at any row (bank conflicts in
-  the epilogue in exchange for exact ragged stores); both compute warpgroups share one tile, so their epilogues do
-  not overlap tensor-core work (the memory warpgroup does prefetch the next tile meanwhile).
+  128-row tiles); the staging tile is unswizzled so that partial tiles can be stored at any row (its register
+  stores took as long as into a swizzled tile on an H200); both compute warpgroups share one tile, so their
+  epilogues do not overlap tensor-core work (the memory warpgroup does prefetch the next tile meanwhile). Measured
+  with Mosaic GPU's profiler (`benchmarks/profile_tiles.py`, the `jax.named_scope` regions below): the tensor cores
+  idle ~3.6k cycles between two tiles, 3.4 K steps of 128 x 256 x 64, half of it the epilogue, which waits for its
+  first chunk's TMA store to leave the staging tile (RESULTS.md, session 31).
 - Shared memory, `gmm`'s default CTA 128x256 tile: ring 4 x (128 + 256) rows x 128 B = 192 KiB, staging
   2 x 128 x 64 x 2 B = 32 KiB (64-column epilogue chunks), fp8 scales 2 KiB: 226 KiB of the 227 KiB; `tgmm`'s
   default the same. The 3-stage fallback (f32 outputs) has 144 KiB of ring beside 64 KiB of 128-column staging.
@@ -605,19 +608,20 @@ def _gmm_kernel(
         @plgpu.nd_loop((num_row_tiles * (n_iters // cl),), collective_axes="sm")
         def _tile_loop(info):
             (lin,) = info.index
-            live = lin < live_items
-            t, nj = _walk(jnp.minimum(lin, live_items - 1), count, n_iters // cl, c.grid_minor, c.grid_tile_width)
-            ni = nj * cl + cta
-            seg, row8, lo, hi = (meta_gmem[i, t] for i in range(4))
-            seg = jnp.where(live, seg, -1)
-            first_row = row8 * _ROW_ALIGN  # a multiple of 8 that Mosaic can see, as its TMA lowering requires
-            wg_row, wg_col = (wg * c.tile_m, 0) if split_m else (0, wg * c.tile_n)
-            row0 = first_row + wg_row
-            col0 = ni * c.cta_tile_n + wg_col
-            # This warpgroup's share of the segment's rows [lo, hi) of the CTA tile, relative to its own tile.
-            w_lo = jnp.clip(lo - wg_row, 0, c.tile_m)
-            w_count = jnp.clip(hi - wg_row, 0, c.tile_m) - w_lo
-            dst = out_gmem.at[pl.ds(row0, c.tile_m), pl.ds(col0, c.tile_n)]
+            with jax.named_scope("decode"):  # spans of device.profiler_params' traces
+                live = lin < live_items
+                t, nj = _walk(jnp.minimum(lin, live_items - 1), count, n_iters // cl, c.grid_minor, c.grid_tile_width)
+                ni = nj * cl + cta
+                seg, row8, lo, hi = (meta_gmem[i, t] for i in range(4))
+                seg = jnp.where(live, seg, -1)
+                first_row = row8 * _ROW_ALIGN  # a multiple of 8 that Mosaic can see, as its TMA lowering requires
+                wg_row, wg_col = (wg * c.tile_m, 0) if split_m else (0, wg * c.tile_n)
+                row0 = first_row + wg_row
+                col0 = ni * c.cta_tile_n + wg_col
+                # This warpgroup's share of the segment's rows [lo, hi) of the CTA tile, relative to its own tile.
+                w_lo = jnp.clip(lo - wg_row, 0, c.tile_m)
+                w_count = jnp.clip(hi - wg_row, 0, c.tile_m) - w_lo
+                dst = out_gmem.at[pl.ds(row0, c.tile_m), pl.ds(col0, c.tile_n)]
 
             def compute_context(eval_pipeline):
                 if scaled:
@@ -626,13 +630,16 @@ def _gmm_kernel(
 
                 @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((c.tile_m, c.tile_n), jnp.float32))
                 def _acc_scope(acc_ref):
-                    eval_pipeline(acc_ref)
-                    acc = acc_ref[...]  # waits for the last wgmma
-                    if c.delay_release:
-                        plgpu.barrier_arrive(acc_done)
-                    if scaled:
-                        acc = _apply_scales(acc, scales, wg)
-                    _store_rows(acc, staging.at[wg], dst, w_lo, w_count, full=False)
+                    with jax.named_scope("k_loop"):
+                        eval_pipeline(acc_ref)
+                    with jax.named_scope("drain"):
+                        acc = acc_ref[...]  # waits for the last wgmma
+                        if c.delay_release:
+                            plgpu.barrier_arrive(acc_done)
+                        if scaled:
+                            acc = _apply_scales(acc, scales, wg)
+                    with jax.named_scope("epilogue"):
+                        _store_rows(acc, staging.at[wg], dst, w_lo, w_count, full=False)
 
             def mma_body(_, a_smem, b_smem, acc_ref):
                 a = a_smem.at[pl.ds(wg * c.tile_m, c.tile_m)] if split_m else a_smem
@@ -888,7 +895,9 @@ def _launch(body, out_type, work_items: int, args, interpret, cluster_size: int 
         cluster_names=("cluster",),
         num_threads=3,
         thread_name="wg",
-        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+        compiler_params=plgpu.CompilerParams(
+            lowering_semantics=plgpu.LoweringSemantics.Warpgroup, **device.profiler_params()
+        ),
         interpret=interpret,
         kernel_name=name,  # how the kernel is named in profiles
     )

@@ -214,3 +214,41 @@ def test_profiling_summary_sums_device_time_per_category():
                        "other": 0.5}
     assert lines[-3] == "top 2 ops (ms per step, calls per step):" and "cudnn_sdpa_flash_fprop" in lines[-2]
     assert profiling.summarize(NS(planes=[NS(name="/host:CPU", lines=[])]), 1, 1)[0].startswith("no device plane")
+
+
+_tiles_spec = importlib.util.spec_from_file_location(
+    "profile_tiles", pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "profile_tiles.py")
+profile_tiles = importlib.util.module_from_spec(_tiles_spec)
+_tiles_spec.loader.exec_module(profile_tiles)
+
+
+def test_profile_tiles_summary_takes_medians_and_gaps_per_track():
+    """Two warpgroup tracks of one CTA, two tiles each (the layout of Mosaic GPU's profiler trace): medians over the
+    tiles of both tracks; `gap` runs from a region's end to the next k_loop's begin on the same track only."""
+
+    def track(tid, t0, loop):
+        spans = [("decode", 0.0, 0.5), ("k_loop", 0.75, 0.75 + loop), ("drain", loop + 0.75, loop + 1.0),
+                 ("epilogue", loop + 1.0, loop + 2.5), ("decode", loop + 2.5, loop + 3.0),
+                 ("k_loop", loop + 3.5, 2 * loop + 3.5)]
+        return [{"name": n, "ph": ph, "ts": t0 + t, "pid": 1, "tid": tid}
+                for n, b, e in spans for ph, t in (("B", b), ("E", e))]
+
+    trace = {"traceEvents": track(1, 100.0, 8.0) + track(2, 0.0, 10.0)}
+    summary = profile_tiles.summarize(trace)
+    assert summary["k_loop"] == (9.0, 4)
+    assert summary["epilogue"] == (1.5, 2) and summary["drain"] == (0.25, 2)
+    assert summary["gap"] == (0.375, 4)  # 0.25 before each first k_loop, 0.5 before each second one
+
+
+def test_mgpu_profiler_params_from_the_environment(monkeypatch):
+    from pallas_kernels import device
+
+    monkeypatch.delenv(device.PROFILE_ENV, raising=False)
+    assert device.profiler_params() == {}
+    monkeypatch.setenv(device.PROFILE_ENV, "/tmp/prof:48")
+    assert device.profiler_params() == dict(profile_space=48, profile_dir="/tmp/prof")
+    monkeypatch.setenv(device.PROFILE_ENV, "/tmp/prof")
+    assert device.profiler_params()["profile_space"] == 64
+    monkeypatch.setenv(device.PROFILE_ENV, "/tmp/prof:many")
+    with pytest.raises(ValueError, match="MX_JAX_MGPU_PROFILE"):
+        device.profiler_params()
