@@ -1,11 +1,13 @@
-"""Where a grouped GEMM tile's time goes, from Mosaic GPU's on-device profiler (GPU only).
+"""Where a GEMM tile's time goes, from Mosaic GPU's on-device profiler (GPU only).
 
-    python benchmarks/profile_tiles.py                        # E=5 x 1536 rows, N=2048, K=512,2048, default config
+    python benchmarks/profile_tiles.py                        # gmm: E=5 x 1536 rows, N=2048, K=512,2048, default config
     python benchmarks/profile_tiles.py --k 1408 --config stages=3,delay_release=1
+    python benchmarks/profile_tiles.py --kernel fp8 --m 8192 --n 14336 --k 4096,14336 --spans 150
 
-`gmm` (bf16, balanced routing) runs with MX_JAX_MGPU_PROFILE set (pallas_kernels/device.profiler_params), and the
-last call's trace is read back. The kernel marks four regions per tile in each warpgroup (`jax.named_scope` in
-grouped_matmul._gmm_kernel):
+The kernel (`gmm`: bf16, balanced routing; `fp8`: fp8_matmul rowwise, impl="pallas" with impl="auto"'s config)
+runs with MX_JAX_MGPU_PROFILE set (pallas_kernels/device.profiler_params), and the last call's trace is read back.
+The kernels mark four regions per tile in each warpgroup (`jax.named_scope` in grouped_matmul._gmm_kernel and
+fp8_matmul._static_ring_kernel):
 
     decode     the work item's walk (integer divisions) and its row-tile entry's loads from GMEM
     k_loop     the TMA/wgmma pipeline over K (compute warpgroups; the memory warpgroup's loads are not marked)
@@ -17,8 +19,9 @@ printed as medians over every tile of every CTA, in thousands of SM clock cycles
 cores idle for drain + epilogue + decode + gap + the k_loop's ramp; `k_loop` at two K gives the ramp and the cost
 of one K step (the least-squares line through the K values).
 
-The profiler's buffer takes shared memory (16 B per span and warpgroup), which the default 4-stage config nearly
-fills: hence a few tiles per CTA (E=5 x 1536 rows x N=2048 is 3.6 tiles per CTA at 132 SMs) and `--spans 60`.
+The profiler's buffer takes shared memory (16 B per span and warpgroup), which gmm's default 4-stage config nearly
+fills: hence a few tiles per CTA (E=5 x 1536 rows x N=2048 is 3.6 tiles per CTA at 132 SMs) and `--spans 60`. The fp8
+GEMM's static ring leaves ~17 KiB: 27 tiles per CTA at 8192 x 14336 fit in 150 spans.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from __future__ import annotations
 import argparse
 import collections
 import glob
+import importlib
 import json
 import os
 import tempfile
@@ -67,12 +71,14 @@ def summarize(trace: dict) -> dict[str, tuple[float, int]]:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--groups", type=int, default=5)
-    ap.add_argument("--rows", type=int, default=1536, help="rows per group (balanced routing)")
+    ap.add_argument("--kernel", choices=("gmm", "fp8"), default="gmm")
+    ap.add_argument("--groups", type=int, default=5, help="gmm: experts")
+    ap.add_argument("--rows", type=int, default=1536, help="gmm: rows per group (balanced routing)")
+    ap.add_argument("--m", type=int, default=8192, help="fp8: rows")
     ap.add_argument("--n", type=int, default=2048)
     ap.add_argument("--k", default="512,2048", help="comma-separated contraction sizes")
     ap.add_argument("--config", default=None,
-                    help="grouped_matmul.TileConfig fields (a=1,b=x); default: the dispatcher's choice")
+                    help="TileConfig fields of the kernel (a=1,b=x); default: the dispatcher's choice")
     ap.add_argument("--spans", type=int, default=60, help="spans recorded per warpgroup")
     args = ap.parse_args(argv)
     out_dir = tempfile.mkdtemp(prefix="mgpu_profile_")
@@ -84,21 +90,46 @@ def main(argv=None) -> None:
     from pallas_kernels import grouped_matmul as gm
     from pallas_kernels.bench import parse_config
 
+    fm = importlib.import_module("pallas_kernels.fp8_matmul")  # the package re-exports its `fp8_matmul` function
+
     if jax.devices()[0].platform != "gpu":
         raise SystemExit("profile_tiles.py needs a GPU: the profiler is part of the Mosaic GPU lowering")
-    e, rows, n = args.groups, args.rows, args.n
     ks = [int(k) for k in args.k.split(",")]
-    config = parse_config(args.config, gm.TileConfig) if args.config else None
-    sizes = jnp.full((e,), rows, jnp.int32)
-    print(f"gmm bf16, E={e} x {rows} rows, N={n}, config {args.config or 'default'} "
-          f"({jax.devices()[0].device_kind}, jax {jax.__version__}); kcycles, medians over tiles")
+    n = args.n
+    if args.kernel == "gmm":
+        config = parse_config(args.config, gm.TileConfig) if args.config else None
+        e, rows = args.groups, args.rows
+        sizes = jnp.full((e,), rows, jnp.int32)
+        problem = f"gmm bf16, E={e} x {rows} rows, N={n}"
+        tile_k = config.tile_k if config else 64
+
+        def operands(k):
+            x = jax.random.normal(jax.random.key(1), (e * rows, k), jnp.bfloat16)
+            w = jax.random.normal(jax.random.key(2), (e, k, n), jnp.bfloat16) * 0.02
+            return jax.jit(lambda a, b: gm.gmm(a, b, sizes, impl="pallas", config=config)), (x, w)
+    else:
+        m = args.m
+        problem = f"fp8_matmul rowwise, M={m}, N={n}"
+        tile_k = (parse_config(args.config) if args.config else fm.AUTO_DEFAULT).tile_k
+
+        def operands(k):
+            e4m3 = jnp.float8_e4m3fn
+            config = parse_config(args.config) if args.config else fm.auto_choice(m, n, k, e4m3, e4m3)
+            if config is None:
+                raise SystemExit(f"impl='auto' runs XLA at ({m}, {n}, {k}); pass --config")
+            a = jax.random.normal(jax.random.key(1), (m, k), jnp.float32).astype(e4m3)
+            b = jax.random.normal(jax.random.key(2), (n, k), jnp.float32).astype(e4m3)
+            sa, sb = jnp.full((m,), 0.01, jnp.float32), jnp.full((n,), 0.01, jnp.float32)
+            f = jax.jit(lambda a, b: fm.fp8_matmul(a, b, sa, sb, impl="pallas", config=config))
+            return f, (a, b)
+
+    print(f"{problem}, config {args.config or 'default'} ({jax.devices()[0].device_kind}, jax {jax.__version__}); "
+          "kcycles, medians over tiles")
     table = {}
     for k in ks:
-        x = jax.random.normal(jax.random.key(1), (e * rows, k), jnp.bfloat16)
-        w = jax.random.normal(jax.random.key(2), (e, k, n), jnp.bfloat16) * 0.02
-        f = jax.jit(lambda a, b: gm.gmm(a, b, sizes, impl="pallas", config=config))
+        f, xs = operands(k)
         for _ in range(3):
-            f(x, w).block_until_ready()
+            f(*xs).block_until_ready()
         jax.effects_barrier()  # the traces are written by a host callback
         newest = max(glob.glob(os.path.join(out_dir, "*trace.json")), key=os.path.getmtime)
         with open(newest) as fh:
@@ -109,7 +140,7 @@ def main(argv=None) -> None:
         print(f"{name:10s}" + "".join(f"{table[k].get(name, (np.nan, 0))[0]:12.2f}" for k in ks)
               + f"{table[ks[-1]].get(name, (0, 0))[1]:8d}")
     if len(ks) > 1:
-        steps = np.asarray(ks) / (config.tile_k if config else 64)  # K steps (bf16 default: 64 deep)
+        steps = np.asarray(ks) / tile_k
         loop = np.asarray([table[k]["k_loop"][0] for k in ks])
         step, ramp = np.polyfit(steps, loop, 1)
         fixed = ramp + sum(table[ks[-1]].get(r, (0, 0))[0] for r in ("decode", "drain", "epilogue", "gap"))

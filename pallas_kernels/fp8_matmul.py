@@ -29,7 +29,12 @@ Kernel (Mosaic-GPU, `plgpu.kernel`; after jax's hopper_matmul_mgpu.py, adapted t
   bits on Hopper (DeepSeek-V3 report §3.3.2). That is TorchAO's use_fast_accum=True; promoting to a separate f32
   accumulator every few K steps (CUTLASS's default, DeepGEMM) would double the accumulator registers.
 - Trade-offs: the two compute warpgroups work on the same tile, so their epilogues do not overlap tensor-core work;
-  the memory warpgroup prefetches the next tile's first stages meanwhile. Measured at 8192^3 (benchmarks/RESULTS.md,
+  the memory warpgroup prefetches the next tile's first stages meanwhile. The static ring can carry a tile's last
+  `overlap_chunks` epilogue chunks in registers into the next tile and store one per K step while that step's wgmma
+  runs (impl="auto": 4 of 8, 32 registers; all 8 spilled and slowed every K step by a third). Mosaic GPU's profiler
+  (benchmarks/profile_tiles.py, RESULTS.md session 31) puts a 128x256x128 K step at 1,024 cycles, the tensor cores'
+  peak, and the time between two tiles at 3.4k cycles serial and 2.4k with 4 chunks carried; sustained at the
+  700 W limit that gains 0.7-1.0% at K = 4096 and 8192 and nothing at 14336. Measured at 8192^3 (benchmarks/RESULTS.md,
   sixth pass) the scale multiply costs nothing and the TMA store 1-4%, and TFLOP/s does not rise with K (fewer
   epilogues per FLOP) from K = 4096 on. Two schedules that attack the per-tile cost were built and measured
   (commit 0deee3c, RESULTS.md eighth pass) and not kept: chaining the tiles' TMA rings (jax's PipelinePipeline,
@@ -96,6 +101,9 @@ class TileConfig:
     cluster: Literal["m", "n"] | None = None  # 2-CTA cluster along this dim; the shared operand is multicast
     delay_release: int = 1  # wgmma groups left in flight before a stage is released (0 = wait for each)
     ring: Literal["pipeline", "static"] = "pipeline"  # "static": hand-rolled ring, K loop unrolled by `stages`
+    # static ring only: a tile's last `overlap_chunks` epilogue chunks stay in registers and are stored during the
+    # next tile's first K steps (one per step); the rest are stored before that tile starts
+    overlap_chunks: int = 0
 
     @property
     def cta_tile_m(self) -> int:
@@ -141,6 +149,8 @@ class TileConfig:
             s += f" cl2{self.cluster}"
         if self.ring == "static":
             s += " static"
+        if self.overlap_chunks:
+            s += f" overlap{self.overlap_chunks}"
         return s
 
 
@@ -217,26 +227,45 @@ def _load_scales(c: TileConfig, t: _Tile, wg, a_scale_gmem, b_scale_gmem, a_scal
     plgpu.copy_gmem_to_smem(b_scale_gmem.at[pl.ds(t.col0, c.tile_n)], b_scale_smem.at[wg], scale_barrier.at[wg])
 
 
-def _store_tile(c: TileConfig, t: _Tile, wg, acc, out_gmem, out_smem, a_scale_smem, b_scale_smem, scale_barrier):
-    """Epilogue: acc (tile_m, tile_n) f32 times both scale slices, cast, staged in SMEM chunks and TMA-stored."""
+def _scaled_out(wg, acc, out_dtype, a_scale_smem, b_scale_smem, scale_barrier):
+    """acc (tile_m, tile_n) f32 times both scale slices, cast to out_dtype."""
     plgpu.barrier_wait(scale_barrier.at[wg])
     acc = acc * lax.broadcast_in_dim(a_scale_smem[wg], acc.shape, [0])  # (tile_m,)
     acc = acc * lax.broadcast_in_dim(b_scale_smem[wg], acc.shape, [1])  # (tile_n,)
-    out = acc.astype(out_gmem.dtype)
+    return acc.astype(out_dtype)
+
+
+def _store_chunk(c: TileConfig, wg, vals, idx: int, row0, col0, out_gmem, out_smem):
+    """Stage epilogue chunk `idx` (row-major over the warpgroup tile), `vals` (epi_m, epi_n), in SMEM and TMA-store it
+    to the warpgroup tile at (row0, col0). It first waits until the chunk that last used its slot has left SMEM:
+    chunk 0 for every earlier store (the previous tile's last chunk may have used either slot), later chunks for
+    all but the latest one (with two slots, the other slot's). Chunks are stored in index order."""
+    ei, ej = divmod(idx, c.tile_n // c.epi_n)
     slots = c.out_slots()
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous tile's store left out_smem
-    for ei in range(c.tile_m // c.epi_m):
-        for ej in range(c.tile_n // c.epi_n):
-            slot = (ei * (c.tile_n // c.epi_n) + ej) % slots
-            if slots > 1:
-                plgpu.wait_smem_to_gmem(1, wait_read_only=True)
-            e_rows = slice(ei * c.epi_m, (ei + 1) * c.epi_m)
-            e_cols = slice(ej * c.epi_n, (ej + 1) * c.epi_n)
-            out_smem[wg, slot] = out[e_rows, e_cols]
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(
-                out_smem.at[wg, slot], out_gmem.at[t.cta_rows, t.cta_cols].at[t.wg_rows, t.wg_cols].at[e_rows, e_cols]
-            )
+    plgpu.wait_smem_to_gmem(0 if idx == 0 else slots - 1, wait_read_only=True)
+    out_smem[wg, idx % slots] = vals
+    plgpu.commit_smem()
+    # row0 and col0 start a warpgroup tile; carried through a loop, Mosaic no longer sees that (its TMA lowering
+    # needs the alignment).
+    row0, col0 = pl.multiple_of(row0, c.tile_m), pl.multiple_of(col0, c.tile_n)
+    dst = out_gmem.at[pl.ds(row0 + ei * c.epi_m, c.epi_m), pl.ds(col0 + ej * c.epi_n, c.epi_n)]
+    plgpu.copy_smem_to_gmem(out_smem.at[wg, idx % slots], dst)
+
+
+def _num_chunks(c: TileConfig) -> int:
+    return (c.tile_m // c.epi_m) * (c.tile_n // c.epi_n)
+
+
+def _chunk(c: TileConfig, out, idx: int):
+    ei, ej = divmod(idx, c.tile_n // c.epi_n)
+    return out[ei * c.epi_m : (ei + 1) * c.epi_m, ej * c.epi_n : (ej + 1) * c.epi_n]
+
+
+def _store_tile(c: TileConfig, t: _Tile, wg, acc, out_gmem, out_smem, a_scale_smem, b_scale_smem, scale_barrier):
+    """Epilogue: acc (tile_m, tile_n) f32 times both scale slices, cast, staged in SMEM chunks and TMA-stored."""
+    out = _scaled_out(wg, acc, out_gmem.dtype, a_scale_smem, b_scale_smem, scale_barrier)
+    for idx in range(_num_chunks(c)):
+        _store_chunk(c, wg, _chunk(c, out, idx), idx, t.row0, t.col0, out_gmem, out_smem)
 
 
 def _kernel(a_gmem, b_gmem, a_scale_gmem, b_scale_gmem, out_gmem, *, config: TileConfig):
@@ -420,33 +449,97 @@ def _static_ring_kernel(
         @pl.when(wg < 2)
         def _compute():
             plgpu.set_max_registers(232, action="increase")
+            chunks = _num_chunks(c)
+            first = chunks - c.overlap_chunks  # the first chunk stored during the next tile (one row of chunks)
 
-            @plgpu.nd_loop((m_iters * n_iters,), collective_axes="cluster_grid")
-            def _tile_loop(info):
-                t = _tile(c, info.index[0], wg, m_iters, n_iters)
-                _load_scales(c, t, wg, a_scale_gmem, b_scale_gmem, a_scale_smem, b_scale_smem, scale_barrier)
+            def k_loop(acc_ref, t, prev):
+                """The tile's K steps. `prev`: the previous tile's carried columns (tile_m, overlap_chunks * epi_n),
+                its first row and column, and whether there is one; K step j stores its chunk first + j while the
+                step's wgmma runs (chunks past the last step right after the loop)."""
 
-                @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((c.tile_m, c.tile_n), jnp.float32))
-                def _acc_scope(acc_ref):
-                    @pl.loop(0, rounds)
-                    def _round(r):
-                        for s in range(stages):
-                            plgpu.barrier_wait(produced.at[s])
-                            plgpu.wgmma(acc_ref, a_smem.at[s].at[t.wg_rows], b_smem.at[s].at[t.wg_cols].T)
-                            plgpu.wgmma_wait(c.delay_release)
-                            if not c.delay_release:
-                                plgpu.barrier_arrive(consumed.at[s])
-                            elif s:
-                                plgpu.barrier_arrive(consumed.at[s - 1])
-                            else:
-                                @pl.when(r > 0)
-                                def _():
-                                    plgpu.barrier_arrive(consumed.at[stages - 1])
+                def store_prev(j):
+                    vals, row0, col0, live = prev
+                    part = vals[:, j * c.epi_n : (j + 1) * c.epi_n]
+                    pl.when(live)(lambda: _store_chunk(c, wg, part, first + j, row0, col0, out_gmem, out_smem))
 
-                    acc = acc_ref[...]  # waits for the last wgmma
-                    if c.delay_release:
-                        plgpu.barrier_arrive(consumed.at[stages - 1])
-                    _store_tile(c, t, wg, acc, out_gmem, out_smem, a_scale_smem, b_scale_smem, scale_barrier)
+                @pl.loop(0, rounds)
+                def _round(r):
+                    for s in range(stages):
+                        plgpu.barrier_wait(produced.at[s])
+                        plgpu.wgmma(acc_ref, a_smem.at[s].at[t.wg_rows], b_smem.at[s].at[t.wg_cols].T)
+                        for r0 in range(-(-c.overlap_chunks // stages)):  # carried chunk r * stages + s
+                            if r0 * stages + s < c.overlap_chunks:
+                                pl.when(r == r0)(functools.partial(store_prev, r0 * stages + s))
+                        plgpu.wgmma_wait(c.delay_release)
+                        if not c.delay_release:
+                            plgpu.barrier_arrive(consumed.at[s])
+                        elif s:
+                            plgpu.barrier_arrive(consumed.at[s - 1])
+                        else:
+                            @pl.when(r > 0)
+                            def _():
+                                plgpu.barrier_arrive(consumed.at[stages - 1])
+
+                for j in range(rounds * stages, c.overlap_chunks):  # carried chunks the K loop had no step for
+                    store_prev(j)
+
+            def drain(acc_ref):
+                acc = acc_ref[...]  # waits for the last wgmma
+                if c.delay_release:
+                    plgpu.barrier_arrive(consumed.at[stages - 1])
+                return acc
+
+            if not c.overlap_chunks:
+                @plgpu.nd_loop((m_iters * n_iters,), collective_axes="cluster_grid")
+                def _tile_loop(info):
+                    with jax.named_scope("decode"):  # spans of device.profiler_params' traces
+                        t = _tile(c, info.index[0], wg, m_iters, n_iters)
+                        _load_scales(c, t, wg, a_scale_gmem, b_scale_gmem, a_scale_smem, b_scale_smem, scale_barrier)
+
+                    @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((c.tile_m, c.tile_n), jnp.float32))
+                    def _acc_scope(acc_ref):
+                        with jax.named_scope("k_loop"):
+                            k_loop(acc_ref, t, None)
+                        with jax.named_scope("drain"):
+                            acc = drain(acc_ref)
+                        with jax.named_scope("epilogue"):
+                            _store_tile(c, t, wg, acc, out_gmem, out_smem, a_scale_smem, b_scale_smem, scale_barrier)
+
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                return
+
+            # Overlapped epilogue: the tile's last chunks stay in registers (the loop carry) and are stored during
+            # the next tile's first K steps; the CTA's last tile stores them after the loop.
+            carried = (c.tile_m, c.overlap_chunks * c.epi_n)
+            zero = pl.run_scoped(lambda r: r[...].astype(out_dtype), plgpu.ACC(carried, jnp.float32))
+            init = (zero, jnp.int32(0), jnp.int32(0), jnp.bool_(False))
+
+            @plgpu.nd_loop((m_iters * n_iters,), collective_axes="cluster_grid", init_carry=init)
+            def _tile_loop(info, carry):
+                with jax.named_scope("decode"):
+                    t = _tile(c, info.index[0], wg, m_iters, n_iters)
+                    _load_scales(c, t, wg, a_scale_gmem, b_scale_gmem, a_scale_smem, b_scale_smem, scale_barrier)
+
+                def body(acc_ref):
+                    with jax.named_scope("k_loop"):
+                        k_loop(acc_ref, t, carry)
+                    with jax.named_scope("drain"):
+                        out = _scaled_out(wg, drain(acc_ref), out_dtype, a_scale_smem, b_scale_smem, scale_barrier)
+                    with jax.named_scope("epilogue"):
+                        for idx in range(first):
+                            _store_chunk(c, wg, _chunk(c, out, idx), idx, t.row0, t.col0, out_gmem, out_smem)
+                    # (traced: a literal True does not lower)
+                    return out[:, first * c.epi_n :], t.row0, t.col0, info.index[0] >= 0
+
+                return pl.run_scoped(body, plgpu.ACC((c.tile_m, c.tile_n), jnp.float32))
+
+            vals, row0, col0, live = _tile_loop
+
+            @pl.when(live)
+            def _last():
+                for j in range(c.overlap_chunks):
+                    _store_chunk(c, wg, vals[:, j * c.epi_n : (j + 1) * c.epi_n], first + j, row0, col0, out_gmem,
+                                 out_smem)
 
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
@@ -473,6 +566,9 @@ def pallas_cover(
         )
     if c.stages <= c.delay_release:
         return f"stages ({c.stages}) must exceed delay_release ({c.delay_release})"
+    if c.overlap_chunks and (c.ring != "static" or c.epi_m != c.tile_m or c.overlap_chunks > _num_chunks(c)):
+        return (f"overlap_chunks={c.overlap_chunks} needs the static ring and one row of at least that many "
+                f"epilogue chunks (epi_tile_m = tile_m)")
     if c.ring == "static" and (k // c.tile_k) % c.stages:
         return f"the static ring needs K / tile_k ({k // c.tile_k}) to be a multiple of the stages ({c.stages})"
     if c.smem_bytes(out_dtype) > _SMEM_BYTES:
@@ -532,7 +628,9 @@ def fp8_matmul_pallas(
         cluster_names=("cluster",),
         num_threads=3,
         thread_name="wg",
-        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+        compiler_params=plgpu.CompilerParams(
+            lowering_semantics=plgpu.LoweringSemantics.Warpgroup, **device.profiler_params()
+        ),
         interpret=interpret,
         kernel_name="fp8_matmul",
     )
@@ -558,11 +656,13 @@ def fp8_matmul_xla(
 # the same rowwise scales. The static ring with 64x256 warpgroup tiles (`_W64`) won 0.6-3.4% at 14 of the 17 shapes;
 # per clock it is within 1% of the pipeline kernel (Nsight Compute), so what it saves is energy per FLOP: 2.6x fewer
 # warp instructions, each B row read from SMEM once per K step, one load warp.
-# The 2-CTA cluster along M multicasts the B tile into both CTAs (a third less L2 -> SMEM traffic).
+# The 2-CTA cluster along M multicasts the B tile into both CTAs (a third less L2 -> SMEM traffic). Since session 31
+# `_W64` also stores half of each tile's epilogue under the next tile's first K steps (`overlap_chunks`): +1.0% /
+# +0.7% / -0.3% sustained at (8192, 14336, 4096) / 8192^3 / (8192, 4096, 14336), the table's figures unchanged.
 _D0M = TileConfig(delay_release=0, cluster="m")  # wg128x128x128/n, 3 stages, jax's pipeline, 2-CTA M
 _D0 = TileConfig(delay_release=0)  # the same without the cluster
 _W64 = TileConfig(tile_m=64, tile_n=256, wg_split="m", stages=4, epi_tile_m=64, epi_tile_n=32, delay_release=0,
-                  cluster="m", ring="static")  # CTA 128x256 as two 64x256 warpgroup tiles, 4-stage static ring
+                  cluster="m", ring="static", overlap_chunks=4)  # CTA 128x256 as two 64x256 warpgroup tiles
 _W64N = dataclasses.replace(_W64, cluster=None)
 AUTO_TABLE: dict[tuple[int, int, int], TileConfig | None] = {
     (8192, 8192, 8192): _W64,  # 1287 (pipeline 1276, XLA 1190)

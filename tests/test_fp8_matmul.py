@@ -65,6 +65,13 @@ INTERPRET_CASES = [
      jnp.bfloat16),
     (256, 256, 256, E4M3, E4M3, False, dataclasses.replace(SMALL, ring="static", cluster="n", delay_release=0),
      jnp.bfloat16),
+    # The overlapped epilogue: a tile's last chunks stored during the next tile's K steps (4 carried over 2 steps:
+    # two stored after the loop; 1 of 2 over 6 steps), the CTA's last tile after the tile loop.
+    (256, 512, 256, E4M3, E4M3, False,
+     dataclasses.replace(SMALL, ring="static", tile_n=128, epi_tile_n=32, overlap_chunks=4), jnp.bfloat16),
+    (256, 256, 768, E5M2, E5M2, True,
+     dataclasses.replace(SMALL, ring="static", wg_split="m", epi_tile_n=32, delay_release=0, overlap_chunks=1),
+     jnp.bfloat16),
 ]
 
 
@@ -165,6 +172,7 @@ SWEEP = [
     fm.TileConfig(stages=4, epi_tile_m=64, epi_tile_n=64, delay_release=0, cluster="m", ring="static"),
     fm.TileConfig(stages=4, epi_tile_m=64, epi_tile_n=64, cluster="m", ring="static"),
     fm.AUTO_DEFAULT,  # the static ring, 64x256 warpgroup tiles, cluster along M
+    dataclasses.replace(fm.AUTO_DEFAULT, overlap_chunks=4),
 ]
 
 
