@@ -103,7 +103,7 @@ def main(argv=None) -> None:
         problem = f"gmm bf16, E={e} x {rows} rows, N={n}"
         tile_k = config.tile_k if config else 64
 
-        def operands(k):
+        def kernel_at(k):  # (the jitted call, its operands) at contraction size k
             x = jax.random.normal(jax.random.key(1), (e * rows, k), jnp.bfloat16)
             w = jax.random.normal(jax.random.key(2), (e, k, n), jnp.bfloat16) * 0.02
             return jax.jit(lambda a, b: gm.gmm(a, b, sizes, impl="pallas", config=config)), (x, w)
@@ -112,7 +112,7 @@ def main(argv=None) -> None:
         problem = f"fp8_matmul rowwise, M={m}, N={n}"
         tile_k = (parse_config(args.config) if args.config else fm.AUTO_DEFAULT).tile_k
 
-        def operands(k):
+        def kernel_at(k):  # (the jitted call, its operands) at contraction size k
             e4m3 = jnp.float8_e4m3fn
             config = parse_config(args.config) if args.config else fm.auto_choice(m, n, k, e4m3, e4m3)
             if config is None:
@@ -127,7 +127,7 @@ def main(argv=None) -> None:
           "kcycles, medians over tiles")
     table = {}
     for k in ks:
-        f, xs = operands(k)
+        f, xs = kernel_at(k)
         for _ in range(3):
             f(*xs).block_until_ready()
         jax.effects_barrier()  # the traces are written by a host callback
