@@ -72,6 +72,8 @@ INTERPRET_CASES = [
     (256, 256, 768, E5M2, E5M2, True,
      dataclasses.replace(SMALL, ring="static", wg_split="m", epi_tile_n=32, delay_release=0, overlap_chunks=1),
      jnp.bfloat16),
+    (128, 256, 384, E4M3, E4M3, False,  # f32 output (the weight gradients'), 3 steps for 2 carried chunks
+     dataclasses.replace(SMALL, ring="static", stages=3, epi_tile_n=32, overlap_chunks=2), jnp.float32),
 ]
 
 
