@@ -95,7 +95,6 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from mx_jax import compat
 from pallas_kernels import device
 
 qz = importlib.import_module("pallas_kernels.quantize")  # the module: the package re-exports its `quantize` function
@@ -124,11 +123,6 @@ class TileConfig:
     cluster: Literal["n"] | None = None  # gmm only: 2-CTA clusters on neighbouring N blocks multicast the A tile
     delay_release: int = 0  # gmm only: wgmma groups left in flight before a stage is released (module doc)
     tgmm_layout: Literal["masked", "aligned"] = "masked"  # 16-bit tgmm only; fp8 is always "aligned"
-    # gmm only: "continuous" = `_gmm_ring_kernel`, a hand-rolled TMA ring whose positions run on across tiles
-    ring: Literal["pipeline", "continuous"] = "pipeline"
-    # continuous ring only: a tile's last `overlap_chunks` epilogue chunks stay in registers and are stored during
-    # the next tile's first K step, while its wgmma runs
-    overlap_chunks: int = 0
 
     @property
     def cta_tile_m(self) -> int:
@@ -160,10 +154,6 @@ class TileConfig:
             s += f" cl2{self.cluster}"
         if self.delay_release:
             s += f" d{self.delay_release}"
-        if self.ring != "pipeline":
-            s += f" {self.ring}"
-        if self.overlap_chunks:
-            s += f" overlap{self.overlap_chunks}"
         return s
 
     @property
@@ -480,37 +470,32 @@ def _walk(lin, rows, cols, minor: str, width: int):
 
 
 def _store_rows(acc, staging, dst, lo, count, *, full: bool) -> None:
-    """Store rows [lo, lo + count) of the (tile_m, tile_n) f32 tile `acc` into the gmem window `dst` (same shape),
-    in chunks of staging.shape[1] columns (`_store_chunk`)."""
-    epi_n = staging.shape[1]
-    for j in range(acc.shape[1] // epi_n):
-        cols = slice(j * epi_n, (j + 1) * epi_n)
-        _store_chunk(acc[:, cols], staging, dst.at[:, pl.ds(j * epi_n, epi_n)], lo, count, full=full)
-
-
-def _store_chunk(vals, staging, dst, lo, count, *, full: bool) -> None:
-    """Store rows [lo, lo + count) of `vals` (tile_m, epi_n) into the gmem window `dst` (same shape).
+    """Store rows [lo, lo + count) of the (tile_m, tile_n) f32 tile `acc` into the gmem window `dst` (same shape).
 
     `staging` (tile_m, epi_n) unswizzled SMEM. TMA boxes are static, so a dynamic row range is written by a ladder
-    of power-of-two row stores (the bits of `count`); `full` (static) means all rows, one store."""
-    tile_m = vals.shape[0]
+    of power-of-two row stores (the bits of `count`); `full` (static) means all rows, one store per chunk."""
+    tile_m, tile_n = acc.shape
+    epi_n = staging.shape[1]
     top = 1 << (tile_m.bit_length() - 1)
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous chunk / tile has left the staging tile
-    staging[...] = vals.astype(staging.dtype)
-    plgpu.commit_smem()
-    if full:
-        plgpu.copy_smem_to_gmem(staging, dst)
-        return
-    start = lo
-    p = top
-    while p >= 1:
+    for j in range(tile_n // epi_n):
+        cols = slice(j * epi_n, (j + 1) * epi_n)
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous chunk / tile has left the staging tile
+        staging[...] = acc[:, cols].astype(staging.dtype)
+        plgpu.commit_smem()
+        dst_cols = dst.at[:, pl.ds(j * epi_n, epi_n)]
+        if full:
+            plgpu.copy_smem_to_gmem(staging, dst_cols)
+            continue
+        start = lo
+        p = top
+        while p >= 1:
 
-        @pl.when((count & p) != 0)
-        def _store(start=start, p=p):
-            plgpu.copy_smem_to_gmem(staging.at[pl.ds(start, p)], dst.at[pl.ds(start, p)])
+            @pl.when((count & p) != 0)
+            def _store(start=start, p=p):
+                plgpu.copy_smem_to_gmem(staging.at[pl.ds(start, p)], dst_cols.at[pl.ds(start, p)])
 
-        start = start + (count & p)
-        p //= 2
+            start = start + (count & p)
+            p //= 2
 
 
 def _store_zeros(c: TileConfig, staging, dst, lo, count, *, full: bool) -> None:
@@ -687,200 +672,6 @@ def _gmm_kernel(
     plgpu.wait_smem_to_gmem(0)
 
 
-def _gmm_ring_kernel(
-    meta_gmem, count_gmem, lhs_gmem, rhs_gmem, *refs, config: TileConfig, transpose_rhs: bool, scaled: bool
-):
-    """`_gmm_kernel`'s cooperative schedule on a hand-rolled TMA ring whose positions run on across tiles.
-
-    jax's emit_pipeline_warp_specialized starts each tile's pipeline afresh and discards `compute_context`'s
-    result, so nothing computed in one tile can be used in the next. Here the persistent loops carry the count of
-    K steps issued so far (`pos`): step `pos + kk` of a tile uses slot (pos + kk) % stages, so the memory warp keeps
-    loading the next tile's K steps as soon as slots are released, whatever K is (no K % stages condition), and
-    padding or unused items load nothing. Each slot has one `produced` barrier (its A and B loads) and one
-    `consumed` barrier that both compute warpgroups arrive on once the wgmma reading it has completed
-    (`delay_release` groups later; the tile's last ones after its drain).
-
-    The compute loop carries the tile's last `overlap_chunks` epilogue chunks in registers (cast to out_dtype), with
-    their destination and row range, into the next tile, which stores them right after issuing its first wgmma:
-    the second half of the epilogue, and its wait for the first chunk's TMA store to leave the single staging tile,
-    move under tensor-core work. Every work item runs the same code: padding and unused items have a K loop of zero
-    steps, so their accumulator reads as zeros (stored for padding, nothing for unused items, whose row range is
-    empty)."""
-    c = config
-    if scaled:
-        lhs_scale_gmem, rhs_scale_gmem, out_gmem = refs
-    else:
-        (out_gmem,) = refs
-    k = lhs_gmem.shape[1]
-    num_groups = rhs_gmem.shape[0]
-    n_iters, k_iters = out_gmem.shape[1] // c.cta_tile_n, k // c.tile_k
-    stages, delay = c.stages, c.delay_release
-    split_m = c.wg_split == "m"
-    dtype, out_dtype = lhs_gmem.dtype, out_gmem.dtype
-    epi_n = c.epi_n(out_dtype)
-    first = c.tile_n // epi_n - c.overlap_chunks  # the first chunk carried into the next tile
-    b_block = (c.cta_tile_n, c.tile_k) if transpose_rhs else (c.tile_k, c.cta_tile_n)
-    grid = (meta_gmem.shape[1] * n_iters,)
-
-    @functools.partial(
-        pl.run_scoped,
-        a_smem=plgpu.SMEM((stages, c.cta_tile_m, c.tile_k), dtype, transforms=_in_transforms(dtype, c.tile_k)),
-        b_smem=plgpu.SMEM((stages, *b_block), dtype, transforms=_in_transforms(dtype, b_block[1])),
-        staging=plgpu.SMEM((2, c.tile_m, epi_n), out_dtype),
-        scales=_scale_scratch(c, scaled),
-        produced=plgpu.Barrier(num_arrivals=2, num_barriers=stages),  # the A and B loads of a slot
-        consumed=plgpu.Barrier(num_arrivals=2, num_barriers=stages),  # both compute warpgroups
-        collective_axes="wg",
-    )
-    def _scope(a_smem, b_smem, staging, scales, produced, consumed):
-        wg = lax.axis_index("wg")
-        count = count_gmem[0]
-        live_items = count * n_iters
-
-        def work_item(lin):
-            """(segment, first row, row range [lo, hi) inside the CTA tile, N block) of walk index `lin`."""
-            t, ni = _walk(jnp.minimum(lin, live_items - 1), count, n_iters, c.grid_minor, c.grid_tile_width)
-            seg, row8, lo, hi = (meta_gmem[i, t] for i in range(4))
-            # the first row as a multiple of 8 that Mosaic can see, as its TMA lowering requires
-            return jnp.where(lin < live_items, seg, -1), row8 * _ROW_ALIGN, lo, hi, ni
-
-        def steps_of(seg):  # K steps of a work item: none for padding and unused items
-            return jnp.where((seg >= 0) & (seg < num_groups), k_iters, 0)
-
-        def producer():
-            @plgpu.nd_loop(grid, collective_axes="sm", init_carry=jnp.int32(0))
-            def issued(info, carry):
-                pos = carry
-                seg, first_row, _, _, ni = work_item(info.index[0])
-                a_rows = lhs_gmem.at[pl.ds(first_row, c.cta_tile_m)]
-                cols = pl.ds(ni * c.cta_tile_n, c.cta_tile_n)
-                b_win = rhs_gmem.at[jnp.clip(seg, 0, num_groups - 1)]
-                b_win = b_win.at[cols, :] if transpose_rhs else b_win.at[:, cols]
-
-                def load(kk, slot, refill):
-                    @pl.when(refill)
-                    def _():
-                        plgpu.barrier_wait(consumed.at[slot])
-
-                    ks = pl.ds(kk * c.tile_k, c.tile_k)
-                    plgpu.copy_gmem_to_smem(a_rows.at[:, ks], a_smem.at[slot], produced.at[slot])
-                    b_src = b_win.at[:, ks] if transpose_rhs else b_win.at[ks, :]
-                    plgpu.copy_gmem_to_smem(b_src, b_smem.at[slot], produced.at[slot])
-
-                @pl.loop(0, steps_of(seg))
-                def _k_step(kk):
-                    load(kk, lax.rem(pos + kk, stages), pos + kk >= stages)
-
-                return pos + steps_of(seg)
-
-            @pl.loop(jnp.maximum(issued - stages, 0), issued)
-            def _drain(step):  # observe the ring's last releases: no barrier is left with an unawaited phase
-                plgpu.barrier_wait(consumed.at[lax.rem(step, stages)])
-
-        @pl.when(wg == 2)
-        def _memory():
-            plgpu.set_max_registers(40, action="decrease")
-            if not compat.MGPU_WARP_MAP:  # jax 0.10.2: the whole warpgroup runs the loop
-                producer()
-                return
-
-            # One warp issues the loads; the warpgroup's other three wait at a hardware barrier meanwhile.
-            @plgpu.warp_map
-            def _per_warp(warp):
-                pl.when(warp == 0)(producer)
-
-        @pl.when(wg < 2)
-        def _compute():
-            plgpu.set_max_registers(232, action="increase")
-            wg_row, wg_col = (wg * c.tile_m, 0) if split_m else (0, wg * c.tile_n)
-            carried_shape = (c.tile_m, c.overlap_chunks * epi_n)
-
-            def store_carried(prev):
-                """Store the previous tile's carried chunks (a no-op for an empty row range)."""
-                if not c.overlap_chunks:
-                    return
-                vals, row0, col0, lo, rows = prev
-                row0, col0 = pl.multiple_of(row0, _ROW_ALIGN), pl.multiple_of(col0, epi_n)
-                for j in range(c.overlap_chunks):
-                    dst = out_gmem.at[pl.ds(row0, c.tile_m), pl.ds(col0 + (first + j) * epi_n, epi_n)]
-                    _store_chunk(vals[:, j * epi_n : (j + 1) * epi_n], staging.at[wg], dst, lo, rows, full=False)
-
-            def k_step(acc_ref, slot):
-                plgpu.barrier_wait(produced.at[slot])
-                a = a_smem.at[slot]
-                a = a.at[pl.ds(wg * c.tile_m, c.tile_m)] if split_m else a
-                b = b_smem.at[slot]
-                if transpose_rhs:
-                    b = (b if split_m else b.at[pl.ds(wg * c.tile_n, c.tile_n)]).T
-                else:
-                    b = b if split_m else b.at[:, pl.ds(wg * c.tile_n, c.tile_n)]
-                plgpu.wgmma(acc_ref, a, b)
-
-            def k_loop(acc_ref, pos, steps, prev):
-                """The tile's K steps; the first one stores the previous tile's carried chunks under its wgmma."""
-
-                @pl.loop(0, steps)
-                def _k_step(kk):
-                    k_step(acc_ref, lax.rem(pos + kk, stages))
-                    pl.when(kk == 0)(lambda: store_carried(prev))
-                    plgpu.wgmma_wait(delay)  # the wgmma `delay` steps back is done: release its slot
-
-                    @pl.when(kk >= delay)
-                    def _():
-                        plgpu.barrier_arrive(consumed.at[lax.rem(pos + kk - delay, stages)])
-
-                pl.when(steps == 0)(lambda: store_carried(prev))
-
-            def tile(info, carry):
-                pos, prev = carry[0], carry[1:]
-                with jax.named_scope("decode"):  # spans of device.profiler_params' traces
-                    seg, first_row, lo, hi, ni = work_item(info.index[0])
-                    steps = steps_of(seg)
-                    row0 = first_row + wg_row
-                    col0 = ni * c.cta_tile_n + wg_col
-                    # This warpgroup's share of the segment's rows [lo, hi) of the CTA tile; none for unused items.
-                    w_lo = jnp.clip(lo - wg_row, 0, c.tile_m)
-                    w_rows = jnp.where(seg >= 0, jnp.clip(hi - wg_row, 0, c.tile_m) - w_lo, 0)
-                    if scaled:
-                        row_scales = lhs_scale_gmem.at[pl.ds(row0, c.tile_m)]
-                        col_scales = rhs_scale_gmem.at[jnp.clip(seg, 0, num_groups - 1), pl.ds(col0, c.tile_n)]
-                        _fetch_scales(scales, wg, row_scales, col_scales)
-
-                def body(acc_ref):
-                    with jax.named_scope("k_loop"):
-                        k_loop(acc_ref, pos, steps, prev)
-                    with jax.named_scope("drain"):
-                        acc = acc_ref[...]  # waits for the last wgmma; zeros when there were no K steps
-                        for j in range(delay, 0, -1):  # the tile's last `delay` slots
-
-                            @pl.when(steps >= j)
-                            def _(j=j):
-                                plgpu.barrier_arrive(consumed.at[lax.rem(pos + steps - j, stages)])
-
-                        if scaled:
-                            acc = _apply_scales(acc, scales, wg)
-                        out = acc.astype(out_dtype)
-                    with jax.named_scope("epilogue"):
-                        dst = out_gmem.at[pl.ds(row0, c.tile_m), pl.ds(col0, c.tile_n)]
-                        for j in range(first):
-                            chunk = out[:, j * epi_n : (j + 1) * epi_n]
-                            _store_chunk(chunk, staging.at[wg], dst.at[:, pl.ds(j * epi_n, epi_n)], w_lo, w_rows,
-                                         full=False)
-                    if not c.overlap_chunks:
-                        return (pos + steps,)
-                    return pos + steps, out[:, first * epi_n :], row0, col0, w_lo, w_rows
-
-                return pl.run_scoped(body, plgpu.ACC((c.tile_m, c.tile_n), jnp.float32))
-
-            init = (jnp.int32(0),)
-            if c.overlap_chunks:
-                zero = pl.run_scoped(lambda r: r[...].astype(out_dtype), plgpu.ACC(carried_shape, jnp.float32))
-                init += (zero, jnp.int32(0), jnp.int32(0), jnp.int32(0), jnp.int32(0))
-            final = plgpu.nd_loop(grid, collective_axes="sm", init_carry=init)(tile)
-            store_carried(final[1:])  # the CTA's last tile
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-
-
 def _tgmm_kernel(meta_gmem, lhs_gmem, rhs_gmem, *refs, config: TileConfig, aligned: bool, scaled: bool):
     """meta (4, E): per group its first token block, block count, and token range [start, end) in this layout.
 
@@ -1018,13 +809,6 @@ def _check_config(c: TileConfig, in_dtype, out_dtype, scaled: bool) -> str | Non
         return f"delay_release={c.delay_release} must be >= 0 and below stages={c.stages}"
     if (need := c.smem_bytes(in_dtype, out_dtype, scaled)) > _SMEM_BYTES:
         return f"config {c.name()} needs {need} B of shared memory (> {_SMEM_BYTES})"
-    if c.ring not in ("pipeline", "continuous"):
-        return f"ring={c.ring!r}: 'pipeline' or 'continuous'"
-    if c.ring == "continuous" and c.cluster:
-        return "the continuous ring has no clusters"
-    if not 0 <= c.overlap_chunks <= (0 if c.ring == "pipeline" else c.tile_n // epi_n):
-        return (f"overlap_chunks={c.overlap_chunks}: the continuous ring carries 0 to tile_n / epi_n = "
-                f"{c.tile_n // epi_n} chunks (none in the pipeline ring)")
     return None
 
 
@@ -1067,8 +851,6 @@ def tgmm_pallas_cover(
         return reason
     if config.cluster:
         return "clusters are implemented for gmm only"
-    if config.ring != "pipeline":
-        return "the continuous ring is implemented for gmm only"
     if config.delay_release:
         return "delay_release is implemented for gmm only (tgmm awaits every stage; see the module doc)"
     if k % config.cta_tile_m or n % config.cta_tile_n:
@@ -1156,8 +938,7 @@ def gmm_pallas(
     n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
     meta = _gmm_row_tiles(group_sizes, m, config.cta_tile_m)
     count = jnp.sum(meta[0] >= 0, dtype=jnp.int32, keepdims=True)  # used entries come first
-    kernel = _gmm_kernel if config.ring == "pipeline" else _gmm_ring_kernel
-    body = functools.partial(kernel, config=config, transpose_rhs=transpose_rhs, scaled=bool(scales))
+    body = functools.partial(_gmm_kernel, config=config, transpose_rhs=transpose_rhs, scaled=bool(scales))
     work = meta.shape[1] * (n // (config.cta_tile_n * config.cluster_size))
     out_type = jax.ShapeDtypeStruct((m, n), out_dtype)
     return _launch(body, out_type, work, (meta, count, lhs, rhs, *scales), interpret, config.cluster_size)

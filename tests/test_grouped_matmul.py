@@ -223,38 +223,6 @@ def test_gmm_pallas_delay_release(cluster):
         assert not np.asarray(out[sum(sizes) :], np.float32).any(), "padding rows must be exactly zero"
 
 
-# The continuous ring over 2 K steps per tile and 3 slots, so tiles start at every slot; one chunk of two carried
-# into the next tile (wg_split m: CTA 128x128, 4 row tiles per N block, 2 CTAs in the interpreter).
-RING = gm.TileConfig(tile_m=64, tile_n=128, tile_k=64, stages=3, wg_split="m", epi_tile_n=64, delay_release=1,
-                     ring="continuous", overlap_chunks=1)
-
-
-@pytest.mark.parametrize("transpose_rhs", [False, True])
-def test_gmm_pallas_continuous_ring(transpose_rhs):
-    """Ring positions carried across tiles (padding and unused items load nothing) and the carried epilogue chunk,
-    stored by the next tile, by a padding item, or after the CTA's last tile."""
-    x, w = _inputs(28, (M, K), (E, N, K) if transpose_rhs else (E, K, N))
-    f = _gmm_fn(RING, transpose_rhs)
-    for sizes in (RAGGED, ONE_GROUP):
-        out = f(x, w, _sizes(sizes))
-        _close(out, gm.gmm_reference(x, w, _sizes(sizes), transpose_rhs=transpose_rhs), BF16_TOL)
-        assert not np.asarray(out[sum(sizes) :], np.float32).any(), "padding rows must be exactly zero"
-
-
-def test_gmm_pallas_continuous_ring_fp8_every_chunk_carried():
-    """fp8 scales applied before the carry; both chunks carried, two wgmma groups left in flight."""
-    x, w_t = _inputs(29, (M, K), (E, N, K), dtype=F8)
-    xs, ws = _scales(30, (M,), (E, N))
-    config = dataclasses.replace(RING, overlap_chunks=2, delay_release=2)
-    out = jax.jit(
-        lambda *a: gm.gmm_pallas(*a[:3], transpose_rhs=True, lhs_scale=a[3], rhs_scale=a[4], config=config,
-                                 interpret=INTERPRET)
-    )(x, w_t, _sizes(RAGGED), xs, ws)
-    ref = gm.gmm_reference(x, w_t, _sizes(RAGGED), transpose_rhs=True, lhs_scale=xs, rhs_scale=ws)
-    _close(out, ref, BF16_TOL)
-    assert not np.asarray(out[sum(RAGGED) :], np.float32).any()
-
-
 def test_gmm_pallas_fp8_rowwise():
     x, w_t = _inputs(12, (M, K), (E, N, K), dtype=F8)
     xs, ws = _scales(13, (M,), (E, N))
@@ -342,8 +310,6 @@ def test_tgmm_fp8_rowwise_pallas_matches_reference():
 # ------------------------------------------------------------------------------------------------------------
 # Lowering for the GPU, on CPU: Mosaic-GPU layout inference and the shared-memory budget at the issue's shape
 # ------------------------------------------------------------------------------------------------------------
-# The default 4-stage tile on the continuous ring, one of its two epilogue chunks carried into the next tile.
-GPU_RING = dataclasses.replace(gm.default_configs(jnp.bfloat16)[0], ring="continuous", overlap_chunks=1)
 _H200 = jax.sharding.AbstractMesh(
     (), (), abstract_device=jax.sharding.AbstractDevice(device_kind="NVIDIA H200", platform="gpu", num_cores=132)
 )
@@ -365,16 +331,6 @@ _LOWERING_CASES = {
     "gmm_fp8_n1408": (
         lambda x, w, g: gm.gmm_pallas(
             x, w, g, transpose_rhs=True, lhs_scale=jnp.ones(x.shape[:1]), rhs_scale=jnp.ones(w.shape[:2])
-        ),
-        ((24576, 2048), (8, 1408, 2048)),
-    ),
-    "gmm_bf16_continuous_ring": (
-        lambda x, w, g: gm.gmm_pallas(x, w, g, config=GPU_RING), ((16384, 4096), (8, 4096, 14336))
-    ),
-    "gmm_fp8_n1408_continuous_ring": (
-        lambda x, w, g: gm.gmm_pallas(
-            x, w, g, transpose_rhs=True, lhs_scale=jnp.ones(x.shape[:1]), rhs_scale=jnp.ones(w.shape[:2]),
-            config=dataclasses.replace(GPU_RING, tile_k=128, wg_split="m"),
         ),
         ((24576, 2048), (8, 1408, 2048)),
     ),
@@ -460,9 +416,7 @@ def _worst_row_err(out, ref) -> float:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize(
-    "config", [None, gm.TileConfig(), GPU_RING], ids=["default", "3_stages", "continuous_ring"]
-)
+@pytest.mark.parametrize("config", [None, gm.TileConfig()], ids=["default", "3_stages"])
 @pytest.mark.parametrize("direction", ["forward", "grad_input"])
 def test_gpu_gmm_bf16(direction, config):
     k, n = (GPU_D, GPU_F) if direction == "forward" else (GPU_F, GPU_D)
@@ -476,15 +430,11 @@ def test_gpu_gmm_bf16(direction, config):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize(
-    "config", [None, dataclasses.replace(GPU_RING, tile_k=128)], ids=["default", "continuous_ring"]
-)
-def test_gpu_gmm_fp8(config):
+def test_gpu_gmm_fp8():
     x, w_t = _inputs(21, (GPU_M, GPU_D), (GPU_E, GPU_F, GPU_D), dtype=F8)
     xs, ws = _scales(22, (GPU_M,), (GPU_E, GPU_F))
     f = lambda impl: jax.jit(
-        functools.partial(gm.gmm, transpose_rhs=True, lhs_scale=xs, rhs_scale=ws, impl=impl,
-                          config=config if impl == "pallas" else None)
+        functools.partial(gm.gmm, transpose_rhs=True, lhs_scale=xs, rhs_scale=ws, impl=impl)
     )(x, w_t, _sizes(GPU_SIZES))
     out, ref = f("pallas"), f("reference")
     assert _worst_row_err(out[: sum(GPU_SIZES)], ref[: sum(GPU_SIZES)]) < GPU_ROW_TOL
