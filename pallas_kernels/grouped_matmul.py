@@ -66,7 +66,10 @@ Kernels (Mosaic-GPU `plgpu.kernel`, persistent: one CTA per SM walks a list of o
   epilogues do not overlap tensor-core work (the memory warpgroup does prefetch the next tile meanwhile). Measured
   with Mosaic GPU's profiler (`benchmarks/profile_tiles.py`, the `jax.named_scope` regions below): the tensor cores
   idle ~3.6k cycles between two tiles, 3.4 K steps of 128 x 256 x 64, half of it the epilogue, which waits for its
-  first chunk's TMA store to leave the staging tile (RESULTS.md, session 31).
+  first chunk's TMA store to leave the staging tile (RESULTS.md, session 31). A hand-rolled ring whose positions run
+  on across tiles, carrying half of the epilogue into the next tile's first K step, cut that to 2.5k cycles but took
+  1% more cycles per K step, and at the 700 W limit it ran at a 2.5% lower clock for the same power: 5% slower at
+  Mixtral's shape, -3% to +3% at DeepSeekMoE's (commit ed7a8e6, reverted; RESULTS.md, session 32).
 - Shared memory, `gmm`'s default CTA 128x256 tile: ring 4 x (128 + 256) rows x 128 B = 192 KiB, staging
   2 x 128 x 64 x 2 B = 32 KiB (64-column epilogue chunks), fp8 scales 2 KiB: 226 KiB of the 227 KiB; `tgmm`'s
   default the same. The 3-stage fallback (f32 outputs) has 144 KiB of ring beside 64 KiB of 128-column staging.
