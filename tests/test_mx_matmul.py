@@ -132,6 +132,24 @@ def test_nan_scale_poisons_exactly_its_row_and_column():
         np.testing.assert_array_equal(np.isnan(out), nan)
 
 
+def test_pallas_interpreted_nan_scales_and_a_wide_exponent_spread():
+    """The CPU twin of test_gpu_dtypes_zero_blocks_and_nan at 128 x 256 x 128: e5m2 operands whose blocks span
+    2^-40 .. 2^40, a NaN scale in each operand (row 5, column 7), the kernel against the f32 reference."""
+    a, b, sa, sb = operands(jax.random.key(9), 128, 256, 128, E5M2, E5M2, spread=40)
+    sa = sa.at[5, 2].set(0xFF)
+    sb = sb.at[7, 0].set(0xFF)
+    config = dataclasses.replace(SMALL, wg_split="n", tmp_slots=2)
+    out = np.asarray(mm.mx_matmul(a, b, sa, sb, out_dtype=jnp.float32, impl="pallas", config=config,
+                                  interpret=compat.InterpretGPUParams()))
+    ref = np.asarray(mm.mx_matmul(a, b, sa, sb, out_dtype=jnp.float32, impl="reference"))
+    nan = np.zeros(out.shape, bool)
+    nan[5, :] = nan[:, 7] = True
+    np.testing.assert_array_equal(np.isnan(out), nan)
+    np.testing.assert_array_equal(np.isnan(ref), nan)
+    keep = ~nan
+    assert np.linalg.norm(out[keep] - ref[keep]) / np.linalg.norm(ref[keep]) < NORM_RTOL
+
+
 def test_scale_factors_are_twice_the_e8m0_value_in_kernel_layout():
     s = jnp.arange(256, dtype=jnp.uint8).reshape(128, 2)  # every byte once; (R, K/32) = (128, 2)
     f = np.asarray(mm.scale_factors(s, 64))
