@@ -38,10 +38,15 @@ Kernels (Mosaic-GPU `plgpu.kernel`, persistent: one CTA per SM walks a list of o
   227, 192 full.) Padding rows form segment E, whose tiles skip the matmul and store zeros. The row-tile list
   (segment, first row / 8, row range [lo, hi) inside the tile) is built by XLA outside the kernel, at most
   M / cta_tile_m + (E + 1)(1 + 6 / cta_tile_m) entries, the used ones first; a tile that would run past M moves back
-  to end at M. The persistent walk deals out only the used tiles x N blocks, round-robin over the CTAs, in bands of
-  <= 16 row tiles of even width. (Walking the whole list, unused entries included, gave some CTAs two tiles more
-  than others: 57 vs a mean of 55.2 at the skewed Mixtral routing, 10 vs 8.5 at DeepSeek's; and bands of exactly
-  16 left a last band of 2 row tiles whose CTAs each read a different weight block.)
+  to end at M. The persistent walk deals out only the used tiles x N blocks, round-robin over the CTAs, band after
+  band; inside a band the row tile runs fastest, so the CTAs resident at one time share each weight block in L2.
+  A band never spans two experts: each segment's n tiles form ceil(n / 16) bands of even width, and every list
+  entry carries its band's first entry and width, so the kernel finds a work item's band with one table lookup
+  (`_band_walk`). (Bands of <= 16 over the whole list, blind to experts, read a weight block from HBM once per
+  band that an expert straddles: ~1.5x the weight bytes at the skewed Mixtral routing, where the expert-aligned
+  bands ran 1.1-1.7% faster at the 700 W limit, bf16 and fp8 (RESULTS.md, session 33). Walking the whole list,
+  unused entries included, gave some CTAs two tiles more than others: 57 vs a mean of 55.2 at the skewed Mixtral
+  routing, 10 vs 8.5 at DeepSeek's.)
   TMA stores need static shapes, so a partial tile is written by a ladder of power-of-two row stores from an
   unswizzled SMEM staging tile (at most log2(tile_m) + 1 stores; one for a full tile). Optional 2-CTA clusters
   (`cluster="n"`) put one row tile's two neighbouring N blocks on a CTA pair that multicasts the shared A tile.
@@ -253,12 +258,14 @@ def _gmm_num_row_tiles(m: int, e: int, block_m: int) -> int:
     return m // block_m + e + 1 + (6 * (e + 1)) // block_m
 
 
-def _gmm_row_tiles(group_sizes: jax.Array, m: int, block_m: int) -> jax.Array:
-    """(4, `_gmm_num_row_tiles`) int32 row-tile list of `_gmm_kernel`: segment (E = padding, -1 = unused entry),
-    the tile's first row / 8, and the segment's row range [lo, hi) inside the tile (see the module doc).
+def _gmm_row_tiles(group_sizes: jax.Array, m: int, block_m: int, band: int = 16) -> jax.Array:
+    """(6, `_gmm_num_row_tiles`) int32 row-tile list of `_gmm_kernel`: segment (E = padding, -1 = unused entry),
+    the tile's first row / 8, the segment's row range [lo, hi) inside the tile (see the module doc), and the first
+    entry and width of the tile's band.
 
     Segment s's tiles are anchored at its first row rounded down to a multiple of 8, so each segment's last tile is
-    its only partial one; a tile that would run past M is moved back to end at M (M is a multiple of block_m)."""
+    its only partial one; a tile that would run past M is moved back to end at M (M is a multiple of block_m).
+    Bands never span two segments: segment s's n_s tiles form ceil(n_s / band) bands of even width (`_band_walk`)."""
     starts, ends = _segments(group_sizes, m)
     anchors = starts // _ROW_ALIGN * _ROW_ALIGN
     ntiles = jnp.where(ends > starts, -(-(ends - anchors) // block_m), 0)
@@ -267,7 +274,22 @@ def _gmm_row_tiles(group_sizes: jax.Array, m: int, block_m: int) -> jax.Array:
     row = jnp.clip(first, 0, m - block_m)
     lo = jnp.clip(jnp.maximum(starts[s], first) - row, 0, block_m)  # a moved-back tile skips the rows already stored
     hi = jnp.clip(ends[s] - row, 0, block_m)
-    return jnp.stack([seg, row // _ROW_ALIGN, lo, hi]).astype(jnp.int32)
+    n = jnp.maximum(ntiles[s], 1)
+    width = -(-n // -(-n // band))  # n tiles in ceil(n / band) bands of even width
+    j = i // width
+    band_start = jnp.where(seg >= 0, jnp.arange(seg.shape[0], dtype=jnp.int32) - i + j * width, 0)
+    band_width = jnp.where(seg >= 0, jnp.minimum(width, n - j * width), 1)
+    return jnp.stack([seg, row // _ROW_ALIGN, lo, hi, band_start, band_width]).astype(jnp.int32)
+
+
+def _band_walk(lin, cols, band_of):
+    """Linear work index -> (row tile, col tile) when the row tiles are cut into bands of any widths: band b covers
+    row tiles [start_b, start_b + width_b) x every column, i.e. work items [start_b cols, (start_b + width_b) cols),
+    so the band of item `lin` is the one holding row tile lin // cols, and `band_of(row tile)` -> (start, width) is
+    a table lookup. Inside a band the row tile runs fastest, as in `_walk`."""
+    start, width = band_of(lax.div(lin, cols))
+    within = lin - start * cols
+    return start + lax.rem(within, width), lax.div(within, width)
 
 
 def _aligned_len(m: int, e: int, align: int) -> int:
@@ -536,9 +558,10 @@ def _apply_scales(acc, scales, wg):
 def _gmm_kernel(
     meta_gmem, count_gmem, lhs_gmem, rhs_gmem, *refs, config: TileConfig, transpose_rhs: bool, scaled: bool
 ):
-    """meta (4, T): per row tile its segment (E = padding, -1 = unused), first row / 8, and row range [lo, hi);
-    count (1,): the used entries, which come first. The walk covers count x N-blocks work items, so the round-robin
-    split of the persistent loop deals out only real tiles; the remaining loop indices do nothing."""
+    """meta (6, T): per row tile its segment (E = padding, -1 = unused), first row / 8, row range [lo, hi), and its
+    band's first entry and width (`_gmm_row_tiles`); count (1,): the used entries, which come first. The walk covers
+    count x N-blocks work items, so the round-robin split of the persistent loop deals out only real tiles; the
+    remaining loop indices do nothing. `grid_minor="n"` configs walk N-bands with `_walk` instead."""
     c = config
     if scaled:
         lhs_scale_gmem, rhs_scale_gmem, out_gmem = refs
@@ -613,7 +636,11 @@ def _gmm_kernel(
             (lin,) = info.index
             with jax.named_scope("decode"):  # spans of device.profiler_params' traces
                 live = lin < live_items
-                t, nj = _walk(jnp.minimum(lin, live_items - 1), count, n_iters // cl, c.grid_minor, c.grid_tile_width)
+                lin_c = jnp.minimum(lin, live_items - 1)
+                if c.grid_minor == "m":  # bands of row tiles inside one segment each
+                    t, nj = _band_walk(lin_c, n_iters // cl, lambda q: (meta_gmem[4, q], meta_gmem[5, q]))
+                else:
+                    t, nj = _walk(lin_c, count, n_iters // cl, c.grid_minor, c.grid_tile_width)
                 ni = nj * cl + cta
                 seg, row8, lo, hi = (meta_gmem[i, t] for i in range(4))
                 seg = jnp.where(live, seg, -1)
@@ -939,7 +966,7 @@ def gmm_pallas(
         raise NotImplementedError(f"gmm_pallas: {reason}")
     m = lhs.shape[0]
     n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
-    meta = _gmm_row_tiles(group_sizes, m, config.cta_tile_m)
+    meta = _gmm_row_tiles(group_sizes, m, config.cta_tile_m, config.grid_tile_width)
     count = jnp.sum(meta[0] >= 0, dtype=jnp.int32, keepdims=True)  # used entries come first
     body = functools.partial(_gmm_kernel, config=config, transpose_rhs=transpose_rhs, scaled=bool(scales))
     work = meta.shape[1] * (n // (config.cta_tile_n * config.cluster_size))

@@ -67,7 +67,8 @@ def _close(out, ref, tol):
 def test_row_tiles_cover_every_row_once(block):
     """Each row is stored by exactly one tile of its own segment; a segment of s rows starting at row r gets
     ceil((r % 8 + s) / block) tiles (anchored on the 8-row grid that TMA loads need), all inside [0, M). The used
-    entries come first (the kernel walks only that prefix)."""
+    entries come first (the kernel walks only that prefix). Each tile's band holds it, lies inside its segment and
+    is one of ceil(n / 16) bands of even width over the segment's n tiles."""
     rng = np.random.default_rng(_seed("row_tiles", block))
     e, m = 6, 512
     for total in (*rng.integers(0, m + 1, size=5), m):
@@ -77,9 +78,11 @@ def test_row_tiles_cover_every_row_once(block):
         assert used[: used.sum()].all(), "unused entries must come last"
         owner = np.full(m, -2)
         tiles = np.zeros(e + 1, int)
-        for seg, row8, lo, hi in meta.T:
+        for t, (seg, row8, lo, hi, band_start, band_width) in enumerate(meta.T):
             if seg < 0:
                 continue
+            assert band_start <= t < band_start + band_width, (t, band_start, band_width)
+            assert (meta[0, band_start : band_start + band_width] == seg).all(), "a band spans two segments"
             row = row8 * 8
             assert 0 <= row <= m - block and 0 <= lo <= hi <= block, (row, lo, hi)
             rows = slice(row + lo, row + hi)
@@ -90,6 +93,26 @@ def test_row_tiles_cover_every_row_once(block):
         segment_rows = np.append(sizes, m - sizes.sum())
         starts = np.cumsum(segment_rows) - segment_rows
         np.testing.assert_array_equal(tiles, np.where(segment_rows > 0, -(-(starts % 8 + segment_rows) // block), 0))
+        for seg in np.flatnonzero(tiles):
+            bands = {(int(b), int(w)) for b, w in meta[4:, meta[0] == seg].T}  # (first entry, width)
+            assert len(bands) == -(-tiles[seg] // 16) and sum(w for _, w in bands) == tiles[seg], bands
+            assert max(w for _, w in bands) - min(w for _, w in bands) < len(bands), bands
+
+
+def test_band_walk_visits_each_tile_once_band_after_band():
+    """`_band_walk` over the row-tile list of a skewed routing (one expert with 40% of the rows): every (row tile,
+    col) pair once, bands one after another, the row tile fastest inside a band."""
+    sizes = np.array([6554, 1404, 1404, 1404, 1404, 1404, 1404, 1406])
+    meta = np.asarray(gm._gmm_row_tiles(_sizes(sizes), 16384, 128))
+    count, cols = int((meta[0] >= 0).sum()), 56
+    seen = [tuple(int(v) for v in gm._band_walk(jnp.int32(i), cols, lambda q: (meta[4, q], meta[5, q])))
+            for i in range(count * cols)]
+    assert sorted(seen) == [(r, c) for r in range(count) for c in range(cols)]
+    band_of = [int(meta[4, r]) for r, _ in seen]
+    assert band_of == sorted(band_of), "bands are walked one after another"
+    r0, r1 = seen[0][0], seen[1][0]
+    assert (r1, seen[1][1]) == (r0 + 1, seen[0][1]), "the row tile runs fastest"
+    assert sorted({int(w) for w in meta[5, :count]}) == [11, 12, 13]  # 52 tiles as 4 x 13, 11-12 for the others
 
 
 def test_walk_visits_each_tile_once_in_even_bands():
