@@ -489,6 +489,8 @@ def train(cfg: TrainConfig, devices: list[jax.Device] | None = None) -> TrainRes
                 log(f"mx_jax | {jax.device_count()} x {jax.devices()[0].device_kind} ({jax.process_count()} "
                     f"process(es)) | mesh {dict(mesh.shape)} | jax {jax.__version__}")
                 log(f"mesh   | {sharding.describe(mesh)}")
+                if cfg.deterministic:
+                    log(f"mx_jax | deterministic: XLA_FLAGS has {DETERMINISTIC_XLA_FLAG}=true (slower; see README)")
                 log(f"data   | {dataset.description}")
                 if isinstance(dataset.train, Mixture):
                     seqs = cfg.steps * cfg.data.batch_size
@@ -791,17 +793,29 @@ def init_distributed() -> None:
 # (benchmarks/RESULTS.md): cuBLAS instead of XLA's Triton GEMMs for the 8B-shaped step is 3% faster and compiles
 # in 2.4 s instead of 10 s (Triton GEMM autotuning).
 DEFAULT_XLA_FLAGS = ("--xla_gpu_enable_triton_gemm=false",)
+# `deterministic=true`: without it two identical GPU runs drift apart from the first steps (the 2-layer Mixtral step
+# on an H200: step-10 losses 4.8466 and 5.0032); with it they matched at every logged step, at 0.87x the tokens/s
+# (benchmarks/RESULTS.md, session 33). The Pallas kernels need nothing: none of them uses atomics.
+DETERMINISTIC_XLA_FLAG = "--xla_gpu_deterministic_ops"
 
 
-def apply_default_xla_flags() -> None:
+def apply_default_xla_flags(deterministic: bool = False) -> None:
     """DEFAULT_XLA_FLAGS, and the GPU memory share (memory_estimate.GPU_MEM_FRACTION instead of JAX's 0.75), each
-    unless the environment already chose it. Before any backend starts."""
+    unless the environment already chose it; with `deterministic`, XLA's deterministic ops (an XLA_FLAGS that turns
+    them off is a ConfigError). Before any backend starts."""
     from mx_jax import memory_estimate
 
     flags = os.environ.get("XLA_FLAGS", "")
     for flag in DEFAULT_XLA_FLAGS:
         if flag.split("=")[0] not in flags:
             flags = f"{flags} {flag}".strip()
+    if deterministic:
+        set_to = [f.partition("=")[2] or "true" for f in flags.split() if f.split("=")[0] == DETERMINISTIC_XLA_FLAG]
+        if any(v.lower() not in ("true", "1") for v in set_to):
+            raise ConfigError(f"config key 'deterministic': true, but XLA_FLAGS sets {DETERMINISTIC_XLA_FLAG}="
+                              f"{set_to[-1]}; drop it from XLA_FLAGS or set deterministic=false")
+        if not set_to:
+            flags = f"{flags} {DETERMINISTIC_XLA_FLAG}=true".strip()
     os.environ["XLA_FLAGS"] = flags
     if not any(os.environ.get(v) for v in memory_estimate.MEM_FRACTION_VARS):
         os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] = str(memory_estimate.GPU_MEM_FRACTION)
@@ -815,9 +829,9 @@ def main(argv: list[str] | None = None) -> int:
                          "step for the configured mesh on faked devices; allocates no model memory")
     ap.add_argument("overrides", nargs="*", help="dotted.key=value overrides, e.g. optim.lr_peak=1e-3")
     args = ap.parse_args(argv)
-    apply_default_xla_flags()
     try:
-        cfg = load_config(args.config, args.overrides)
+        cfg = load_config(args.config, args.overrides)  # starts no backend, so the XLA flags below still apply
+        apply_default_xla_flags(cfg.deterministic)
         if args.dry_run:
             dry_run(cfg, prepare_dry_run_backend(dry_run_devices(cfg)))
             return 0

@@ -6,6 +6,8 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
 from tests.helpers import TINY, xla_flags
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -89,3 +91,53 @@ def test_batch_building_time_is_measured_and_a_slow_one_warned(tmp_path, monkeyp
     assert out.count("building a batch took") == 1 and "on process 0: the device may wait for data" in out
     records = [json.loads(l) for l in (tmp_path / "slow" / "metrics.jsonl").read_text().splitlines()]
     assert all(r["data_ms"] >= 200 for r in records if r["step"] > 2)
+
+
+def test_deterministic_adds_xlas_flag_once_and_refuses_a_contradiction(monkeypatch):
+    from mx_jax import train
+    from mx_jax.config import ConfigError
+
+    monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/tmp/dump")
+    train.apply_default_xla_flags(deterministic=False)
+    assert "deterministic" not in os.environ["XLA_FLAGS"]
+    for _ in range(2):
+        train.apply_default_xla_flags(deterministic=True)
+    flags = os.environ["XLA_FLAGS"].split()
+    assert flags.count("--xla_gpu_deterministic_ops=true") == 1 and "--xla_dump_to=/tmp/dump" in flags
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_deterministic_ops=false")
+    with pytest.raises(ConfigError, match="'deterministic'.*--xla_gpu_deterministic_ops=false"):
+        train.apply_default_xla_flags(deterministic=True)
+
+
+def test_loading_a_config_starts_no_backend():
+    """`python -m mx_jax.train` sets XLA_FLAGS after reading the config (`deterministic`), which only works while no
+    backend has started: XLA reads the flags once, when the first backend starts."""
+    code = ("from mx_jax import train; from jax._src import xla_bridge; "
+            "cfg = train.load_config('configs/moe_debug.yaml', ['deterministic=true', 'quant.recipe=fp8_rowwise']); "
+            "print(cfg.deterministic, xla_bridge.backends_are_initialized())")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120,
+                       env={**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"})
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert p.stdout.split() == ["True", "False"], p.stdout
+
+
+@pytest.mark.gpu
+def test_gpu_runs_with_deterministic_repeat_bit_for_bit(tmp_path):
+    """Two identical 6-step runs of a small bf16 MoE model with `deterministic=true`: the same loss and gradient norm
+    at every step. Without it, two runs of this very command differed from step 5 on an H200 (losses 4.29423 /
+    4.30240, benchmarks/RESULTS.md session 33), as did the dense debug Llama at sequence 2048."""
+    env = {**os.environ, "XLA_FLAGS": xla_flags(), "PYTHONPATH": str(ROOT)}
+    env.pop("JAX_PLATFORMS", None)
+    records = []
+    for i in range(2):
+        args = ["--config", "configs/moe_debug.yaml", f"run_dir={tmp_path / str(i)}", "steps=6", "deterministic=true",
+                "model.compute_dtype=bfloat16", "data.seq_len=2048", "data.batch_size=4", "model.d_model=512",
+                "model.d_ff=1536", "model.moe.d_expert=512", "log.every_steps=1", "log.eval_every_steps=-1",
+                "ckpt.every_steps=0", "log.progress=false", "log.tensorboard=false"]
+        p = subprocess.run([sys.executable, "-m", "mx_jax.train", *args], capture_output=True, text=True, env=env,
+                           cwd=ROOT, timeout=600)
+        assert p.returncode == 0, p.stderr[-3000:]
+        assert "deterministic: XLA_FLAGS has --xla_gpu_deterministic_ops=true" in p.stdout
+        lines = (tmp_path / str(i) / "metrics.jsonl").read_text().splitlines()
+        records.append([(r["step"], r["loss"], r["grad_norm"]) for r in map(json.loads, lines)])
+    assert len(records[0]) == 6 and records[0] == records[1], records
