@@ -713,23 +713,45 @@ def dry_run_devices(cfg: TrainConfig) -> int:
     return math.prod(max(1, getattr(cfg.mesh, k)) for k in sharding.MESH_AXES)
 
 
-def prepare_dry_run_backend(n_devices: int) -> str:
-    """Before any backend starts: fake the target device count. Returns a description of the compile target.
+def local_gpus() -> int:
+    """NVIDIA GPUs this process may use, counted without starting a backend: the driver's entries under /proc,
+    limited by CUDA_VISIBLE_DEVICES (whose list ends at its first invalid entry, e.g. -1)."""
+    gpus = len(list(pathlib.Path("/proc/driver/nvidia/gpus").glob("*")))
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        entries = [v.strip() for v in visible.split(",")]
+        valid = next((i for i, v in enumerate(entries) if not v or v.startswith("-")), len(entries))
+        gpus = min(gpus, valid)
+    return gpus
 
-    On a machine with the CUDA plugin, XLA's mock GPU topology gives a GPU compile (cuDNN attention, real GPU
-    memory analysis) for n devices on hosts of 8; elsewhere n fake CPU devices (XLA:CPU's attention keeps the
-    T x T scores, so its temporary memory overstates what flash attention needs on a GPU). The CPU device count
-    is set either way: where the plugin is installed but cannot start (no driver), jax falls back to the CPU backend,
-    and `dry_run` names that target instead.
-    """
+
+def dry_run_target(n_devices: int, plugin: bool, gpus: int) -> tuple[str, bool]:
+    """(description of the compile target, whether it is fake CPU devices) for a mesh of n_devices.
+
+    A GPU compile (cuDNN attention, real GPU memory analysis) needs the mesh's devices on this machine. XLA's mock
+    GPU topology cannot stand in for missing ones: it needs as many devices per mocked host as the machine has
+    (a dry run for 2 devices on a 1-GPU H200 failed to start the backend with 2 per host), and mocking 2 hosts of 1
+    GPU did not finish compiling the 2-layer Mixtral step in 150 s (benchmarks/RESULTS.md, session 33)."""
+    if not plugin:
+        return f"{n_devices} fake CPU devices", True
+    if gpus >= n_devices:
+        return f"{n_devices} of this machine's {gpus} GPU(s)", False
+    return (f"{n_devices} fake CPU devices (this machine has {gpus} GPU(s); a GPU compile needs the mesh's "
+            f"{n_devices} here)"), True
+
+
+def prepare_dry_run_backend(n_devices: int) -> str:
+    """Before any backend starts: choose the compile target (`dry_run_target`) and fake the CPU device count.
+
+    The CPU device count is set either way: where the plugin is installed but cannot start (no driver), jax falls
+    back to the CPU backend, and `dry_run` names that target instead. XLA:CPU's attention keeps the T x T scores,
+    so its temporary memory overstates what flash attention needs on a GPU."""
     jax.config.update("jax_num_cpu_devices", n_devices)
-    if compat.cuda_plugin_available() and os.environ.get("JAX_PLATFORMS", "") in ("", "cuda", "gpu"):
-        per_host = min(8, n_devices)
-        hosts = -(-n_devices // per_host)
-        jax.config.update("jax_mock_gpu_topology", f"1x{hosts}x{per_host}")
-        return f"mock GPU topology {hosts} host(s) x {per_host}"
-    jax.config.update("jax_platforms", "cpu")
-    return f"{n_devices} fake CPU devices"
+    plugin = compat.cuda_plugin_available() and os.environ.get("JAX_PLATFORMS", "") in ("", "cuda", "gpu")
+    target, cpu = dry_run_target(n_devices, plugin, local_gpus() if plugin else 0)
+    if cpu:
+        jax.config.update("jax_platforms", "cpu")
+    return target
 
 
 def dry_run(cfg: TrainConfig, target: str) -> dict:
@@ -741,7 +763,7 @@ def dry_run(cfg: TrainConfig, target: str) -> dict:
     print(memory_estimate.format_report(report), flush=True)
     n = report["devices"]
     devices = jax.devices()[:n]
-    if "GPU" in target and devices[0].platform != "gpu":
+    if "fake CPU" not in target and devices[0].platform != "gpu":
         target = f"{len(jax.devices())} fake CPU devices (the CUDA plugin is installed but did not start)"
     if len(devices) < n:
         print(f"compile: skipped ({len(jax.devices())} devices available, the mesh needs {n})")

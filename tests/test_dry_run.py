@@ -124,7 +124,7 @@ def test_a_cuda_plugin_that_cannot_start_compiles_on_named_cpu_devices():
     """Where the CUDA plugin is installed but cannot start (no driver), jax falls back to its CPU backend: the dry run
     must still compile for the mesh's device count and say that it compiled for CPU devices, not a GPU topology."""
     code = ("import sys; from mx_jax import compat, train; compat.cuda_plugin_available = lambda: True; "
-            "sys.exit(train.main(sys.argv[1:]))")
+            "train.local_gpus = lambda: 2; sys.exit(train.main(sys.argv[1:]))")
     env = {**os.environ, "XLA_FLAGS": xla_flags(), "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": ""}
     p = subprocess.run([sys.executable, "-c", code, "--dry-run", "--config", str(ROOT / "configs/moe_debug.yaml"),
                         "mesh.expert=2"], capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
@@ -154,3 +154,17 @@ def test_the_trainer_takes_90_percent_of_gpu_memory_unless_told(monkeypatch):
     monkeypatch.setenv("XLA_CLIENT_MEM_FRACTION", "0.7")
     report = memory_estimate.estimate(cfg)
     assert not report["fits"]["H200 141GB"] and "70% of capacity usable" in memory_estimate.format_report(report)
+
+
+def test_the_dry_run_compiles_for_a_gpu_only_where_the_mesh_has_its_gpus(monkeypatch):
+    """XLA's mock GPU topology cannot stand in for GPUs the machine lacks (RESULTS.md, session 33), so a mesh larger
+    than the visible GPUs compiles on fake CPU devices, and says why."""
+    from mx_jax import train
+
+    assert train.dry_run_target(8, plugin=True, gpus=8) == ("8 of this machine's 8 GPU(s)", False)
+    assert train.dry_run_target(2, plugin=True, gpus=8) == ("2 of this machine's 8 GPU(s)", False)
+    target, cpu = train.dry_run_target(2, plugin=True, gpus=1)
+    assert cpu and target.startswith("2 fake CPU devices (this machine has 1 GPU(s)")
+    assert train.dry_run_target(4, plugin=False, gpus=0) == ("4 fake CPU devices", True)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "-1")
+    assert train.local_gpus() == 0
