@@ -76,9 +76,11 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import PartitionSpec as P
 
 fp8mm = importlib.import_module("pallas_kernels.fp8_matmul")  # the module: the package re-exports the function
 qz = importlib.import_module("pallas_kernels.quantize")
+dev = importlib.import_module("pallas_kernels.device")
 
 from mx_jax import sharding  # noqa: E402
 from mx_jax.mx_format import mx_quantize  # noqa: E402,F401  (public as mx_jax.quant.mx_quantize)
@@ -238,6 +240,11 @@ def prequantize(ws, *, recipe: str, impl: str = "auto", compute_dtype=jnp.bfloat
     The train step calls this on the updated masters (llama.compute_copies) and passes the result to every `linear`
     of that weight through `Prequantized`: the forward and the backward then read the fp8 operands instead of
     concatenating and casting the weight again each time.
+
+    Under a multi-device mesh that leaves every device whole matrices (`sharding.matrices_whole`: no fsdp or
+    context split; data and expert splits only), each device casts its own weights inside shard_map, with the
+    Pallas casts on Hopper; under fsdp or context the partitioner splits XLA's casts (the rowwise amax then spans
+    the shards).
     """
     if recipe not in PREQUANTIZED:
         raise ValueError(f"prequantize: recipe {recipe!r} has no fp8 weight operands; choose from {PREQUANTIZED}")
@@ -255,11 +262,24 @@ def prequantize(ws, *, recipe: str, impl: str = "auto", compute_dtype=jnp.bfloat
     def one(*layer):  # the cast kernels read each tile from its own weight
         return _weight_operands(layer if len(layer) > 1 else layer[0], r, impl)
 
-    if not lead:
-        return one(*ws)
-    flat = [w.reshape(-1, *w.shape[-core:]) for w in ws]
-    ops = jax.lax.map(lambda layer: one(*layer), flat)
-    return jax.tree.map(lambda a: a.reshape(*lead, *a.shape[1:]), ops)
+    def cast(*ws):  # ws: the whole weights, or one device's
+        local_lead = ws[0].shape[:-core]
+        if not local_lead:
+            return one(*ws)
+        flat = [w.reshape(-1, *w.shape[-core:]) for w in ws]
+        ops = jax.lax.map(lambda layer: one(*layer), flat)
+        return jax.tree.map(lambda a: a.reshape(*local_lead, *a.shape[1:]), ops)
+
+    if dev.partitioned_context() and sharding.matrices_whole():
+        # Each device holds whole matrices (split at most over the experts): it casts its own in shard_map, where
+        # impl="auto" takes the Pallas casts. Left to the partitioner, XLA's casts inside the layer loop gave the
+        # carried bf16 copies a transposed layout on 2 GPUs: AdamW's update that writes them became a transpose,
+        # plus nine 1.9 GB copies of the experts' f32 masters and moments (RESULTS.md, sessions 33 and 34).
+        mesh = jax.sharding.get_abstract_mesh()
+        # batched: (*lead, E, K, N) with the experts split over "expert"; else (*lead, K, N), replicated
+        spec = sharding.fit_spec(P(*(None,) * len(lead), "expert"), ws[0].shape[:-2], mesh) if batched else P()
+        return jax.shard_map(cast, mesh=mesh, in_specs=(spec,) * len(ws), out_specs=spec, check_vma=False)(*ws)
+    return cast(*ws)
 
 
 def check_operands(ops, w, recipe: str, recipes: tuple[str, ...], caller: str) -> None:

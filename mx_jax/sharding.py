@@ -136,6 +136,19 @@ def constrain(x: jax.Array, logical: Sequence[str | None]) -> jax.Array:
     return jax.lax.with_sharding_constraint(x, fit_spec(spec(logical), x.shape, mesh))
 
 
+# the logical axes of a weight matrix's own two dimensions (the others are "layers" and "expert")
+MATRIX_AXES = ("embed", "vocab", "q_heads", "kv_heads", "mlp", "expert_mlp")
+
+
+def matrices_whole() -> bool:
+    """True unless the set mesh has an axis of more than one device that RULES puts on a weight matrix's own
+    dimensions (MATRIX_AXES; fsdp and context today): every device then holds whole matrices, split at most over
+    their layer and expert axes."""
+    mesh = jax.sharding.get_abstract_mesh()
+    axes = {a for name in MATRIX_AXES for a in ((RULES[name],) if isinstance(RULES[name], str) else RULES[name] or ())}
+    return mesh.empty or all(mesh.shape.get(a, 1) == 1 for a in axes)
+
+
 def batch_axes() -> tuple[str, ...]:
     axes = RULES["batch"]
     return (axes,) if isinstance(axes, str) else tuple(axes)

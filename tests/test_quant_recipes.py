@@ -201,6 +201,50 @@ def test_kernel_support_and_errors():
         quant.linear(x, w, recipe="bf16", impl="triton")
 
 
+MESHES = {"data2_expert4": (2, 1, 4, 1), "data8": (8, 1, 1, 1), "fsdp2_expert4": (1, 2, 4, 1)}
+
+
+@pytest.mark.parametrize("layout", list(MESHES))
+def test_prequantize_under_a_mesh(layout):
+    """Under a multi-device mesh whose devices hold whole matrices (no fsdp or context split), each device casts its
+    own weights in shard_map (where impl="auto" may take the Pallas casts); with fsdp the partitioner splits XLA's
+    casts. Either way the operands equal one device's bit for bit, and the experts' stay split over "expert"."""
+    mesh = jax.make_mesh(MESHES[layout], ("data", "fsdp", "expert", "context"),
+                         axis_types=(jax.sharding.AxisType.Auto,) * 4)
+    experts = jax.random.normal(jax.random.key(0), (2, 8, 64, 128), jnp.float32)  # (L, E, K, N)
+    dense = tuple(jax.random.normal(jax.random.key(i), (2, 64, 32 * i), jnp.float32) for i in (1, 2))
+    cases = [(experts, "fp8_rowwise", True), (dense, "fp8_rowwise", False), (dense, "fp8_tensorwise", False)]
+    for ws, recipe, batched in cases:
+        def f(*w, recipe=recipe, batched=batched):
+            return quant.prequantize(w, recipe=recipe, batched=batched)
+        ws = ws if isinstance(ws, tuple) else (ws,)
+        want = jax.jit(f)(*ws)
+        with jax.set_mesh(mesh):
+            spec = jax.sharding.PartitionSpec(None, "expert") if batched else jax.sharding.PartitionSpec()
+            placed = [jax.device_put(w, jax.sharding.NamedSharding(mesh, spec)) for w in ws]
+            assert ("shard_map" in str(jax.make_jaxpr(f)(*placed))) == (layout != "fsdp2_expert4")
+            got = jax.jit(f)(*placed)
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+            np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32)))
+        if batched and mesh.shape["expert"] > 1:
+            assert all(a.sharding.spec[:2] == (None, "expert") for a in jax.tree.leaves(got))
+
+
+def test_prequantize_under_an_expert_mesh_lowers_to_the_cast_kernels(monkeypatch):
+    """On Hopper, the experts' operands under a data x expert mesh come from the Pallas casts, run per device."""
+    monkeypatch.setattr(device, "on_hopper", lambda: True)
+    mesh = jax.sharding.AbstractMesh(
+        (2, 1, 4, 1), ("data", "fsdp", "expert", "context"), axis_types=(jax.sharding.AxisType.Auto,) * 4,
+        abstract_device=jax.sharding.AbstractDevice(device_kind="NVIDIA H200", platform="gpu", num_cores=132))
+    w = jax.ShapeDtypeStruct((2, 8, 4096, 1024), jnp.float32)
+    f = jax.jit(lambda w: quant.prequantize(w, recipe="fp8_rowwise", batched=True))
+    with jax.sharding.use_abstract_mesh(mesh):
+        text = f.trace(w).lower(lowering_platforms=("cuda",)).as_text()
+    assert "manual_computation" in text
+    # jax 0.10.2 cannot lower the transposed cast for the GPU (compat.MGPU_TRANSPOSED_CAST): auto takes XLA there
+    assert ("mosaic_gpu" in text) == compat.MGPU_TRANSPOSED_CAST
+
+
 # --------------------------------------------------------------------------------------------------------------
 # GPU: MX_JAX_TEST_GPU=1 python -m pytest -m gpu tests/test_quant_recipes.py
 # --------------------------------------------------------------------------------------------------------------
