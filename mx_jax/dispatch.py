@@ -176,7 +176,10 @@ class ExpertFFN:
         counts = jnp.bincount(local_expert, length=e + 1)[:e].astype(jnp.int32)
         sizes = counts + (-counts % a)  # a multiple of `a`, the excess zero rows
         # position of each assignment: its expert's (padded) start + its rank among that expert's assignments
-        ids = jnp.concatenate([local_expert, jnp.full((r_pad - r,), e, local_expert.dtype)])
+        # (No zero-size piece: jax 0.11.2's Shardy partitioner segfaulted on the scanned layer's backward when a
+        # concatenation here joined an empty array, whenever the rows needed no tail; RESULTS.md, session 34.)
+        ids = local_expert if r_pad == r else jnp.concatenate(
+            [local_expert, jnp.full((r_pad - r,), e, local_expert.dtype)])
         order = jnp.argsort(ids, stable=True).astype(jnp.int32)  # sorted -> assignment (>= r: the tail)
         rank = jnp.zeros((r_pad,), jnp.int32).at[order].set(jnp.arange(r_pad, dtype=jnp.int32))[:r]
         shift = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(sizes - counts)])  # padding before expert

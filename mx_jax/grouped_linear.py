@@ -135,21 +135,22 @@ def _backward(x, w_res, group_sizes, dys, recipe: str, impl: str, w_dtypes, grou
     return dx, dws
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
-def _grouped_linear(x, ws, group_sizes, ops, recipe, impl, group_align):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
+def _grouped_linear(x, ws, group_sizes, ops, recipe, impl, group_align, w_dtypes):
     return _forward(x, ws, group_sizes, ops, recipe, impl)[0]
 
 
-def _grouped_linear_fwd(x, ws, group_sizes, ops, recipe, impl, group_align):
+def _grouped_linear_fwd(x, ws, group_sizes, ops, recipe, impl, group_align, w_dtypes):
     ys, (x_res, w_res) = _forward(x, ws, group_sizes, ops, recipe, impl)
-    tags = tuple(jnp.zeros((0,), w.dtype) for w in ws)  # empty arrays carrying the weights' dtypes
-    return ys, (x_res, w_res, group_sizes, tags)
+    return ys, (x_res, w_res, group_sizes)
 
 
-def _grouped_linear_bwd(recipe, impl, group_align, res, dys):
-    x, w_res, group_sizes, tags = res
-    dx, dws = _backward(x, w_res, group_sizes, dys, recipe, impl, tuple(t.dtype for t in tags), group_align)
-    dws = tuple(dw.astype(t.dtype) for dw, t in zip(dws, tags))
+def _grouped_linear_bwd(recipe, impl, group_align, w_dtypes, res, dys):
+    # w_dtypes: the weights' dtypes, static (an empty array per weight carrying it as a residual was a zero-size
+    # array in the expert shard_map's backward: see dispatch.ExpertFFN on jax 0.11.2's Shardy)
+    x, w_res, group_sizes = res
+    dx, dws = _backward(x, w_res, group_sizes, dys, recipe, impl, w_dtypes, group_align)
+    dws = tuple(dw.astype(dt) for dw, dt in zip(dws, w_dtypes))
     return dx.astype(x.dtype), dws, None, None  # group sizes and operands: no gradient
 
 
@@ -202,5 +203,6 @@ def grouped_linear(
     for w, op in zip(ws, ops):
         if op is not None:
             quant.check_operands(op, w, recipe, ("fp8_rowwise",), "grouped_linear")
-    ys = _grouped_linear(x, ws, group_sizes.astype(jnp.int32), ops, recipe, impl, group_align)
+    ys = _grouped_linear(x, ws, group_sizes.astype(jnp.int32), ops, recipe, impl, group_align,
+                         tuple(jnp.dtype(w.dtype) for w in ws))
     return ys if several else ys[0]

@@ -250,6 +250,28 @@ def test_expert_ffn_gathers_equal_a_per_row_loop(fan_out, align):
     assert np.abs(np.asarray(got[1][1][2])).max() == 0  # the expert without rows
 
 
+def test_expert_ffn_makes_no_empty_arrays():
+    """With rows that need no tail (a multiple of ROW_MULTIPLE), ExpertFFN's forward and backward hold no zero-size
+    array: jax 0.11.2's Shardy partitioner segfaulted compiling the scanned MoE train step on a data or fsdp mesh when
+    the sort keys were concatenated with an empty tail (benchmarks/RESULTS.md, session 34)."""
+    import re
+
+    from mx_jax import dispatch
+
+    e, d, f, fan_out = 4, 8, 16, 2
+    s = dispatch.ROW_MULTIPLE // fan_out
+    ids = jnp.asarray(np.arange(s * fan_out) % (e + 1), jnp.int32)
+    rows = jnp.ones((s, d), jnp.float32)
+    ws = [jnp.ones(sh, jnp.float32) for sh in ((e, d, f), (e, d, f), (e, f, d))]
+
+    def loss(rows, wg, wu, wd):
+        return jnp.sum(dispatch.ExpertFFN(wg, wu, wd, "bf16", "reference")(rows, ids, fan_out=fan_out))
+
+    text = str(jax.make_jaxpr(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)))(rows, *ws))
+    assert "concatenate" in text or "sort" in text  # the sort is traced here
+    assert not re.findall(r"\b[a-z]+\d*\[(?:\d+,)*0(?:,\d+)*\]", text)
+
+
 @pytest.mark.parametrize("dims,rows_each,fp8", [
     ((4096, 14336), 1024, True), ((4096, 14336), 2048, True),  # Mixtral: 1.09x and 1.16x on an H200
     ((4096, 14336), 800, False),
