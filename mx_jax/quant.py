@@ -233,9 +233,9 @@ def prequantize(ws, *, recipe: str, impl: str = "auto", compute_dtype=jnp.bfloat
     is an extra output of AdamW's update fusion, which has the new master in registers (2 bytes written per
     element), and the casts then read the rounded copy twice (2 + 2) and write 1 + 1. Rounding the f32 tiles inside
     the cast kernels instead reads the master twice (4 + 4): 2 bytes more per element (RESULTS.md, session 29).
-    The concatenation of a fused weight is never written: the Pallas casts read each tile from its own weight. Elsewhere
-    (XLA) one layer's concatenated copy exists at a time: weights (..., K, N) with leading layer axes are quantized
-    one layer at a time (`lax.map`). batched: the last leading axis is a batch of matrices quantized each
+    The concatenation of a fused weight is never written: the Pallas casts read each tile from its own weight. With
+    XLA's casts on one device, one layer's concatenated copy exists at a time: weights (..., K, N) with leading layer
+    axes are quantized one layer at a time (`lax.map`). batched: the last leading axis is a batch of matrices quantized each
     on its own in one cast (the routed experts' (E, K, N), rowwise only; what mx_jax.grouped_linear's forward did).
     The train step calls this on the updated masters (llama.compute_copies) and passes the result to every `linear`
     of that weight through `Prequantized`: the forward and the backward then read the fp8 operands instead of
@@ -243,8 +243,9 @@ def prequantize(ws, *, recipe: str, impl: str = "auto", compute_dtype=jnp.bfloat
 
     Under a multi-device mesh that leaves every device whole matrices (`sharding.matrices_whole`: no fsdp or
     context split; data and expert splits only), each device casts its own weights inside shard_map, with the
-    Pallas casts on Hopper; under fsdp or context the partitioner splits XLA's casts (the rowwise amax then spans
-    the shards).
+    Pallas casts on Hopper. Under fsdp or context the partitioner splits XLA's casts (a rowwise amax then spans the
+    shards), and the layers are cast in one batched cast (vmap) instead of `lax.map`: on 2 GPUs with fsdp the map's
+    loop made XLA transpose the carried copies as well (RESULTS.md, session 34).
     """
     if recipe not in PREQUANTIZED:
         raise ValueError(f"prequantize: recipe {recipe!r} has no fp8 weight operands; choose from {PREQUANTIZED}")
@@ -267,7 +268,10 @@ def prequantize(ws, *, recipe: str, impl: str = "auto", compute_dtype=jnp.bfloat
         if not local_lead:
             return one(*ws)
         flat = [w.reshape(-1, *w.shape[-core:]) for w in ws]
-        ops = jax.lax.map(lambda layer: one(*layer), flat)
+        if dev.partitioned_context():  # XLA's casts, split by the partitioner: all layers in one batched cast
+            ops = jax.vmap(one)(*flat)
+        else:
+            ops = jax.lax.map(lambda layer: one(*layer), flat)
         return jax.tree.map(lambda a: a.reshape(*local_lead, *a.shape[1:]), ops)
 
     if dev.partitioned_context() and sharding.matrices_whole():
