@@ -153,7 +153,7 @@ def estimate(cfg: TrainConfig) -> dict:
 
     def shards(ax, v) -> int:
         out = 1
-        for entry in sharding.fit_spec(sharding.spec(ax), v.shape, mesh):
+        for entry in sharding.param_spec(ax, v.shape, mesh):
             for a in ((entry,) if isinstance(entry, str) else (entry or ())):
                 out *= shape[a]
         return out

@@ -87,6 +87,28 @@ def test_every_parameter_has_its_pinned_partition_spec():
     }
 
 
+@pytest.mark.parametrize("mesh_shape,want_e,want_f", [
+    ({"fsdp": 2}, ("expert", "fsdp", "context"), None),  # whole matrices, split over the experts
+    ({"data": 2, "fsdp": 2, "expert": 2}, ("expert", "fsdp", "context"), None),
+    ({"fsdp": 4, "context": 2}, ("expert", "fsdp", "context"), None),
+    ({"fsdp": 16}, "expert", ("fsdp", "context")),  # 8 experts do not divide over 16: the hidden dim keeps fsdp
+])
+def test_expert_weights_put_fsdp_on_the_expert_axis_where_it_divides(mesh_shape, want_e, want_f):
+    """sharding.param_spec: a routed expert weight (E, D, F) and its per-row scales take fsdp and context on E when
+    they all divide it (an all-gather along the major axis into the MoE layer); dense weights keep `spec`."""
+    from jax.sharding import AbstractMesh, AxisType
+
+    shape = {a: mesh_shape.get(a, 1) for a in sharding.MESH_AXES}
+    mesh = AbstractMesh(tuple(shape.values()), tuple(shape.keys()), axis_types=(AxisType.Auto,) * 4)
+    assert sharding.param_spec(("layers", "expert", None, "expert_mlp"), (2, 8, 64, 128), mesh) == P(
+        None, want_e, None, want_f)
+    assert sharding.param_spec(("layers", "expert", "expert_mlp", None), (2, 8, 128, 64), mesh) == P(
+        None, want_e, want_f, None)
+    assert sharding.param_spec(("layers", "expert", None), (2, 8, 64), mesh) == P(None, want_e, None)  # a scale
+    dense = ("layers", "embed", "q_heads")
+    assert sharding.param_spec(dense, (2, 64, 128), mesh) == sharding.fit_spec(sharding.spec(dense), (2, 64, 128), mesh)
+
+
 def test_mesh_errors_name_the_problem():
     from mx_jax.config import ConfigError
     with pytest.raises(ConfigError, match="mesh"):

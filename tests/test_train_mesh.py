@@ -69,7 +69,10 @@ def test_fp8_operands_are_sharded_like_their_weights(tmp_path):
         np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32)))
     experts = state["compute"]["blocks"]["moe"]["w_gate"]  # (L, E, D, F) weights
     assert isinstance(experts, quant.Operands) and experts.out[0].shape == (2, 8, 16, 64)
-    assert experts.out[0].sharding.spec[1] == "expert" and experts.grad_x[1].sharding.spec[1] == "expert"
+    # the experts' axis carries fsdp too (8 experts over expert=2 x fsdp=2: sharding.param_spec), the matrices whole
+    e_axes = ("expert", "fsdp", "context")
+    assert experts.out[0].sharding.spec[1] == e_axes and experts.grad_x[1].sharding.spec[1] == e_axes
+    assert experts.out[0].addressable_shards[0].data.shape == (2, 2, 16, 64)
     one = train.train(tiny_config(tmp_path / "one", *over, "mesh.fsdp=1"), devices=jax.devices()[:1])
     np.testing.assert_allclose(result.metrics["loss"], one.metrics["loss"], rtol=1e-4)
 
