@@ -235,8 +235,9 @@ def prequantize(ws, *, recipe: str, impl: str = "auto", compute_dtype=jnp.bfloat
     the cast kernels instead reads the master twice (4 + 4): 2 bytes more per element (RESULTS.md, session 29).
     The concatenation of a fused weight is never written: the Pallas casts read each tile from its own weight. With
     XLA's casts on one device, one layer's concatenated copy exists at a time: weights (..., K, N) with leading layer
-    axes are quantized one layer at a time (`lax.map`). batched: the last leading axis is a batch of matrices quantized each
-    on its own in one cast (the routed experts' (E, K, N), rowwise only; what mx_jax.grouped_linear's forward did).
+    axes are quantized one layer at a time (`lax.map`). batched: the last leading axis is a batch of matrices
+    quantized each on its own in one cast (the routed experts' (E, K, N), rowwise only; what mx_jax.grouped_linear's
+    forward did).
     The train step calls this on the updated masters (llama.compute_copies) and passes the result to every `linear`
     of that weight through `Prequantized`: the forward and the backward then read the fp8 operands instead of
     concatenating and casting the weight again each time.
