@@ -52,6 +52,12 @@ RULES: dict[str, str | tuple[str, ...] | None] = {
 }
 
 
+def rule_axes(name: str) -> tuple[str, ...]:
+    """The mesh axes RULES gives logical axis `name`, as a tuple (empty when replicated)."""
+    axes = RULES[name]
+    return (axes,) if isinstance(axes, str) else tuple(axes or ())
+
+
 def make_mesh(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
     """Build the mesh; a -1 axis takes what the others leave. Errors name the mesh key and the device count."""
     devices = list(jax.devices() if devices is None else devices)
@@ -96,11 +102,10 @@ def spec(logical: Sequence[str | None] | None) -> P:
     used: set[str] = set()
     out = []
     for name in logical:
-        axes = RULES[name] if name is not None else None
-        if axes is None:
+        axes = rule_axes(name) if name is not None else ()
+        if not axes:
             out.append(None)
             continue
-        axes = (axes,) if isinstance(axes, str) else axes
         axes = tuple(a for a in axes if a not in used)
         used.update(axes)
         out.append(axes if len(axes) > 1 else (axes[0] if axes else None))
@@ -137,8 +142,7 @@ def param_spec(logical: Sequence[str | None] | None, shape: Sequence[int], mesh)
     fitted = fit_spec(spec(logical), shape, mesh)
     if not logical or "expert" not in logical:
         return fitted
-    axes = [a for name in ("expert", "expert_mlp") for a in ((RULES[name],) if isinstance(RULES[name], str)
-                                                              else RULES[name] or ())]
+    axes = [*rule_axes("expert"), *rule_axes("expert_mlp")]
     entries = list(spec(logical)) + [None] * (len(shape) - len(spec(logical)))
     entries = [None if name == "expert_mlp" else entry for name, entry in zip(logical, entries)]
     e = logical.index("expert")
@@ -169,13 +173,12 @@ def matrices_whole() -> bool:
     dimensions (MATRIX_AXES; fsdp and context today): every device then holds whole matrices, split at most over
     their layer and expert axes."""
     mesh = jax.sharding.get_abstract_mesh()
-    axes = {a for name in MATRIX_AXES for a in ((RULES[name],) if isinstance(RULES[name], str) else RULES[name] or ())}
+    axes = {a for name in MATRIX_AXES for a in rule_axes(name)}
     return mesh.empty or all(mesh.shape.get(a, 1) == 1 for a in axes)
 
 
 def batch_axes() -> tuple[str, ...]:
-    axes = RULES["batch"]
-    return (axes,) if isinstance(axes, str) else tuple(axes)
+    return rule_axes("batch")
 
 
 def tokens_split() -> bool:
