@@ -135,16 +135,16 @@ def param_spec(logical: Sequence[str | None] | None, shape: Sequence[int], mesh)
     expert weight, its fp8 operands and scales) puts the mesh axes of the experts' hidden dim (fsdp, context) on its
     expert axis instead, after "expert", wherever they all divide it. Each device then holds whole expert matrices,
     and the MoE layer's all-gather over fsdp (into its shard_map, which takes the experts split over "expert" only)
-    joins them along the major axis. Gathered along the hidden dim (the minor one of w_gate and w_up), XLA transposed the gathered
-    weights: on 2 x H200 at fsdp=2 the bf16 Mixtral step spent 18.1 ms per step in copies and transposes, now 5.6,
-    and took 123.3 ms, now 109.2 (RESULTS.md, session 34). Where they do not all divide the expert axis (8 experts
-    on fsdp=16), the hidden dim keeps them, as `spec` says."""
-    fitted = fit_spec(spec(logical), shape, mesh)
+    joins them along the major axis. Gathered along the hidden dim (the minor one of w_gate and w_up), XLA
+    transposed the gathered weights: on 2 x H200 at fsdp=2 the bf16 Mixtral step spent 18.1 ms per step in copies
+    and transposes, now 5.6, and took 123.3 ms, now 109.2 (RESULTS.md, session 34). Where they do not all divide
+    the expert axis (8 experts on fsdp=16), the hidden dim keeps them, as `spec` says."""
+    base = spec(logical)
+    fitted = fit_spec(base, shape, mesh)
     if not logical or "expert" not in logical:
         return fitted
     axes = [*rule_axes("expert"), *rule_axes("expert_mlp")]
-    entries = list(spec(logical)) + [None] * (len(shape) - len(spec(logical)))
-    entries = [None if name == "expert_mlp" else entry for name, entry in zip(logical, entries)]
+    entries = [None if name == "expert_mlp" else entry for name, entry in zip(logical, base)]
     e = logical.index("expert")
     entries[e] = tuple(dict.fromkeys(axes))
     moved = fit_spec(P(*entries), shape, mesh)
