@@ -242,11 +242,12 @@ def prequantize(ws, *, recipe: str, impl: str = "auto", compute_dtype=jnp.bfloat
     of that weight through `Prequantized`: the forward and the backward then read the fp8 operands instead of
     concatenating and casting the weight again each time.
 
-    Under a multi-device mesh that leaves every device whole matrices (`sharding.matrices_whole`: no fsdp or
-    context split; data and expert splits only), each device casts its own weights inside shard_map, with the
-    Pallas casts on Hopper. Under fsdp or context the partitioner splits XLA's casts (a rowwise amax then spans the
-    shards), and the layers are cast in one batched cast (vmap) instead of `lax.map`: on 2 GPUs with fsdp the map's
-    loop made XLA transpose the carried copies as well (RESULTS.md, session 34).
+    Under a multi-device mesh that leaves every device whole matrices (`_whole_matrices_spec`: dense weights without
+    fsdp or context; routed experts also under fsdp or context where `sharding.param_spec` puts those on their
+    expert axis), each device casts its own weights inside shard_map, with the Pallas casts on Hopper. Otherwise the
+    partitioner splits XLA's casts (a rowwise amax then spans the shards), and the layers are cast in one batched
+    cast (vmap) instead of `lax.map`: on 2 GPUs with fsdp the map's loop made XLA transpose the carried copies as
+    well (RESULTS.md, session 34).
     """
     if recipe not in PREQUANTIZED:
         raise ValueError(f"prequantize: recipe {recipe!r} has no fp8 weight operands; choose from {PREQUANTIZED}")
@@ -275,16 +276,33 @@ def prequantize(ws, *, recipe: str, impl: str = "auto", compute_dtype=jnp.bfloat
             ops = jax.lax.map(lambda layer: one(*layer), flat)
         return jax.tree.map(lambda a: a.reshape(*local_lead, *a.shape[1:]), ops)
 
-    if dev.partitioned_context() and sharding.matrices_whole():
-        # Each device holds whole matrices (split at most over the experts): it casts its own in shard_map, where
-        # impl="auto" takes the Pallas casts. Left to the partitioner, XLA's casts inside the layer loop gave the
-        # carried bf16 copies a transposed layout on 2 GPUs: AdamW's update that writes them became a transpose,
-        # plus nine 1.9 GB copies of the experts' f32 masters and moments (RESULTS.md, sessions 33 and 34).
+    spec = _whole_matrices_spec(ws[0].shape, batched) if dev.partitioned_context() else None
+    if spec is not None:
+        # Each device holds whole matrices (split at most over the layers' experts): it casts its own in shard_map,
+        # where impl="auto" takes the Pallas casts. Left to the partitioner, XLA's casts inside the layer loop gave
+        # the carried bf16 copies a transposed layout on 2 GPUs: AdamW's update that writes them became a
+        # transpose, plus nine 1.9 GB copies of the experts' f32 masters and moments (RESULTS.md, sessions 33, 34).
         mesh = jax.sharding.get_abstract_mesh()
-        # batched: (*lead, E, K, N) with the experts split over "expert"; else (*lead, K, N), replicated
-        spec = sharding.fit_spec(P(*(None,) * len(lead), "expert"), ws[0].shape[:-2], mesh) if batched else P()
         return jax.shard_map(cast, mesh=mesh, in_specs=(spec,) * len(ws), out_specs=spec, check_vma=False)(*ws)
     return cast(*ws)
+
+
+def _whole_matrices_spec(shape, batched: bool) -> P | None:
+    """Under the set mesh, the spec of a weight (*layers, K, N), or batched (*layers, E, K, N), over its leading
+    axes when every device holds its matrices whole, as the train state shards it (sharding.param_spec); else
+    None. Dense weights are whole without fsdp and context; the routed experts also under fsdp or context when
+    those split their expert axis instead of their hidden dim."""
+    if not batched:
+        return P() if sharding.matrices_whole() else None
+    mesh = jax.sharding.get_abstract_mesh()
+    lead = len(shape) - 3
+    spec = sharding.param_spec(("layers",) * lead + ("expert", None, "expert_mlp"), shape, mesh)
+    spec = tuple(spec) + (None,) * (len(shape) - len(spec))
+
+    def size(entry) -> int:
+        return math.prod(mesh.shape[a] for a in ((entry,) if isinstance(entry, str) else entry or ()))
+
+    return P(*spec[:lead + 1]) if size(spec[-2]) == size(spec[-1]) == 1 else None
 
 
 def check_operands(ops, w, recipe: str, recipes: tuple[str, ...], caller: str) -> None:

@@ -206,9 +206,10 @@ MESHES = {"data2_expert4": (2, 1, 4, 1), "data8": (8, 1, 1, 1), "fsdp2_expert4":
 
 @pytest.mark.parametrize("layout", list(MESHES))
 def test_prequantize_under_a_mesh(layout):
-    """Under a multi-device mesh whose devices hold whole matrices (no fsdp or context split), each device casts its
-    own weights in shard_map (where impl="auto" may take the Pallas casts); with fsdp the partitioner splits XLA's
-    casts. Either way the operands equal one device's bit for bit, and the experts' stay split over "expert"."""
+    """Under a multi-device mesh whose devices hold whole matrices (no fsdp or context split; for the experts also
+    fsdp on their expert axis), each device casts its own weights in shard_map (where impl="auto" may take the
+    Pallas casts); otherwise the partitioner splits XLA's casts. Either way the operands equal one device's bit for
+    bit, and the experts' stay split over "expert"."""
     mesh = jax.make_mesh(MESHES[layout], ("data", "fsdp", "expert", "context"),
                          axis_types=(jax.sharding.AxisType.Auto,) * 4)
     experts = jax.random.normal(jax.random.key(0), (2, 8, 64, 128), jnp.float32)  # (L, E, K, N)
@@ -222,19 +223,23 @@ def test_prequantize_under_a_mesh(layout):
         with jax.set_mesh(mesh):
             spec = jax.sharding.PartitionSpec(None, "expert") if batched else jax.sharding.PartitionSpec()
             placed = [jax.device_put(w, jax.sharding.NamedSharding(mesh, spec)) for w in ws]
-            assert ("shard_map" in str(jax.make_jaxpr(f)(*placed))) == (layout != "fsdp2_expert4")
+            # under fsdp the dense weights' matrices are split; the experts' are whole (fsdp on their expert axis)
+            assert ("shard_map" in str(jax.make_jaxpr(f)(*placed))) == (batched or layout != "fsdp2_expert4")
             got = jax.jit(f)(*placed)
         for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
             np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32)))
         if batched and mesh.shape["expert"] > 1:
-            assert all(a.sharding.spec[:2] == (None, "expert") for a in jax.tree.leaves(got))
+            want_spec = ("expert", "fsdp") if mesh.shape["fsdp"] > 1 else "expert"
+            assert all(a.sharding.spec[:2] == (None, want_spec) for a in jax.tree.leaves(got))
 
 
-def test_prequantize_under_an_expert_mesh_lowers_to_the_cast_kernels(monkeypatch):
-    """On Hopper, the experts' operands under a data x expert mesh come from the Pallas casts, run per device."""
+@pytest.mark.parametrize("mesh_shape", [(2, 1, 4, 1), (1, 2, 4, 1)])
+def test_prequantize_under_an_expert_mesh_lowers_to_the_cast_kernels(monkeypatch, mesh_shape):
+    """On Hopper, the experts' operands under a data x expert or fsdp x expert mesh come from the Pallas casts,
+    run per device."""
     monkeypatch.setattr(device, "on_hopper", lambda: True)
     mesh = jax.sharding.AbstractMesh(
-        (2, 1, 4, 1), ("data", "fsdp", "expert", "context"), axis_types=(jax.sharding.AxisType.Auto,) * 4,
+        mesh_shape, ("data", "fsdp", "expert", "context"), axis_types=(jax.sharding.AxisType.Auto,) * 4,
         abstract_device=jax.sharding.AbstractDevice(device_kind="NVIDIA H200", platform="gpu", num_cores=132))
     w = jax.ShapeDtypeStruct((2, 8, 4096, 1024), jnp.float32)
     f = jax.jit(lambda w: quant.prequantize(w, recipe="fp8_rowwise", batched=True))
