@@ -114,6 +114,8 @@ def layer_residuals(cfg: TrainConfig, abstract_model: Llama, mesh: AbstractMesh)
             nbytes = aval.size * aval.dtype.itemsize
             if "shard_map" in origin:
                 total += nbytes / n_dev
+            elif "quant.py" in origin and aval.shape[:1] == (act_shards,):
+                total += nbytes / act_shards  # a linear's per-device residuals, stacked over the token shards
             elif micro_batch * seq in aval.shape or (aval.shape[:1] == (micro_batch,) and seq in aval.shape[1:]):
                 total += nbytes / act_shards  # an activation, (B, T, ...), (B, H, T) or (tokens, ...) transposed
             else:

@@ -56,6 +56,22 @@ session 26). The routed experts' grouped GEMMs take theirs the same way (mx_jax/
 2-layer Mixtral fp8 step). Called with a plain weight, `linear` makes the operands itself (evaluation, sampling,
 benchmarks).
 
+Multi-device meshes. A Mosaic kernel sees only local arrays, so under a mesh set outside shard_map (where XLA's
+partitioner splits the program) an fp8 linear of T rows runs per device: `_token_axes` names the mesh axes that
+split the tokens (data, fsdp, expert, then context: the order in which they split the (batch * seq) rows), and the
+forward and the backward each run in one shard_map over them, with the whole weight operands (XLA gathers them
+first under fsdp). With T_d a device's rows,
+
+    y_d = x_d @ w,   grad_x_d = g_d @ wᵀ,   grad_w = Σ_d x_dᵀ @ g_d
+
+Each device's grad_w partial leaves the shard_map stacked on a leading device axis and is summed outside in f32 (an
+all-reduce, or a reduce-scatter where the weight is split), then rounded to w's dtype. Scales are each device's own,
+as TorchAO computes them under DDP and FSDP: scales along K or N (x and g for out and grad_x) equal one device's,
+so y and grad_x are bit-identical; x and g along T for grad_w, and tensorwise scales, come from the device's rows
+(each partial product is dequantized before the sum, so the math holds). Without this, cuBLASLt's fp8 GEMM and
+XLA's casts ran instead; on 2 x H200 the 4-layer 8B fp8 step's device time fell from 149.5 to 140.1 ms at fsdp=2
+(benchmarks/RESULTS.md, session 35). T not divisible by the token shards keeps the partitioner's path.
+
 mxfp8 (OCP MX, blocks of 32 with a power-of-two E8M0 scale, TorchAO's MXFP8 training recipe): all three GEMMs in
 MX e4m3, each operand blocked along its own contraction axis (out: x and w along K; grad_x: g and w along N;
 grad_w: x and g along T), rceil scales. It lives in mx_jax/mx_linear.py (format: mx_jax/mx_format.py) and
@@ -319,6 +335,25 @@ def check_operands(ops, w, recipe: str, recipes: tuple[str, ...], caller: str) -
 # --------------------------------------------------------------------------------------------------------------
 # The quantized dot: custom_vjp over 2-D x (T, K) and w (K, N), one per (recipe, impl).
 # --------------------------------------------------------------------------------------------------------------
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class _PerDevice:
+    """The residuals of a linear whose GEMMs ran per device: x's (stacked over the devices) and w's grad_x operand."""
+
+    x: object
+    w: tuple[jax.Array, jax.Array]
+
+
+def _token_axes(recipe: str, t: int) -> tuple[str, ...] | None:
+    """The mesh axes to run an fp8 linear of T rows per device over (module docstring), or None: not an fp8 recipe
+    with weight operands, no multi-device mesh set outside shard_map, or T not split evenly."""
+    if recipe not in PREQUANTIZED or not dev.partitioned_context():
+        return None
+    axes = sharding.token_axes()
+    mesh = jax.sharding.get_abstract_mesh()
+    return axes if axes and t % math.prod(mesh.shape[a] for a in axes) == 0 else None
+
+
 @functools.lru_cache(maxsize=None)
 def _make_linear2d(recipe_name: str, impl: str):
     r = RECIPE_TABLE[recipe_name]
@@ -373,17 +408,47 @@ def _make_linear2d(recipe_name: str, impl: str):
             grad_w = _dot_hp(x_res, g, (0, 0), gw_dtype, g.dtype)
         return grad_x, grad_w
 
+    # Per device (_token_axes): the GEMMs and activation casts run inside shard_map over the token axes, each
+    # device on its own rows with the whole weight operands. Residuals leave it stacked on a new leading axis (one
+    # entry per device: its xᵀ rows or x, and its own scales), and so does grad_w: each device's partial sum over its
+    # tokens, summed outside in f32 (XLA's all-reduce, or reduce-scatter where the weight is split).
+    def forward_per_device(x, w, ops, axes):
+        if ops is None:
+            ops = _weight_operands(w, r, impl)
+
+        def local(x, ops):
+            y, (x_res, _) = forward(x, None, ops)
+            return y, jax.tree.map(lambda a: a[None], x_res)
+
+        y, x_res = jax.shard_map(local, in_specs=(P(axes, None), P()), out_specs=(P(axes, None), P(axes)),
+                                 check_vma=False)(x, ops)
+        return y, _PerDevice(checkpoint_name(x_res, "matmul") if x_dual else x_res, ops.grad_x)
+
+    def backward_per_device(res, g, gw_dtype, axes):
+        def local(x_res, w_res, g):
+            grad_x, grad_w = backward((jax.tree.map(lambda a: a[0], x_res), w_res), g, gw_dtype)
+            return grad_x, grad_w[None]
+
+        grad_x, grad_w = jax.shard_map(local, in_specs=(P(axes), P(), P(axes, None)),
+                                       out_specs=(P(axes, None), P(axes)), check_vma=False)(res.x, res.w, g)
+        return grad_x, grad_w.sum(0, dtype=gw_dtype)
+
     @jax.custom_vjp
     def linear2d(x, w, ops):
-        return forward(x, w, ops)[0]
+        return fwd(x, w, ops)[0]
 
     def fwd(x, w, ops):
-        y, res = forward(x, w, ops)
+        axes = _token_axes(recipe_name, x.shape[0])
+        y, res = forward(x, w, ops) if axes is None else forward_per_device(x, w, ops, axes)
         return y, (res, jnp.zeros((0,), x.dtype), jnp.zeros((0,), w.dtype))
 
     def bwd(saved, g):
         res, x_tag, w_tag = saved  # empty arrays carrying the primal dtypes
-        grad_x, grad_w = backward(res, g.astype(x_tag.dtype), _grad_w_dtype(w_tag.dtype))
+        g, gw_dtype = g.astype(x_tag.dtype), _grad_w_dtype(w_tag.dtype)
+        if isinstance(res, _PerDevice):
+            grad_x, grad_w = backward_per_device(res, g, gw_dtype, _token_axes(recipe_name, g.shape[0]))
+        else:
+            grad_x, grad_w = backward(res, g, gw_dtype)
         return grad_x.astype(x_tag.dtype), grad_w.astype(w_tag.dtype), None  # the operands are not differentiated
 
     linear2d.defvjp(fwd, bwd)

@@ -181,12 +181,19 @@ def batch_axes() -> tuple[str, ...]:
     return rule_axes("batch")
 
 
+def token_axes() -> tuple[str, ...]:
+    """The set mesh's axes of more than one device that split the tokens: the batch's, then the sequence's (the
+    order in which they split a layer's (batch * seq) rows)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return ()
+    return tuple(a for a in (*batch_axes(), *rule_axes("seq")) if mesh.shape.get(a, 1) > 1)
+
+
 def tokens_split() -> bool:
     """True under a set mesh that splits the tokens (batch or sequence) over more than one device: a weight
     gradient is then a sum of per-device partial sums."""
-    mesh = jax.sharding.get_abstract_mesh()
-    axes = (*batch_axes(), RULES["seq"])
-    return not mesh.empty and any(mesh.shape.get(a, 1) > 1 for a in axes if isinstance(a, str))
+    return bool(token_axes())
 
 
 def batch_size_divisor(mesh: Mesh) -> int:

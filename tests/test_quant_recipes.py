@@ -250,6 +250,66 @@ def test_prequantize_under_an_expert_mesh_lowers_to_the_cast_kernels(monkeypatch
     assert ("mosaic_gpu" in text) == compat.MGPU_TRANSPOSED_CAST
 
 
+LINEAR_MESHES = {"data2_fsdp2_expert2": (2, 2, 2, 1), "fsdp4_context2": (1, 4, 1, 2), "data8": (8, 1, 1, 1)}
+
+
+@pytest.mark.parametrize("layout", list(LINEAR_MESHES))
+@pytest.mark.parametrize("recipe", quant.PREQUANTIZED)
+def test_linear_per_device_under_a_mesh(layout, recipe):
+    """Under a multi-device mesh an fp8 linear runs per device over the token axes (shard_map; on Hopper that is
+    where the Pallas GEMM and casts apply). Rows scaled along K or N are the same on every device count, so y and
+    grad_x equal one device's bit for bit under the rowwise recipes; grad_w (its operands scaled along T, each
+    device over its own tokens) and every tensorwise operand (one scale per device) come out as close to the f32
+    product as one device's do. T not split evenly keeps the partitioner's path, with the same results."""
+    mesh = jax.make_mesh(LINEAR_MESHES[layout], ("data", "fsdp", "expert", "context"),
+                         axis_types=(jax.sharding.AxisType.Auto,) * 4)
+    x, w, g = problem(jax.random.key(11), t=512, k=256, n=384)
+    x, g = x.reshape(8, 64, 256), g.reshape(8, 64, 384)
+    x = x.at[1, 3].multiply(50.0)  # an outlier row: tensorwise scales differ between the devices
+    f32 = lambda x, w: jnp.einsum("btk,kn->btn", x.astype(jnp.float32), w.astype(jnp.float32))
+    y_ref, pull = jax.vjp(f32, x, w)
+    refs = (y_ref, *pull(g.astype(jnp.float32)))
+    one = jax.jit(lambda x, w, g: vjp(recipe, "auto", x, w, g))(x, w, g)
+    act = jax.sharding.PartitionSpec(("data", "fsdp", "expert"), "context")
+    with jax.set_mesh(mesh):
+        xs, gs = (jax.device_put(a, jax.sharding.NamedSharding(mesh, act)) for a in (x, g))
+        ws = jax.device_put(w, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("fsdp")))
+        f = jax.jit(lambda x, w, g: vjp(recipe, "auto", x, w, g))
+        assert "shard_map" in str(jax.make_jaxpr(f)(xs, ws, gs))
+        got = f(xs, ws, gs)
+        odd = (x[:4, :63], g[:4, :63])  # 4 x 63 rows: not a multiple of the 8 devices' token split
+        assert "shard_map" not in str(jax.make_jaxpr(f)(*odd[:1], ws, *odd[1:]))
+        got_odd = f(odd[0], ws, odd[1])
+    want_odd = jax.jit(lambda x, w, g: vjp(recipe, "auto", x, w, g))(odd[0], w, odd[1])
+    for a, b in zip(got_odd, want_odd):
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=1e-6, atol=1e-6)
+    for i, (a, b, ref) in enumerate(zip(got, one, refs)):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        if recipe != "fp8_tensorwise" and i < 2:
+            np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+        else:
+            assert rel(a, ref) < 1.1 * rel(b, ref) + 1e-6, (i, rel(a, ref), rel(b, ref))
+            assert rel(a, b) < 2 * rel(b, ref) + 1e-5, (i, rel(a, b))
+
+
+def test_linear_per_device_lowers_to_the_kernels(monkeypatch):
+    """On Hopper under a data x fsdp mesh, the fp8 linear's GEMMs (forward, grad_x, grad_w) are Mosaic GPU kernels
+    inside the manual computation, and grad_w's per-device partial sums are summed in f32."""
+    monkeypatch.setattr(device, "on_hopper", lambda: True)
+    mesh = jax.sharding.AbstractMesh(
+        (2, 2, 1, 1), ("data", "fsdp", "expert", "context"), axis_types=(jax.sharding.AxisType.Auto,) * 4,
+        abstract_device=jax.sharding.AbstractDevice(device_kind="NVIDIA H200", platform="gpu", num_cores=132))
+    x = jax.ShapeDtypeStruct((4, 1024, 1024), jnp.bfloat16)
+    w = jax.ShapeDtypeStruct((1024, 2048), jnp.bfloat16)
+    g = jax.ShapeDtypeStruct((4, 1024, 2048), jnp.bfloat16)
+    f = jax.jit(lambda x, w, g: vjp("fp8_rowwise", "auto", x, w, g))
+    with jax.sharding.use_abstract_mesh(mesh):
+        text = f.trace(x, w, g).lower(lowering_platforms=("cuda",)).as_text()
+    assert "manual_computation" in text
+    assert text.count("mosaic_gpu") >= 3, text.count("mosaic_gpu")
+    assert "tensor<4x1024x2048xf32>" in text  # the stacked partial grad_w, before its f32 sum
+
+
 # --------------------------------------------------------------------------------------------------------------
 # GPU: MX_JAX_TEST_GPU=1 python -m pytest -m gpu tests/test_quant_recipes.py
 # --------------------------------------------------------------------------------------------------------------
@@ -287,3 +347,32 @@ def test_gpu_prequantize_on_the_kernels(recipe):
         if device.on_hopper():
             text = jax.jit(lambda *g: quant.prequantize(g, recipe=recipe)).lower(*group).as_text()
             assert "mosaic_gpu" in text and "concatenate" not in text  # the pair's tiles are read from each weight
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe", ["fp8_rowwise", "fp8_tensorwise"])
+def test_gpu_linear_per_device_on_two_gpus(recipe):
+    """On a data=2 mesh of two GPUs, the per-device linear (Pallas GEMMs and casts in its shard_map) against one
+    GPU: rowwise y and grad_x bit for bit (same rows, same kernels), grad_w and tensorwise within one device's
+    distance from the f32 product."""
+    if jax.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    x, w, g = problem(jax.random.key(12), t=8192, k=4096, n=2048, w_dtype=jnp.bfloat16)
+    f32 = lambda x, w: jnp.einsum("btk,kn->btn", x.astype(jnp.float32), w.astype(jnp.float32))
+    y_ref, pull = jax.vjp(f32, x, w)
+    refs = (y_ref, *pull(g.astype(jnp.float32)))
+    f = jax.jit(lambda x, w, g: vjp(recipe, "auto", x, w, g))
+    one = f(x, w, g)
+    mesh = jax.make_mesh((2, 1, 1, 1), ("data", "fsdp", "expert", "context"),
+                         axis_types=(jax.sharding.AxisType.Auto,) * 4, devices=jax.devices()[:2])
+    with jax.set_mesh(mesh):
+        act = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+        xs, gs = jax.device_put(x, act), jax.device_put(g, act)
+        if device.on_hopper():
+            assert "mosaic_gpu" in f.lower(xs, w, gs).as_text()
+        got = f(xs, w, gs)
+    for i, (a, b, ref) in enumerate(zip(got, one, refs)):
+        if recipe == "fp8_rowwise" and i < 2:
+            np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+        else:
+            assert rel(a, ref) < 1.1 * rel(b, ref) + 1e-6, (i, rel(a, ref), rel(b, ref))
