@@ -338,10 +338,12 @@ def check_operands(ops, w, recipe: str, recipes: tuple[str, ...], caller: str) -
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class _PerDevice:
-    """The residuals of a linear whose GEMMs ran per device: x's (stacked over the devices) and w's grad_x operand."""
+    """The residuals of a linear whose GEMMs ran per device over mesh `axes`: x's (stacked over the devices: its xᵀ
+    operand or x itself) and w's grad_x operand."""
 
-    x: object
+    x: tuple[jax.Array, jax.Array] | jax.Array
     w: tuple[jax.Array, jax.Array]
+    axes: tuple[str, ...] = dataclasses.field(metadata=dict(static=True))
 
 
 def _token_axes(recipe: str, t: int) -> tuple[str, ...] | None:
@@ -422,9 +424,11 @@ def _make_linear2d(recipe_name: str, impl: str):
 
         y, x_res = jax.shard_map(local, in_specs=(P(axes, None), P()), out_specs=(P(axes, None), P(axes)),
                                  check_vma=False)(x, ops)
-        return y, _PerDevice(checkpoint_name(x_res, "matmul") if x_dual else x_res, ops.grad_x)
+        return y, _PerDevice(checkpoint_name(x_res, "matmul") if x_dual else x_res, ops.grad_x, axes)
 
-    def backward_per_device(res, g, gw_dtype, axes):
+    def backward_per_device(res: _PerDevice, g, gw_dtype):
+        axes = res.axes
+
         def local(x_res, w_res, g):
             grad_x, grad_w = backward((jax.tree.map(lambda a: a[0], x_res), w_res), g, gw_dtype)
             return grad_x, grad_w[None]
@@ -446,7 +450,7 @@ def _make_linear2d(recipe_name: str, impl: str):
         res, x_tag, w_tag = saved  # empty arrays carrying the primal dtypes
         g, gw_dtype = g.astype(x_tag.dtype), _grad_w_dtype(w_tag.dtype)
         if isinstance(res, _PerDevice):
-            grad_x, grad_w = backward_per_device(res, g, gw_dtype, _token_axes(recipe_name, g.shape[0]))
+            grad_x, grad_w = backward_per_device(res, g, gw_dtype)
         else:
             grad_x, grad_w = backward(res, g, gw_dtype)
         return grad_x.astype(x_tag.dtype), grad_w.astype(w_tag.dtype), None  # the operands are not differentiated
