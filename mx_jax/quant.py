@@ -57,9 +57,9 @@ session 26). The routed experts' grouped GEMMs take theirs the same way (mx_jax/
 benchmarks).
 
 Multi-device meshes. A Mosaic kernel sees only local arrays, so under a mesh set outside shard_map (where XLA's
-partitioner splits the program) an fp8 linear of T rows runs per device: `_token_axes` names the mesh axes that
-split the tokens (data, fsdp, expert, then context: the order in which they split the (batch * seq) rows), and the
-forward and the backward each run in one shard_map over them, with the whole weight operands (XLA gathers them
+partitioner splits the program) an fp8 linear of T rows runs per device: `_token_split` names the mesh axes that
+split the tokens (data, fsdp and expert on the batch, context on the sequence), and the forward and the backward
+each run in one shard_map over them, with the whole weight operands (XLA gathers them
 first under fsdp). With T_d a device's rows,
 
     y_d = x_d @ w,   grad_x_d = g_d @ wᵀ,   grad_w = Σ_d x_dᵀ @ g_d
@@ -335,29 +335,28 @@ def check_operands(ops, w, recipe: str, recipes: tuple[str, ...], caller: str) -
 # --------------------------------------------------------------------------------------------------------------
 # The quantized dot: custom_vjp over 2-D x (T, K) and w (K, N), one per (recipe, impl).
 # --------------------------------------------------------------------------------------------------------------
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class _PerDevice:
-    """The residuals of a linear whose GEMMs ran per device over mesh `axes`: x's (stacked over the devices: its xᵀ
-    operand or x itself) and w's grad_x operand."""
+def _token_split(recipe: str, lead: tuple[int, ...]) -> tuple[P, tuple[str, ...]] | None:
+    """How an fp8 linear whose x has leading dims `lead` runs per device (module docstring): (the spec of x, the
+    token axes in the order they stack the per-device residuals), or None: not an fp8 recipe with weight operands,
+    no multi-device mesh set outside shard_map, or the tokens not split evenly.
 
-    x: tuple[jax.Array, jax.Array] | jax.Array
-    w: tuple[jax.Array, jax.Array]
-    axes: tuple[str, ...] = dataclasses.field(metadata=dict(static=True))
-
-
-def _token_axes(recipe: str, t: int) -> tuple[str, ...] | None:
-    """The mesh axes to run an fp8 linear of T rows per device over (module docstring), or None: not an fp8 recipe
-    with weight operands, no multi-device mesh set outside shard_map, or T not split evenly."""
+    x (B, S, ..., K) is split as the model lays out its activations, the batch axes on B and the sequence's on S;
+    rows (T, K) over all of them. Splitting the flattened (B * S) rows instead would make XLA re-lay out x under
+    context parallelism (a device's rows are then not one block of them)."""
     if recipe not in PREQUANTIZED or not dev.partitioned_context():
         return None
-    axes = sharding.token_axes()
     mesh = jax.sharding.get_abstract_mesh()
-    return axes if axes and t % math.prod(mesh.shape[a] for a in axes) == 0 else None
+    tokens = sharding.token_axes()
+    seq = tuple(a for a in tokens if a in sharding.rule_axes("seq"))
+    dims = [tokens] if len(lead) == 1 else [tuple(a for a in tokens if a not in seq), seq] + [()] * (len(lead) - 2)
+    if not tokens or any(n % math.prod(mesh.shape[a] for a in d) for n, d in zip(lead, dims)):
+        return None
+    return P(*(d or None for d in dims), None), tokens
 
 
 @functools.lru_cache(maxsize=None)
-def _make_linear2d(recipe_name: str, impl: str):
+def _make_linear2d(recipe_name: str, impl: str, split: tuple[P, tuple[str, ...]] | None = None):
+    """The custom_vjp linear: over x (T, K), or with `split` (_token_split) per device over x (..., K)."""
     r = RECIPE_TABLE[recipe_name]
     x_out, _ = r.out
     g_gx, _ = r.grad_x
@@ -410,31 +409,33 @@ def _make_linear2d(recipe_name: str, impl: str):
             grad_w = _dot_hp(x_res, g, (0, 0), gw_dtype, g.dtype)
         return grad_x, grad_w
 
-    # Per device (_token_axes): the GEMMs and activation casts run inside shard_map over the token axes, each
-    # device on its own rows with the whole weight operands. Residuals leave it stacked on a new leading axis (one
-    # entry per device: its xᵀ rows or x, and its own scales), and so does grad_w: each device's partial sum over its
-    # tokens, summed outside in f32 (XLA's all-reduce, or reduce-scatter where the weight is split).
-    def forward_per_device(x, w, ops, axes):
+    # Per device (_token_split): the GEMMs and activation casts run inside shard_map over the token axes, each
+    # device on its own rows (x (..., K) keeps its leading dims, flattened inside) with the whole weight operands.
+    # Residuals leave it stacked on a new leading axis (one entry per device: its xᵀ rows or x, and its own scales),
+    # and so does grad_w: each device's partial sum over its tokens, summed outside in f32 (XLA's all-reduce, or
+    # reduce-scatter where the weight is split).
+    def forward_per_device(x, w, ops):
+        x_spec, axes = split
         if ops is None:
             ops = _weight_operands(w, r, impl)
 
         def local(x, ops):
-            y, (x_res, _) = forward(x, None, ops)
-            return y, jax.tree.map(lambda a: a[None], x_res)
+            y, (x_res, _) = forward(x.reshape(-1, x.shape[-1]), None, ops)
+            return y.reshape(*x.shape[:-1], -1), jax.tree.map(lambda a: a[None], x_res)
 
-        y, x_res = jax.shard_map(local, in_specs=(P(axes, None), P()), out_specs=(P(axes, None), P(axes)),
-                                 check_vma=False)(x, ops)
-        return y, _PerDevice(checkpoint_name(x_res, "matmul") if x_dual else x_res, ops.grad_x, axes)
+        y, x_res = jax.shard_map(local, in_specs=(x_spec, P()), out_specs=(x_spec, P(axes)), check_vma=False)(x, ops)
+        return y, (checkpoint_name(x_res, "matmul") if x_dual else x_res, ops.grad_x)
 
-    def backward_per_device(res: _PerDevice, g, gw_dtype):
-        axes = res.axes
+    def backward_per_device(res, g, gw_dtype):
+        g_spec, axes = split
 
         def local(x_res, w_res, g):
-            grad_x, grad_w = backward((jax.tree.map(lambda a: a[0], x_res), w_res), g, gw_dtype)
-            return grad_x, grad_w[None]
+            x_res = jax.tree.map(lambda a: a[0], x_res)
+            grad_x, grad_w = backward((x_res, w_res), g.reshape(-1, g.shape[-1]), gw_dtype)
+            return grad_x.reshape(*g.shape[:-1], -1), grad_w[None]
 
-        grad_x, grad_w = jax.shard_map(local, in_specs=(P(axes), P(), P(axes, None)),
-                                       out_specs=(P(axes, None), P(axes)), check_vma=False)(res.x, res.w, g)
+        grad_x, grad_w = jax.shard_map(local, in_specs=(P(axes), P(), g_spec), out_specs=(g_spec, P(axes)),
+                                       check_vma=False)(*res, g)
         return grad_x, grad_w.sum(0, dtype=gw_dtype)
 
     @jax.custom_vjp
@@ -442,17 +443,13 @@ def _make_linear2d(recipe_name: str, impl: str):
         return fwd(x, w, ops)[0]
 
     def fwd(x, w, ops):
-        axes = _token_axes(recipe_name, x.shape[0])
-        y, res = forward(x, w, ops) if axes is None else forward_per_device(x, w, ops, axes)
+        y, res = forward(x, w, ops) if split is None else forward_per_device(x, w, ops)
         return y, (res, jnp.zeros((0,), x.dtype), jnp.zeros((0,), w.dtype))
 
     def bwd(saved, g):
         res, x_tag, w_tag = saved  # empty arrays carrying the primal dtypes
         g, gw_dtype = g.astype(x_tag.dtype), _grad_w_dtype(w_tag.dtype)
-        if isinstance(res, _PerDevice):
-            grad_x, grad_w = backward_per_device(res, g, gw_dtype)
-        else:
-            grad_x, grad_w = backward(res, g, gw_dtype)
+        grad_x, grad_w = (backward if split is None else backward_per_device)(res, g, gw_dtype)
         return grad_x.astype(x_tag.dtype), grad_w.astype(w_tag.dtype), None  # the operands are not differentiated
 
     linear2d.defvjp(fwd, bwd)
@@ -483,6 +480,8 @@ def linear(x: jax.Array, w: jax.Array, *, recipe: str, impl: str = "auto",
     if recipe == "mxfp8":
         return mx_linear(x, w, impl=impl)
     lead = x.shape[:-1]
-    x2 = x.reshape(math.prod(lead), x.shape[-1])
-    y = _make_linear2d(recipe, impl)(x2, w, operands)
+    split = _token_split(recipe, lead)
+    if split is not None:  # per device: x keeps its leading dims, laid out as the model splits them
+        return _make_linear2d(recipe, impl, split)(x, w, operands)
+    y = _make_linear2d(recipe, impl)(x.reshape(math.prod(lead), x.shape[-1]), w, operands)
     return y.reshape(*lead, w.shape[1])

@@ -276,6 +276,8 @@ def test_linear_per_device_under_a_mesh(layout, recipe):
         ws = jax.device_put(w, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("fsdp")))
         f = jax.jit(lambda x, w, g: vjp(recipe, "auto", x, w, g))
         assert "shard_map" in str(jax.make_jaxpr(f)(xs, ws, gs))
+        # x and dy reach the shard_maps as the model lays them out: no all-to-all re-lays them (context included)
+        assert "all-to-all" not in f.lower(xs, ws, gs).compile().as_text()
         got = f(xs, ws, gs)
         odd = (x[:4, :63], g[:4, :63])  # 4 x 63 rows: not a multiple of the 8 devices' token split
         assert "shard_map" not in str(jax.make_jaxpr(f)(*odd[:1], ws, *odd[1:]))
