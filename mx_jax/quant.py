@@ -59,8 +59,8 @@ benchmarks).
 Multi-device meshes. A Mosaic kernel sees only local arrays, so under a mesh set outside shard_map (where XLA's
 partitioner splits the program) an fp8 linear of T rows runs per device: `_token_split` names the mesh axes that
 split the tokens (data, fsdp and expert on the batch, context on the sequence), and the forward and the backward
-each run in one shard_map over them, with the whole weight operands (XLA gathers them
-first under fsdp). With T_d a device's rows,
+each run in one shard_map over them, with the whole weight operands (XLA gathers them first under fsdp). With T_d a
+device's rows,
 
     y_d = x_d @ w,   grad_x_d = g_d @ wᵀ,   grad_w = Σ_d x_dᵀ @ g_d
 
@@ -333,7 +333,8 @@ def check_operands(ops, w, recipe: str, recipes: tuple[str, ...], caller: str) -
 
 
 # --------------------------------------------------------------------------------------------------------------
-# The quantized dot: custom_vjp over 2-D x (T, K) and w (K, N), one per (recipe, impl).
+# The quantized dot: custom_vjp over x (T, K), or per device over x (..., K), and w (K, N); one per (recipe, impl,
+# split).
 # --------------------------------------------------------------------------------------------------------------
 def _token_split(recipe: str, lead: tuple[int, ...]) -> tuple[P, tuple[str, ...]] | None:
     """How an fp8 linear whose x has leading dims `lead` runs per device (module docstring): (the spec of x, the
