@@ -86,7 +86,8 @@ def _gemm(lhs, rhs_t, out_dtype, impl: str):
 
 
 @functools.lru_cache(maxsize=None)
-def _make_linear2d(impl: str):
+def _make_linear2d(impl: str, x_dtype: jnp.dtype, w_dtype: jnp.dtype):
+    # The primal dtypes are static (mx_jax/quant.py's _make_linear2d says why).
     def forward(x, w):
         # x (T, K), w (K, N); T a multiple of 32
         x_k, x_t = _dim01(x, impl)  # x along K (T, K); xᵀ along T (K, T): for grad_w
@@ -106,16 +107,11 @@ def _make_linear2d(impl: str):
     def linear2d(x, w):
         return forward(x, w)[0]
 
-    def fwd(x, w):
-        y, res = forward(x, w)
-        return y, (res, jnp.zeros((0,), x.dtype), jnp.zeros((0,), w.dtype))  # empty arrays carry the dtypes
+    def bwd(res, g):
+        grad_x, grad_w = backward(res, g.astype(x_dtype))
+        return grad_x.astype(x_dtype), grad_w.astype(w_dtype)
 
-    def bwd(saved, g):
-        res, x_tag, w_tag = saved
-        grad_x, grad_w = backward(res, g.astype(x_tag.dtype))
-        return grad_x.astype(x_tag.dtype), grad_w.astype(w_tag.dtype)
-
-    linear2d.defvjp(fwd, bwd)
+    linear2d.defvjp(forward, bwd)
     return linear2d
 
 
@@ -141,5 +137,5 @@ def mx_linear(x: jax.Array, w: jax.Array, *, impl: str = "auto") -> jax.Array:
     pad = -t % BLOCK  # grad_w blocks along T
     if pad:
         x2 = jnp.pad(x2, ((0, pad), (0, 0)))
-    y = _make_linear2d(impl)(x2, w)[:t]
+    y = _make_linear2d(impl, jnp.dtype(x.dtype), jnp.dtype(w.dtype))(x2, w)[:t]
     return y.reshape(*lead, w.shape[1])

@@ -356,8 +356,12 @@ def _token_split(recipe: str, lead: tuple[int, ...]) -> tuple[P, tuple[str, ...]
 
 
 @functools.lru_cache(maxsize=None)
-def _make_linear2d(recipe_name: str, impl: str, split: tuple[P, tuple[str, ...]] | None = None):
-    """The custom_vjp linear: over x (T, K), or with `split` (_token_split) per device over x (..., K)."""
+def _make_linear2d(recipe_name: str, impl: str, x_dtype: jnp.dtype, w_dtype: jnp.dtype,
+                   split: tuple[P, tuple[str, ...]] | None = None):
+    """The custom_vjp linear: over x (T, K), or with `split` (_token_split) per device over x (..., K).
+
+    The primal dtypes are static, not carried as residuals: a zero-size residual inside shard_map crashed Shardy on
+    jax 0.11.2 (mx_jax/grouped_linear.py), and a linear can be called inside one (the MoE layer's)."""
     r = RECIPE_TABLE[recipe_name]
     x_out, _ = r.out
     g_gx, _ = r.grad_x
@@ -444,14 +448,12 @@ def _make_linear2d(recipe_name: str, impl: str, split: tuple[P, tuple[str, ...]]
         return fwd(x, w, ops)[0]
 
     def fwd(x, w, ops):
-        y, res = forward(x, w, ops) if split is None else forward_per_device(x, w, ops)
-        return y, (res, jnp.zeros((0,), x.dtype), jnp.zeros((0,), w.dtype))
+        return forward(x, w, ops) if split is None else forward_per_device(x, w, ops)
 
-    def bwd(saved, g):
-        res, x_tag, w_tag = saved  # empty arrays carrying the primal dtypes
-        g, gw_dtype = g.astype(x_tag.dtype), _grad_w_dtype(w_tag.dtype)
+    def bwd(res, g):
+        g, gw_dtype = g.astype(x_dtype), _grad_w_dtype(w_dtype)
         grad_x, grad_w = (backward if split is None else backward_per_device)(res, g, gw_dtype)
-        return grad_x.astype(x_tag.dtype), grad_w.astype(w_tag.dtype), None  # the operands are not differentiated
+        return grad_x.astype(x_dtype), grad_w.astype(w_dtype), None  # the operands are not differentiated
 
     linear2d.defvjp(fwd, bwd)
     return linear2d
@@ -482,7 +484,8 @@ def linear(x: jax.Array, w: jax.Array, *, recipe: str, impl: str = "auto",
         return mx_linear(x, w, impl=impl)
     lead = x.shape[:-1]
     split = _token_split(recipe, lead)
+    make = functools.partial(_make_linear2d, recipe, impl, jnp.dtype(x.dtype), jnp.dtype(w.dtype))
     if split is not None:  # per device: x keeps its leading dims, laid out as the model splits them
-        return _make_linear2d(recipe, impl, split)(x, w, operands)
-    y = _make_linear2d(recipe, impl)(x.reshape(math.prod(lead), x.shape[-1]), w, operands)
+        return make(split)(x, w, operands)
+    y = make()(x.reshape(math.prod(lead), x.shape[-1]), w, operands)
     return y.reshape(*lead, w.shape[1])

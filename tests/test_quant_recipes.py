@@ -9,6 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jax.sharding import PartitionSpec as P
+
 from mx_jax import compat, quant
 from pallas_kernels import device, interpret_compat
 from tests.helpers import worst_line_rel
@@ -155,6 +157,27 @@ def test_jit_grad_and_leading_dims():
     np.testing.assert_allclose(np.asarray(gw), np.asarray(gw2), rtol=1e-6)
     y1 = quant.linear(x[0, 0], w, recipe="fp8_rowwise")  # a single token vector
     assert y1.shape == (w.shape[1],)
+
+
+@pytest.mark.parametrize("recipe", quant.RECIPES)
+def test_linear_inside_shard_map_makes_no_empty_arrays(recipe):
+    """A linear called inside shard_map (as in the MoE layer's body) traces, with its backward, no zero-size array:
+    jax 0.11.2's Shardy partitioner segfaulted on one there (tests/test_moe.py). The grads keep the primal dtypes,
+    which the custom_vjp holds as static values rather than as empty residuals."""
+    import re
+
+    mesh = jax.make_mesh((2,), ("data",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:2])
+    x, w, _ = problem(jax.random.key(12), t=128, k=64, n=96, w_dtype=jnp.bfloat16)
+
+    def loss(x, w):
+        body = lambda x, w: jnp.sum(quant.linear(x, w, recipe=recipe, impl="reference").astype(jnp.float32))[None]
+        return jax.shard_map(body, mesh=mesh, in_specs=(P("data"), P()), out_specs=P("data"), check_vma=False)(
+            x, w).sum()
+
+    f = jax.value_and_grad(loss, argnums=(0, 1))
+    assert not re.findall(r"\b[a-z]+\d*\[(?:\d+,)*0(?:,\d+)*\]", str(jax.make_jaxpr(f)(x, w)))
+    _, (gx, gw) = jax.jit(f)(x, w)
+    assert (gx.dtype, gw.dtype) == (x.dtype, w.dtype) and bool(jnp.isfinite(gw.astype(jnp.float32)).all())
 
 
 def test_save_matmuls_keeps_the_fp8_activation_residuals_under_scan():
