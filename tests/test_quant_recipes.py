@@ -375,11 +375,12 @@ def test_gpu_prequantize_on_the_kernels(recipe):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("axis", ["data", "context"])
 @pytest.mark.parametrize("recipe", ["fp8_rowwise", "fp8_tensorwise"])
-def test_gpu_linear_per_device_on_two_gpus(recipe):
-    """On a data=2 mesh of two GPUs, the per-device linear (Pallas GEMMs and casts in its shard_map) against one
-    GPU: rowwise y and grad_x bit for bit (same rows, same kernels), grad_w and tensorwise within one device's
-    distance from the f32 product."""
+def test_gpu_linear_per_device_on_two_gpus(recipe, axis):
+    """On a mesh of two GPUs split over data (the batch) or context (the sequence), the per-device linear (Pallas
+    GEMMs and casts in its shard_map) against one GPU: rowwise y and grad_x bit for bit (same rows, same kernels),
+    grad_w and tensorwise within one device's distance from the f32 product."""
     if jax.device_count() < 2:
         pytest.skip("needs 2 GPUs")
     x, w, g = problem(jax.random.key(12), t=8192, k=4096, n=2048, w_dtype=jnp.bfloat16)
@@ -388,13 +389,15 @@ def test_gpu_linear_per_device_on_two_gpus(recipe):
     refs = (y_ref, *pull(g.astype(jnp.float32)))
     f = jax.jit(lambda x, w, g: vjp(recipe, "auto", x, w, g))
     one = f(x, w, g)
-    mesh = jax.make_mesh((2, 1, 1, 1), ("data", "fsdp", "expert", "context"),
+    mesh = jax.make_mesh((2, 1, 1, 1) if axis == "data" else (1, 1, 1, 2), ("data", "fsdp", "expert", "context"),
                          axis_types=(jax.sharding.AxisType.Auto,) * 4, devices=jax.devices()[:2])
     with jax.set_mesh(mesh):
-        act = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+        act = jax.sharding.NamedSharding(mesh, P("data") if axis == "data" else P(None, "context"))
         xs, gs = jax.device_put(x, act), jax.device_put(g, act)
+        lowered = f.lower(xs, w, gs)
         if device.on_hopper():
-            assert "mosaic_gpu" in f.lower(xs, w, gs).as_text()
+            assert "mosaic_gpu" in lowered.as_text()
+        assert "all-to-all" not in lowered.compile().as_text()  # x and dy are used as laid out
         got = f(xs, w, gs)
     for i, (a, b, ref) in enumerate(zip(got, one, refs)):
         if recipe == "fp8_rowwise" and i < 2:
