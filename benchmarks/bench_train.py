@@ -6,7 +6,9 @@
         --variant bf16_no_triton_gemm:@--xla_gpu_enable_triton_gemm=false
 
 A variant is NAME:OVERRIDES, where OVERRIDES are space-separated key=value pairs for the trainer and items starting
-with @ are added to XLA_FLAGS for that run; +NAME=VALUE sets an environment variable for it. Every run uses the
+with @ are added to XLA_FLAGS for that run; +NAME=VALUE sets an environment variable for it
+(`+PYTHONPATH=/tmp/old_tree` runs the mx_jax found there: the trainer starts with `python -P`, so the working
+directory does not shadow PYTHONPATH, and this checkout comes after it). Every run uses the
 embedded corpus unless the base says otherwise, no checkpoints, no evaluation, and reports the mean of the logged
 intervals after the first (compile) step: tokens/s, TFLOP/s per device, MFU, peak memory, and the first step's wall
 time (compile included).
@@ -33,10 +35,11 @@ def run_variant(name: str, base: list[str], overrides: str, steps: int, log_ever
     env_vars = dict(i[1:].split("=", 1) for i in items if i.startswith("+"))
     keys = [i for i in items if not i.startswith(("@", "+"))]
     run_dir = pathlib.Path(tempfile.mkdtemp(prefix=f"bench_{name}_"))
-    cmd = [sys.executable, "-m", "mx_jax.train", *base, f"run_dir={run_dir}", f"steps={steps}",
+    cmd = [sys.executable, "-P", "-m", "mx_jax.train", *base, f"run_dir={run_dir}", f"steps={steps}",
            "ckpt.every_steps=-1", "log.eval_every_steps=-1", f"log.every_steps={log_every}", "log.progress=false",
            "log.tensorboard=false", *keys]
     env = {**os.environ, **env_vars, "XLA_FLAGS": " ".join([os.environ.get("XLA_FLAGS", ""), *xla]).strip()}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH"), str(ROOT)) if p)
     t0 = time.time()
     p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     wall = time.time() - t0

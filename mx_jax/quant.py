@@ -183,14 +183,15 @@ def _gemm_fp8(a_op, b_op, out_dtype, impl: str):
     return fp8mm.fp8_matmul(a, b_t, sa, sb, out_dtype=out_dtype, impl=impl)
 
 
-def _dot_hp(lhs, rhs, contract: tuple[int, int], out_dtype, compute_dtype):
-    """High-precision GEMM: operands in compute_dtype (bf16), f32 accumulation, result in out_dtype.
+def _dot_hp(lhs, rhs, contract: tuple[tuple[int, ...], tuple[int, ...]], out_dtype, compute_dtype):
+    """High-precision GEMM: operands in compute_dtype (bf16), f32 accumulation, result in out_dtype; `contract`
+    names the contracted dims of each operand.
 
     The GEMM writes out_dtype itself (cuBLAS accumulates bf16 products in f32 and rounds once, as the f32 result
     converted afterwards would). Asking for an f32 result and converting it made XLA keep every activation GEMM's
     output in f32 and fuse the convert into each consumer: twice the bytes written, and read again per consumer.
     """
-    dims = (((contract[0],), (contract[1],)), ((), ()))
+    dims = (contract, ((), ()))
     return lax.dot_general(lhs.astype(compute_dtype), rhs.astype(compute_dtype), dims,
                            preferred_element_type=out_dtype)
 
@@ -360,6 +361,11 @@ def _make_linear2d(recipe_name: str, impl: str, x_dtype: jnp.dtype, w_dtype: jnp
                    split: tuple[P, tuple[str, ...]] | None = None):
     """The custom_vjp linear: over x (T, K), or with `split` (_token_split) per device over x (..., K).
 
+    Under bf16, x keeps its leading dims (..., K) too. Flattening (B, S, K) to rows, where S is split over a context
+    axis and B > 1, leaves no row split that matches x's layout: XLA's partitioner then gathered x over the sequence,
+    contracted each GEMM over its device's half of K (the weight's fsdp/context shard) and all-reduced the f32
+    outputs, one all-reduce of activations per linear (benchmarks/RESULTS.md, session 36).
+
     The primal dtypes are static, not carried as residuals: a zero-size residual inside shard_map crashed Shardy on
     jax 0.11.2 (mx_jax/grouped_linear.py), and a linear can be called inside one (the MoE layer's)."""
     r = RECIPE_TABLE[recipe_name]
@@ -390,7 +396,7 @@ def _make_linear2d(recipe_name: str, impl: str, x_dtype: jnp.dtype, w_dtype: jnp
             # Keep w's compute-dtype copy as the residual: the backward GEMM then reuses it instead of casting the
             # f32 master again (one convert of every weight per step saved, at the cost of holding the copy).
             w_c = w.astype(x.dtype)
-            y, x_res, w_res = _dot_hp(x, w_c, (1, 0), x.dtype, x.dtype), x, w_c
+            y, x_res, w_res = _dot_hp(x, w_c, ((x.ndim - 1,), (0,)), x.dtype, x.dtype), x, w_c
         return y, (x_res, w_res)
 
     def backward(res, g, gw_dtype):
@@ -405,13 +411,14 @@ def _make_linear2d(recipe_name: str, impl: str, x_dtype: jnp.dtype, w_dtype: jnp
         if g_gx.fp8:
             grad_x = _gemm_fp8(g_rows, w_res, g.dtype, impl)  # w_res: w's grad_x operand (_weight_operands)
         else:
-            grad_x = _dot_hp(g, w_res, (1, 1), g.dtype, g.dtype)
+            grad_x = _dot_hp(g, w_res, ((g.ndim - 1,), (1,)), g.dtype, g.dtype)
         # grad_w (K, N) = xᵀ @ g: contraction over T; operands xᵀ (K, T) and gᵀ (N, T).
         if x_gw.fp8:
             x_op = x_res if x_dual else _cols_t(x_res, x_gw, p2, impl)
             grad_w = _gemm_fp8(x_op, g_cols_t, gw_dtype, impl)
         else:
-            grad_w = _dot_hp(x_res, g, (0, 0), gw_dtype, g.dtype)
+            lead = tuple(range(g.ndim - 1))  # every token dim (x and g keep their leading dims under bf16)
+            grad_w = _dot_hp(x_res, g, (lead, lead), gw_dtype, g.dtype)
         return grad_x, grad_w
 
     # Per device (_token_split): the GEMMs and activation casts run inside shard_map over the token axes, each
@@ -487,5 +494,7 @@ def linear(x: jax.Array, w: jax.Array, *, recipe: str, impl: str = "auto",
     make = functools.partial(_make_linear2d, recipe, impl, jnp.dtype(x.dtype), jnp.dtype(w.dtype))
     if split is not None:  # per device: x keeps its leading dims, laid out as the model splits them
         return make(split)(x, w, operands)
+    if recipe == "bf16":  # XLA's dot over x's own dims (_make_linear2d)
+        return make()(x, w, operands)
     y = make()(x.reshape(math.prod(lead), x.shape[-1]), w, operands)
     return y.reshape(*lead, w.shape[1])

@@ -3,6 +3,7 @@ dtypes, each recipe's table (dtype, scaling axis, pow2) rebuilt independently an
 Pallas path interpreted, kernel_support, and a `gpu` test of every recipe on the kernels."""
 
 import importlib
+import math
 
 import jax
 import jax.numpy as jnp
@@ -89,9 +90,9 @@ def expected(recipe, x, w, g):
         qa, qb = (qa if a_axis == 1 else qa.T), (qb if b_axis == 1 else qb.T)
         return mm(qa, qb, sa, sb, out_dtype=out)
 
-    if recipe == "bf16":
-        y, gx = hp(x2, w, ((1,), (0,)), x.dtype), hp(g2, w, ((1,), (1,)), x.dtype)
-        gw = hp(x2, g2, ((0,), (0,)), w.dtype)
+    if recipe == "bf16":  # over x's own (B, S) dims: bf16 does not flatten the tokens (quant._make_linear2d)
+        y, gx = hp(x, w, ((2,), (0,)), x.dtype), hp(g, w, ((2,), (1,)), x.dtype)
+        return y, gx, hp(x, g, ((0, 1), (0, 1)), w.dtype)
     elif recipe == "fp8_tensorwise":
         y = fp8(x2, 1, E4M3, "tensorwise", w, 0, E4M3, "tensorwise", x.dtype, False)
         gx = fp8(g2, 1, E5M2, "tensorwise", w, 1, E4M3, "tensorwise", x.dtype, False)
@@ -121,6 +122,7 @@ def test_recipe_table_bit_exact(recipe):
 
 def test_gw_hp_grad_w_is_the_bf16_grad_w_and_rowwise_is_not():
     x, w, g = problem(jax.random.key(3))
+    x, g = x.reshape(-1, x.shape[-1]), g.reshape(-1, g.shape[-1])  # rows, as the fp8 recipes contract them
     gw_bf16 = vjp("bf16", "xla", x, w, g)[2]
     assert np.array_equal(np.asarray(vjp("fp8_rowwise_gw_hp", "xla", x, w, g)[2]), np.asarray(gw_bf16))
     assert rel(vjp("fp8_rowwise", "xla", x, w, g)[2], gw_bf16) > 1e-3  # fp8 operands: visibly different
@@ -315,6 +317,33 @@ def test_linear_per_device_under_a_mesh(layout, recipe):
         else:
             assert rel(a, ref) < 1.1 * rel(b, ref) + 1e-6, (i, rel(a, ref), rel(b, ref))
             assert rel(a, b) < 2 * rel(b, ref) + 1e-5, (i, rel(a, b))
+
+
+@pytest.mark.parametrize("layout", [(1, 1, 1, 2), (1, 2, 1, 2), (2, 1, 1, 4)])
+def test_bf16_linear_under_context_moves_only_weights(layout):
+    """A bf16 linear over x (B, S, K) with B > 1 and S split over context: the only collectives move the weight
+    and its gradient. Flattening x to rows first made XLA gather x over the sequence, contract over the weight's K
+    shard and all-reduce activations (benchmarks/RESULTS.md, session 36)."""
+    import re
+
+    mesh = jax.make_mesh(layout, ("data", "fsdp", "expert", "context"), axis_types=(jax.sharding.AxisType.Auto,) * 4,
+                         devices=jax.devices()[:math.prod(layout)])
+    x, w, g = problem(jax.random.key(13), t=256, k=256, n=384)
+    x, g = x.reshape(4, 64, 256), g.reshape(4, 64, 384)
+    f = jax.jit(lambda x, w, g: vjp("bf16", "auto", x, w, g))
+    want = f(x, w, g)
+    with jax.set_mesh(mesh):
+        act = jax.sharding.NamedSharding(mesh, P(("data", "fsdp", "expert"), "context"))
+        xs, gs = jax.device_put(x, act), jax.device_put(g, act)
+        ws = jax.device_put(w, jax.sharding.NamedSharding(mesh, P(("fsdp", "context"))))
+        text = f.lower(xs, ws, gs).compile().as_text()
+        got = f(xs, ws, gs)
+    moved = re.findall(r"= \w+\[([\d,]*)\][^ ]* (?:all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)\(",
+                       text)
+    assert moved and all(d.split(",")[-1] == "384" and 256 % int(d.split(",")[0]) == 0 and d.count(",") == 1
+                         for d in moved), moved
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=2e-2, atol=2e-2)
 
 
 def test_linear_per_device_lowers_to_the_kernels(monkeypatch):
