@@ -125,7 +125,9 @@ def _rms_norm_bwd(res, dy):
     dy32 = dy.astype(jnp.float32)
     dyw = dy32 * scale.astype(jnp.float32)
     dx = r * (dyw - x_hat * jnp.mean(dyw * x_hat, axis=-1, keepdims=True))
-    dscale = jnp.sum((dy32 * x_hat).reshape(-1, scale.shape[0]), axis=0)
+    # Summed over x's own leading dims: flattening (B, S) first, with S split over context and B > 1, made XLA
+    # all-gather dy x_hat over the sequence (f32, the size of the activations) for every norm.
+    dscale = jnp.sum(dy32 * x_hat, axis=tuple(range(x.ndim - 1)))
     return dx.astype(x.dtype), dscale.astype(scale.dtype), None
 
 

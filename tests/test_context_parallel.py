@@ -118,6 +118,32 @@ def test_seq_len_must_split_into_two_chunks_per_context_shard(tmp_path):
         check_against_mesh(cfg, sharding.make_mesh(cfg.mesh))
 
 
+@pytest.mark.parametrize("recipe", ["bf16", "fp8_rowwise"])
+def test_context_train_step_moves_no_activations_but_attention_and_zigzag(tmp_path, recipe):
+    """The train step on a context=2 mesh with 16 sequences: no all-gather, all-reduce or reduce-scatter carries a
+    whole sequence of activations. The K/V gathers (chunks) and the zigzag permutes are the only activation traffic.
+    Flattening (B, S) into rows (the bf16 linears, RMSNorm's scale gradient) made XLA gather activations over the
+    sequence and split the GEMMs over K (benchmarks/RESULTS.md, session 36)."""
+    import dataclasses
+    import re
+
+    from mx_jax import train
+    from tests.helpers import NO_IO, tiny_config
+
+    cfg = tiny_config(tmp_path, "mesh.fsdp=1", "mesh.context=2", "model.compute_dtype=bfloat16",
+                      f"quant.recipe={recipe}", *NO_IO)
+    mesh = sharding.make_mesh(cfg.mesh, jax.devices()[:2])
+    with jax.set_mesh(mesh):
+        setup = train.build(cfg, mesh)
+        shape = (cfg.data.grad_accum_steps, cfg.data.batch_size // cfg.data.grad_accum_steps, cfg.data.seq_len)
+        batch = {k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=v) for k, v in setup.batch_shardings.items()}
+        text = train.make_train_step(setup).lower(train.abstract_state(setup), batch).compile().as_text()
+    moved = re.findall(r"= \(?([a-z]+\d*)\[([\d,]*)\][^ ]* (all-gather|all-reduce|reduce-scatter|all-to-all)\(", text)
+    assert any(kind == "all-gather" for _, _, kind in moved)  # the weights and K/V are gathered
+    whole_seq = [m for m in moved if m[0] != "s32" and str(cfg.data.seq_len) in m[1].split(",")]
+    assert not whole_seq, whole_seq
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("n", [2, 4])
 def test_cudnn_shards_match_the_jnp_formulas(n):
