@@ -21,12 +21,28 @@ import json
 import os
 import pathlib
 import shlex
+import signal
 import subprocess
 import sys
 import tempfile
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def run_trainer(cmd: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
+    """Run the trainer in its own process group, and kill that group if this script stops first (SIGTERM from a
+    `timeout`, Ctrl-C): an orphaned trainer, or its data-loader process, would hold its GPUs' memory and make the
+    next run fail out of memory."""
+    p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         start_new_session=True)
+    try:
+        out, err = p.communicate()
+    except BaseException:
+        os.killpg(p.pid, signal.SIGKILL)
+        p.wait()
+        raise
+    return subprocess.CompletedProcess(cmd, p.returncode, out, err)
 
 
 def run_variant(name: str, base: list[str], overrides: str, steps: int, log_every: int, out_dir: pathlib.Path):
@@ -41,7 +57,7 @@ def run_variant(name: str, base: list[str], overrides: str, steps: int, log_ever
     env = {**os.environ, **env_vars, "XLA_FLAGS": " ".join([os.environ.get("XLA_FLAGS", ""), *xla]).strip()}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH"), str(ROOT)) if p)
     t0 = time.time()
-    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    p = run_trainer(cmd, env)
     wall = time.time() - t0
     (out_dir / f"{name}.log").write_text(" ".join(cmd) + "\n\n" + p.stdout + "\n" + p.stderr)
     if p.returncode != 0:
@@ -68,6 +84,7 @@ def main() -> None:
     ap.add_argument("--log-every", type=int, default=5)
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp"), help="where each variant's log is written")
     args = ap.parse_args()
+    signal.signal(signal.SIGTERM, lambda signum, _: sys.exit(128 + signum))  # unwinds through run_trainer's cleanup
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     base = shlex.split(args.base)

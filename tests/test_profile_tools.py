@@ -187,9 +187,51 @@ def test_bench_train_reports_a_run_that_logged_no_step(tmp_path, monkeypatch):
         (run_dir / "metrics.jsonl").write_text("")
         return subprocess.CompletedProcess(cmd, 0, "", "")
 
-    monkeypatch.setattr(bench_train.subprocess, "run", fake_run)
+    monkeypatch.setattr(bench_train, "run_trainer", lambda cmd, env: fake_run(cmd))
     row = bench_train.run_variant("v", [], "", steps=2, log_every=5, out_dir=tmp_path)
     assert "--steps 2" in row["error"] and "--log-every 5" in row["error"]
+
+
+def test_bench_train_stopped_by_sigterm_kills_its_trainer(tmp_path):
+    """`timeout` around bench_train sends it SIGTERM: the trainer it started, and that trainer's own child (the data
+    loader in a real run), must not outlive it. A fake mx_jax.train on +PYTHONPATH writes both pids and sleeps."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    fake = tmp_path / "tree" / "mx_jax"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("")
+    (fake / "train.py").write_text(
+        "import os, pathlib, subprocess, sys, time\n"
+        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+        f"pathlib.Path({str(tmp_path / 'pids')!r}).write_text(f'{{os.getpid()}} {{child.pid}}')\n"
+        "time.sleep(60)\n")
+    script = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "bench_train.py"
+    bench = subprocess.Popen([sys.executable, str(script), "--out", str(tmp_path / "out"), "--base", "",
+                              "--variant", f"v:+PYTHONPATH={tmp_path / 'tree'}"])
+    deadline = time.time() + 30
+    while not (tmp_path / "pids").exists() or len((tmp_path / "pids").read_text().split()) < 2:
+        assert time.time() < deadline and bench.poll() is None, "the fake trainer never started"
+        time.sleep(0.1)
+    pids = [int(p) for p in (tmp_path / "pids").read_text().split()]
+    bench.send_signal(signal.SIGTERM)
+    code = bench.wait(timeout=20)
+
+    def alive(pid):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+
+    deadline = time.time() + 10
+    while any(alive(p) for p in pids) and time.time() < deadline:
+        time.sleep(0.1)
+    assert not any(alive(p) for p in pids), pids
+    assert code == 128 + signal.SIGTERM  # its handler's exit, after the cleanup
 
 
 def test_profiling_summary_sums_device_time_per_category():
