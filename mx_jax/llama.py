@@ -240,7 +240,7 @@ class Llama(nnx.Module):
         if n_ctx > 1:  # load-balanced causal attention over the context axis (mx_jax/context_parallel.py)
             tokens, positions = to_zigzag(tokens, n_ctx), to_zigzag(positions, n_ctx, axis=0)
         x = jnp.take(self.embed[...], tokens, axis=0).astype(cdt)  # (B,T,D); gather first, cast B*T rows only
-        x = sharding.constrain(x, ("batch", "seq", "act_embed"))
+        x = sharding.rows_as_activations(x)
         inv_freq = rope_inv_freq(cfg.d_head, cfg.rope_theta, cfg.rope_scaling)
         if hasattr(self, "dense_blocks"):
             x, _ = _scan(self.dense_blocks, x, positions, inv_freq, cfg.remat, cfg.scan_layers)

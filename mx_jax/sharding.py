@@ -177,6 +177,25 @@ def matrices_whole() -> bool:
     return mesh.empty or all(mesh.shape.get(a, 1) == 1 for a in axes)
 
 
+def rows_as_activations(x: jax.Array) -> jax.Array:
+    """x (B, S, D): rows just gathered from a table whose D is split like a weight's ("embed": fsdp, context), laid
+    out as the activations (batch, seq, act_embed).
+
+    From D split over fsdp and context to B over fsdp and S over context is an all-to-all over each axis. XLA's
+    partitioner cannot make both moves in one step: it replicated the whole (B, S, D) array on every device
+    instead, in the forward and again in the backward ("Involuntary full rematerialization"). So the axes that go
+    to the batch move first."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return x
+    split = tuple(a for a in rule_axes("embed") if mesh.shape.get(a, 1) > 1)
+    to_batch = tuple(a for a in split if a in rule_axes("batch"))
+    stay = tuple(a for a in split if a not in to_batch)
+    if to_batch and stay:
+        x = jax.lax.with_sharding_constraint(x, fit_spec(P(to_batch, None, stay), x.shape, mesh))
+    return constrain(x, ("batch", "seq", "act_embed"))
+
+
 def batch_axes() -> tuple[str, ...]:
     return rule_axes("batch")
 

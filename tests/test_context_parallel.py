@@ -144,6 +144,28 @@ def test_context_train_step_moves_no_activations_but_attention_and_zigzag(tmp_pa
     assert not whole_seq, whole_seq
 
 
+def test_fsdp_context_embedding_is_never_replicated(tmp_path):
+    """On an fsdp=2 x context=2 mesh the embedding rows, gathered with D split like the table's, move to the batch
+    and sequence split one axis at a time (sharding.rows_as_activations). Moved in one step, XLA replicated the
+    whole (B, S, D) array on every device in the forward and the backward."""
+    import re
+
+    from mx_jax import train
+    from tests.helpers import NO_IO, tiny_config
+
+    cfg = tiny_config(tmp_path, "mesh.fsdp=2", "mesh.context=2", "model.compute_dtype=bfloat16", "data.batch_size=4",
+                      *NO_IO)
+    mesh = sharding.make_mesh(cfg.mesh, jax.devices()[:4])
+    with jax.set_mesh(mesh):
+        setup = train.build(cfg, mesh)
+        shape = (cfg.data.grad_accum_steps, cfg.data.batch_size // cfg.data.grad_accum_steps, cfg.data.seq_len)
+        batch = {k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=v) for k, v in setup.batch_shardings.items()}
+        text = train.make_train_step(setup).lower(train.abstract_state(setup), batch).compile().as_text()
+    whole = f"{cfg.data.batch_size},{cfg.data.seq_len},{cfg.model.d_model}"
+    moved = re.findall(r"= \(?[a-z]+\d*\[([\d,]*)\][^ ]* (?:all-gather|all-reduce|all-to-all|collective-permute)\(", text)
+    assert moved and whole not in moved, moved
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("n", [2, 4])
 def test_cudnn_shards_match_the_jnp_formulas(n):
