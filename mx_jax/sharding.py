@@ -18,6 +18,7 @@ attention, expert dispatch) are written to be exact.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Sequence
 
@@ -181,19 +182,37 @@ def rows_as_activations(x: jax.Array) -> jax.Array:
     """x (B, S, D): rows just gathered from a table whose D is split like a weight's ("embed": fsdp, context), laid
     out as the activations (batch, seq, act_embed).
 
-    From D split over fsdp and context to B over fsdp and S over context is an all-to-all over each axis. XLA's
-    partitioner cannot make both moves in one step: it replicated the whole (B, S, D) array on every device
-    instead, in the forward and again in the backward ("Involuntary full rematerialization"). So the axes that go
-    to the batch move first."""
+    The move is an all-to-all over each axis that goes from D to B (fsdp) or to S (context), plus slices (forward)
+    or gathers (backward) over the batch axes the table is replicated on (data, expert). XLA's partitioner cannot
+    make several such moves in one step: it replicated the whole (B, S, D) array on every device instead
+    ("Involuntary full rematerialization"), in both passes under fsdp x context and in the backward under
+    fsdp x expert. So the forward passes through `middle` (B over the batch axes up to the last one that comes
+    from D; D over the rest of D's), and the backward walks back through it to the gather's own layout (`gathered`,
+    pinned only without context: with it, pinning made XLA replicate). Checked by compiling a 2-layer Mixtral-shaped
+    train step for 12 meshes on 8 CPU devices (benchmarks/RESULTS.md, session 36): data x fsdp x expert still
+    replicates in the forward."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         return x
-    split = tuple(a for a in rule_axes("embed") if mesh.shape.get(a, 1) > 1)
-    to_batch = tuple(a for a in split if a in rule_axes("batch"))
-    stay = tuple(a for a in split if a not in to_batch)
-    if to_batch and stay:
-        x = jax.lax.with_sharding_constraint(x, fit_spec(P(to_batch, None, stay), x.shape, mesh))
-    return constrain(x, ("batch", "seq", "act_embed"))
+    live = lambda axes: tuple(a for a in axes if mesh.shape.get(a, 1) > 1)
+    split, batch = live(rule_axes("embed")), live(rule_axes("batch"))
+    to_batch = [a for a in split if a in batch]
+    final = fit_spec(spec(("batch", "seq", "act_embed")), x.shape, mesh)
+    if not to_batch:
+        return jax.lax.with_sharding_constraint(x, final)
+    stay = tuple(a for a in split if a not in batch)
+    first, last = (batch.index(a) for a in (to_batch[0], to_batch[-1]))
+    gathered = fit_spec(P(batch[:first] or None, None, split), x.shape, mesh)  # the table's D split
+    middle = fit_spec(P(batch[:last + 1], None, stay or None), x.shape, mesh)
+    chain = lambda y, steps: functools.reduce(jax.lax.with_sharding_constraint, steps, y)
+
+    @jax.custom_vjp
+    def relayout(y):
+        return chain(y, (middle, final))
+
+    back = (final, middle) if stay else (final, middle, gathered)
+    relayout.defvjp(lambda y: (relayout(y), None), lambda _, g: (chain(g, back),))
+    return relayout(x)
 
 
 def batch_axes() -> tuple[str, ...]:

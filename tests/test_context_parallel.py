@@ -144,17 +144,19 @@ def test_context_train_step_moves_no_activations_but_attention_and_zigzag(tmp_pa
     assert not whole_seq, whole_seq
 
 
-def test_fsdp_context_embedding_is_never_replicated(tmp_path):
-    """On an fsdp=2 x context=2 mesh the embedding rows, gathered with D split like the table's, move to the batch
-    and sequence split one axis at a time (sharding.rows_as_activations). Moved in one step, XLA replicated the
-    whole (B, S, D) array on every device in the forward and the backward."""
+@pytest.mark.parametrize("mesh_args", [("mesh.fsdp=2", "mesh.context=2"),
+                                       ("mesh.fsdp=2", "mesh.expert=2", "model.moe.n_experts=4", "model.moe.top_k=2",
+                                        "model.moe.d_expert=32")])
+def test_embedding_rows_are_never_replicated(tmp_path, mesh_args):
+    """On fsdp x context and fsdp x expert meshes the embedding rows, gathered with D split like the table's, move
+    to the activations' split one axis at a time (sharding.rows_as_activations). Moved in one step, XLA replicated
+    the whole (B, S, D) array on every device: in the forward and the backward, or in the backward."""
     import re
 
     from mx_jax import train
     from tests.helpers import NO_IO, tiny_config
 
-    cfg = tiny_config(tmp_path, "mesh.fsdp=2", "mesh.context=2", "model.compute_dtype=bfloat16", "data.batch_size=4",
-                      *NO_IO)
+    cfg = tiny_config(tmp_path, *mesh_args, "model.compute_dtype=bfloat16", "data.batch_size=4", *NO_IO)
     mesh = sharding.make_mesh(cfg.mesh, jax.devices()[:4])
     with jax.set_mesh(mesh):
         setup = train.build(cfg, mesh)
