@@ -205,13 +205,10 @@ def rows_as_activations(x: jax.Array) -> jax.Array:
     gathered = fit_spec(P(batch[:first] or None, None, split), x.shape, mesh)  # the table's D split
     middle = fit_spec(P(batch[:last + 1], None, stay or None), x.shape, mesh)
     chain = lambda y, steps: functools.reduce(jax.lax.with_sharding_constraint, steps, y)
-
-    @jax.custom_vjp
-    def relayout(y):
-        return chain(y, (middle, final))
-
+    forward = lambda y: chain(y, (middle, final))
     back = (final, middle) if stay else (final, middle, gathered)
-    relayout.defvjp(lambda y: (relayout(y), None), lambda _, g: (chain(g, back),))
+    relayout = jax.custom_vjp(forward)
+    relayout.defvjp(lambda y: (forward(y), None), lambda _, g: (chain(g, back),))
     return relayout(x)
 
 

@@ -42,6 +42,22 @@ def tiny_config(run_dir, *overrides: str) -> TrainConfig:
     return load_config(None, TINY + [f"run_dir={run_dir}", *overrides])
 
 
+def lowered_train_step(cfg: TrainConfig, n_devices: int):
+    """The train step of `cfg` on its mesh over the first `n_devices` devices, lowered (not compiled) with abstract
+    state and batch: `.as_text()` for the program before XLA, `.compile().as_text()` after the partitioner."""
+    import jax
+    import jax.numpy as jnp
+
+    from mx_jax import sharding, train
+
+    mesh = sharding.make_mesh(cfg.mesh, jax.devices()[:n_devices])
+    with jax.set_mesh(mesh):
+        setup = train.build(cfg, mesh)
+        shape = (cfg.data.grad_accum_steps, cfg.data.batch_size // cfg.data.grad_accum_steps, cfg.data.seq_len)
+        batch = {k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=v) for k, v in setup.batch_shardings.items()}
+        return train.make_train_step(setup).lower(train.abstract_state(setup), batch)
+
+
 def worst_line_rel(out, ref) -> float:
     """The largest relative error of any row or column of a 2-D result (rows and columns with a nonzero reference):
     a whole-matrix norm hides one wrong row of thousands, this does not."""

@@ -124,20 +124,13 @@ def test_context_train_step_moves_no_activations_but_attention_and_zigzag(tmp_pa
     whole sequence of activations. The K/V gathers (chunks) and the zigzag permutes are the only activation traffic.
     Flattening (B, S) into rows (the bf16 linears, RMSNorm's scale gradient) made XLA gather activations over the
     sequence and split the GEMMs over K (benchmarks/RESULTS.md, session 36)."""
-    import dataclasses
     import re
 
-    from mx_jax import train
-    from tests.helpers import NO_IO, tiny_config
+    from tests.helpers import NO_IO, lowered_train_step, tiny_config
 
     cfg = tiny_config(tmp_path, "mesh.fsdp=1", "mesh.context=2", "model.compute_dtype=bfloat16",
                       f"quant.recipe={recipe}", *NO_IO)
-    mesh = sharding.make_mesh(cfg.mesh, jax.devices()[:2])
-    with jax.set_mesh(mesh):
-        setup = train.build(cfg, mesh)
-        shape = (cfg.data.grad_accum_steps, cfg.data.batch_size // cfg.data.grad_accum_steps, cfg.data.seq_len)
-        batch = {k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=v) for k, v in setup.batch_shardings.items()}
-        text = train.make_train_step(setup).lower(train.abstract_state(setup), batch).compile().as_text()
+    text = lowered_train_step(cfg, 2).compile().as_text()
     moved = re.findall(r"= \(?([a-z]+\d*)\[([\d,]*)\][^ ]* (all-gather|all-reduce|reduce-scatter|all-to-all)\(", text)
     assert any(kind == "all-gather" for _, _, kind in moved)  # the weights and K/V are gathered
     whole_seq = [m for m in moved if m[0] != "s32" and str(cfg.data.seq_len) in m[1].split(",")]
@@ -153,16 +146,10 @@ def test_embedding_rows_are_never_replicated(tmp_path, mesh_args):
     the whole (B, S, D) array on every device: in the forward and the backward, or in the backward."""
     import re
 
-    from mx_jax import train
-    from tests.helpers import NO_IO, tiny_config
+    from tests.helpers import NO_IO, lowered_train_step, tiny_config
 
     cfg = tiny_config(tmp_path, *mesh_args, "model.compute_dtype=bfloat16", "data.batch_size=4", *NO_IO)
-    mesh = sharding.make_mesh(cfg.mesh, jax.devices()[:4])
-    with jax.set_mesh(mesh):
-        setup = train.build(cfg, mesh)
-        shape = (cfg.data.grad_accum_steps, cfg.data.batch_size // cfg.data.grad_accum_steps, cfg.data.seq_len)
-        batch = {k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=v) for k, v in setup.batch_shardings.items()}
-        text = train.make_train_step(setup).lower(train.abstract_state(setup), batch).compile().as_text()
+    text = lowered_train_step(cfg, 4).compile().as_text()
     whole = f"{cfg.data.batch_size},{cfg.data.seq_len},{cfg.model.d_model}"
     kinds = "all-gather|all-reduce|all-to-all|collective-permute"
     moved = re.findall(rf"= \(?[a-z]+\d*\[([\d,]*)\][^ ]* (?:{kinds})\(", text)
