@@ -239,8 +239,7 @@ class Llama(nnx.Module):
         n_ctx = context_shards()
         if n_ctx > 1:  # load-balanced causal attention over the context axis (mx_jax/context_parallel.py)
             tokens, positions = to_zigzag(tokens, n_ctx), to_zigzag(positions, n_ctx, axis=0)
-        x = jnp.take(self.embed[...], tokens, axis=0).astype(cdt)  # (B,T,D); gather first, cast B*T rows only
-        x = sharding.rows_as_activations(x)
+        x = sharding.embed_lookup(self.embed[...], tokens, cdt)  # (B,T,D); gather first, cast B*T rows only
         inv_freq = rope_inv_freq(cfg.d_head, cfg.rope_theta, cfg.rope_scaling)
         if hasattr(self, "dense_blocks"):
             x, _ = _scan(self.dense_blocks, x, positions, inv_freq, cfg.remat, cfg.scan_layers)

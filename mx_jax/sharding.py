@@ -12,17 +12,17 @@ the only place mesh axis names meet logical names: change the parallelism by cha
 shape, never the model. Dense, attention and embedding weights are sharded over fsdp and context (a context axis
 never duplicates their memory) and replicated over expert; expert weights are sharded over expert as well, and
 their fsdp and context shards go on the expert axis too where they divide it (`param_spec`).
-Changing the mesh never changes the math: GSPMD inserts the collectives, and the two manual regions (context
-attention, expert dispatch) are written to be exact.
+Changing the mesh never changes the math: GSPMD inserts the collectives, and the manual regions (the embedding
+lookup, context attention, expert dispatch) are written to be exact.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
@@ -178,38 +178,59 @@ def matrices_whole() -> bool:
     return mesh.empty or all(mesh.shape.get(a, 1) == 1 for a in axes)
 
 
-def rows_as_activations(x: jax.Array) -> jax.Array:
-    """x (B, S, D): rows just gathered from a table whose D is split like a weight's ("embed": fsdp, context), laid
-    out as the activations (batch, seq, act_embed).
+def embed_lookup(table: jax.Array, tokens: jax.Array, dtype) -> jax.Array:
+    """table (V, D), tokens (B, S) -> rows (B, S, D) in `dtype`, laid out as the activations (batch, seq, act_embed).
 
-    The move is an all-to-all over each axis that goes from D to B (fsdp) or to S (context), plus slices (forward)
-    or gathers (backward) over the batch axes the table is replicated on (data, expert). XLA's partitioner cannot
-    make several such moves in one step: it replicated the whole (B, S, D) array on every device instead
-    ("Involuntary full rematerialization"), in both passes under fsdp x context and in the backward under
-    fsdp x expert. So the forward passes through `middle` (B over the batch axes up to the last one that comes
-    from D; D over the rest of D's), and the backward walks back through it to the gather's own layout (`gathered`,
-    pinned only without context: with it, pinning made XLA replicate). Checked by compiling a 2-layer Mixtral-shaped
-    train step for 12 meshes on 8 CPU devices (benchmarks/RESULTS.md, session 36): data x fsdp x expert still
-    replicates in the forward."""
+    Without a mesh, or where the table's D is whole on every device, this is `jnp.take` and a constraint. Where D is
+    split (RULES["embed"]: fsdp, context), the lookup runs per device in one shard_map, with its collectives
+    written out:
+    - each device all-gathers the tokens over the axes that split D, along the token dim each of them splits
+      (fsdp: B, context: S): tiny int arrays;
+    - it looks up its own D columns for those tokens and casts them to `dtype`;
+    - for each axis that splits D, minor first, an all-to-all sends every device its own tokens' columns (split the
+      token dim, join D). An axis that splits D but not the tokens (they do not divide it) all-gathers D instead.
+    The backward is jax's transpose of the same steps: the reverse all-to-alls, a scatter-add into the device's
+    columns of the table, and a sum over the axes the table is replicated on (data, expert), as any replicated
+    weight's gradient. Left to the partitioner (a gather, then a sharding constraint), XLA replicated the whole
+    (B, S, D) array on every device ("Involuntary full rematerialization") on fsdp x context, fsdp x expert and
+    data x fsdp x expert meshes (a Mixtral-shaped train step compiled for 12 meshes on 8 CPU devices). A chain of
+    constraints through a middle layout cleared most of those warnings on CPU, but on 4 x H200 at fsdp x context it
+    added six f32 all-reduces and cost 7% of the step. This form matches the single constraint's speed there and
+    moves fewer bytes on every mesh with context or expert (benchmarks/RESULTS.md, session 37)."""
     mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty:
+    if mesh.empty or all(t == AxisType.Manual for t in mesh.axis_types):  # no mesh, or inside a shard_map
+        return jnp.take(table, tokens, axis=0).astype(dtype)
+    table_spec = fit_spec(spec(("vocab", "embed")), table.shape, mesh)
+    split = tuple(a for a in _entry_axes(table_spec[1]) if mesh.shape[a] > 1)
+    out_spec = fit_spec(spec(("batch", "seq", "act_embed")), (*tokens.shape, table.shape[1]), mesh)
+    if not split:
+        return jax.lax.with_sharding_constraint(jnp.take(table, tokens, axis=0).astype(dtype), out_spec)
+    tok_spec = P(*out_spec[:2])
+    token_dim = {a: d for d in (0, 1) for a in _entry_axes(tok_spec[d])}
+
+    def local(tab, tok):
+        for a in split:
+            if a in token_dim:
+                tok = jax.lax.all_gather(tok, a, axis=token_dim[a], tiled=True)
+        x = jnp.take(tab, tok, axis=0).astype(dtype)
+        for a in reversed(split):  # minor first: the D columns each step joins are contiguous
+            if a in token_dim:
+                x = jax.lax.all_to_all(x, a, split_axis=token_dim[a], concat_axis=2, tiled=True)
+            else:
+                x = jax.lax.all_gather(x, a, axis=2, tiled=True)
         return x
-    live = lambda axes: tuple(a for a in axes if mesh.shape.get(a, 1) > 1)
-    split, batch = live(rule_axes("embed")), live(rule_axes("batch"))
-    to_batch = [a for a in split if a in batch]
-    final = fit_spec(spec(("batch", "seq", "act_embed")), x.shape, mesh)
-    if not to_batch:
-        return jax.lax.with_sharding_constraint(x, final)
-    stay = tuple(a for a in split if a not in batch)
-    first, last = (batch.index(a) for a in (to_batch[0], to_batch[-1]))
-    gathered = fit_spec(P(batch[:first] or None, None, split), x.shape, mesh)  # the table's D split
-    middle = fit_spec(P(batch[:last + 1], None, stay or None), x.shape, mesh)
-    chain = lambda y, steps: functools.reduce(jax.lax.with_sharding_constraint, steps, y)
-    forward = lambda y: chain(y, (middle, final))
-    back = (final, middle) if stay else (final, middle, gathered)
-    relayout = jax.custom_vjp(forward)
-    relayout.defvjp(lambda y: (forward(y), None), lambda _, g: (chain(g, back),))
-    return relayout(x)
+
+    # The table's gradient is summed over every axis its spec leaves out; naming the mesh's 1-device axes on V
+    # keeps that sum to the live ones (a 1-device all-reduce per step otherwise; XLA:CPU kept it).
+    ones = tuple(a for a in mesh.axis_names if mesh.shape[a] == 1 and a not in _entry_axes(table_spec[1]))
+    in_table = P(ones or None, table_spec[1])
+    return jax.shard_map(local, mesh=mesh, in_specs=(in_table, tok_spec), out_specs=out_spec,
+                         check_vma=False)(table, tokens)
+
+
+def _entry_axes(entry) -> tuple[str, ...]:
+    """The mesh axes of one PartitionSpec entry, as a tuple."""
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
 
 def batch_axes() -> tuple[str, ...]:

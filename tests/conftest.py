@@ -14,6 +14,11 @@ if os.environ.get("MX_JAX_TEST_GPU") != "1":
 
     if FAST_CPU_COMPILE not in os.environ["XLA_FLAGS"]:
         os.environ["XLA_FLAGS"] += " " + FAST_CPU_COMPILE
+else:
+    # The GPU tests' own process takes GPU memory as it needs it, not JAX's 75% up front: several GPU tests start a
+    # trainer process (90% of what is free), which found too little left after in-process GPU tests had run
+    # (test_cli's deterministic repeat, out of memory on 2 x H200, session 37).
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 # One XLA compilation cache for the run, shared by the xdist workers and the trainer processes the tests start (they
 # inherit the environment): many tests train the same tiny model again (a resume, a second process, a restored

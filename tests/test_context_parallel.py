@@ -137,23 +137,27 @@ def test_context_train_step_moves_no_activations_but_attention_and_zigzag(tmp_pa
     assert not whole_seq, whole_seq
 
 
-@pytest.mark.parametrize("mesh_args", [("mesh.fsdp=2", "mesh.context=2"),
-                                       ("mesh.fsdp=2", "mesh.expert=2", "model.moe.n_experts=4", "model.moe.top_k=2",
-                                        "model.moe.d_expert=32")])
-def test_embedding_rows_are_never_replicated(tmp_path, mesh_args):
-    """On fsdp x context and fsdp x expert meshes the embedding rows, gathered with D split like the table's, move
-    to the activations' split one axis at a time (sharding.rows_as_activations). Moved in one step, XLA replicated
-    the whole (B, S, D) array on every device: in the forward and the backward, or in the backward."""
+_MOE4 = ("model.moe.n_experts=4", "model.moe.top_k=2", "model.moe.d_expert=32")
+
+
+@pytest.mark.parametrize("mesh_args", [("mesh.fsdp=2", "mesh.context=2"), ("mesh.fsdp=2", "mesh.expert=2", *_MOE4),
+                                       ("mesh.data=2", "mesh.fsdp=2", "mesh.expert=2", *_MOE4)])
+def test_embedding_rows_are_never_replicated(tmp_path, capfd, mesh_args):
+    """On fsdp x context, fsdp x expert and data x fsdp x expert meshes the embedding lookup's collectives move
+    only each device's own rows (sharding.embed_lookup). Left to the partitioner, XLA replicated the whole (B, S, D)
+    array on every device, in the forward, the backward or both, and said so on stderr."""
     import re
 
     from tests.helpers import NO_IO, lowered_train_step, tiny_config
 
-    cfg = tiny_config(tmp_path, *mesh_args, "model.compute_dtype=bfloat16", "data.batch_size=4", *NO_IO)
-    text = lowered_train_step(cfg, 4).compile().as_text()
+    n = 8 if "mesh.data=2" in mesh_args else 4
+    cfg = tiny_config(tmp_path, *mesh_args, "model.compute_dtype=bfloat16", f"data.batch_size={n}", *NO_IO)
+    text = lowered_train_step(cfg, n).compile().as_text()
     whole = f"{cfg.data.batch_size},{cfg.data.seq_len},{cfg.model.d_model}"
     kinds = "all-gather|all-reduce|all-to-all|collective-permute"
     moved = re.findall(rf"= \(?[a-z]+\d*\[([\d,]*)\][^ ]* (?:{kinds})\(", text)
     assert moved and whole not in moved, moved
+    assert "Involuntary full rematerialization" not in capfd.readouterr().err
 
 
 @pytest.mark.gpu

@@ -32,6 +32,40 @@ def test_loss_matches_single_device(layout, reference_loss, tmp_path):
     assert 3.0 < reference_loss < 6.0  # a real, still-high loss after 3 steps (ln 256 = 5.55 at init)
 
 
+@pytest.mark.parametrize("mesh_shape, B, D", [
+    ({"data": 2, "fsdp": 2, "context": 2}, 4, 16),
+    ({"data": 2, "fsdp": 2, "expert": 2}, 8, 16),
+    ({"fsdp": 2, "context": 4}, 2, 24),
+    ({"fsdp": 4, "data": 2}, 2, 16),  # B=2: the tokens cannot take fsdp, so D is all-gathered over it
+    ({"fsdp": 8}, 8, 12),  # D=12: the table cannot take fsdp, so the lookup is jnp.take
+])
+def test_embed_lookup_is_take_on_every_mesh(mesh_shape, B, D):
+    """sharding.embed_lookup's per-device lookup and its collectives give jnp.take's rows and table gradient."""
+    from mx_jax import sharding
+    from mx_jax.config import MeshConfig
+
+    V, S = 40, 8
+    kt, kx, kw = jax.random.split(jax.random.key(B * D), 3)
+    table = jax.random.normal(kt, (V, D), jnp.float32)
+    tokens = jax.random.randint(kx, (B, S), 0, V).at[0, :3].set(7)  # a repeated token sums its rows' gradients
+    w = jax.random.normal(kw, (B, S, D), jnp.float32)
+    loss = lambda lookup: lambda t, x: jnp.sum(lookup(t, x) * w)
+    take = lambda t, x: jnp.take(t, x, axis=0)
+    want, want_grad = take(table, tokens), jax.grad(loss(take))(table, tokens)
+    mesh = sharding.make_mesh(MeshConfig(**{"fsdp": 1, **mesh_shape}), jax.devices()[:8])
+    with jax.set_mesh(mesh):
+        t = jax.device_put(table, sharding.named(mesh, ("vocab", "embed"), table.shape))
+        x = jax.device_put(tokens, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+        lookup = lambda t, x: sharding.embed_lookup(t, x, jnp.float32)
+        got = jax.jit(lookup)(t, x)
+        got_grad = jax.jit(jax.grad(loss(lookup)))(t, x)
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_allclose(got_grad, want_grad, rtol=1e-6, atol=1e-6)
+    if D % 8 == 0 or "context" in mesh_shape:
+        want_spec = sharding.fit_spec(sharding.spec(("batch", "seq", "act_embed")), got.shape, mesh)
+        assert got.sharding.is_equivalent_to(jax.sharding.NamedSharding(mesh, want_spec), got.ndim)
+
+
 def test_params_are_sharded_as_configured(tmp_path):
     cfg = tiny_config(tmp_path, "steps=1", "mesh.data=2", "mesh.fsdp=4", *NO_IO)
     state = train.train(cfg).state
