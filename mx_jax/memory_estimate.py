@@ -156,7 +156,7 @@ def estimate(cfg: TrainConfig) -> dict:
     def shards(ax, v) -> int:
         out = 1
         for entry in sharding.param_spec(ax, v.shape, mesh):
-            for a in ((entry,) if isinstance(entry, str) else (entry or ())):
+            for a in sharding.entry_axes(entry):
                 out *= shape[a]
         return out
 

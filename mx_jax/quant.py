@@ -317,7 +317,7 @@ def _whole_matrices_spec(shape, batched: bool) -> P | None:
     spec = tuple(spec) + (None,) * (len(shape) - len(spec))
 
     def size(entry) -> int:
-        return math.prod(mesh.shape[a] for a in ((entry,) if isinstance(entry, str) else entry or ()))
+        return math.prod(mesh.shape[a] for a in sharding.entry_axes(entry))
 
     return P(*spec[:lead + 1]) if size(spec[-2]) == size(spec[-1]) == 1 else None
 

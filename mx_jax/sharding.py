@@ -53,10 +53,14 @@ RULES: dict[str, str | tuple[str, ...] | None] = {
 }
 
 
+def entry_axes(entry: str | tuple[str, ...] | None) -> tuple[str, ...]:
+    """The mesh axes of one RULES or PartitionSpec entry (an axis, a tuple of them, or None), as a tuple."""
+    return (entry,) if isinstance(entry, str) else tuple(entry or ())
+
+
 def rule_axes(name: str) -> tuple[str, ...]:
     """The mesh axes RULES gives logical axis `name`, as a tuple (empty when replicated)."""
-    axes = RULES[name]
-    return (axes,) if isinstance(axes, str) else tuple(axes or ())
+    return entry_axes(RULES[name])
 
 
 def make_mesh(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
@@ -120,7 +124,7 @@ def fit_spec(pspec: P, shape: Sequence[int], mesh: Mesh) -> P:
         if entry is None:
             out.append(None)
             continue
-        axes = (entry,) if isinstance(entry, str) else tuple(entry)
+        axes = entry_axes(entry)
         kept = []
         size = 1
         for a in axes:
@@ -149,8 +153,7 @@ def param_spec(logical: Sequence[str | None] | None, shape: Sequence[int], mesh)
     e = logical.index("expert")
     entries[e] = tuple(dict.fromkeys(axes))
     moved = fit_spec(P(*entries), shape, mesh)
-    got = moved[e] if isinstance(moved[e], tuple) else (moved[e],) if moved[e] else ()
-    return moved if set(got) == set(axes) else fitted
+    return moved if set(entry_axes(moved[e])) == set(axes) else fitted
 
 
 def named(mesh: Mesh, logical: Sequence[str | None] | None, shape: Sequence[int]) -> NamedSharding:
@@ -201,12 +204,12 @@ def embed_lookup(table: jax.Array, tokens: jax.Array, dtype) -> jax.Array:
     if mesh.empty or all(t == AxisType.Manual for t in mesh.axis_types):  # no mesh, or inside a shard_map
         return jnp.take(table, tokens, axis=0).astype(dtype)
     table_spec = fit_spec(spec(("vocab", "embed")), table.shape, mesh)
-    split = tuple(a for a in _entry_axes(table_spec[1]) if mesh.shape[a] > 1)
+    split = tuple(a for a in entry_axes(table_spec[1]) if mesh.shape[a] > 1)
     out_spec = fit_spec(spec(("batch", "seq", "act_embed")), (*tokens.shape, table.shape[1]), mesh)
     if not split:
         return jax.lax.with_sharding_constraint(jnp.take(table, tokens, axis=0).astype(dtype), out_spec)
     tok_spec = P(*out_spec[:2])
-    token_dim = {a: d for d in (0, 1) for a in _entry_axes(tok_spec[d])}
+    token_dim = {a: d for d in (0, 1) for a in entry_axes(tok_spec[d])}
 
     def local(tab, tok):
         for a in split:
@@ -222,15 +225,10 @@ def embed_lookup(table: jax.Array, tokens: jax.Array, dtype) -> jax.Array:
 
     # The table's gradient is summed over every axis its spec leaves out; naming the mesh's 1-device axes on V
     # keeps that sum to the live ones (a 1-device all-reduce per step otherwise; XLA:CPU kept it).
-    ones = tuple(a for a in mesh.axis_names if mesh.shape[a] == 1 and a not in _entry_axes(table_spec[1]))
+    ones = tuple(a for a in mesh.axis_names if mesh.shape[a] == 1 and a not in entry_axes(table_spec[1]))
     in_table = P(ones or None, table_spec[1])
     return jax.shard_map(local, mesh=mesh, in_specs=(in_table, tok_spec), out_specs=out_spec,
                          check_vma=False)(table, tokens)
-
-
-def _entry_axes(entry) -> tuple[str, ...]:
-    """The mesh axes of one PartitionSpec entry, as a tuple."""
-    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
 
 def batch_axes() -> tuple[str, ...]:
