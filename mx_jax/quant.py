@@ -65,7 +65,9 @@ device's rows,
     y_d = x_d @ w,   grad_x_d = g_d @ wᵀ,   grad_w = Σ_d x_dᵀ @ g_d
 
 Each device's grad_w partial leaves the shard_map stacked on a leading device axis and is summed outside in f32 (an
-all-reduce, or a reduce-scatter where the weight is split), then rounded to w's dtype. Scales are each device's own,
+all-reduce, or a reduce-scatter where the weight is split), then rounded to w's dtype. Under data x fsdp (HSDP)
+that sum is one all-reduce of the whole gradient over every device, where bf16 gets a reduce-scatter over fsdp
+first (benchmarks/RESULTS.md, session 37). Scales are each device's own,
 as TorchAO computes them under DDP and FSDP: scales along K or N (x and g for out and grad_x) equal one device's,
 so y and grad_x are bit-identical; x and g along T for grad_w, and tensorwise scales, come from the device's rows
 (each partial product is dequantized before the sum, so the math holds). Without this, cuBLASLt's fp8 GEMM and
