@@ -69,10 +69,17 @@ def weight_and_operands(w: nnx.Param | jax.Array) -> tuple[jax.Array, quant.Oper
     return (v.slot, v.operands) if isinstance(v, quant.Prequantized) else (v, None)
 
 
+def logical_axes(w: nnx.Param | jax.Array) -> tuple[str, ...] | None:
+    """A weight's own logical axes (sharding.RULES), or None for a plain array."""
+    axes = w.get_metadata().get("logical_axes") if isinstance(w, nnx.Variable) else None
+    return tuple(axes) if axes else None
+
+
 def linear(x: jax.Array, w: nnx.Param, recipe: str, impl: str) -> jax.Array:
     """x (..., in) @ w (in, out) through the quantization recipe; the output is tagged for remat policies."""
+    axes = logical_axes(w)
     w, ops = weight_and_operands(w)
-    return checkpoint_name(quant.linear(x, w, recipe=recipe, impl=impl, operands=ops), "matmul")
+    return checkpoint_name(quant.linear(x, w, recipe=recipe, impl=impl, operands=ops, w_axes=axes), "matmul")
 
 
 def saved_output(y, scanned: bool):
@@ -101,7 +108,8 @@ def fused_linear(x: jax.Array, ws: tuple[nnx.Param, ...], recipes: tuple[str, ..
     # With prequantized operands (the first weight's, made from the concatenation) the weights are zero slots: their
     # concatenation is never materialized, and its gradient is split back by slicing.
     w = jnp.concatenate([p[0] for p in parts], axis=1)
-    y = saved_output(quant.linear(x, w, recipe=recipes[0], impl=impl, operands=parts[0][1]), scanned)
+    y = quant.linear(x, w, recipe=recipes[0], impl=impl, operands=parts[0][1], w_axes=logical_axes(ws[0]))
+    y = saved_output(y, scanned)
     bounds = [p[0].shape[1] for p in parts]
     return tuple(jnp.split(y, [sum(bounds[:i]) for i in range(1, len(bounds))], axis=-1))
 

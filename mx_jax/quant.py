@@ -64,10 +64,12 @@ device's rows,
 
     y_d = x_d @ w,   grad_x_d = g_d @ wᵀ,   grad_w = Σ_d x_dᵀ @ g_d
 
-Each device's grad_w partial leaves the shard_map stacked on a leading device axis and is summed outside in f32 (an
-all-reduce, or a reduce-scatter where the weight is split), then rounded to w's dtype. Under data x fsdp (HSDP)
-that sum is one all-reduce of the whole gradient over every device, where bf16 gets a reduce-scatter over fsdp
-first (benchmarks/RESULTS.md, session 37). Scales are each device's own,
+Each device's grad_w partial is reduced in f32 inside the shard_map where `linear` is given w's logical axes (the
+model's linears are): reduce-scattered over the mesh axes that split w (fsdp, context) on w's split dim, then the
+shard all-reduced over the other token axes (data, expert), as XLA's partitioner reduces bf16's. Otherwise the
+partials leave the shard_map stacked on a leading device axis and are summed outside; on HSDP (data x fsdp) XLA
+then all-reduced whole weight gradients over data x fsdp (benchmarks/RESULTS.md, session 37). Either way the sum
+is rounded to w's dtype after it. Scales are each device's own,
 as TorchAO computes them under DDP and FSDP: scales along K or N (x and g for out and grad_x) equal one device's,
 so y and grad_x are bit-identical; x and g along T for grad_w, and tensorwise scales, come from the device's rows
 (each partial product is dequantized before the sum, so the math holds). Without this, cuBLASLt's fp8 GEMM and
@@ -339,10 +341,16 @@ def check_operands(ops, w, recipe: str, recipes: tuple[str, ...], caller: str) -
 # The quantized dot: custom_vjp over x (T, K), or per device over x (..., K), and w (K, N); one per (recipe, impl,
 # split).
 # --------------------------------------------------------------------------------------------------------------
-def _token_split(recipe: str, lead: tuple[int, ...]) -> tuple[P, tuple[str, ...]] | None:
+def _token_split(recipe: str, lead: tuple[int, ...], w_shape: tuple[int, ...], w_axes: tuple[str | None, ...] | None
+                 ) -> tuple[P, tuple[str, ...], tuple[int, tuple[str, ...]] | None] | None:
     """How an fp8 linear whose x has leading dims `lead` runs per device (module docstring): (the spec of x, the
-    token axes in the order they stack the per-device residuals), or None: not an fp8 recipe with weight operands,
-    no multi-device mesh set outside shard_map, or the tokens not split evenly.
+    token axes in the order they stack the per-device residuals, where grad_w is reduced), or None: not an fp8
+    recipe with weight operands, no multi-device mesh set outside shard_map, or the tokens not split evenly.
+
+    Where grad_w is reduced: None (its per-device partials leave the shard_map stacked and are summed outside), or
+    (dim, axes) when the weight's logical axes `w_axes` split it over mesh axes that all split the tokens too: each
+    device then reduce-scatters its partial over those axes on that dim, and all-reduces its shard over the other
+    token axes, inside the shard_map. Summed outside, XLA all-reduced whole weight gradients over data x fsdp.
 
     x (B, S, ..., K) is split as the model lays out its activations, the batch axes on B and the sequence's on S;
     rows (T, K) over all of them. Splitting the flattened (B * S) rows instead would make XLA re-lay out x under
@@ -355,7 +363,14 @@ def _token_split(recipe: str, lead: tuple[int, ...]) -> tuple[P, tuple[str, ...]
     dims = [tokens] if len(lead) == 1 else [tuple(a for a in tokens if a not in seq), seq] + [()] * (len(lead) - 2)
     if not tokens or any(n % math.prod(mesh.shape[a] for a in d) for n, d in zip(lead, dims)):
         return None
-    return P(*(d or None for d in dims), None), tokens
+    reduce = None
+    if w_axes is not None:
+        w_spec = sharding.param_spec(w_axes, w_shape, mesh)
+        live = [(d, tuple(a for a in sharding.entry_axes(e) if mesh.shape[a] > 1)) for d, e in enumerate(w_spec)]
+        live = [(d, axes) for d, axes in live if axes]
+        if len(live) == 1 and set(live[0][1]) <= set(tokens):
+            reduce = live[0]
+    return P(*(d or None for d in dims), None), tokens, reduce
 
 
 @functools.lru_cache(maxsize=None)
@@ -426,10 +441,10 @@ def _make_linear2d(recipe_name: str, impl: str, x_dtype: jnp.dtype, w_dtype: jnp
     # Per device (_token_split): the GEMMs and activation casts run inside shard_map over the token axes, each
     # device on its own rows (x (..., K) keeps its leading dims, flattened inside) with the whole weight operands.
     # Residuals leave it stacked on a new leading axis (one entry per device: its xᵀ rows or x, and its own scales),
-    # and so does grad_w: each device's partial sum over its tokens, summed outside in f32 (XLA's all-reduce, or
-    # reduce-scatter where the weight is split).
+    # and so does grad_w (each device's partial sum over its tokens, summed outside in f32) unless it is reduced
+    # inside (module docstring).
     def forward_per_device(x, w, ops):
-        x_spec, axes = split
+        x_spec, axes, _ = split
         if ops is None:
             ops = _weight_operands(w, r, impl)
 
@@ -441,16 +456,25 @@ def _make_linear2d(recipe_name: str, impl: str, x_dtype: jnp.dtype, w_dtype: jnp
         return y, (checkpoint_name(x_res, "matmul") if x_dual else x_res, ops.grad_x)
 
     def backward_per_device(res, g, gw_dtype):
-        g_spec, axes = split
+        g_spec, axes, reduce = split
 
         def local(x_res, w_res, g):
             x_res = jax.tree.map(lambda a: a[0], x_res)
             grad_x, grad_w = backward((x_res, w_res), g.reshape(-1, g.shape[-1]), gw_dtype)
-            return grad_x.reshape(*g.shape[:-1], -1), grad_w[None]
+            if reduce is None:
+                return grad_x.reshape(*g.shape[:-1], -1), grad_w[None]
+            dim, w_mesh_axes = reduce
+            grad_w = jax.lax.psum_scatter(grad_w, w_mesh_axes, scatter_dimension=dim, tiled=True)
+            others = tuple(a for a in axes if a not in w_mesh_axes)
+            return grad_x.reshape(*g.shape[:-1], -1), jax.lax.psum(grad_w, others) if others else grad_w
 
-        grad_x, grad_w = jax.shard_map(local, in_specs=(P(axes), P(), g_spec), out_specs=(g_spec, P(axes)),
+        if reduce is None:
+            gw_spec = P(axes)
+        else:
+            gw_spec = P(*[reduce[1] if d == reduce[0] else None for d in range(2)])
+        grad_x, grad_w = jax.shard_map(local, in_specs=(P(axes), P(), g_spec), out_specs=(g_spec, gw_spec),
                                        check_vma=False)(*res, g)
-        return grad_x, grad_w.sum(0, dtype=gw_dtype)
+        return grad_x, grad_w.astype(gw_dtype) if reduce else grad_w.sum(0, dtype=gw_dtype)
 
     @jax.custom_vjp
     def linear2d(x, w, ops):
@@ -469,7 +493,7 @@ def _make_linear2d(recipe_name: str, impl: str, x_dtype: jnp.dtype, w_dtype: jnp
 
 
 def linear(x: jax.Array, w: jax.Array, *, recipe: str, impl: str = "auto",
-           operands: Operands | None = None) -> jax.Array:
+           operands: Operands | None = None, w_axes: tuple[str | None, ...] | None = None) -> jax.Array:
     """y = x @ w under `recipe`, differentiable in x and w (grads in x's and w's dtypes).
 
     x (..., K) in the compute dtype (bf16); w (K, N) the parameter (f32 master or bf16; quantized from it directly).
@@ -479,6 +503,9 @@ def linear(x: jax.Array, w: jax.Array, *, recipe: str, impl: str = "auto",
     operands: w's fp8 operands, made by `prequantize(w, recipe=recipe, impl=impl)` when the weight was last
     updated. w's values are then never read (it can be a zero "slot" that XLA never materializes): it only receives
     the weight gradient.
+
+    w_axes: w's logical axes (mx_jax/sharding.py's RULES), for the per-device fp8 path under a mesh: its weight
+    gradient is then reduced where w is split (`_token_split`).
     """
     # MX (block-scaled, mx_jax/mx_format.py) recipes join RECIPES and branch off here, before the fp8 table.
     if recipe not in RECIPES:
@@ -492,7 +519,7 @@ def linear(x: jax.Array, w: jax.Array, *, recipe: str, impl: str = "auto",
     if recipe == "mxfp8":
         return mx_linear(x, w, impl=impl)
     lead = x.shape[:-1]
-    split = _token_split(recipe, lead)
+    split = _token_split(recipe, lead, w.shape, w_axes)
     make = functools.partial(_make_linear2d, recipe, impl, jnp.dtype(x.dtype), jnp.dtype(w.dtype))
     if split is not None:  # per device: x keeps its leading dims, laid out as the model splits them
         return make(split)(x, w, operands)

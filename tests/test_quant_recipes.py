@@ -319,6 +319,38 @@ def test_linear_per_device_under_a_mesh(layout, recipe):
             assert rel(a, b) < 2 * rel(b, ref) + 1e-5, (i, rel(a, b))
 
 
+@pytest.mark.parametrize("layout", [(2, 2, 1, 1), (2, 2, 2, 1), (1, 4, 1, 2)])
+@pytest.mark.parametrize("w_axes", [("embed", "mlp"), ("mlp", "embed")])
+def test_linear_per_device_reduces_grad_w_where_the_weight_is_split(layout, w_axes):
+    """Given w's logical axes, the per-device fp8 linear reduce-scatters its grad_w partials over the mesh axes that
+    split w (fsdp, context), on w's split dim, and all-reduces the shards over the other token axes (data, expert),
+    inside its shard_map: no collective carries the whole weight gradient. Summed outside (no axes given), XLA
+    all-reduced whole weight gradients over data x fsdp (benchmarks/RESULTS.md, session 37). Same sum either way."""
+    import re
+
+    from mx_jax import sharding
+
+    mesh = jax.make_mesh(layout, ("data", "fsdp", "expert", "context"), axis_types=(jax.sharding.AxisType.Auto,) * 4,
+                         devices=jax.devices()[:math.prod(layout)])
+    x, w, g = problem(jax.random.key(12), t=512, k=256, n=384)
+    x, g = x.reshape(8, 64, 256), g.reshape(8, 64, 384)
+    grad_w = lambda axes: lambda x, w, g: jax.vjp(
+        lambda x, w: quant.linear(x, w, recipe="fp8_rowwise", w_axes=axes), x, w)[1](g)[1]
+    with jax.set_mesh(mesh):
+        act = jax.sharding.NamedSharding(mesh, P(("data", "fsdp", "expert"), "context"))
+        w_sharding = jax.sharding.NamedSharding(mesh, sharding.param_spec(w_axes, w.shape, mesh))
+        xs, gs, ws = jax.device_put(x, act), jax.device_put(g, act), jax.device_put(w, w_sharding)
+        f = jax.jit(grad_w(w_axes), out_shardings=w_sharding)
+        text = f.lower(xs, ws, gs).compile().as_text()
+        got = f(xs, ws, gs)
+        summed_outside = jax.jit(grad_w(None), out_shardings=w_sharding)(xs, ws, gs)
+    np.testing.assert_allclose(got, summed_outside, rtol=1e-5, atol=1e-5)
+    assert got.sharding.is_equivalent_to(w_sharding, 2)
+    reduced = re.findall(r"= \(?f32\[([\d,]*)\][^ ]* (all-reduce|reduce-scatter)(?:-start)?\(", text)
+    assert any(kind == "reduce-scatter" for _, kind in reduced), reduced
+    assert not [d for d, _ in reduced if d in ("256,384", "1,256,384")], reduced
+
+
 @pytest.mark.parametrize("layout", [(1, 1, 1, 2), (1, 2, 1, 2), (2, 1, 1, 4)])
 def test_bf16_linear_under_context_moves_only_weights(layout):
     """A bf16 linear over x (B, S, K) with B > 1 and S split over context: the only collectives move the weight
