@@ -436,30 +436,41 @@ def test_gpu_prequantize_on_the_kernels(recipe):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("axis", ["data", "context"])
+@pytest.mark.parametrize("axis", ["data", "context", "fsdp"])
 @pytest.mark.parametrize("recipe", ["fp8_rowwise", "fp8_tensorwise"])
 def test_gpu_linear_per_device_on_two_gpus(recipe, axis):
-    """On a mesh of two GPUs split over data (the batch) or context (the sequence), the per-device linear (Pallas
-    GEMMs and casts in its shard_map) against one GPU: rowwise y and grad_x bit for bit (same rows, same kernels),
-    grad_w and tensorwise within one device's distance from the f32 product."""
+    """On a mesh of two GPUs split over data (the batch), context (the sequence) or fsdp (the batch, and the weight
+    on K: grad_w reduce-scattered inside the shard_map), the per-device linear (Pallas GEMMs and casts in its
+    shard_map) against one GPU: rowwise y and grad_x bit for bit (same rows, same kernels), grad_w and tensorwise
+    within one device's distance from the f32 product."""
     if jax.device_count() < 2:
         pytest.skip("needs 2 GPUs")
     x, w, g = problem(jax.random.key(12), t=8192, k=4096, n=2048, w_dtype=jnp.bfloat16)
     f32 = lambda x, w: jnp.einsum("btk,kn->btn", x.astype(jnp.float32), w.astype(jnp.float32))
     y_ref, pull = jax.vjp(f32, x, w)
     refs = (y_ref, *pull(g.astype(jnp.float32)))
-    f = jax.jit(lambda x, w, g: vjp(recipe, "auto", x, w, g))
+    w_axes = ("embed", "mlp") if axis == "fsdp" else None
+
+    def f(x, w, g):
+        y, pull = jax.vjp(lambda x, w: quant.linear(x, w, recipe=recipe, w_axes=w_axes), x, w)
+        return (y, *pull(g))
+
+    f = jax.jit(f)
     one = f(x, w, g)
-    mesh = jax.make_mesh((2, 1, 1, 1) if axis == "data" else (1, 1, 1, 2), ("data", "fsdp", "expert", "context"),
-                         axis_types=(jax.sharding.AxisType.Auto,) * 4, devices=jax.devices()[:2])
+    layout = {"data": (2, 1, 1, 1), "fsdp": (1, 2, 1, 1), "context": (1, 1, 1, 2)}[axis]
+    mesh = jax.make_mesh(layout, ("data", "fsdp", "expert", "context"), axis_types=(jax.sharding.AxisType.Auto,) * 4,
+                         devices=jax.devices()[:2])
     with jax.set_mesh(mesh):
-        act = jax.sharding.NamedSharding(mesh, P("data") if axis == "data" else P(None, "context"))
+        act = jax.sharding.NamedSharding(mesh, P(None, "context") if axis == "context" else P(axis))
         xs, gs = jax.device_put(x, act), jax.device_put(g, act)
-        lowered = f.lower(xs, w, gs)
+        ws = jax.device_put(w, jax.sharding.NamedSharding(mesh, P("fsdp") if axis == "fsdp" else P()))
+        lowered = f.lower(xs, ws, gs)
         if device.on_hopper():
             assert "mosaic_gpu" in lowered.as_text()
-        assert "all-to-all" not in lowered.compile().as_text()  # x and dy are used as laid out
-        got = f(xs, w, gs)
+        compiled = lowered.compile().as_text()
+        assert "all-to-all" not in compiled  # x and dy are used as laid out
+        assert ("reduce-scatter" in compiled) == (axis == "fsdp")
+        got = f(xs, ws, gs)
     for i, (a, b, ref) in enumerate(zip(got, one, refs)):
         if recipe == "fp8_rowwise" and i < 2:
             np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
