@@ -286,6 +286,9 @@ def main() -> None:
         hlo = step.lower(state, batch).compile().as_text()  # under the mesh, as traced (context attention needs it)
     tokens = cfg.data.batch_size * cfg.data.seq_len
     print(f"wall time per step (untraced): {1000 * wall:.1f} ms = {tokens / wall:,.0f} tokens/s")
+    peaks = [(d.memory_stats() or {}).get("peak_bytes_in_use", 0) for d in jax.local_devices()]
+    if any(peaks):  # the allocator's high-water mark since start (not reported on CPU)
+        print(f"peak device memory: {max(peaks) / 2**30:.2f} GiB (largest of {len(peaks)} local devices)")
     del state, batch  # free the step's memory for the replay
     summarize(args.trace_dir, args.steps, args.top, hlo, args.dump, args.replay)
 
