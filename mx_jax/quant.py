@@ -82,7 +82,7 @@ MX e4m3, each operand blocked along its own contraction axis (out: x and w along
 grad_w: x and g along T), rceil scales. It lives in mx_jax/mx_linear.py (format: mx_jax/mx_format.py) and
 `linear` hands it over.
 
-Public API: `linear(x, w, *, recipe, impl, operands)`, `prequantize`, `Operands`, `Prequantized`, `RECIPES`,
+Public API: `linear(x, w, *, recipe, impl, operands, w_axes)`, `prequantize`, `Operands`, `Prequantized`, `RECIPES`,
 `PREQUANTIZED`, `kernel_support(recipe, k, n)`, `mx_quantize` (the OCP MX cast, re-exported from mx_format).
 """
 
