@@ -205,6 +205,11 @@ def cudnn_shapes_only():
 # DeepSeekMoE step's peak grew by 1.7 GiB: its backward scan's stacked expert-weight gradients, allocated, are live
 # from the start of the step, where their zero fill had been placed just before the backward loop (the dense and
 # Mixtral peaks did not move).
+# One device only: XLA's SPMD partitioner cannot split an AllocateBuffer custom call, so on a multi-device mesh every
+# device allocated the whole stacked buffer, all batch rows and all layers' weight gradients, and the loop gathered
+# each layer's slice into it. The full 8B on 4 x H200 at fsdp=4 compiled to 98 GiB of temporaries (14.7 under
+# model.remat=full), and OOMed at data=2 x fsdp=2 (RESULTS.md, session 38). With more than one device the scan keeps
+# jax's zero fill, which the partitioner splits like the values written into it.
 _JAX_EMPTY_ARRAY = None
 
 
@@ -213,7 +218,8 @@ def _scan_output_buffer(prefix, length_spec, aval):
     from jax._src.lax import lax as lax_internal
     from jax._src.mesh import get_abstract_mesh, use_abstract_mesh
 
-    if aval.memory_space != core.MemorySpace.Device:
+    mesh = get_abstract_mesh()
+    if aval.memory_space != core.MemorySpace.Device or (jax.device_count() if mesh.empty else mesh.size) > 1:
         return _JAX_EMPTY_ARRAY(prefix, length_spec, aval)
     sharding = aval.sharding
     if JAX_VERSION >= (0, 11, 0) and sharding.mesh.empty:  # 0.11 takes the context's mesh; 0.10.2 does not

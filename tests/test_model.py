@@ -196,10 +196,16 @@ def _assert_scan_equals_loop(remat: str):
 @pytest.mark.parametrize("remat", ["none", "save_matmuls"])
 def test_unrolled_layers_equal_scanned_layers(remat):
     fn, params = _assert_scan_equals_loop(remat)
-    # The scan's stacked residuals are allocated, not zero-filled, on the GPU (compat.uninitialize_scan_outputs):
-    # the forward loop's outputs are AllocateBuffer custom calls in the CUDA lowering.
-    hlo = fn.trace(params).lower(lowering_platforms=("cuda",)).as_text()
-    assert hlo.count("AllocateBuffer") >= 2, "the scanned layers' residuals are zero-filled again"
+    # On one GPU the scan's stacked residuals are allocated, not zero-filled (compat.uninitialize_scan_outputs): the
+    # forward loop's outputs are AllocateBuffer custom calls in the CUDA lowering. On a multi-device mesh they must
+    # stay zero-filled: the partitioner cannot split an AllocateBuffer, so each device allocated every batch row of
+    # every layer's residuals (the full 8B on 4 x H200: 98 GiB of temporaries instead of 31).
+    def cuda_hlo(n_devices):
+        with jax.set_mesh(sharding.make_mesh(MeshConfig(fsdp=n_devices), jax.devices()[:n_devices])):
+            return fn.trace(params).lower(lowering_platforms=("cuda",)).as_text()
+
+    assert cuda_hlo(1).count("AllocateBuffer") >= 2, "the scanned layers' residuals are zero-filled again"
+    assert cuda_hlo(4).count("AllocateBuffer") == 0, "an unshardable AllocateBuffer on a 4-device mesh"
 
 
 @pytest.mark.gpu
