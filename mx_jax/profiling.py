@@ -5,7 +5,9 @@ run_dir/profile/process_<i> (open it with TensorBoard's profile plugin, XProf or
 `summarize` prints; `benchmarks/profile_step.py` adds the per-GEMM TFLOP/s table and a replay of each GEMM.
 
 Device time per op is read from the trace's device planes: the "XLA Ops" line where the trace has one (GPU),
-else the kernels of every stream. A CPU trace has no device plane, so there is nothing to sum on CPU.
+else the kernels of every stream. A CPU trace has no device plane, so there is nothing to sum on CPU. `overlap`
+reads the same events' start times: how long any op ran, and how long a collective ran with no other op beside it
+(communication that nothing hid; a busy time well below the step's wall time means the line missed kernels).
 """
 
 from __future__ import annotations
@@ -54,13 +56,45 @@ def device_time(data) -> tuple[collections.Counter, collections.Counter, int]:
         if not plane.name.startswith("/device:"):
             continue
         n_dev += 1
-        lines = {line.name: line for line in plane.lines}
-        chosen = [lines["XLA Ops"]] if "XLA Ops" in lines else [l for n, l in lines.items() if "Stream" in n]
-        for line in chosen:
+        for line in _chosen_lines(plane):
             for ev in line.events:
                 per_op[ev.name] += ev.duration_ns / 1e6
                 counts[ev.name] += 1
     return per_op, counts, n_dev
+
+
+def _chosen_lines(plane) -> list:
+    lines = {line.name: line for line in plane.lines}
+    return [lines["XLA Ops"]] if "XLA Ops" in lines else [l for n, l in lines.items() if "Stream" in n]
+
+
+def overlap(data) -> tuple[float, float, int]:
+    """(ms during which any op ran, ms during which a collective ran and no other op did, number of device planes),
+    summed over the device planes: the second is the communication that nothing hid. Ops are the same events
+    `device_time` sums; overlapping ops count once."""
+    busy = alone = 0.0
+    n_dev = 0
+    for plane in data.planes:
+        if not plane.name.startswith("/device:"):
+            continue
+        n_dev += 1
+        edges = []  # (time, +1 start / -1 end, is collective)
+        for line in _chosen_lines(plane):
+            for ev in line.events:
+                coll = category(ev.name) == "collective"
+                edges += [(ev.start_ns, 1, coll), (ev.start_ns + ev.duration_ns, -1, coll)]
+        edges.sort(key=lambda e: (e[0], e[1]))  # at equal times, ends first
+        active = {True: 0, False: 0}
+        last = None
+        for t, step, coll in edges:
+            if last is not None and t > last:
+                if active[True] or active[False]:
+                    busy += (t - last) / 1e6
+                if active[True] and not active[False]:
+                    alone += (t - last) / 1e6
+            active[coll] += step
+            last = t
+    return busy, alone, n_dev
 
 
 def summarize(data, n_steps: int, top: int) -> list[str]:
@@ -76,6 +110,9 @@ def summarize(data, n_steps: int, top: int) -> list[str]:
     out = [f"device time per step and device: {total / n:.1f} ms (sum over ops, {n_steps} steps traced on {n_dev} "
            f"device(s))"]
     out += [f"  {cat:<16}{ms / n:9.2f} ms  {100 * ms / total:5.1f}%" for cat, ms in by_cat.most_common()]
+    busy, alone, _ = overlap(data)
+    out.append(f"  busy {busy / n:.1f} ms per step and device (any op running; overlaps counted once), of which "
+               f"{alone / n:.1f} ms collectives with no other op running (communication nothing hid)")
     if top:
         out.append(f"top {top} ops (ms per step, calls per step):")
         out += [f"  {ms / n:8.2f}  {counts[name] // n:4d}x  {category(name):<14} {name[:110]}"

@@ -258,6 +258,27 @@ def test_profiling_summary_sums_device_time_per_category():
     assert profiling.summarize(NS(planes=[NS(name="/host:CPU", lines=[])]), 1, 1)[0].startswith("no device plane")
 
 
+def test_profiling_overlap_counts_communication_nothing_hid():
+    from types import SimpleNamespace as NS
+
+    from mx_jax import profiling
+
+    def ev(start_ms, stop_ms, name):
+        return NS(start_ns=int(start_ms * 1e6), duration_ns=int((stop_ms - start_ms) * 1e6), name=name, stats=[])
+
+    # GPU 0: a GEMM [0, 4) under an all-reduce [2, 6) (2 ms of it alone), a fusion [7, 8), an all-gather [9, 10)
+    # alone. GPU 1: a NCCL kernel wholly under a fusion on another stream.
+    gpu0 = NS(name="/device:GPU:0", lines=[NS(name="XLA Ops", events=[
+        ev(0, 4, "nvjet_sm90_tst"), ev(2, 6, "all-reduce.1"), ev(7, 8, "loop_add_fusion"), ev(9, 10, "all-gather.2")])])
+    gpu1 = NS(name="/device:GPU:1", lines=[NS(name="Stream #7", events=[ev(0, 2, "input_reduce_fusion")]),
+                                           NS(name="Stream #9", events=[ev(0.5, 1.5, "ncclDevKernel_AllGather")])])
+    data = NS(planes=[NS(name="/host:CPU", lines=[]), gpu0, gpu1])
+    busy, alone, n_dev = profiling.overlap(data)
+    assert n_dev == 2 and abs(busy - 10.0) < 1e-6 and abs(alone - 3.0) < 1e-6, (busy, alone)
+    line = [ln for ln in profiling.summarize(data, n_steps=1, top=0) if ln.lstrip().startswith("busy")]
+    assert line and line[0].split()[1] == "5.0" and "of which 1.5 ms collectives" in line[0]
+
+
 _tiles_spec = importlib.util.spec_from_file_location(
     "profile_tiles", pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "profile_tiles.py")
 profile_tiles = importlib.util.module_from_spec(_tiles_spec)
