@@ -98,7 +98,8 @@ def overlap(data) -> tuple[float, float, int]:
 
 
 def summarize(data, n_steps: int, top: int) -> list[str]:
-    """Lines: device time per step and device, by category, then the `top` longest ops."""
+    """Lines: device time per step and device, by category, the busy and unhidden-communication times (`overlap`),
+    then the `top` longest ops."""
     per_op, counts, n_dev = device_time(data)
     if not n_dev:
         return ["no device plane in the trace (a CPU run): no per-op device time to sum"]
