@@ -10,8 +10,10 @@ Train state: {"step": int32, "params": nested dict of float32 arrays, "compute":
 llama.plan_for_run says so, the routed experts' fp8 operands), "buffers": MoE router biases, "opt_state": optax state}, sharded by `sharding.RULES` (the optimizer
 moments and the copies take their parameter's sharding). The step differentiates `llama.with_compute(params,
 compute)`: the GEMM weights in the compute dtype (zero slots where the layers read fp8 operands, llama.
-with_operands), whose gradients arrive in bf16 (summed across devices in f32 first, see quant._grad_w_dtype) and
-are upcast for the clipping norm and AdamW; the update writes the new masters and makes their new copies and
+with_operands), whose gradients arrive in bf16 (summed across devices in f32 first, see quant._grad_w_dtype; the
+routed experts' are summed in bf16: they leave the MoE layer's shard_map as bf16 per-device partials, and the GPU
+profiles show bf16 reduce-scatters and all-reduces for them, benchmarks/RESULTS.md session 38) and are upcast for
+the clipping norm and AdamW; the update writes the new masters and makes their new copies and
 operands. Checkpoints hold everything but "compute", which is made again from the restored masters.
 """
 
