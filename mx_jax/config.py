@@ -76,6 +76,13 @@ class ModelConfig:
     init_std: float = 0.02
     compute_dtype: Literal["bfloat16", "float32"] = "bfloat16"
     param_dtype: Literal["float32", "bfloat16"] = "float32"
+    # The dtype in which the dense linears' weight gradients are summed across the devices that split the tokens
+    # (quant._grad_w_dtype; TorchTitan's mixed_precision_reduce, float32 by default there too). bfloat16 halves the
+    # reduce-scatters' bytes: the whole 8B at fsdp=4 on 4 x H200 ran 3.7% (bf16) and 3.7-4.6% (fp8_rowwise)
+    # faster, and the 142M model's held-out loss after 1000 steps on 4 GPUs stayed within the run-to-run spread
+    # (benchmarks/RESULTS.md, session 39). Each hop of a ring sum rounds to bf16, so the error grows with the number
+    # of devices summed; measured on 4 only. The routed experts' gradients are summed in bf16 either way (train.py).
+    grad_reduce_dtype: Literal["float32", "bfloat16"] = "float32"
     remat: Literal["none", "full", "save_matmuls"] = "none"
     scan_layers: bool = True  # lax.scan over the stacked layers; false unrolls them (llama.py: when that wins)
     attention: Literal["auto", "cudnn", "xla"] = "auto"

@@ -75,11 +75,13 @@ def logical_axes(w: nnx.Param | jax.Array) -> tuple[str, ...] | None:
     return tuple(axes) if axes else None
 
 
-def linear(x: jax.Array, w: nnx.Param, recipe: str, impl: str) -> jax.Array:
-    """x (..., in) @ w (in, out) through the quantization recipe; the output is tagged for remat policies."""
+def linear(x: jax.Array, w: nnx.Param, recipe: str, impl: str, reduce_dtype: str = "float32") -> jax.Array:
+    """x (..., in) @ w (in, out) through the quantization recipe; the output is tagged for remat policies.
+    reduce_dtype: model.grad_reduce_dtype (quant.linear)."""
     axes = logical_axes(w)
     w, ops = weight_and_operands(w)
-    return checkpoint_name(quant.linear(x, w, recipe=recipe, impl=impl, operands=ops, w_axes=axes), "matmul")
+    y = quant.linear(x, w, recipe=recipe, impl=impl, operands=ops, w_axes=axes, reduce_dtype=reduce_dtype)
+    return checkpoint_name(y, "matmul")
 
 
 def saved_output(y, scanned: bool):
@@ -99,16 +101,17 @@ def saved_output(y, scanned: bool):
 
 
 def fused_linear(x: jax.Array, ws: tuple[nnx.Param, ...], recipes: tuple[str, ...], impl: str,
-                 scanned: bool = False) -> tuple[jax.Array, ...]:
+                 scanned: bool = False, reduce_dtype: str = "float32") -> tuple[jax.Array, ...]:
     """(x @ w for w in ws) as one GEMM over the concatenated weights when they share a recipe (module docstring);
     its output goes through `saved_output`."""
     if len(set(recipes)) > 1:
-        return tuple(linear(x, w, r, impl) for w, r in zip(ws, recipes))
+        return tuple(linear(x, w, r, impl, reduce_dtype) for w, r in zip(ws, recipes))
     parts = [weight_and_operands(w) for w in ws]
     # With prequantized operands (the first weight's, made from the concatenation) the weights are zero slots: their
     # concatenation is never materialized, and its gradient is split back by slicing.
     w = jnp.concatenate([p[0] for p in parts], axis=1)
-    y = quant.linear(x, w, recipe=recipes[0], impl=impl, operands=parts[0][1], w_axes=logical_axes(ws[0]))
+    y = quant.linear(x, w, recipe=recipes[0], impl=impl, operands=parts[0][1], w_axes=logical_axes(ws[0]),
+                     reduce_dtype=reduce_dtype)
     y = saved_output(y, scanned)
     bounds = [p[0].shape[1] for p in parts]
     return tuple(jnp.split(y, [sum(bounds[:i]) for i in range(1, len(bounds))], axis=-1))
@@ -244,19 +247,20 @@ class Attention(nnx.Module):
         self.wv = _param(rngs, (d, g * k), cfg.init_std, ("embed", "kv_heads"), pd)
         self.wo = _param(rngs, (h * k, d), out_std, ("q_heads", "embed"), pd)
         self.n_heads, self.n_kv_heads, self.head_dim = h, g, k
-        self.recipes, self.impl, self.scanned = recipes, impl, cfg.scan_layers
+        self.recipes, self.impl, self.scanned, self.reduce = recipes, impl, cfg.scan_layers, cfg.grad_reduce_dtype
         self.attention = attention_impl(cfg.attention, cfg.compute_dtype, k)
 
     def __call__(self, x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
         b, t, _ = x.shape
         r = self.recipes
-        q, k, v = fused_linear(x, (self.wq, self.wk, self.wv), (r["wq"], r["wk"], r["wv"]), self.impl, self.scanned)
+        q, k, v = fused_linear(x, (self.wq, self.wk, self.wv), (r["wq"], r["wk"], r["wv"]), self.impl, self.scanned,
+                               self.reduce)
         q = q.reshape(b, t, self.n_heads, self.head_dim)
         k = k.reshape(b, t, self.n_kv_heads, self.head_dim)
         v = v.reshape(b, t, self.n_kv_heads, self.head_dim)
         q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
         o = causal_attention(q, k, v, self.attention)  # (B,T,H,K)
-        return linear(o.reshape(b, t, self.n_heads * self.head_dim), self.wo, r["wo"], self.impl)
+        return linear(o.reshape(b, t, self.n_heads * self.head_dim), self.wo, r["wo"], self.impl, self.reduce)
 
 
 class SwiGLU(nnx.Module):
@@ -266,9 +270,10 @@ class SwiGLU(nnx.Module):
         self.w_gate = _param(rngs, (d, d_ff), cfg.init_std, ("embed", "mlp"), pd)
         self.w_up = _param(rngs, (d, d_ff), cfg.init_std, ("embed", "mlp"), pd)
         self.w_down = _param(rngs, (d_ff, d), out_std, ("mlp", "embed"), pd)
-        self.recipes, self.impl, self.scanned = recipes, impl, cfg.scan_layers
+        self.recipes, self.impl, self.scanned, self.reduce = recipes, impl, cfg.scan_layers, cfg.grad_reduce_dtype
 
     def __call__(self, x: jax.Array) -> jax.Array:
         r = self.recipes
-        gate, up = fused_linear(x, (self.w_gate, self.w_up), (r["w_gate"], r["w_up"]), self.impl, self.scanned)
-        return linear(swiglu(gate, up), self.w_down, r["w_down"], self.impl)
+        gate, up = fused_linear(x, (self.w_gate, self.w_up), (r["w_gate"], r["w_up"]), self.impl, self.scanned,
+                                self.reduce)
+        return linear(swiglu(gate, up), self.w_down, r["w_down"], self.impl, self.reduce)

@@ -248,7 +248,7 @@ class Llama(nnx.Module):
         if n_ctx > 1:
             x = sharding.constrain(from_zigzag(x, n_ctx), ("batch", "seq", "act_embed"))
         x = self.final_norm(x)
-        logits = linear(x, self.head, self.head_recipe, self.quant_impl)
+        logits = linear(x, self.head, self.head_recipe, self.quant_impl, cfg.grad_reduce_dtype)
         return logits.astype(logits_dtype), stats
 
 
@@ -390,7 +390,8 @@ def with_compute(params: dict, copies: dict, compute_dtype=jnp.bfloat16) -> dict
     Only the GEMM weights come in the compute dtype; everything else stays as stored (the embedding table, whose
     rows are gathered and whose scatter-added gradient needs f32; norm scales; the router). The forward is
     unchanged (each GEMM cast its weight to the compute dtype anyway). The weight gradients come out in that dtype,
-    rounded once from the GEMM's f32 accumulator (quant._grad_w_dtype), as under TorchTitan's FSDP2 mixed precision
+    rounded from the GEMM's f32 accumulator (where the tokens are split, each device's partial sum is summed across
+    devices in model.grad_reduce_dtype first, quant._grad_w_dtype), as under TorchTitan's FSDP2 mixed precision
     (param_dtype=bf16), and the step upcasts them for the clipping norm and AdamW, which keep the float32 masters
     and moments. A bf16 gradient halves the bytes of its write, the norm's read and AdamW's read. A slot's values
     are never read (`with_operands` pairs it with its operands), so XLA never materializes the zeros.

@@ -27,13 +27,14 @@ default and every MXFP8 training recipe (mxfp8_rceil, mxfp8_rceil_wgrad_with_hp,
 for input, weight and grad_output and block 32, and casts each operand along its GEMM's contraction dim (dim0 /
 dim1 casts) exactly as in the table. (The older emulation config `MXLinearConfig` defaulted to FLOOR, the spec's
 rule; TorchAO's training recipes moved to RCEIL.) Differences: grad_w comes out in w's dtype (f32 for f32 master
-weights) instead of bf16, and a w in float32 is cast from float32 directly (the cast kernels read 16-bit inputs,
+weights; summed across devices in `reduce_dtype` first where the tokens are split, as in mx_jax/quant.py) instead
+of bf16, and a w in float32 is cast from float32 directly (the cast kernels read 16-bit inputs,
 so that cast runs through XLA).
 
 Shapes: K and N must be multiples of 32 (`mx_kernel_support`); T (the flattened leading dims of x) is zero-padded
 to a multiple of 32 for the grad_w blocking (zero rows change no amax and add nothing to xᵀ g).
 
-Public API: `mx_linear(x, w, *, impl)`, `mx_kernel_support(k, n)`, MODE, ELEM_DTYPE.
+Public API: `mx_linear(x, w, *, impl, reduce_dtype)`, `mx_kernel_support(k, n)`, MODE, ELEM_DTYPE.
 """
 
 from __future__ import annotations
@@ -45,6 +46,8 @@ import math
 import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
+
+from mx_jax import sharding
 
 mxmm = importlib.import_module("pallas_kernels.mx_matmul")  # modules: tests intercept mxmm.mx_matmul
 mxq = importlib.import_module("pallas_kernels.mx_quantize")
@@ -86,7 +89,7 @@ def _gemm(lhs, rhs_t, out_dtype, impl: str):
 
 
 @functools.lru_cache(maxsize=None)
-def _make_linear2d(impl: str, x_dtype: jnp.dtype, w_dtype: jnp.dtype):
+def _make_linear2d(impl: str, x_dtype: jnp.dtype, w_dtype: jnp.dtype, reduce_dtype: jnp.dtype):
     # The primal dtypes are static (mx_jax/quant.py's _make_linear2d says why).
     def forward(x, w):
         # x (T, K), w (K, N); T a multiple of 32
@@ -100,7 +103,8 @@ def _make_linear2d(impl: str, x_dtype: jnp.dtype, w_dtype: jnp.dtype):
         x_t, w_n = res
         g_n, g_t = _dim01(g, impl)  # g along N (T, N); gᵀ along T (N, T)
         grad_x = _gemm(g_n, w_n, g.dtype, impl)  # (T, K): contraction over N
-        grad_w = _gemm(x_t, g_t, jnp.float32, impl)  # (K, N): contraction over T
+        gw_dtype = reduce_dtype if sharding.tokens_split() else jnp.float32  # the dtype of the sum across devices
+        grad_w = _gemm(x_t, g_t, gw_dtype, impl)  # (K, N): contraction over T
         return grad_x, grad_w
 
     @jax.custom_vjp
@@ -115,12 +119,13 @@ def _make_linear2d(impl: str, x_dtype: jnp.dtype, w_dtype: jnp.dtype):
     return linear2d
 
 
-def mx_linear(x: jax.Array, w: jax.Array, *, impl: str = "auto") -> jax.Array:
+def mx_linear(x: jax.Array, w: jax.Array, *, impl: str = "auto", reduce_dtype="float32") -> jax.Array:
     """y = x @ w with all three GEMMs in MXFP8 (e4m3, rceil, blocks of 32), differentiable in x and w.
 
     x (..., K) in the compute dtype (bf16); w (K, N) the parameter (f32 master or bf16). Returns y (..., N) in
     x.dtype; grads come back in x's and w's dtypes. impl ("auto" | "pallas" | "xla" | "reference") goes to the
     cast dispatchers (pallas_kernels.mx_quantize) and the GEMM dispatcher (pallas_kernels.mx_matmul).
+    reduce_dtype: the dtype in which w's gradient is summed across the devices that split the tokens.
     """
     if impl not in IMPLS:
         raise ValueError(f"mx_linear: impl must be one of {IMPLS}, got {impl!r}")
@@ -137,5 +142,5 @@ def mx_linear(x: jax.Array, w: jax.Array, *, impl: str = "auto") -> jax.Array:
     pad = -t % BLOCK  # grad_w blocks along T
     if pad:
         x2 = jnp.pad(x2, ((0, pad), (0, 0)))
-    y = _make_linear2d(impl, jnp.dtype(x.dtype), jnp.dtype(w.dtype))(x2, w)[:t]
+    y = _make_linear2d(impl, jnp.dtype(x.dtype), jnp.dtype(w.dtype), jnp.dtype(reduce_dtype))(x2, w)[:t]
     return y.reshape(*lead, w.shape[1])

@@ -201,11 +201,12 @@ def _dot_hp(lhs, rhs, contract: tuple[tuple[int, ...], tuple[int, ...]], out_dty
                            preferred_element_type=out_dtype)
 
 
-def _grad_w_dtype(w_dtype) -> jnp.dtype:
+def _grad_w_dtype(w_dtype, reduce_dtype) -> jnp.dtype:
     """The weight-gradient GEMM's output dtype: w's own (a bf16 weight gets a bf16 gradient, rounded once from the
     GEMM's f32 accumulator), except where the tokens are split over devices: the GEMM's per-device partial sums are
-    then summed across devices in f32 and rounded after the sum (TorchTitan's FSDP2 reduce_dtype=float32)."""
-    return jnp.dtype(jnp.float32) if sharding.tokens_split() else jnp.dtype(w_dtype)
+    then summed across devices in `reduce_dtype` (model.grad_reduce_dtype; float32 is TorchTitan's FSDP2 default,
+    reduce_dtype=float32, rounded once after the sum)."""
+    return jnp.dtype(reduce_dtype) if sharding.tokens_split() else jnp.dtype(w_dtype)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -375,7 +376,7 @@ def _token_split(recipe: str, lead: tuple[int, ...], w_shape: tuple[int, ...], w
 
 
 @functools.lru_cache(maxsize=None)
-def _make_linear2d(recipe_name: str, impl: str, x_dtype: jnp.dtype, w_dtype: jnp.dtype,
+def _make_linear2d(recipe_name: str, impl: str, x_dtype: jnp.dtype, w_dtype: jnp.dtype, reduce_dtype: jnp.dtype,
                    split: tuple[P, tuple[str, ...]] | None = None):
     """The custom_vjp linear: over x (T, K), or with `split` (_token_split) per device over x (..., K).
 
@@ -485,7 +486,7 @@ def _make_linear2d(recipe_name: str, impl: str, x_dtype: jnp.dtype, w_dtype: jnp
         return forward(x, w, ops) if split is None else forward_per_device(x, w, ops)
 
     def bwd(res, g):
-        g, gw_dtype = g.astype(x_dtype), _grad_w_dtype(w_dtype)
+        g, gw_dtype = g.astype(x_dtype), _grad_w_dtype(w_dtype, reduce_dtype)
         grad_x, grad_w = (backward if split is None else backward_per_device)(res, g, gw_dtype)
         return grad_x.astype(x_dtype), grad_w.astype(w_dtype), None  # the operands are not differentiated
 
@@ -494,7 +495,8 @@ def _make_linear2d(recipe_name: str, impl: str, x_dtype: jnp.dtype, w_dtype: jnp
 
 
 def linear(x: jax.Array, w: jax.Array, *, recipe: str, impl: str = "auto",
-           operands: Operands | None = None, w_axes: tuple[str | None, ...] | None = None) -> jax.Array:
+           operands: Operands | None = None, w_axes: tuple[str | None, ...] | None = None,
+           reduce_dtype="float32") -> jax.Array:
     """y = x @ w under `recipe`, differentiable in x and w (grads in x's and w's dtypes).
 
     x (..., K) in the compute dtype (bf16); w (K, N) the parameter (f32 master or bf16; quantized from it directly).
@@ -507,6 +509,9 @@ def linear(x: jax.Array, w: jax.Array, *, recipe: str, impl: str = "auto",
 
     w_axes: w's logical axes (mx_jax/sharding.py's RULES), for the per-device fp8 path under a mesh: its weight
     gradient is then reduced where w is split (`_token_split`).
+
+    reduce_dtype: the dtype in which w's gradient is summed across the devices that split the tokens
+    (`_grad_w_dtype`, model.grad_reduce_dtype).
     """
     # MX (block-scaled, mx_jax/mx_format.py) recipes join RECIPES and branch off here, before the fp8 table.
     if recipe not in RECIPES:
@@ -518,10 +523,11 @@ def linear(x: jax.Array, w: jax.Array, *, recipe: str, impl: str = "auto",
     if operands is not None:
         check_operands(operands, w, recipe, PREQUANTIZED, "linear")
     if recipe == "mxfp8":
-        return mx_linear(x, w, impl=impl)
+        return mx_linear(x, w, impl=impl, reduce_dtype=reduce_dtype)
     lead = x.shape[:-1]
     split = _token_split(recipe, lead, w.shape, w_axes)
-    make = functools.partial(_make_linear2d, recipe, impl, jnp.dtype(x.dtype), jnp.dtype(w.dtype))
+    make = functools.partial(_make_linear2d, recipe, impl, jnp.dtype(x.dtype), jnp.dtype(w.dtype),
+                             jnp.dtype(reduce_dtype))
     if split is not None:  # per device: x keeps its leading dims, laid out as the model splits them
         return make(split)(x, w, operands)
     if recipe == "bf16":  # XLA's dot over x's own dims (_make_linear2d)

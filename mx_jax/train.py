@@ -7,14 +7,16 @@ checkpoint of a diverged state is written.
 
 Train state: {"step": int32, "params": nested dict of float32 arrays, "compute": what the GEMMs read
 (llama.compute_copies: the GEMM weights' compute-dtype copies, and under an fp8 recipe the dense linears' and, when
-llama.plan_for_run says so, the routed experts' fp8 operands), "buffers": MoE router biases, "opt_state": optax state}, sharded by `sharding.RULES` (the optimizer
-moments and the copies take their parameter's sharding). The step differentiates `llama.with_compute(params,
-compute)`: the GEMM weights in the compute dtype (zero slots where the layers read fp8 operands, llama.
-with_operands), whose gradients arrive in bf16 (summed across devices in f32 first, see quant._grad_w_dtype; the
-routed experts' are summed in bf16: they leave the MoE layer's shard_map as bf16 per-device partials, and the GPU
-profiles show bf16 reduce-scatters and all-reduces for them, benchmarks/RESULTS.md session 38) and are upcast for
-the clipping norm and AdamW; the update writes the new masters and makes their new copies and
-operands. Checkpoints hold everything but "compute", which is made again from the restored masters.
+llama.plan_for_run says so, the routed experts' fp8 operands), "buffers": MoE router biases, "opt_state": optax
+state}, sharded by `sharding.RULES` (the optimizer moments and the copies take their parameter's sharding). The step
+differentiates `llama.with_compute(params, compute)`: the GEMM weights in the compute dtype (zero slots where the
+layers read fp8 operands, llama.with_operands), whose gradients arrive in bf16 and are upcast for the clipping norm
+and AdamW. Where the mesh splits the tokens, the dense linears' per-device partial gradients are summed across
+devices in model.grad_reduce_dtype (float32 by default, quant._grad_w_dtype) and rounded after the sum; the routed
+experts' are summed in bf16 (they leave the MoE layer's shard_map as bf16 per-device partials, and the GPU profiles
+show bf16 reduce-scatters and all-reduces for them, benchmarks/RESULTS.md session 38). The update writes the new
+masters and makes their new copies and operands. Checkpoints hold everything but "compute", which is made again
+from the restored masters.
 """
 
 from __future__ import annotations
@@ -339,7 +341,7 @@ class TrainResult:
 _DATA_KEYS = ("seed", "data.seq_len", "data.source", "data.mixture_quota")
 # ModelConfig keys that may change across a resume: how the same function is computed, not which function.
 _MODEL_KEYS_FREE_ON_RESUME = frozenset({
-    "remat", "scan_layers", "attention", "compute_dtype", "param_dtype", "moe.impl", "moe.all_to_all", "moe.dispatch",
+    "remat", "scan_layers", "attention", "compute_dtype", "param_dtype", "grad_reduce_dtype", "moe.impl", "moe.all_to_all", "moe.dispatch",
     "moe.gpus_per_node", "moe.capacity_factor", "moe.aux_loss_coef", "moe.z_loss_coef", "moe.bias_update_rate"})
 
 

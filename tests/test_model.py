@@ -293,16 +293,19 @@ def test_compute_copies_cast_the_gemm_weights_only():
         "wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "head"}
 
 
-def test_weight_grad_dtype_follows_the_weight_and_is_summed_over_devices_in_f32():
+@pytest.mark.parametrize("reduce_dtype", ["float32", "bfloat16"])
+def test_weight_grad_dtype_follows_the_weight_and_is_summed_over_devices_in_reduce_dtype(reduce_dtype):
     """A bf16 weight gets a bf16 gradient; with the tokens split over 8 devices the partial weight gradients are
-    summed across devices in f32 and rounded after the sum (one f32 cross-device reduction in the compiled step)."""
+    summed across devices in `reduce_dtype` (model.grad_reduce_dtype): the weight-gradient GEMM writes that dtype,
+    and f32 sums are rounded after the sum."""
     from mx_jax import quant
     rng = np.random.default_rng(3)
     x = jnp.asarray(rng.standard_normal((16, 32)), jnp.bfloat16)
     w = jnp.asarray(rng.standard_normal((32, 24)) / 6, jnp.bfloat16)
 
     def grad_w(x, w):
-        return jax.grad(lambda w: jnp.sum(quant.linear(x, w, recipe="bf16").astype(jnp.float32) ** 2))(w)
+        loss = lambda w: jnp.sum(quant.linear(x, w, recipe="bf16", reduce_dtype=reduce_dtype).astype(jnp.float32) ** 2)
+        return jax.grad(loss)(w)
 
     assert grad_w(x, w).dtype == jnp.bfloat16
     mesh = sharding.make_mesh(MeshConfig(data=8))
@@ -312,14 +315,42 @@ def test_weight_grad_dtype_follows_the_weight_and_is_summed_over_devices_in_f32(
         split = fn.lower(xs, w).as_text()
         g8 = fn(xs, w)
     alone = jax.jit(grad_w).lower(x, w).as_text()
-    # The weight-gradient GEMM (32, 24): f32 out when its partial sums cross devices, bf16 on one device.
+    # The weight-gradient GEMM (32, 24): reduce_dtype out when its partial sums cross devices, bf16 on one device.
     wgrad = lambda text: [ln for ln in text.splitlines() if "dot_general" in ln and "-> tensor<32x24x" in ln]
-    assert wgrad(split) and all("tensor<32x24xf32>" in ln.split("->")[-1] for ln in wgrad(split)), wgrad(split)
+    want = {"float32": "f32", "bfloat16": "bf16"}[reduce_dtype]
+    assert wgrad(split) and all(f"tensor<32x24x{want}>" in ln.split("->")[-1] for ln in wgrad(split)), wgrad(split)
     assert wgrad(alone) and all("tensor<32x24xbf16>" in ln.split("->")[-1] for ln in wgrad(alone)), wgrad(alone)
     assert g8.dtype == jnp.bfloat16
     ref = (2 * x.astype(jnp.float32).T @ (x.astype(jnp.float32) @ w.astype(jnp.float32)))
     err = np.linalg.norm(np.asarray(g8, np.float32) - np.asarray(ref)) / np.linalg.norm(np.asarray(ref))
-    assert err < 1e-2, err  # bf16 operands and a bf16 result: ~3 bf16 roundings
+    assert err < 1e-2, err  # bf16 operands and a bf16 result: ~3 bf16 roundings (4 with the bf16 sum)
+
+
+def test_grad_reduce_dtype_reaches_every_dense_linear_of_the_train_step(tmp_path):
+    """model.grad_reduce_dtype=bfloat16 makes every weight-gradient GEMM of the dense model's step (attention, FFN,
+    head) write bf16 partials on a mesh that splits the tokens; under the float32 default each of them writes f32."""
+    import re
+
+    from tests.helpers import NO_IO, lowered_train_step, tiny_config
+
+    def wgrad_dtypes(reduce_dtype):
+        cfg = tiny_config(tmp_path, *NO_IO, "mesh.fsdp=4", "quant.recipe=bf16", "model.compute_dtype=bfloat16",
+                          f"model.grad_reduce_dtype={reduce_dtype}")
+        m, d = cfg.model, cfg.model.d_model
+        qkv, o = (m.n_heads + 2 * m.n_kv_heads) * m.d_head, m.n_heads * m.d_head  # q|k|v and gate|up are fused
+        shapes = {f"{d}x{qkv}", f"{o}x{d}", f"{d}x{2 * m.d_ff}", f"{m.d_ff}x{d}", f"{d}x{m.vocab_size}"}
+        text = lowered_train_step(cfg, 4).as_text()
+        found = {}
+        for ln in text.splitlines():
+            if "dot_general" in ln and (hit := re.search(r"-> tensor<(\d+x\d+)x(\w+)>$", ln.strip())):
+                if hit[1] in shapes:
+                    found.setdefault(hit[1], set()).add(hit[2])
+        return shapes, found
+
+    shapes, f32 = wgrad_dtypes("float32")
+    assert set(f32) == shapes and all("f32" in d for d in f32.values()), f32
+    _, bf16 = wgrad_dtypes("bfloat16")
+    assert set(bf16) == shapes and all(d == {"bf16"} for d in bf16.values()), bf16
 
 
 def test_flops_per_token_llama3_8b_and_mfu(monkeypatch):

@@ -351,6 +351,41 @@ def test_linear_per_device_reduces_grad_w_where_the_weight_is_split(layout, w_ax
     assert not [d for d, _ in reduced if d in ("256,384", "1,256,384")], reduced
 
 
+@pytest.mark.parametrize("reduce_dtype", ["float32", "bfloat16"])
+def test_fp8_and_mx_linears_sum_grad_w_across_devices_in_reduce_dtype(reduce_dtype):
+    """The fp8 linear's per-device path reduce-scatters its grad_w partials in `reduce_dtype`
+    (model.grad_reduce_dtype), and the MX linear's weight-gradient GEMM writes that dtype for XLA's sum; the
+    gradient comes back in w's dtype, as close to the f32 product as one device's."""
+    import re
+
+    from mx_jax import sharding
+
+    mesh = jax.make_mesh((1, 4, 1, 1), ("data", "fsdp", "expert", "context"),
+                         axis_types=(jax.sharding.AxisType.Auto,) * 4, devices=jax.devices()[:4])
+    x, w, g = problem(jax.random.key(14), t=512, k=256, n=384, w_dtype=jnp.bfloat16)
+    x, g = x.reshape(8, 64, 256), g.reshape(8, 64, 384)
+    ref = jnp.einsum("btk,btn->kn", x.astype(jnp.float32), g.astype(jnp.float32))
+    want = {"float32": "f32", "bfloat16": "bf16"}[reduce_dtype]
+    for recipe in ("fp8_rowwise", "mxfp8"):
+        grad_w = lambda x, w, g: jax.vjp(lambda x, w: quant.linear(
+            x, w, recipe=recipe, w_axes=("embed", "mlp"), reduce_dtype=reduce_dtype), x, w)[1](g)[1]
+        one = jax.jit(grad_w)(x, w, g)
+        with jax.set_mesh(mesh):
+            act = jax.sharding.NamedSharding(mesh, P(("data", "fsdp", "expert"), "context"))
+            w_sharding = jax.sharding.NamedSharding(mesh, sharding.param_spec(("embed", "mlp"), w.shape, mesh))
+            xs, gs, ws = jax.device_put(x, act), jax.device_put(g, act), jax.device_put(w, w_sharding)
+            f = jax.jit(grad_w, out_shardings=w_sharding)
+            text = f.lower(xs, ws, gs).as_text()
+            got = f(xs, ws, gs)
+        if recipe == "fp8_rowwise":  # (256, 384) partials scattered over fsdp on w's split dim
+            summed = re.findall(r"reduce_scatter\"[\s\S]*?\) -> tensor<64x384x(\w+)>", text)
+        else:
+            summed = re.findall(r"dot_general .*-> tensor<256x384x(\w+)>$", text, re.M)
+        assert summed and set(summed) == {want}, (recipe, summed)
+        assert got.dtype == jnp.bfloat16
+        assert rel(got, ref) < 1.1 * rel(one, ref) + 1e-3, (recipe, rel(got, ref), rel(one, ref))
+
+
 @pytest.mark.parametrize("layout", [(1, 1, 1, 2), (1, 2, 1, 2), (2, 1, 1, 4)])
 def test_bf16_linear_under_context_moves_only_weights(layout):
     """A bf16 linear over x (B, S, K) with B > 1 and S split over context: the only collectives move the weight
