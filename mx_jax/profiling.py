@@ -68,33 +68,50 @@ def _chosen_lines(plane) -> list:
     return [lines["XLA Ops"]] if "XLA Ops" in lines else [l for n, l in lines.items() if "Stream" in n]
 
 
-def overlap(data) -> tuple[float, float, int]:
-    """(ms during which any op ran, ms during which a collective ran and no other op did, number of device planes),
-    summed over the device planes: the second is the communication that nothing hid. Ops are the same events
-    `device_time` sums; overlapping ops count once."""
+def _op_name(ev) -> str:
+    """The XLA instruction an event ran for (a kernel's `hlo_op` stat), else the event's own name."""
+    stats = dict(ev.stats) if getattr(ev, "stats", None) else {}
+    return str(stats.get("hlo_op") or ev.name)
+
+
+def overlap(data) -> tuple[float, float, int, collections.Counter]:
+    """(ms during which any op ran, ms during which a collective ran and no other op did, number of device planes,
+    that unhidden ms per collective instruction), summed over the device planes: the second is the communication
+    that nothing hid, and the last says which collectives it was (time when several ran together is split evenly
+    between them). Ops are the same events `device_time` sums; overlapping ops count once."""
     busy = alone = 0.0
+    by_op: collections.Counter = collections.Counter()
     n_dev = 0
     for plane in data.planes:
         if not plane.name.startswith("/device:"):
             continue
         n_dev += 1
-        edges = []  # (time, +1 start / -1 end, is collective)
+        edges = []  # (time, +1 start / -1 end, collective instruction or None)
         for line in _chosen_lines(plane):
             for ev in line.events:
-                coll = category(ev.name) == "collective"
+                coll = _op_name(ev) if category(ev.name) == "collective" else None
                 edges += [(ev.start_ns, 1, coll), (ev.start_ns + ev.duration_ns, -1, coll)]
         edges.sort(key=lambda e: (e[0], e[1]))  # at equal times, ends first
-        active = {True: 0, False: 0}
+        colls: collections.Counter = collections.Counter()  # the collectives running
+        others = 0
         last = None
         for t, step, coll in edges:
             if last is not None and t > last:
-                if active[True] or active[False]:
-                    busy += (t - last) / 1e6
-                if active[True] and not active[False]:
-                    alone += (t - last) / 1e6
-            active[coll] += step
+                ms, n_coll = (t - last) / 1e6, sum(colls.values())
+                if n_coll or others:
+                    busy += ms
+                if n_coll and not others:
+                    alone += ms
+                    for name, k in colls.items():
+                        by_op[name] += ms * k / n_coll
+            if coll is None:
+                others += step
+            else:
+                colls[coll] += step
+                if not colls[coll]:
+                    del colls[coll]
             last = t
-    return busy, alone, n_dev
+    return busy, alone, n_dev, by_op
 
 
 def summarize(data, n_steps: int, top: int) -> list[str]:
@@ -111,9 +128,12 @@ def summarize(data, n_steps: int, top: int) -> list[str]:
     out = [f"device time per step and device: {total / n:.1f} ms (sum over ops, {n_steps} steps traced on {n_dev} "
            f"device(s))"]
     out += [f"  {cat:<16}{ms / n:9.2f} ms  {100 * ms / total:5.1f}%" for cat, ms in by_cat.most_common()]
-    busy, alone, _ = overlap(data)
+    busy, alone, _, by_op = overlap(data)
     out.append(f"  busy {busy / n:.1f} ms per step and device (any op running; overlaps counted once), of which "
                f"{alone / n:.1f} ms collectives with no other op running (communication nothing hid)")
+    if by_op:
+        top_ops = by_op.most_common(6)
+        out.append("  unhidden by collective: " + ", ".join(f"{name} {ms / n:.1f}" for name, ms in top_ops))
     if top:
         out.append(f"top {top} ops (ms per step, calls per step):")
         out += [f"  {ms / n:8.2f}  {counts[name] // n:4d}x  {category(name):<14} {name[:110]}"

@@ -263,20 +263,28 @@ def test_profiling_overlap_counts_communication_nothing_hid():
 
     from mx_jax import profiling
 
-    def ev(start_ms, stop_ms, name):
-        return NS(start_ns=int(start_ms * 1e6), duration_ns=int((stop_ms - start_ms) * 1e6), name=name, stats=[])
+    def ev(start_ms, stop_ms, name, hlo_op=None):
+        return NS(start_ns=int(start_ms * 1e6), duration_ns=int((stop_ms - start_ms) * 1e6), name=name,
+                  stats=[("hlo_op", hlo_op)] if hlo_op else [])
 
     # GPU 0: a GEMM [0, 4) under an all-reduce [2, 6) (2 ms of it alone), a fusion [7, 8), an all-gather [9, 10)
-    # alone. GPU 1: a NCCL kernel wholly under a fusion on another stream.
+    # alone. GPU 1: a NCCL kernel wholly under a fusion on another stream, then two NCCL kernels on two streams,
+    # [3, 5) and [4, 6), with nothing else running (named by their XLA instructions).
     gpu0 = NS(name="/device:GPU:0", lines=[NS(name="XLA Ops", events=[
         ev(0, 4, "nvjet_sm90_tst"), ev(2, 6, "all-reduce.1"), ev(7, 8, "loop_add_fusion"), ev(9, 10, "all-gather.2")])])
-    gpu1 = NS(name="/device:GPU:1", lines=[NS(name="Stream #7", events=[ev(0, 2, "input_reduce_fusion")]),
-                                           NS(name="Stream #9", events=[ev(0.5, 1.5, "ncclDevKernel_AllGather")])])
+    gpu1 = NS(name="/device:GPU:1", lines=[
+        NS(name="Stream #7", events=[ev(0, 2, "input_reduce_fusion"), ev(3, 5, "ncclDevKernel_AllGather", "ag.7")]),
+        NS(name="Stream #9", events=[ev(0.5, 1.5, "ncclDevKernel_AllGather"),
+                                     ev(4, 6, "ncclDevKernel_ReduceScatter", "rs.8")])])
     data = NS(planes=[NS(name="/host:CPU", lines=[]), gpu0, gpu1])
-    busy, alone, n_dev = profiling.overlap(data)
-    assert n_dev == 2 and abs(busy - 10.0) < 1e-6 and abs(alone - 3.0) < 1e-6, (busy, alone)
-    line = [ln for ln in profiling.summarize(data, n_steps=1, top=0) if ln.lstrip().startswith("busy")]
-    assert line and line[0].split()[1] == "5.0" and "of which 1.5 ms collectives" in line[0]
+    busy, alone, n_dev, by_op = profiling.overlap(data)
+    assert n_dev == 2 and abs(busy - 13.0) < 1e-6 and abs(alone - 6.0) < 1e-6, (busy, alone)
+    want = {"all-reduce.1": 2.0, "all-gather.2": 1.0, "ag.7": 1.5, "rs.8": 1.5}  # [4, 5) split between ag.7, rs.8
+    assert set(by_op) == set(want) and all(abs(by_op[k] - v) < 1e-6 for k, v in want.items()), by_op
+    lines = profiling.summarize(data, n_steps=1, top=0)
+    line = [ln for ln in lines if ln.lstrip().startswith("busy")]
+    assert line and line[0].split()[1] == "6.5" and "of which 3.0 ms collectives" in line[0]
+    assert lines[-1] == "  unhidden by collective: all-reduce.1 1.0, ag.7 0.8, rs.8 0.8, all-gather.2 0.5"
 
 
 _tiles_spec = importlib.util.spec_from_file_location(
