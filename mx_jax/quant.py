@@ -64,26 +64,27 @@ device's rows,
 
     y_d = x_d @ w,   grad_x_d = g_d @ wᵀ,   grad_w = Σ_d x_dᵀ @ g_d
 
-Each device's grad_w partial is reduced in f32 inside the shard_map where `linear` is given w's logical axes (the
-model's linears are): reduce-scattered over the mesh axes that split w (fsdp, context) on w's split dim, then the
-shard all-reduced over the other token axes (data, expert), as XLA's partitioner reduces bf16's. Otherwise the
-partials leave the shard_map stacked on a leading device axis and are summed outside; on HSDP (data x fsdp) XLA
-then all-reduced whole weight gradients over data x fsdp, fsdp times bf16's bytes over the data axis (4 x H200,
-data=2 x fsdp=2: collectives 43.7 -> 38.8 ms of device time per step, +0.6% tokens/s; benchmarks/RESULTS.md,
-sessions 37-38). Either way the sum is rounded to w's dtype after it. Scales are each device's own,
-as TorchAO computes them under DDP and FSDP: scales along K or N (x and g for out and grad_x) equal one device's,
-so y and grad_x are bit-identical; x and g along T for grad_w, and tensorwise scales, come from the device's rows
-(each partial product is dequantized before the sum, so the math holds). Without this, cuBLASLt's fp8 GEMM and
-XLA's casts ran instead; on 2 x H200 the 4-layer 8B fp8 step's device time fell from 149.5 to 140.1 ms at fsdp=2
-(benchmarks/RESULTS.md, session 35). T not divisible by the token shards keeps the partitioner's path.
+Each device's grad_w partial is reduced in `reduce_dtype` (model.grad_reduce_dtype, f32 by default) inside the
+shard_map where `linear` is given w's logical axes (the model's linears are): reduce-scattered over the mesh axes
+that split w (fsdp, context) on w's split dim, then the shard all-reduced over the other token axes (data, expert),
+as XLA's partitioner reduces bf16's. Otherwise the partials leave the shard_map stacked on a leading device axis and
+are summed outside; on HSDP (data x fsdp) XLA then all-reduced whole weight gradients over data x fsdp, fsdp times
+bf16's bytes over the data axis (4 x H200, data=2 x fsdp=2: collectives 43.7 -> 38.8 ms of device time per step,
++0.6% tokens/s; benchmarks/RESULTS.md, sessions 37-38). Either way the sum is rounded to w's dtype after it. Scales
+are each device's own, as TorchAO computes them under DDP and FSDP: scales along K or N (x and g for out and grad_x)
+equal one device's, so y and grad_x are bit-identical; x and g along T for grad_w, and tensorwise scales, come from
+the device's rows (each partial product is dequantized before the sum, so the math holds). Without this,
+cuBLASLt's fp8 GEMM and XLA's casts ran instead; on 2 x H200 the 4-layer 8B fp8 step's device time fell from 149.5
+to 140.1 ms at fsdp=2 (benchmarks/RESULTS.md, session 35). T not divisible by the token shards keeps the partitioner's path.
 
 mxfp8 (OCP MX, blocks of 32 with a power-of-two E8M0 scale, TorchAO's MXFP8 training recipe): all three GEMMs in
 MX e4m3, each operand blocked along its own contraction axis (out: x and w along K; grad_x: g and w along N;
 grad_w: x and g along T), rceil scales. It lives in mx_jax/mx_linear.py (format: mx_jax/mx_format.py) and
 `linear` hands it over.
 
-Public API: `linear(x, w, *, recipe, impl, operands, w_axes)`, `prequantize`, `Operands`, `Prequantized`, `RECIPES`,
-`PREQUANTIZED`, `kernel_support(recipe, k, n)`, `mx_quantize` (the OCP MX cast, re-exported from mx_format).
+Public API: `linear(x, w, *, recipe, impl, operands, w_axes, reduce_dtype)`, `prequantize`, `Operands`,
+`Prequantized`, `RECIPES`, `PREQUANTIZED`, `kernel_support(recipe, k, n)`, `mx_quantize` (the OCP MX cast,
+re-exported from mx_format).
 """
 
 from __future__ import annotations
