@@ -75,7 +75,8 @@ are each device's own, as TorchAO computes them under DDP and FSDP: scales along
 equal one device's, so y and grad_x are bit-identical; x and g along T for grad_w, and tensorwise scales, come from
 the device's rows (each partial product is dequantized before the sum, so the math holds). Without this,
 cuBLASLt's fp8 GEMM and XLA's casts ran instead; on 2 x H200 the 4-layer 8B fp8 step's device time fell from 149.5
-to 140.1 ms at fsdp=2 (benchmarks/RESULTS.md, session 35). T not divisible by the token shards keeps the partitioner's path.
+to 140.1 ms at fsdp=2 (benchmarks/RESULTS.md, session 35). T not divisible by the token shards keeps the
+partitioner's path.
 
 mxfp8 (OCP MX, blocks of 32 with a power-of-two E8M0 scale, TorchAO's MXFP8 training recipe): all three GEMMs in
 MX e4m3, each operand blocked along its own contraction axis (out: x and w along K; grad_x: g and w along N;
