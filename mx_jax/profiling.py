@@ -51,21 +51,23 @@ def device_time(data) -> tuple[collections.Counter, collections.Counter, int]:
     """(ms per op name, calls per op name, number of device planes), summed over the trace's device planes."""
     per_op: collections.Counter = collections.Counter()
     counts: collections.Counter = collections.Counter()
-    n_dev = 0
+    planes = _device_planes(data)
+    for events in planes:
+        for ev in events:
+            per_op[ev.name] += ev.duration_ns / 1e6
+            counts[ev.name] += 1
+    return per_op, counts, len(planes)
+
+
+def _device_planes(data) -> list[list]:
+    """Each device plane's events: those of its "XLA Ops" line where it has one, else of every stream."""
+    out = []
     for plane in data.planes:
-        if not plane.name.startswith("/device:"):
-            continue
-        n_dev += 1
-        for line in _chosen_lines(plane):
-            for ev in line.events:
-                per_op[ev.name] += ev.duration_ns / 1e6
-                counts[ev.name] += 1
-    return per_op, counts, n_dev
-
-
-def _chosen_lines(plane) -> list:
-    lines = {line.name: line for line in plane.lines}
-    return [lines["XLA Ops"]] if "XLA Ops" in lines else [l for n, l in lines.items() if "Stream" in n]
+        if plane.name.startswith("/device:"):
+            lines = {line.name: line for line in plane.lines}
+            chosen = [lines["XLA Ops"]] if "XLA Ops" in lines else [l for n, l in lines.items() if "Stream" in n]
+            out.append([ev for line in chosen for ev in line.events])
+    return out
 
 
 def _op_name(ev) -> str:
@@ -81,16 +83,12 @@ def overlap(data) -> tuple[float, float, int, collections.Counter]:
     between them). Ops are the same events `device_time` sums; overlapping ops count once."""
     busy = alone = 0.0
     by_op: collections.Counter = collections.Counter()
-    n_dev = 0
-    for plane in data.planes:
-        if not plane.name.startswith("/device:"):
-            continue
-        n_dev += 1
+    planes = _device_planes(data)
+    for events in planes:
         edges = []  # (time, +1 start / -1 end, collective instruction or None)
-        for line in _chosen_lines(plane):
-            for ev in line.events:
-                coll = _op_name(ev) if category(ev.name) == "collective" else None
-                edges += [(ev.start_ns, 1, coll), (ev.start_ns + ev.duration_ns, -1, coll)]
+        for ev in events:
+            coll = _op_name(ev) if category(ev.name) == "collective" else None
+            edges += [(ev.start_ns, 1, coll), (ev.start_ns + ev.duration_ns, -1, coll)]
         edges.sort(key=lambda e: (e[0], e[1]))  # at equal times, ends first
         colls: collections.Counter = collections.Counter()  # the collectives running
         others = 0
@@ -111,7 +109,7 @@ def overlap(data) -> tuple[float, float, int, collections.Counter]:
                 if not colls[coll]:
                     del colls[coll]
             last = t
-    return busy, alone, n_dev, by_op
+    return busy, alone, len(planes), by_op
 
 
 def summarize(data, n_steps: int, top: int) -> list[str]:
