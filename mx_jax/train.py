@@ -493,6 +493,10 @@ def train(cfg: TrainConfig, devices: list[jax.Device] | None = None) -> TrainRes
                 log(f"mx_jax | {jax.device_count()} x {jax.devices()[0].device_kind} ({jax.process_count()} "
                     f"process(es)) | mesh {dict(mesh.shape)} | jax {jax.__version__}")
                 log(f"mesh   | {sharding.describe(mesh)}")
+                if mesh.size > 1:
+                    experts = "; the routed experts' in bfloat16" if cfg.model.moe.n_experts else ""
+                    log(f"mesh   | weight gradients summed across devices in {cfg.model.grad_reduce_dtype} "
+                        f"(model.grad_reduce_dtype){experts}")
                 if cfg.deterministic:
                     log(f"mx_jax | deterministic: XLA_FLAGS has {DETERMINISTIC_XLA_FLAG}=true (slower; see README)")
                 log(f"data   | {dataset.description}")

@@ -66,9 +66,11 @@ def test_embed_lookup_is_take_on_every_mesh(mesh_shape, B, D):
         assert got.sharding.is_equivalent_to(jax.sharding.NamedSharding(mesh, want_spec), got.ndim)
 
 
-def test_params_are_sharded_as_configured(tmp_path):
-    cfg = tiny_config(tmp_path, "steps=1", "mesh.data=2", "mesh.fsdp=4", *NO_IO)
+def test_params_are_sharded_as_configured(tmp_path, capsys):
+    cfg = tiny_config(tmp_path, "steps=1", "mesh.data=2", "mesh.fsdp=4", "model.grad_reduce_dtype=bfloat16", *NO_IO)
     state = train.train(cfg).state
+    assert "mesh   | weight gradients summed across devices in bfloat16 (model.grad_reduce_dtype)\n" in (
+        capsys.readouterr().out)
     wq = state["params"]["blocks"]["attn"]["wq"]  # (L, D, H*K) with D over fsdp (and context, size 1)
     assert wq.sharding.spec[1] in ("fsdp", ("fsdp",), ("fsdp", "context"))
     assert wq.addressable_shards[0].data.shape == (2, 64 // 4, 4 * 16)
