@@ -13,7 +13,8 @@ GEMM run standalone (`python -m pallas_kernels.bench fp8`, "xla bf16" column). T
 instruction) times every cuBLAS GEMM of the step again on its own: the same operand shapes, physical layouts,
 contracting and batch dimensions and output dtype, compiled by XLA as a one-GEMM program. Side by side with the
 in-step time it separates "XLA picked a slow algorithm / layout at this call site" from "the same GEMM is slower
-inside the step" (clocks, power, L2). --dump DIR writes the optimized HLO and every op's time as CSV.
+inside the step" (clocks, power, L2). --dump DIR writes the optimized HLO, every op's time as CSV (ops.csv) and
+the first device's timeline of traced ops with their trace stats (events.csv).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import time
 import jax
 
 from mx_jax import sharding, train
-from mx_jax.profiling import category, device_time, latest_trace, summarize as summary_lines
+from mx_jax.profiling import category, device_events, device_time, latest_trace, summarize as summary_lines
 from mx_jax.config import load_config
 from mx_jax.data import Batches, open_dataset
 
@@ -220,6 +221,25 @@ def idle_report(data, n_steps: int) -> None:
             print(f"    {ms / n_steps:7.2f} ms idle before {name}")
 
 
+def dump_events(data, path: str) -> int:
+    """Write the first device plane's traced ops, in start order, as CSV: start (us from the first op), duration
+    (us), name, category and the event's stats (`hlo_op` and the rest, `key=value` joined by "; "): the timeline
+    to read offline, e.g. where in the step a collective nothing hid ran. Returns the number of rows."""
+    import csv
+
+    planes = device_events(data)
+    events = sorted(planes[0], key=lambda ev: ev.start_ns) if planes else []
+    t0 = events[0].start_ns if events else 0
+    with open(path, "w", newline="") as fh:
+        w = csv.writer(fh)
+        w.writerow(["start_us", "duration_us", "name", "category", "stats"])
+        for ev in events:
+            stats = "; ".join(f"{k}={v}" for k, v in (ev.stats or []))
+            w.writerow([f"{(ev.start_ns - t0) / 1e3:.1f}", f"{ev.duration_ns / 1e3:.1f}", ev.name, category(ev.name),
+                        stats])
+    return len(events)
+
+
 def summarize(trace_dir: str, n_steps: int, top: int, hlo_text: str = "", dump: str = "",
               replay: bool = False) -> None:
     data = latest_trace(trace_dir)
@@ -240,6 +260,7 @@ def summarize(trace_dir: str, n_steps: int, top: int, hlo_text: str = "", dump: 
                 w.writerow([name, category(name), f"{ms / n_steps:.4f}", counts[name] // n_steps])
         with open(f"{dump}/step.hlo.txt", "w") as fh:
             fh.write(hlo_text)
+        dump_events(data, f"{dump}/events.csv")
     if hlo_text:
         flops = gemm_flops(hlo_text)
         in_step = gemm_table(data, flops, n_steps, top)
@@ -253,7 +274,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--top", type=int, default=30)
     ap.add_argument("--trace-dir", default="/tmp/mx_jax_trace")
-    ap.add_argument("--dump", default="", help="write step.hlo.txt and ops.csv (every op's time) here")
+    ap.add_argument("--dump", default="",
+                    help="write step.hlo.txt, ops.csv (every op's time) and events.csv (device 0's timeline) here")
     ap.add_argument("--replay", action="store_true", help="time each cuBLAS GEMM of the step standalone too")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()

@@ -51,7 +51,7 @@ def device_time(data) -> tuple[collections.Counter, collections.Counter, int]:
     """(ms per op name, calls per op name, number of device planes), summed over the trace's device planes."""
     per_op: collections.Counter = collections.Counter()
     counts: collections.Counter = collections.Counter()
-    planes = _device_planes(data)
+    planes = device_events(data)
     for events in planes:
         for ev in events:
             per_op[ev.name] += ev.duration_ns / 1e6
@@ -59,7 +59,7 @@ def device_time(data) -> tuple[collections.Counter, collections.Counter, int]:
     return per_op, counts, len(planes)
 
 
-def _device_planes(data) -> list[list]:
+def device_events(data) -> list[list]:
     """Each device plane's events: those of its "XLA Ops" line where it has one, else of every stream."""
     out = []
     for plane in data.planes:
@@ -83,7 +83,7 @@ def overlap(data) -> tuple[float, float, int, collections.Counter]:
     between them). Ops are the same events `device_time` sums; overlapping ops count once."""
     busy = alone = 0.0
     by_op: collections.Counter = collections.Counter()
-    planes = _device_planes(data)
+    planes = device_events(data)
     for events in planes:
         edges = []  # (time, +1 start / -1 end, collective instruction or None)
         for ev in events:

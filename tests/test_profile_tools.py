@@ -287,6 +287,25 @@ def test_profiling_overlap_counts_communication_nothing_hid():
     assert lines[-1] == "  unhidden by collective: all-reduce.1 1.0, ag.7 0.8, rs.8 0.8, all-gather.2 0.5"
 
 
+def test_profile_step_dumps_device_0s_timeline_with_its_stats(tmp_path):
+    """events.csv: the first device plane's chosen events in start order, from its first op, with their stats."""
+    import csv
+    from types import SimpleNamespace as NS
+
+    def ev(start_us, dur_us, name, **stats):
+        return NS(start_ns=int(start_us * 1e3), duration_ns=int(dur_us * 1e3), name=name, stats=list(stats.items()))
+
+    gpu0 = NS(name="/device:GPU:0", lines=[NS(name="Stream #7", events=[
+        ev(1005, 2, "ncclDevKernel_ReduceScatter", hlo_op="reduce_scatter.39.1"), ev(1000, 4, "fp8_matmul_mosaic")])])
+    gpu1 = NS(name="/device:GPU:1", lines=[NS(name="Stream #7", events=[ev(0, 1, "other_device")])])
+    data = NS(planes=[NS(name="/host:CPU", lines=[]), gpu0, gpu1])
+    assert profile_step.dump_events(data, tmp_path / "events.csv") == 2
+    rows = list(csv.DictReader(open(tmp_path / "events.csv")))
+    assert [(r["start_us"], r["duration_us"], r["name"], r["category"], r["stats"]) for r in rows] == [
+        ("0.0", "4.0", "fp8_matmul_mosaic", "pallas kernels", ""),
+        ("5.0", "2.0", "ncclDevKernel_ReduceScatter", "collective", "hlo_op=reduce_scatter.39.1")]
+
+
 _tiles_spec = importlib.util.spec_from_file_location(
     "profile_tiles", pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "profile_tiles.py")
 profile_tiles = importlib.util.module_from_spec(_tiles_spec)
