@@ -292,8 +292,10 @@ def main() -> None:
         step = train.make_train_step(setup)
         batches = Batches(open_dataset(cfg.data).train, cfg.data.batch_size, cfg.seed)
         batch = batches.next_global(setup.batch_shardings, cfg.data.grad_accum_steps)
+        first = []
         for _ in range(3):  # compile + warm up
             state, m = step(state, batch)
+            first.append(m["loss"])
         jax.block_until_ready(m["loss"])
         t0 = time.perf_counter()
         for _ in range(args.steps):
@@ -307,6 +309,7 @@ def main() -> None:
         jax.profiler.stop_trace()
         hlo = step.lower(state, batch).compile().as_text()  # under the mesh, as traced (context attention needs it)
     tokens = cfg.data.batch_size * cfg.data.seq_len
+    print("loss of the first 3 steps (one batch, repeated): " + " ".join(f"{float(v):.6f}" for v in first))
     print(f"wall time per step (untraced): {1000 * wall:.1f} ms = {tokens / wall:,.0f} tokens/s")
     peaks = [(d.memory_stats() or {}).get("peak_bytes_in_use", 0) for d in jax.local_devices()]
     if any(peaks):  # the allocator's high-water mark since start (not reported on CPU)

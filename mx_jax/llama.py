@@ -8,8 +8,8 @@ stacked parameters into a Python loop: XLA then keeps each layer's saved activat
 writing them into the scan's stacked residuals (dynamic_update_slice copies, ~10 ms of a 260 ms 8B step,
 benchmarks/RESULTS.md), at a compile time that grows with L. jax would also zero-fill those buffers before the first
 layer (a broadcast zero: ~4.6 ms of the 8-layer 8B fp8 step); `compat.uninitialize_scan_outputs`, installed on
-import, has XLA allocate them instead on one device (+2.9% on that step on an H200, +1.8% on an H100); on a
-multi-device mesh they stay zero-filled, because the partitioner cannot split an allocation. Under an fp8 recipe the
+import, has XLA allocate them instead (+2.9% on that step on an H200, +1.8% on an H100), on a multi-device mesh
+each device its own shards (+2.7% on the whole 8B in fp8 at fsdp=4 on 4 x H200). Under an fp8 recipe the
 dense linears read fp8 operands made at the update (`compute_copies`, quant.prequantize), so neither the forward nor
 the rematerialized backward concatenates or casts a weight (+1.5% on that step on an H100, 1.4 GiB less peak). The loop
 takes its layers through `unstack`, whose gradient stacks the per-layer gradients; differentiating `stacked[i]` would

@@ -196,16 +196,50 @@ def _assert_scan_equals_loop(remat: str):
 @pytest.mark.parametrize("remat", ["none", "save_matmuls"])
 def test_unrolled_layers_equal_scanned_layers(remat):
     fn, params = _assert_scan_equals_loop(remat)
-    # On one GPU the scan's stacked residuals are allocated, not zero-filled (compat.uninitialize_scan_outputs): the
-    # forward loop's outputs are AllocateBuffer custom calls in the CUDA lowering. On a multi-device mesh they must
-    # stay zero-filled: the partitioner cannot split an AllocateBuffer, so each device allocated every batch row of
-    # every layer's residuals (the full 8B on 4 x H200: 98 GiB of temporaries instead of 31).
+    # The scan's stacked residuals are allocated, not zero-filled (compat.uninitialize_scan_outputs). On one device
+    # the forward loop's outputs are AllocateBuffer custom calls in the CUDA lowering. On a multi-device mesh a bare
+    # AllocateBuffer would stay whole on every device (the partitioner cannot split it: the full 8B on 4 x H200 held
+    # 98 GiB of temporaries instead of 31), so there each is a custom_partitioning op, expanded by the partitioner.
     def cuda_hlo(n_devices):
         with jax.set_mesh(sharding.make_mesh(MeshConfig(fsdp=n_devices), jax.devices()[:n_devices])):
             return fn.trace(params).lower(lowering_platforms=("cuda",)).as_text()
 
     assert cuda_hlo(1).count("AllocateBuffer") >= 2, "the scanned layers' residuals are zero-filled again"
-    assert cuda_hlo(4).count("AllocateBuffer") == 0, "an unshardable AllocateBuffer on a 4-device mesh"
+    four = cuda_hlo(4)
+    assert four.count("AllocateBuffer") == 0, "an unshardable AllocateBuffer on a 4-device mesh"
+    assert four.count("CustomSPMDPartitioning") >= 2, "the residuals on a 4-device mesh are zero-filled again"
+
+
+@pytest.mark.parametrize("mesh", [("mesh.fsdp=4",), ("mesh.data=2", "mesh.context=2")])
+def test_scan_residual_buffers_on_a_mesh_split_like_jax_zero_fill(tmp_path, mesh):
+    """The partitioner gives the allocated residual buffers (compat._sharded_empty) the shards it gave jax's zero fill:
+    the compiled train step has the same per-device buffers and the same collectives either way. On XLA:CPU an
+    allocation lowers to zeros, so the buffers show as broadcasts; on the GPU they are per-device AllocateBuffers."""
+    import re
+    from collections import Counter
+    from jax._src.lax.control_flow import loops
+    from mx_jax import compat
+    from tests.helpers import NO_IO, lowered_train_step, tiny_config
+
+    cfg = tiny_config(str(tmp_path), *NO_IO, *mesh, "model.compute_dtype=bfloat16", "model.remat=save_matmuls")
+    assert cfg.model.scan_layers
+
+    def compiled(empty_array):
+        saved, loops._empty_array = loops._empty_array, empty_array
+        try:
+            return lowered_train_step(cfg, 4).compile().as_text()
+        finally:
+            loops._empty_array = saved
+
+    def buffers_and_collectives(text):
+        ops = Counter(m.groups() for m in re.finditer(
+            r"= (\S+) (broadcast|all-gather|all-reduce|reduce-scatter|all-to-all|collective-permute)(?:-start)?\(", text))
+        return ops, text.count('/custom_partitioning"')
+
+    ours, n_ours = buffers_and_collectives(compiled(compat._scan_output_buffer))
+    jaxs, n_jaxs = buffers_and_collectives(compiled(compat._JAX_EMPTY_ARRAY))
+    assert n_ours >= 4 and n_jaxs == 0, (n_ours, n_jaxs)
+    assert ours == jaxs
 
 
 @pytest.mark.gpu

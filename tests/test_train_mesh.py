@@ -188,3 +188,20 @@ def test_grad_accumulation_equals_the_whole_batch(tmp_path, extra):
     assert np.any(want_bias != 0)
     np.testing.assert_allclose(new1["buffers"]["blocks"]["moe"]["bias"], want_bias, rtol=1e-6)
     np.testing.assert_allclose(new2["buffers"]["blocks"]["moe"]["bias"], want_bias, rtol=1e-6)
+
+
+@pytest.mark.gpu
+def test_gpu_scanned_layers_on_a_mesh_equal_unrolled(tmp_path):
+    """On a mesh of every local GPU the scanned layers' residual buffers are per-device allocations, left
+    uninitialized (compat._sharded_empty): every slice must be written before the backward reads it. The loss of 3
+    steps equals the unrolled layers', which keep no stacked buffers, at full float32 GEMM precision."""
+    n = jax.device_count()
+    if n < 2:
+        pytest.skip("needs two GPUs or more")
+    losses = {}
+    with jax.default_matmul_precision("highest"):
+        for scan in ("true", "false"):
+            cfg = tiny_config(tmp_path / scan, "steps=3", f"mesh.fsdp={n}", "model.remat=save_matmuls",
+                              f"model.scan_layers={scan}", *NO_IO)
+            losses[scan] = train.train(cfg).metrics["loss"]
+    np.testing.assert_allclose(losses["true"], losses["false"], rtol=1e-5)
