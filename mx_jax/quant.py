@@ -420,7 +420,7 @@ def _make_linear2d(recipe_name: str, impl: str, x_dtype: jnp.dtype, w_dtype: jnp
             y, x_res, w_res = _dot_hp(x, w_c, ((x.ndim - 1,), (0,)), x.dtype, x.dtype), x, w_c
         return y, (x_res, w_res)
 
-    def backward(res, g, gw_dtype):
+    def backward(res, g, gw_dtype, w_first: bool = False):
         x_res, w_res = res
         # The primal dtypes ride on the residuals: a raw x/w, or an fp8 pair when it was pre-quantized.
         if g_dual:
@@ -428,11 +428,6 @@ def _make_linear2d(recipe_name: str, impl: str, x_dtype: jnp.dtype, w_dtype: jnp
         else:
             g_rows = _rows(g, g_gx, p2, impl) if g_gx.fp8 else None
             g_cols_t = _cols_t(g, g_gw, p2, impl) if g_gw.fp8 else None
-        # grad_x (T, K) = g (T, N) @ wᵀ: contraction over N; w (K, N) is already K-major for it.
-        if g_gx.fp8:
-            grad_x = _gemm_fp8(g_rows, w_res, g.dtype, impl)  # w_res: w's grad_x operand (_weight_operands)
-        else:
-            grad_x = _dot_hp(g, w_res, ((g.ndim - 1,), (1,)), g.dtype, g.dtype)
         # grad_w (K, N) = xᵀ @ g: contraction over T; operands xᵀ (K, T) and gᵀ (N, T).
         if x_gw.fp8:
             x_op = x_res if x_dual else _cols_t(x_res, x_gw, p2, impl)
@@ -440,6 +435,16 @@ def _make_linear2d(recipe_name: str, impl: str, x_dtype: jnp.dtype, w_dtype: jnp
         else:
             lead = tuple(range(g.ndim - 1))  # every token dim (x and g keep their leading dims under bf16)
             grad_w = _dot_hp(x_res, g, (lead, lead), gw_dtype, g.dtype)
+        if w_first:
+            # grad_w's GEMM before grad_x's, so that the caller's reduce-scatter of grad_w runs beside the grad_x
+            # GEMM. Off the critical path, XLA would place the grad_w GEMM late, and the last layer's reduce-scatter
+            # of each scanned backward iteration had nothing left to run beside (benchmarks/RESULTS.md, session 40).
+            g_rows, g, grad_w = jax.lax.optimization_barrier((g_rows, g, grad_w))
+        # grad_x (T, K) = g (T, N) @ wᵀ: contraction over N; w (K, N) is already K-major for it.
+        if g_gx.fp8:
+            grad_x = _gemm_fp8(g_rows, w_res, g.dtype, impl)  # w_res: w's grad_x operand (_weight_operands)
+        else:
+            grad_x = _dot_hp(g, w_res, ((g.ndim - 1,), (1,)), g.dtype, g.dtype)
         return grad_x, grad_w
 
     # Per device (_token_split): the GEMMs and activation casts run inside shard_map over the token axes, each
@@ -464,7 +469,7 @@ def _make_linear2d(recipe_name: str, impl: str, x_dtype: jnp.dtype, w_dtype: jnp
 
         def local(x_res, w_res, g):
             x_res = jax.tree.map(lambda a: a[0], x_res)
-            grad_x, grad_w = backward((x_res, w_res), g.reshape(-1, g.shape[-1]), gw_dtype)
+            grad_x, grad_w = backward((x_res, w_res), g.reshape(-1, g.shape[-1]), gw_dtype, w_first=reduce is not None)
             if reduce is None:
                 return grad_x.reshape(*g.shape[:-1], -1), grad_w[None]
             dim, w_mesh_axes = reduce

@@ -341,10 +341,15 @@ def test_linear_per_device_reduces_grad_w_where_the_weight_is_split(layout, w_ax
         w_sharding = jax.sharding.NamedSharding(mesh, sharding.param_spec(w_axes, w.shape, mesh))
         xs, gs, ws = jax.device_put(x, act), jax.device_put(g, act), jax.device_put(w, w_sharding)
         f = jax.jit(grad_w(w_axes), out_shardings=w_sharding)
-        text = f.lower(xs, ws, gs).compile().as_text()
+        lowered = f.lower(xs, ws, gs)
+        text = lowered.compile().as_text()
         got = f(xs, ws, gs)
-        summed_outside = jax.jit(grad_w(None), out_shardings=w_sharding)(xs, ws, gs)
+        outside = jax.jit(grad_w(None), out_shardings=w_sharding)
+        summed_outside = outside(xs, ws, gs)
     np.testing.assert_allclose(got, summed_outside, rtol=1e-5, atol=1e-5)
+    # Reduced inside, the grad_w GEMM is fenced before the grad_x GEMM, so that its reduce-scatter runs beside it.
+    assert "optimization_barrier" in lowered.as_text()
+    assert "optimization_barrier" not in outside.lower(xs, ws, gs).as_text()
     assert got.sharding.is_equivalent_to(w_sharding, 2)
     reduced = re.findall(r"= \(?f32\[([\d,]*)\][^ ]* (all-reduce|reduce-scatter)(?:-start)?\(", text)
     assert any(kind == "reduce-scatter" for _, kind in reduced), reduced
