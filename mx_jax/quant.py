@@ -70,7 +70,9 @@ that split w (fsdp, context) on w's split dim, then the shard all-reduced over t
 as XLA's partitioner reduces bf16's. Otherwise the partials leave the shard_map stacked on a leading device axis and
 are summed outside; on HSDP (data x fsdp) XLA then all-reduced whole weight gradients over data x fsdp, fsdp times
 bf16's bytes over the data axis (4 x H200, data=2 x fsdp=2: collectives 43.7 -> 38.8 ms of device time per step,
-+0.6% tokens/s; benchmarks/RESULTS.md, sessions 37-38). Either way the sum is rounded to w's dtype after it. Scales
++0.6% tokens/s; benchmarks/RESULTS.md, sessions 37-38). Reduced inside, the grad_w GEMM is fenced before the grad_x
+GEMM (an optimization_barrier), so its reduce-scatter runs beside grad_x (session 40: +0.2-0.6% on the whole 8B at
+fsdp=4). Either way the sum is rounded to w's dtype after it. Scales
 are each device's own, as TorchAO computes them under DDP and FSDP: scales along K or N (x and g for out and grad_x)
 equal one device's, so y and grad_x are bit-identical; x and g along T for grad_w, and tensorwise scales, come from
 the device's rows (each partial product is dequantized before the sum, so the math holds). Without this,
