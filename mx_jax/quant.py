@@ -72,13 +72,12 @@ are summed outside; on HSDP (data x fsdp) XLA then all-reduced whole weight grad
 bf16's bytes over the data axis (4 x H200, data=2 x fsdp=2: collectives 43.7 -> 38.8 ms of device time per step,
 +0.6% tokens/s; benchmarks/RESULTS.md, sessions 37-38). Reduced inside, the grad_w GEMM is fenced before the grad_x
 GEMM (an optimization_barrier), so its reduce-scatter runs beside grad_x (session 40: +0.2-0.6% on the whole 8B at
-fsdp=4). Either way the sum is rounded to w's dtype after it. Scales
-are each device's own, as TorchAO computes them under DDP and FSDP: scales along K or N (x and g for out and grad_x)
-equal one device's, so y and grad_x are bit-identical; x and g along T for grad_w, and tensorwise scales, come from
-the device's rows (each partial product is dequantized before the sum, so the math holds). Without this,
-cuBLASLt's fp8 GEMM and XLA's casts ran instead; on 2 x H200 the 4-layer 8B fp8 step's device time fell from 149.5
-to 140.1 ms at fsdp=2 (benchmarks/RESULTS.md, session 35). T not divisible by the token shards keeps the
-partitioner's path.
+fsdp=4). Either way the sum is rounded to w's dtype after it. Scales are each device's own, as TorchAO computes them
+under DDP and FSDP: scales along K or N (x and g for out and grad_x) equal one device's, so y and grad_x are
+bit-identical; x and g along T for grad_w, and tensorwise scales, come from the device's rows (each partial product
+is dequantized before the sum, so the math holds). Without this, cuBLASLt's fp8 GEMM and XLA's casts ran instead; on
+2 x H200 the 4-layer 8B fp8 step's device time fell from 149.5 to 140.1 ms at fsdp=2 (benchmarks/RESULTS.md, session
+35). T not divisible by the token shards keeps the partitioner's path.
 
 mxfp8 (OCP MX, blocks of 32 with a power-of-two E8M0 scale, TorchAO's MXFP8 training recipe): all three GEMMs in
 MX e4m3, each operand blocked along its own contraction axis (out: x and w along K; grad_x: g and w along N;
@@ -439,8 +438,8 @@ def _make_linear2d(recipe_name: str, impl: str, x_dtype: jnp.dtype, w_dtype: jnp
             grad_w = _dot_hp(x_res, g, (lead, lead), gw_dtype, g.dtype)
         if w_first:
             # grad_w's GEMM before grad_x's, so that the caller's reduce-scatter of grad_w runs beside the grad_x
-            # GEMM. Off the critical path, XLA would place the grad_w GEMM late, and the last layer's reduce-scatter
-            # of each scanned backward iteration had nothing left to run beside (benchmarks/RESULTS.md, session 40).
+            # GEMM. Off the critical path, XLA placed the grad_w GEMM late, leaving its reduce-scatter less to run
+            # beside (benchmarks/RESULTS.md, session 40: 5-9 ms less busy time per step on the whole 8B at fsdp=4).
             g_rows, g, grad_w = jax.lax.optimization_barrier((g_rows, g, grad_w))
         # grad_x (T, K) = g (T, N) @ wᵀ: contraction over N; w (K, N) is already K-major for it.
         if g_gx.fp8:

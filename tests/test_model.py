@@ -231,10 +231,11 @@ def test_scan_residual_buffers_on_a_mesh_split_like_jax_zero_fill(tmp_path, mesh
         finally:
             loops._empty_array = saved
 
+    ops = "broadcast|all-gather|all-reduce|reduce-scatter|all-to-all|collective-permute"
+
     def buffers_and_collectives(text):
-        ops = Counter(m.groups() for m in re.finditer(
-            r"= (\S+) (broadcast|all-gather|all-reduce|reduce-scatter|all-to-all|collective-permute)(?:-start)?\(", text))
-        return ops, text.count('/custom_partitioning"')
+        found = Counter(m.groups() for m in re.finditer(rf"= (\S+) ({ops})(?:-start)?\(", text))
+        return found, text.count('/custom_partitioning"')
 
     ours, n_ours = buffers_and_collectives(compiled(compat._scan_output_buffer))
     jaxs, n_jaxs = buffers_and_collectives(compiled(compat._JAX_EMPTY_ARRAY))
