@@ -280,5 +280,6 @@ def uninitialize_scan_outputs() -> None:
         _JAX_EMPTY_ARRAY = loops._empty_array
         loops._empty_array = _scan_output_buffer
         # custom_partitioning needs the device list at lowering time, which jax passes only to programs holding a
-        # primitive that asks for it; the scan's buffers are made while the scan lowers, so the scan asks.
+        # primitive that asks for it; the scan's buffers are made while the scan lowers, so the scan asks. A program
+        # with a scan is then lowered for concrete devices: lowering one under an AbstractMesh alone raises.
         dispatch.prim_requires_devices_during_lowering.add(loops.scan_p)
