@@ -421,7 +421,8 @@ def _make_linear2d(recipe_name: str, impl: str, x_dtype: jnp.dtype, w_dtype: jnp
             y, x_res, w_res = _dot_hp(x, w_c, ((x.ndim - 1,), (0,)), x.dtype, x.dtype), x, w_c
         return y, (x_res, w_res)
 
-    def backward(res, g, gw_dtype, w_first: bool = False):
+    def backward(res, g, gw_dtype, w_first: bool = False, gw_t: bool = False):
+        # gw_t: return grad_w transposed, (N, K), for a caller that reduce-scatters it on w's dim 1.
         x_res, w_res = res
         # The primal dtypes ride on the residuals: a raw x/w, or an fp8 pair when it was pre-quantized.
         if g_dual:
@@ -429,13 +430,14 @@ def _make_linear2d(recipe_name: str, impl: str, x_dtype: jnp.dtype, w_dtype: jnp
         else:
             g_rows = _rows(g, g_gx, p2, impl) if g_gx.fp8 else None
             g_cols_t = _cols_t(g, g_gw, p2, impl) if g_gw.fp8 else None
-        # grad_w (K, N) = xᵀ @ g: contraction over T; operands xᵀ (K, T) and gᵀ (N, T).
+        # grad_w (K, N) = xᵀ @ g: contraction over T; operands xᵀ (K, T) and gᵀ (N, T). Swapped, the same GEMM
+        # writes grad_wᵀ (N, K).
         if x_gw.fp8:
             x_op = x_res if x_dual else _cols_t(x_res, x_gw, p2, impl)
-            grad_w = _gemm_fp8(x_op, g_cols_t, gw_dtype, impl)
+            grad_w = _gemm_fp8(*((g_cols_t, x_op) if gw_t else (x_op, g_cols_t)), gw_dtype, impl)
         else:
             lead = tuple(range(g.ndim - 1))  # every token dim (x and g keep their leading dims under bf16)
-            grad_w = _dot_hp(x_res, g, (lead, lead), gw_dtype, g.dtype)
+            grad_w = _dot_hp(*((g, x_res) if gw_t else (x_res, g)), (lead, lead), gw_dtype, g.dtype)
         if w_first:
             # grad_w's GEMM before grad_x's, so that the caller's reduce-scatter of grad_w runs beside the grad_x
             # GEMM. Off the critical path, XLA placed the grad_w GEMM late, leaving its reduce-scatter less to run
@@ -470,13 +472,18 @@ def _make_linear2d(recipe_name: str, impl: str, x_dtype: jnp.dtype, w_dtype: jnp
 
         def local(x_res, w_res, g):
             x_res = jax.tree.map(lambda a: a[0], x_res)
-            grad_x, grad_w = backward((x_res, w_res), g.reshape(-1, g.shape[-1]), gw_dtype, w_first=reduce is not None)
+            g2 = g.reshape(-1, g.shape[-1])
             if reduce is None:
+                grad_x, grad_w = backward((x_res, w_res), g2, gw_dtype)
                 return grad_x.reshape(*g.shape[:-1], -1), grad_w[None]
             dim, w_mesh_axes = reduce
-            grad_w = jax.lax.psum_scatter(grad_w, w_mesh_axes, scatter_dimension=dim, tiled=True)
+            # Scattered on dim 0 of the GEMM's output: where w is split on dim 1, the GEMM writes grad_wᵀ and only
+            # the shard is transposed back, instead of XLA transposing the whole partial before the reduce-scatter.
+            grad_x, grad_w = backward((x_res, w_res), g2, gw_dtype, w_first=True, gw_t=dim == 1)
+            grad_w = jax.lax.psum_scatter(grad_w, w_mesh_axes, scatter_dimension=0, tiled=True)
             others = tuple(a for a in axes if a not in w_mesh_axes)
-            return grad_x.reshape(*g.shape[:-1], -1), jax.lax.psum(grad_w, others) if others else grad_w
+            grad_w = jax.lax.psum(grad_w, others) if others else grad_w
+            return grad_x.reshape(*g.shape[:-1], -1), grad_w.T if dim == 1 else grad_w
 
         if reduce is None:
             gw_spec = P(axes)
