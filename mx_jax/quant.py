@@ -67,17 +67,22 @@ device's rows,
 Each device's grad_w partial is reduced in `reduce_dtype` (model.grad_reduce_dtype, f32 by default) inside the
 shard_map where `linear` is given w's logical axes (the model's linears are): reduce-scattered over the mesh axes
 that split w (fsdp, context) on w's split dim, then the shard all-reduced over the other token axes (data, expert),
-as XLA's partitioner reduces bf16's. Otherwise the partials leave the shard_map stacked on a leading device axis and
-are summed outside; on HSDP (data x fsdp) XLA then all-reduced whole weight gradients over data x fsdp, fsdp times
-bf16's bytes over the data axis (4 x H200, data=2 x fsdp=2: collectives 43.7 -> 38.8 ms of device time per step,
-+0.6% tokens/s; benchmarks/RESULTS.md, sessions 37-38). Reduced inside, the grad_w GEMM is fenced before the grad_x
-GEMM (an optimization_barrier), so its reduce-scatter runs beside grad_x (session 40: +0.2-0.6% on the whole 8B at
-fsdp=4). Either way the sum is rounded to w's dtype after it. Scales are each device's own, as TorchAO computes them
-under DDP and FSDP: scales along K or N (x and g for out and grad_x) equal one device's, so y and grad_x are
-bit-identical; x and g along T for grad_w, and tensorwise scales, come from the device's rows (each partial product
-is dequantized before the sum, so the math holds). Without this, cuBLASLt's fp8 GEMM and XLA's casts ran instead; on
-2 x H200 the 4-layer 8B fp8 step's device time fell from 149.5 to 140.1 ms at fsdp=2 (benchmarks/RESULTS.md, session
-35). T not divisible by the token shards keeps the partitioner's path.
+as XLA's partitioner reduces bf16's. The grad_w GEMM writes that dim as its rows (where it is w's dim 1, with its
+operands swapped: grad_wᵀ = gᵀ x), so the reduce-scatter takes contiguous blocks and only the shard is transposed
+back; XLA otherwise transposed each whole partial first (session 41: 2.5 ms less copying per step on the whole 8B).
+Without w's axes, the partials leave the shard_map stacked on a leading device axis and are summed outside; on HSDP
+(data x fsdp) XLA then all-reduced whole weight gradients over data x fsdp, fsdp times bf16's bytes over the data
+axis (4 x H200, data=2 x fsdp=2: collectives 43.7 -> 38.8 ms of device time per step, +0.6% tokens/s;
+benchmarks/RESULTS.md, sessions 37-38). Reduced inside, the grad_w GEMM is fenced before the grad_x GEMM (an
+optimization_barrier), so its reduce-scatter runs beside grad_x (session 40: +0.2-0.6% on the whole 8B at fsdp=4). A
+second fence, after the reduce-scatter, hid 24 ms more of the collectives per step but slowed the GEMMs they ran
+beside by as much, for 2.4 GiB more peak memory (session 41), so there is none. Inside or out, the sum is rounded to w's
+dtype after it. Scales are each device's own, as TorchAO computes them under DDP and FSDP: scales along K or N (x and
+g for out and grad_x) equal one device's, so y and grad_x are bit-identical; x and g along T for grad_w, and
+tensorwise scales, come from the device's rows (each partial product is dequantized before the sum, so the math
+holds). Without this, cuBLASLt's fp8 GEMM and XLA's casts ran instead; on 2 x H200 the 4-layer 8B fp8 step's device
+time fell from 149.5 to 140.1 ms at fsdp=2 (benchmarks/RESULTS.md, session 35). T not divisible by the token shards
+keeps the partitioner's path.
 
 mxfp8 (OCP MX, blocks of 32 with a power-of-two E8M0 scale, TorchAO's MXFP8 training recipe): all three GEMMs in
 MX e4m3, each operand blocked along its own contraction axis (out: x and w along K; grad_x: g and w along N;

@@ -350,6 +350,10 @@ def test_linear_per_device_reduces_grad_w_where_the_weight_is_split(layout, w_ax
     # Reduced inside, the grad_w GEMM is fenced before the grad_x GEMM, so that its reduce-scatter runs beside it.
     assert "optimization_barrier" in lowered.as_text()
     assert "optimization_barrier" not in outside.lower(xs, ws, gs).as_text()
+    # The reduce-scatter takes dim 0 of a GEMM output whose rows are w's split dim: where w is split on dim 1, the
+    # GEMM writes grad_wᵀ and only the shard is transposed back (no transpose of the whole partial before it).
+    scattered = re.findall(r"reduce_scatter\"[\s\S]*?\) -> tensor<(\d+)x(\d+)xf32>", lowered.as_text())
+    assert scattered and {int(c) for _, c in scattered} == {w.shape[1 - w_axes.index("embed")]}, scattered
     assert got.sharding.is_equivalent_to(w_sharding, 2)
     reduced = re.findall(r"= \(?f32\[([\d,]*)\][^ ]* (all-reduce|reduce-scatter)(?:-start)?\(", text)
     assert any(kind == "reduce-scatter" for _, kind in reduced), reduced
