@@ -47,6 +47,13 @@ def partitioned_context() -> bool:
     return not all(t == jax.sharding.AxisType.Manual for t in mesh.axis_types)
 
 
+def per_device_of_many() -> bool:
+    """Inside shard_map over a multi-device mesh: the kernel runs on each of several devices, beside their
+    collectives."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return not mesh.empty and mesh.size > 1 and all(t == jax.sharding.AxisType.Manual for t in mesh.axis_types)
+
+
 def kernels_apply() -> bool:
     return on_hopper() and not partitioned_context()
 

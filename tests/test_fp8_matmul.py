@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import AbstractDevice, AbstractMesh
+from jax.sharding import PartitionSpec as P
 
 from mx_jax import compat
 from pallas_kernels import device
@@ -138,6 +139,28 @@ def test_uncovered_shape_raises_under_pallas_and_falls_back_under_auto(monkeypat
     assert fm.auto_choice(8192, 8192, 8192, E4M3, E4M3) is None
 
 
+def test_auto_runs_the_dynamic_schedule_per_device_of_a_mesh(monkeypatch):
+    """Inside shard_map over several devices (the fp8 linears' per-device path) collectives run beside the GEMMs,
+    and impl="auto" takes the dynamic tile schedule without a cluster (jax >= 0.11); alone, the static one."""
+    monkeypatch.setattr(device, "on_hopper", lambda: True)
+    seen = []
+
+    def per_device(x):
+        seen.append(fm.auto_choice(8192, 8192, 8192, E4M3, E4M3))
+        return x
+
+    mesh = jax.make_mesh((len(jax.devices()),), ("d",), axis_types=(jax.sharding.AxisType.Auto,))
+    jax.shard_map(per_device, mesh=mesh, in_specs=P("d"), out_specs=P("d"))(jnp.zeros(len(jax.devices())))
+    alone = fm.auto_choice(8192, 8192, 8192, E4M3, E4M3)
+    assert alone == fm.AUTO_TABLE[(8192, 8192, 8192)] and alone.schedule == "static"
+    if compat.MGPU_WARP_MAP and len(jax.devices()) > 1:
+        assert seen == [dataclasses.replace(alone, cluster=None, schedule="dynamic")]
+    else:
+        assert seen == [alone]
+    assert "dynamic schedule" in fm.pallas_cover(8192, 8192, 8192, E4M3, E4M3,
+                                                  config=dataclasses.replace(alone, schedule="dynamic"))
+
+
 def test_cover_reasons():
     assert fm.pallas_cover(8192, 8192, 8192, E4M3, E4M3) is None
     assert "multiples" in fm.pallas_cover(8192, 8192 + 128, 8192, E4M3, E4M3)
@@ -176,13 +199,16 @@ SWEEP = [
     fm.AUTO_DEFAULT,  # the static ring, 64x256 warpgroup tiles, cluster along M
     dataclasses.replace(fm.AUTO_DEFAULT, overlap_chunks=4),
 ]
+DYNAMIC = [dataclasses.replace(fm.AUTO_DEFAULT, cluster=None, schedule="dynamic", overlap_chunks=o) for o in (0, 4)]
 
 
-@pytest.mark.parametrize("config", SWEEP, ids=lambda c: c.name())
+@pytest.mark.parametrize("config", SWEEP + DYNAMIC, ids=lambda c: c.name())
 def test_lowers_for_h200(config):
     """Mosaic-GPU lowering (layout inference, SMEM budget) runs in Python: check it on CPU for the bench's configs,
     with the GPU image's jax (0.11) and with 0.10.2 (the static ring's producer then runs on the whole warpgroup,
     compat.MGPU_WARP_MAP; mixed e4m3 x e5m2 operands need 0.11)."""
+    if config.schedule == "dynamic" and not compat.MGPU_WARP_MAP:
+        pytest.skip("the dynamic schedule needs jax >= 0.11 (pallas_cover says so)")
     m = n = k = 8192
     b_dtype = E5M2 if compat.MGPU_MIXED_FP8_WGMMA else E4M3
     shapes = (
@@ -233,6 +259,23 @@ def test_gpu_static_ring_without_the_producer_warp(monkeypatch, m, n, k):
     ref = fm.fp8_matmul_reference(a, b, sa, sb, out_dtype=jnp.float32)
     out = jax.jit(lambda *x: fm.fp8_matmul_pallas.__wrapped__(*x, config=fm.AUTO_DEFAULT))(a, b, sa, sb)
     assert worst_line_rel(out, ref) < 2e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,n,k", [(8192, 8192, 8192), (8192, 1024, 4096), (4096, 14336, 8192), (256, 512, 512)])
+@pytest.mark.parametrize("overlap_chunks", [0, 4])
+def test_gpu_dynamic_schedule_equals_the_static_one(m, n, k, overlap_chunks):
+    """The dynamic schedule (tiles handed out by a GMEM counter, fp8_matmul._TileQueue) computes every tile as the
+    static one does: bit-identical outputs, and again on a second call (XLA zeroes the counter before each)."""
+    a, b, sa, sb = operands(jax.random.key(6), m, n, k)
+    static = fm.fit_config(dataclasses.replace(fm.AUTO_DEFAULT, cluster=None, overlap_chunks=overlap_chunks),
+                           jnp.bfloat16)
+    dynamic = dataclasses.replace(static, schedule="dynamic")
+    assert fm.pallas_cover(m, n, k, a.dtype, b.dtype, jnp.bfloat16, dynamic) is None
+    want = fm.fp8_matmul_pallas(a, b, sa, sb, config=static)
+    for _ in range(2):
+        np.testing.assert_array_equal(np.asarray(fm.fp8_matmul_pallas(a, b, sa, sb, config=dynamic), np.float32),
+                                      np.asarray(want, np.float32))
 
 
 @pytest.mark.gpu
