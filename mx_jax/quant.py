@@ -75,14 +75,16 @@ Without w's axes, the partials leave the shard_map stacked on a leading device a
 axis (4 x H200, data=2 x fsdp=2: collectives 43.7 -> 38.8 ms of device time per step, +0.6% tokens/s;
 benchmarks/RESULTS.md, sessions 37-38). Reduced inside, the grad_w GEMM is fenced before the grad_x GEMM (an
 optimization_barrier), so its reduce-scatter runs beside grad_x (session 40: +0.2-0.6% on the whole 8B at fsdp=4). A
-second fence, after the reduce-scatter, hid 24 ms more of the collectives per step but slowed the GEMMs they ran
-beside by as much, for 2.4 GiB more peak memory (session 41), so there is none. Inside or out, the sum is rounded to w's
-dtype after it. Scales are each device's own, as TorchAO computes them under DDP and FSDP: scales along K or N (x and
-g for out and grad_x) equal one device's, so y and grad_x are bit-identical; x and g along T for grad_w, and
-tensorwise scales, come from the device's rows (each partial product is dequantized before the sum, so the math
-holds). Without this, cuBLASLt's fp8 GEMM and XLA's casts ran instead; on 2 x H200 the 4-layer 8B fp8 step's device
-time fell from 149.5 to 140.1 ms at fsdp=2 (benchmarks/RESULTS.md, session 35). T not divisible by the token shards
-keeps the partitioner's path.
+second fence, on grad_x and the reduced grad_w, makes each linear's reduce-scatter finish before the layer's backward
+goes on, where XLA had chained them all at its end: on 4 x H200 (whole 8B, fsdp=4) the communication nothing hid fell
+from 57-61 to 39-40 ms per step and tokens/s rose 0.75-1.4%, for 2.4 GiB more peak memory (session 41). It pays with
+the GEMM's dynamic tile schedule (pallas_kernels/fp8_matmul.py): with the static one, the GEMMs beside the
+reduce-scatters slowed by what they hid. Inside or out, the sum is rounded to w's dtype after it. Scales are each
+device's own, as TorchAO computes them under DDP and FSDP: scales along K or N (x and g for out and grad_x) equal one
+device's, so y and grad_x are bit-identical; x and g along T for grad_w, and tensorwise scales, come from the
+device's rows (each partial product is dequantized before the sum, so the math holds). Without this, cuBLASLt's fp8
+GEMM and XLA's casts ran instead; on 2 x H200 the 4-layer 8B fp8 step's device time fell from 149.5 to 140.1 ms at
+fsdp=2 (benchmarks/RESULTS.md, session 35). T not divisible by the token shards keeps the partitioner's path.
 
 mxfp8 (OCP MX, blocks of 32 with a power-of-two E8M0 scale, TorchAO's MXFP8 training recipe): all three GEMMs in
 MX e4m3, each operand blocked along its own contraction axis (out: x and w along K; grad_x: g and w along N;
@@ -486,6 +488,10 @@ def _make_linear2d(recipe_name: str, impl: str, x_dtype: jnp.dtype, w_dtype: jnp
             # the shard is transposed back, instead of XLA transposing the whole partial before the reduce-scatter.
             grad_x, grad_w = backward((x_res, w_res), g2, gw_dtype, w_first=True, gw_t=dim == 1)
             grad_w = jax.lax.psum_scatter(grad_w, w_mesh_axes, scatter_dimension=0, tiled=True)
+            # Second fence: the reduce-scatter is done before anything downstream of grad_x runs. Without it XLA put
+            # every grad_w GEMM at the end of the layer's backward and chained the reduce-scatters there, leaving the
+            # last one to nothing (module docstring).
+            grad_x, grad_w = jax.lax.optimization_barrier((grad_x, grad_w))
             others = tuple(a for a in axes if a not in w_mesh_axes)
             grad_w = jax.lax.psum(grad_w, others) if others else grad_w
             return grad_x.reshape(*g.shape[:-1], -1), grad_w.T if dim == 1 else grad_w
