@@ -4,6 +4,8 @@ names the GPU trace attributes kernels to (a GEMM can be the root of a wrapping 
 import importlib.util
 import pathlib
 
+import jax
+import jax.numpy as jnp
 import pytest
 
 _spec = importlib.util.spec_from_file_location(
@@ -342,3 +344,23 @@ def test_mgpu_profiler_params_from_the_environment(monkeypatch):
     monkeypatch.setenv(device.PROFILE_ENV, "/tmp/prof:many")
     with pytest.raises(ValueError, match="MX_JAX_MGPU_PROFILE"):
         device.profiler_params()
+
+
+def test_gemm_beside_collective_builds_its_three_programs(capsys):
+    """benchmarks/gemm_beside_collective.py on CPU (XLA's GEMM only, no device trace): `both` holds the GEMMs and
+    the reduce-scatter with no dependency between them, and the table prints a row per variant."""
+    script = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "gemm_beside_collective.py"
+    spec = importlib.util.spec_from_file_location("gemm_beside_collective", script)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    mesh = jax.make_mesh((4,), ("d",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:4])
+    shapes = [jax.ShapeDtypeStruct(s, d, sharding=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("d")))
+              for s, d in [((4 * 256, 256), jnp.float8_e4m3fn), ((4 * 2 * 128, 256), jnp.float8_e4m3fn),
+                           ((4 * 256,), jnp.float32), ((4 * 128,), jnp.float32), ((4 * 2 * 64, 128), jnp.bfloat16)]]
+    hlo = {kind: bench.program(kind, None, mesh, 256, 128, 64, 128, 2).lower(*shapes).as_text()
+           for kind in ("gemm", "rs", "both")}
+    assert "reduce_scatter" in hlo["both"] and "dot_general" in hlo["both"]
+    assert "reduce_scatter" not in hlo["gemm"] and "dot_general" not in hlo["rs"]
+    bench.main(["--small"])
+    out = capsys.readouterr().out.splitlines()
+    assert out[1].startswith("| variant |") and out[3].startswith("| cuBLASLt (xla) |"), out
