@@ -39,19 +39,27 @@ def on_hopper() -> bool:
     return compute_capability() == (9, 0)
 
 
+def _multi_device_mesh():
+    """The abstract mesh set now where it spans several devices, else None."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return None if mesh.empty or mesh.size == 1 else mesh
+
+
+def _all_manual(mesh) -> bool:
+    return all(t == jax.sharding.AxisType.Manual for t in mesh.axis_types)
+
+
 def partitioned_context() -> bool:
     """A multi-device mesh is set and we are not inside shard_map (all axes Manual there)."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or mesh.size == 1:
-        return False
-    return not all(t == jax.sharding.AxisType.Manual for t in mesh.axis_types)
+    mesh = _multi_device_mesh()
+    return mesh is not None and not _all_manual(mesh)
 
 
 def per_device_of_many() -> bool:
     """Inside shard_map over a multi-device mesh: the kernel runs on each of several devices, beside their
     collectives."""
-    mesh = jax.sharding.get_abstract_mesh()
-    return not mesh.empty and mesh.size > 1 and all(t == jax.sharding.AxisType.Manual for t in mesh.axis_types)
+    mesh = _multi_device_mesh()
+    return mesh is not None and _all_manual(mesh)
 
 
 def kernels_apply() -> bool:

@@ -396,7 +396,7 @@ class _TileQueue:
 
     def put_next(self, i, grid: int):
         """Producer: fetch the CTA's `i`-th tile (i >= 1) from the counter into slot (i - 1) % 2 once the
-        compute warpgroups have read the slot's previous tile."""
+        compute warpgroups have read the slot's previous tile; returns it."""
         slot = lax.rem(i - 1, 2)
 
         @pl.when(i >= 3)
@@ -405,10 +405,7 @@ class _TileQueue:
 
         _fetch_tile(self.counter, self.smem.at[pl.ds(slot, 1)], grid)
         plgpu.barrier_arrive(self.full.at[slot])
-
-    def peek(self, i):
-        """Producer: the `i`-th tile it put."""
-        return self.smem[lax.rem(i - 1, 2)]
+        return self.smem[slot]
 
     def take(self, i):
         """Compute warpgroup: the CTA's `i`-th tile (i >= 1), once the producer has published it."""
@@ -537,8 +534,7 @@ def _static_ring_kernel(
                 # compute warpgroups finish this one.
                 def step(st):
                     i, lin = st
-                    queue.put_next(i + 1, lax.axis_size("cluster_grid"))
-                    nxt = queue.peek(i + 1)
+                    nxt = queue.put_next(i + 1, lax.axis_size("cluster_grid"))
                     load_tile(lin, i)
                     return i + 1, nxt
 
