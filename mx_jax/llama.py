@@ -16,8 +16,13 @@ takes its layers through `unstack`, whose gradient stacks the per-layer gradient
 instead add L zero-padded copies, which the clipping norm and the optimizer re-evaluate element by element (1.1-1.8
 ms per reduction on the 8B step). Rematerialization wraps each block: "full" recomputes everything in the backward pass,
 "save_matmuls" keeps the outputs of every linear and of attention (tagged with checkpoint_name in layers.py; also
-the routed experts' grouped GEMMs without expert parallelism, mx_jax/dispatch.py) and recomputes only the cheap
-elementwise work.
+the routed experts' grouped GEMMs without expert parallelism, mx_jax/dispatch.py) and the residual stream between
+attention and FFN, h = x + Attn(..) (named "residual", which the FFN's RMSNorm backward reads), and recomputes only
+the cheap elementwise work. Keeping h rather than the output projection's result (from which the backward would
+rebuild h) matters inside lax.scan: XLA:GPU fused that Pallas GEMM into its write to the stacked residuals and ran it
+a second time for the add, one extra 8192 x 4096 x 4096 fp8 GEMM per layer and sequence (2.0 ms of the 8-layer 8B
+fp8 step on an H100, 9 ms of the whole 8B at fsdp=4). h costs a 67 MB copy per layer into the stack instead (0.35 ms
+of the bf16 step, which had no duplicate GEMM; session 42 in benchmarks/RESULTS.md).
 
 The output head is untied from the embedding, as in Llama 3. Training keeps the logits in the compute dtype
 (bf16: 2 bytes per vocabulary entry per token instead of 4; the head GEMM accumulates in float32 either way) and
@@ -37,6 +42,7 @@ import math
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from mx_jax import compat, dispatch, grouped_linear, quant, sharding
 from mx_jax.config import ModelConfig, QuantConfig
@@ -112,7 +118,7 @@ class Block(nnx.Module):
             self.mlp = SwiGLU(cfg, cfg.d_ff, {n: r[n] for n in MLP_LINEARS}, impl, rngs=rngs)
 
     def __call__(self, x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> tuple[jax.Array, dict]:
-        x = x + self.attn(self.attn_norm(x), positions, inv_freq)
+        x = checkpoint_name(x + self.attn(self.attn_norm(x), positions, inv_freq), "residual")  # module docstring
         stats = {}
         if hasattr(self, "moe"):
             y, stats = self.moe(self.mlp_norm(x))
@@ -138,7 +144,7 @@ class MoEGroup(nnx.Module):
 
 _REMAT_POLICIES = {
     "full": jax.checkpoint_policies.nothing_saveable,
-    "save_matmuls": jax.checkpoint_policies.save_only_these_names("matmul", "attention"),
+    "save_matmuls": jax.checkpoint_policies.save_only_these_names("matmul", "attention", "residual"),
 }
 
 

@@ -21,8 +21,8 @@ T x T scores), without needing cuDNN here (`compat.cudnn_shapes_only`).
 
 For a dense block this comes to, per token and layer (2 bytes per bf16 element; D model, H*K query width, G*K
 key/value width, F feed-forward width; tests/test_dry_run.py checks the trace against these):
-    remat=save_matmuls  2 (2D + 2HK + 2GK + 2F) + 4H   x, q|k|v, attention's output and f32 statistics, the output
-                                                      projection, gate|up (the configs' default)
+    remat=save_matmuls  2 (2D + 2HK + 2GK + 2F) + 4H   x, q|k|v, attention's output and f32 statistics, the residual
+                                                      stream after attention, gate|up (the configs' default)
                         + (2D + HK + F)               with an fp8 or MX recipe: each linear's 1-byte transposed input
     remat=full          2D                            the block input
     remat=none          every intermediate the backward reads (about twice save_matmuls for the 8B block), and

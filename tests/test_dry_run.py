@@ -79,7 +79,7 @@ SHAPE_8B = ("configs/llama3_8b.yaml", "model.n_layers=2", "data.seq_len=2048", "
 def test_a_dense_layer_keeps_what_the_docstring_formula_says(context):
     """The trace of the 8B block (cuDNN attention, as on a GPU) against memory_estimate's docstring: x, q|k|v, the
     attention output and its statistics once (cuDNN's and context parallelism's own tags, no second copy), the
-    output projection and gate|up; an fp8 recipe adds each linear's 1-byte transposed input."""
+    residual stream after attention and gate|up; an fp8 recipe adds each linear's 1-byte transposed input."""
     d, hk, gk, f, h = 4096, 4096, 1024, 14336, 32
     save = 2 * (2 * d + 2 * hk + 2 * gk + 2 * f) + 4 * h
     mesh = f"mesh.context={context}"

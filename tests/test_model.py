@@ -210,6 +210,30 @@ def test_unrolled_layers_equal_scanned_layers(remat):
     assert four.count("CustomSPMDPartitioning") >= 2, "the residuals on a 4-device mesh are zero-filled again"
 
 
+@pytest.mark.parametrize("moe", [False, True])
+def test_save_matmuls_keeps_the_residual_stream_not_the_output_projection(moe):
+    """Under model.remat=save_matmuls a block keeps h = x + Attn(..) (named "residual") for the FFN norm's backward,
+    and no output of a plain `linear` (the output projection, down): inside lax.scan XLA:GPU fused the saved output
+    projection into its stacked-residual write and ran that GEMM twice (llama.py docstring)."""
+    from mx_jax import compat
+    from mx_jax.config import MoEConfig
+    from mx_jax.llama import layer_body
+    moe_cfg = dict(n_experts=4, top_k=2, d_expert=32) if moe else {}
+    cfg = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64,
+                      compute_dtype="bfloat16", remat="save_matmuls", moe=MoEConfig(**moe_cfg))
+    model = Llama(cfg, rngs=nnx.Rngs(0))
+    graphdef, state = nnx.split(model.blocks)
+    layer = jax.tree.map(lambda a: a[0], nnx.to_pure_dict(state))
+    x = jnp.ones((2, 16, 32), jnp.bfloat16)
+    positions, inv_freq = jnp.arange(16), rope_inv_freq(cfg.d_head, cfg.rope_theta, cfg.rope_scaling)
+    named = [o for _, o in compat.saved_residuals(layer_body(graphdef, positions, inv_freq, "save_matmuls"), x, layer)
+             if o.startswith("named")]
+    assert sum("named 'residual'" in o and "Block.__call__" in o for o in named) == 1, named
+    assert not [o for o in named if "(linear)" in o], named
+    # q|k|v and gate|up; with moe the experts' three grouped GEMMs (mx_jax/dispatch.py) instead of gate|up
+    assert sum("(saved_output)" in o for o in named) == (4 if moe else 2), named
+
+
 @pytest.mark.parametrize("mesh", [("mesh.fsdp=4",), ("mesh.data=2", "mesh.context=2")])
 def test_scan_residual_buffers_on_a_mesh_split_like_jax_zero_fill(tmp_path, mesh):
     """The partitioner gives the allocated residual buffers (compat._sharded_empty) the shards it gave jax's zero fill:
