@@ -210,15 +210,15 @@ def test_unrolled_layers_equal_scanned_layers(remat):
     assert four.count("CustomSPMDPartitioning") >= 2, "the residuals on a 4-device mesh are zero-filled again"
 
 
-@pytest.mark.parametrize("moe", [False, True])
-def test_save_matmuls_keeps_the_residual_stream_not_the_output_projection(moe):
+@pytest.mark.parametrize("n_shared", [None, 0, 1])  # dense; Mixtral-style MoE; DeepSeek-style with a shared expert
+def test_save_matmuls_keeps_the_residual_stream_not_the_output_projection(n_shared):
     """Under model.remat=save_matmuls a block keeps h = x + Attn(..) (named "residual") for the FFN norm's backward,
     and no output of a plain `linear` (the output projection, down): inside lax.scan XLA:GPU fused the saved output
     projection into its stacked-residual write and ran that GEMM twice (llama.py docstring)."""
     from mx_jax import compat
     from mx_jax.config import MoEConfig
     from mx_jax.llama import layer_body
-    moe_cfg = dict(n_experts=4, top_k=2, d_expert=32) if moe else {}
+    moe_cfg = {} if n_shared is None else dict(n_experts=4, top_k=2, d_expert=32, n_shared=n_shared)
     cfg = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64,
                       compute_dtype="bfloat16", remat="save_matmuls", moe=MoEConfig(**moe_cfg))
     model = Llama(cfg, rngs=nnx.Rngs(0))
@@ -230,8 +230,9 @@ def test_save_matmuls_keeps_the_residual_stream_not_the_output_projection(moe):
              if o.startswith("named")]
     assert sum("named 'residual'" in o and "Block.__call__" in o for o in named) == 1, named
     assert not [o for o in named if "(linear)" in o], named
-    # q|k|v and gate|up; with moe the experts' three grouped GEMMs (mx_jax/dispatch.py) instead of gate|up
-    assert sum("(saved_output)" in o for o in named) == (4 if moe else 2), named
+    # q|k|v and gate|up; in a MoE block the routed experts' three grouped GEMMs (mx_jax/dispatch.py) and each shared
+    # expert's gate|up instead of gate|up
+    assert sum("(saved_output)" in o for o in named) == (2 if n_shared is None else 4 + n_shared), named
 
 
 @pytest.mark.parametrize("mesh", [("mesh.fsdp=4",), ("mesh.data=2", "mesh.context=2")])
