@@ -6,8 +6,10 @@
 Prints the step time, the device time per category (GEMMs, attention, fusions, copies, collectives, other) and
 the top ops, from the device plane of the trace (XLA op names on GPU). Then, per cuBLAS GEMM of the compiled step
 (matched through the kernels' `hlo_op` trace stat), its shapes, time and TFLOP/s: what to compare with the same
-GEMM run standalone (`python -m pallas_kernels.bench fp8`, "xla bf16" column). The raw trace stays under
---trace-dir for TensorBoard's profile plugin.
+GEMM run standalone (`python -m pallas_kernels.bench fp8`, "xla bf16" column). It also counts the kernel calls
+(Pallas kernels by name, cuBLAS GEMMs, cuDNN) in one iteration of each of the compiled step's loops: a scanned
+layer's forward body should hold one GEMM per linear. The raw trace stays under --trace-dir for TensorBoard's profile
+plugin.
 
 --replay (which turns XLA's CUDA-graph command buffers off, so that each kernel in the trace names its HLO
 instruction) times every cuBLAS GEMM of the step again on its own: the same operand shapes, physical layouts,
@@ -92,6 +94,65 @@ def gemm_flops(hlo_text: str) -> dict[str, tuple[float, str, str]]:
         if m.group(2) in root_of and m.group(1) not in out:
             out[m.group(1)] = out[root_of[m.group(2)]]
     return out
+
+
+def _computations(hlo_text: str) -> dict[str, list[str]]:
+    """{computation name: its instruction lines} of an HLO module's text."""
+    comps, lines = {}, None
+    for line in hlo_text.splitlines():
+        if (h := re.match(r"^(?:ENTRY )?%?([\w.\-]+) \(.*\{\s*$", line)):
+            lines = comps.setdefault(h.group(1), [])
+        elif lines is not None and line.startswith("}"):
+            lines = None
+        elif lines is not None:
+            lines.append(line)
+    return comps
+
+
+def _kernel_call(line: str) -> str | None:
+    """What a custom-call instruction runs: a Pallas kernel by its name, "cuBLAS GEMM" or "cuDNN"; else None."""
+    target = re.search(r'custom_call_target="([^"]+)"', line)
+    if not target or "custom-call(" not in line:
+        return None
+    if target.group(1).startswith("mosaic_gpu") or target.group(1) == "__gpu$xla.gpu.triton":
+        name = re.search(r'op_name="[^"]*/([\w]+)/(?:mpmd_map|pallas_call)[^"/]*"', line)
+        return f"Pallas {name.group(1)}" if name else "Pallas kernel"
+    if "cublas" in target.group(1):
+        return "cuBLAS GEMM"
+    if "cudnn" in target.group(1):
+        return "cuDNN"
+    return None
+
+
+def loop_kernel_calls(hlo_text: str) -> list[tuple[str, int, collections.Counter]]:
+    """(the loop's op_name, trip count, kernel calls per iteration by `_kernel_call`) for every while loop of a
+    compiled HLO module with a known trip count: a scanned layer's forward and backward bodies. A kernel that runs
+    more often than the layer needs shows here (session 42: XLA ran a saved GEMM twice inside the forward loop, so
+    the forward body held five fp8 GEMMs where the layer has four). Calls inside fusions and other called
+    computations count for the loop that calls them; a nested loop's body counts for the nested loop only."""
+    comps = _computations(hlo_text)
+
+    def count(name: str, seen: set) -> collections.Counter:
+        out: collections.Counter = collections.Counter()
+        for line in comps.get(name, []):
+            if (kind := _kernel_call(line)):
+                out[kind] += 1
+            if " while(" in line:
+                continue
+            for callee in re.findall(r"(?:calls|to_apply)=%([\w.\-]+)", line):
+                if callee not in seen:
+                    out += count(callee, seen | {callee})
+        return out
+
+    loops = []
+    for lines in comps.values():
+        for line in lines:
+            body = re.search(r" while\(.*body=%([\w.\-]+)", line)
+            trips = re.search(r'"known_trip_count":\{"n":"(\d+)"', line)
+            if body and trips:
+                op = re.search(r'op_name="([^"]*)"', line)
+                loops.append((op.group(1) if op else body.group(1), int(trips.group(1)), count(body.group(1), set())))
+    return loops
 
 
 def gemm_table(data, flops: dict, n_steps: int, top: int) -> dict[str, tuple[float, int]]:
@@ -262,6 +323,12 @@ def summarize(trace_dir: str, n_steps: int, top: int, hlo_text: str = "", dump: 
             fh.write(hlo_text)
         dump_events(data, f"{dump}/events.csv")
     if hlo_text:
+        loops = [loop for loop in loop_kernel_calls(hlo_text) if loop[2]]
+        if loops:
+            print("\nkernel calls per iteration of the step's loops (compiled HLO; a scanned layer's forward and "
+                  "backward):")
+            for op, trips, calls in loops:
+                print(f"  {op} x{trips}: " + ", ".join(f"{n} {k}" for k, n in sorted(calls.items())))
         flops = gemm_flops(hlo_text)
         in_step = gemm_table(data, flops, n_steps, top)
         if replay and in_step:

@@ -21,8 +21,8 @@ attention and FFN, h = x + Attn(..) (named "residual", which the FFN's RMSNorm b
 the cheap elementwise work. Keeping h rather than the output projection's result (from which the backward would
 rebuild h) matters inside lax.scan: XLA:GPU fused that Pallas GEMM into its write to the stacked residuals and ran it
 a second time for the add, one extra 8192 x 4096 x 4096 fp8 GEMM per layer and sequence (2.0 ms of the 8-layer 8B
-fp8 step on an H100, 9 ms of the whole 8B at fsdp=4). h costs a 67 MB copy per layer into the stack instead (0.35 ms
-of the bf16 step, which had no duplicate GEMM; session 42 in benchmarks/RESULTS.md).
+fp8 step on an H100, 9 ms of the whole 8B at fsdp=4; session 42 in benchmarks/RESULTS.md). Under bf16 XLA folds the
+add into the cuBLAS GEMM (h is its C operand), so h is a GEMM output and that GEMM still runs twice.
 
 The output head is untied from the embedding, as in Llama 3. Training keeps the logits in the compute dtype
 (bf16: 2 bytes per vocabulary entry per token instead of 4; the head GEMM accumulates in float32 either way) and

@@ -45,6 +45,45 @@ def test_gemm_flops_finds_inline_and_wrapped_gemms():
     assert set(flops) == {"custom-call.1", "cublas-lt-matmul.7", "address_computation.2"}
 
 
+# Trimmed from the scanned 8B fp8 step's optimized HLO (session 42): the forward loop body runs the output
+# projection's Pallas GEMM twice, once fused into the write of its stacked residual; a nested loop counts for itself.
+LOOP_HLO = """
+%dynamic-slice-fusion.19 (p0: f8e4m3fn[8192,4096], p1: f8e4m3fn[4096,4096]) -> bf16[8192,4096] {
+  %p0 = f8e4m3fn[8192,4096]{1,0} parameter(0)
+  %p1 = f8e4m3fn[4096,4096]{1,0} parameter(1)
+  ROOT %mpmd_map.2 = bf16[8192,4096]{1,0} custom-call(%p0, %p1), custom_call_target="mosaic_gpu_v2", metadata={op_name="jit(train_step)/jvp()/while/body/checkpoint/jit(fp8_matmul_pallas)/fp8_matmul/mpmd_map"}
+}
+
+%inner_body (q: (s32[], f32[4])) -> (s32[], f32[4]) {
+  %q = (s32[], f32[4]) parameter(0)
+  %cast = f8e4m3fn[4]{0} custom-call(%q), custom_call_target="mosaic_gpu_v2", metadata={op_name="jit(train_step)/while/body/jit(quantize)/quantize_cast/pallas_call"}
+  ROOT %t = (s32[], f32[4]) tuple(%q)
+}
+
+%region_1.90 (arg: (s32[], bf16[8192,4096])) -> (s32[], bf16[8192,4096]) {
+  %arg = (s32[], bf16[8192,4096]) parameter(0)
+  %mpmd_map.1 = bf16[8192,4096]{1,0} custom-call(%arg, %arg), custom_call_target="mosaic_gpu_v2", metadata={op_name="jit(train_step)/jvp()/while/body/checkpoint/jit(fp8_matmul_pallas)/fp8_matmul/mpmd_map"}
+  %dsf = bf16[8192,4096]{1,0} fusion(%arg, %arg), kind=kCustom, calls=%dynamic-slice-fusion.19
+  %att = (bf16[8192,4096]{1,0}, f32[4]{0}) custom-call(%arg), custom_call_target="__cudnn$fmhaSoftmax"
+  %gemm = (bf16[8192,4096]{1,0}, s8[1024]{0}) custom-call(%arg, %arg), custom_call_target="__cublas$lt$matmul"
+  %inner = (s32[], f32[4]) while(%arg), condition=%cond, body=%inner_body, backend_config={"known_trip_count":{"n":"3"}}
+  ROOT %t = (s32[], bf16[8192,4096]) tuple(%arg)
+}
+
+ENTRY %main (a: (s32[], bf16[8192,4096])) -> (s32[], bf16[8192,4096]) {
+  %a = (s32[], bf16[8192,4096]) parameter(0)
+  ROOT %while.1 = (s32[], bf16[8192,4096]) while(%a), condition=%region_8.91, body=%region_1.90, metadata={op_name="jit(train_step)/jvp()/while" stack_frame_id=14}, backend_config={"known_induction_variable":{"tuple_index":"0"},"known_trip_count":{"n":"8"}}
+}
+"""
+
+
+def test_loop_kernel_calls_counts_each_loop_bodys_kernels_per_iteration():
+    loops = {op: (trips, dict(calls)) for op, trips, calls in profile_step.loop_kernel_calls(LOOP_HLO)}
+    assert loops["jit(train_step)/jvp()/while"] == (
+        8, {"Pallas fp8_matmul": 2, "cuDNN": 1, "cuBLAS GEMM": 1})  # the fused one counted through its fusion
+    assert loops["inner_body"] == (3, {"Pallas quantize_cast": 1})  # a while without op_name goes by its body
+
+
 def test_call_operands_resolve_layouts():
     symbols = profile_step.hlo_symbols(HLO)
     line = next(l for l in HLO.splitlines() if "ROOT %cublas-lt-matmul.7" in l)
