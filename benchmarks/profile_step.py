@@ -63,6 +63,19 @@ def call_operands(line: str, symbols: dict) -> list[tuple[str, list[int], list[i
     return out
 
 
+def _computations(hlo_text: str) -> dict[str, list[str]]:
+    """{computation name: its instruction lines} of an HLO module's text."""
+    comps, lines = {}, None
+    for line in hlo_text.splitlines():
+        if (h := re.match(r"^(?:ENTRY )?%?([\w.\-]+) \(.*\{\s*$", line)):
+            lines = comps.setdefault(h.group(1), [])
+        elif lines is not None and line.startswith("}"):
+            lines = None
+        elif lines is not None:
+            lines.append(line)
+    return comps
+
+
 def gemm_flops(hlo_text: str) -> dict[str, tuple[float, str, str]]:
     """{instruction name: (FLOPs, "MxK . KxN -> out" description, GEMM instruction)} for the cuBLAS GEMM custom
     calls (and plain dots) of an optimized HLO module, and for the instructions that call a computation whose root
@@ -84,29 +97,15 @@ def gemm_flops(hlo_text: str) -> dict[str, tuple[float, str, str]]:
         out[name] = (2.0 * math.prod(out_dims) * k, f"{shapes} -> {'x'.join(map(str, out_dims))}", name)
     # A GEMM can be the root of a wrapping computation (a dynamic-slice fusion that folds the slice of stacked
     # layer weights into the GEMM's operand address); the trace names the calling instruction, so map it too.
-    root_of, comp = {}, None
-    for line in hlo_text.splitlines():
-        if (h := re.match(r"^%?([\w.\-]+) \(.*\{\s*$", line)):
-            comp = h.group(1)
-        elif comp and (r := re.match(r"\s*ROOT %([\w.\-]+) = ", line)) and r.group(1) in out:
-            root_of[comp] = r.group(1)
+    root_of = {}
+    for comp, lines in _computations(hlo_text).items():
+        for line in lines:
+            if (r := re.match(r"\s*ROOT %([\w.\-]+) = ", line)) and r.group(1) in out:
+                root_of[comp] = r.group(1)
     for m in re.finditer(r"^\s*(?:ROOT )?%([\w.\-]+) = .*?calls=%([\w.\-]+)", hlo_text, re.M):
         if m.group(2) in root_of and m.group(1) not in out:
             out[m.group(1)] = out[root_of[m.group(2)]]
     return out
-
-
-def _computations(hlo_text: str) -> dict[str, list[str]]:
-    """{computation name: its instruction lines} of an HLO module's text."""
-    comps, lines = {}, None
-    for line in hlo_text.splitlines():
-        if (h := re.match(r"^(?:ENTRY )?%?([\w.\-]+) \(.*\{\s*$", line)):
-            lines = comps.setdefault(h.group(1), [])
-        elif lines is not None and line.startswith("}"):
-            lines = None
-        elif lines is not None:
-            lines.append(line)
-    return comps
 
 
 def _kernel_call(line: str) -> str | None:

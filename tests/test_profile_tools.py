@@ -45,7 +45,7 @@ def test_gemm_flops_finds_inline_and_wrapped_gemms():
     assert set(flops) == {"custom-call.1", "cublas-lt-matmul.7", "address_computation.2"}
 
 
-# Trimmed from the scanned 8B fp8 step's optimized HLO (session 42): the forward loop body runs the output
+# Shaped after the scanned 8B fp8 step's optimized HLO (session 42): the forward loop body runs the output
 # projection's Pallas GEMM twice, once fused into the write of its stacked residual; a nested loop counts for itself.
 LOOP_HLO = """
 %dynamic-slice-fusion.19 (p0: f8e4m3fn[8192,4096], p1: f8e4m3fn[4096,4096]) -> bf16[8192,4096] {
