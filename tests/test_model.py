@@ -235,6 +235,24 @@ def test_save_matmuls_keeps_the_residual_stream_not_the_output_projection(n_shar
     assert sum("(saved_output)" in o for o in named) == (2 if n_shared is None else 4 + n_shared), named
 
 
+@pytest.mark.parametrize("scan", [True, False])
+def test_scanned_block_puts_a_barrier_between_attention_and_the_residual_add(scan):
+    """In scanned layers attention's output passes an optimization barrier before h = x + Attn(..): under bf16
+    XLA:GPU otherwise folds the add into the output projection's cuBLAS GEMM, and that GEMM, whose output is then
+    the saved residual h, ran twice per layer in the scan (llama.py docstring). Unrolled layers need no barrier."""
+    cfg = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64,
+                      compute_dtype="bfloat16", scan_layers=scan)
+    graphdef, state = nnx.split(Llama(cfg, rngs=nnx.Rngs(0)).blocks)
+    block = nnx.merge(graphdef, jax.tree.map(lambda a: a[0], state))  # layer 0
+    positions, inv_freq = jnp.arange(16), rope_inv_freq(cfg.d_head, cfg.rope_theta, cfg.rope_scaling)
+    jaxpr = jax.make_jaxpr(lambda x: block(x, positions, inv_freq))(jnp.ones((2, 16, 32), jnp.bfloat16))
+    eqns, x = jaxpr.jaxpr.eqns, jaxpr.jaxpr.invars[0]
+    barrier_outs = {v for e in eqns if e.primitive.name == "optimization_barrier" for v in e.outvars}
+    residual_adds = [e for e in eqns if e.primitive.name == "add" and x in e.invars]
+    assert len(residual_adds) == 1, jaxpr
+    assert any(v in barrier_outs for v in residual_adds[0].invars) == scan, jaxpr
+
+
 @pytest.mark.parametrize("mesh", [("mesh.fsdp=4",), ("mesh.data=2", "mesh.context=2")])
 def test_scan_residual_buffers_on_a_mesh_split_like_jax_zero_fill(tmp_path, mesh):
     """The partitioner gives the allocated residual buffers (compat._sharded_empty) the shards it gave jax's zero fill:
