@@ -104,6 +104,10 @@ MGPU_WARP_MAP = JAX_VERSION >= (0, 11, 0)
 #   0.10.2 interprets it but does not lower it for the GPU ("Tiled strides must be a multiple of the vector length").
 #   Where MGPU_TRANSPOSED_CAST does not hold, impl="auto" casts those copies with XLA and impl="pallas" says why.
 MGPU_TRANSPOSED_CAST = JAX_VERSION >= (0, 11, 0)
+# - The dynamic tile schedule (pallas_kernels/tile_queue.py) takes its tiles with an atomic add written as inline
+#   PTX (`mgpu.utils.inline_ptx`, which 0.10.2 lacks). Where MGPU_TILE_QUEUE does not hold, the kernels' covers
+#   refuse `schedule="dynamic"` and impl="auto" keeps the static schedule.
+MGPU_TILE_QUEUE = JAX_VERSION >= (0, 11, 0)
 
 
 # ---------------------------------------------------------------------------------------------------------------

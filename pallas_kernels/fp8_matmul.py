@@ -23,9 +23,9 @@ Kernel (Mosaic-GPU, `plgpu.kernel`; after jax's hopper_matmul_mgpu.py, adapted t
   `grid_tile_width`) so that neighbouring CTAs share A rows / B columns in L2. Optional 2-CTA clusters multicast
   the shared operand (`cluster`). Each CTA takes every grid-th tile, or, with `schedule="dynamic"` (impl="auto"
   per device of a multi-device mesh, where collectives run beside the GEMMs), its next tile from an atomic counter
-  (`_TileQueue`). On 4 x H200, four 8192 x 4096 x 14336 GEMMs beside a 235 MB reduce-scatter took 19% longer than
-  alone with the static stride (clustered), 8% with the dynamic schedule, 6% for cuBLASLt; alone the dynamic
-  schedule, which has no cluster, is 1% slower (RESULTS.md, session 41).
+  (pallas_kernels/tile_queue.py). On 4 x H200, four 8192 x 4096 x 14336 GEMMs beside a 235 MB reduce-scatter
+  took 19% longer than alone with the static stride (clustered), 8% with the dynamic schedule, 6% for cuBLASLt;
+  alone the dynamic schedule, which has no cluster, is 1% slower (RESULTS.md, session 41).
 - Epilogue: each compute warpgroup TMA-loads its a_scale / b_scale slices into SMEM at the start of the tile (they
   arrive during the main loop; reading them straight from GMEM does not lower on the GPU), then multiplies the
   accumulator by both, casts to out_dtype, stages the tile in SMEM and TMA-stores it.
@@ -81,7 +81,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from mx_jax import compat
-from pallas_kernels import device
+from pallas_kernels import device, tile_queue
 
 FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
 Impl = Literal["auto", "pallas", "xla", "reference"]
@@ -109,7 +109,7 @@ class TileConfig:
     # next tile's first K steps (one per step); the rest are stored before that tile starts
     overlap_chunks: int = 0
     # static ring only: "dynamic" hands out the tiles after each CTA's first one through an atomic counter in GMEM
-    # (`_TileQueue`), so CTAs that start late (their SMs held by a collective's kernel) take fewer tiles
+    # (`tile_queue.TileQueue`), so CTAs that start late (their SMs held by a collective's kernel) take fewer tiles
     schedule: Literal["static", "dynamic"] = "static"
 
     @property
@@ -371,70 +371,6 @@ def _kernel(a_gmem, b_gmem, a_scale_gmem, b_scale_gmem, out_gmem, *, config: Til
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-class _TileQueue:
-    """The dynamic schedule's tile queue (TileConfig.schedule="dynamic").
-
-    A persistent GEMM whose CTAs take a fixed stride of tiles finishes when its last CTA does. When a collective's
-    kernel holds some SMs as the GEMM launches (NCCL's ring kernels take one SM per channel, 24 on 4 x H200), the
-    CTAs that wait for those SMs start late and still do their full share: the GEMM ends about that kernel's
-    duration late (RESULTS.md, session 41). Here each CTA takes its first tile by its index and every further tile
-    from a counter in GMEM, which XLA zeroes before each call (`pl.get_global`): tile = grid + atomicAdd(counter,
-    1). The producer fetches the next tile before loading the current one, stores it in one of two SMEM slots and
-    arrives on the slot's `full` barrier; the compute warpgroups read it and arrive on `free`. A tile index past the
-    last tile ends both loops. The whole memory warpgroup runs the producer (Mosaic GPU lowers neither the while
-    loop nor the scalar SMEM read in a single warp's code), and there is no cluster (the two CTAs would have to
-    agree on each tile)."""
-
-    def __init__(self, queue_smem, queue_full, queue_free):
-        self.smem, self.full, self.free = queue_smem, queue_full, queue_free
-        self.counter = pl.get_global(plgpu.SemaphoreType.REGULAR((1,)))
-
-    @staticmethod
-    def first():
-        """The CTA's first tile: its index in the grid (no queue)."""
-        return lax.axis_index("cluster_grid")
-
-    def put_next(self, i, grid: int):
-        """Producer: fetch the CTA's `i`-th tile (i >= 1) from the counter into slot (i - 1) % 2 once the
-        compute warpgroups have read the slot's previous tile; returns it."""
-        slot = lax.rem(i - 1, 2)
-
-        @pl.when(i >= 3)
-        def _():
-            plgpu.barrier_wait(self.free.at[slot])
-
-        _fetch_tile(self.counter, self.smem.at[pl.ds(slot, 1)], grid)
-        plgpu.barrier_arrive(self.full.at[slot])
-        return self.smem[slot]
-
-    def take(self, i):
-        """Compute warpgroup: the CTA's `i`-th tile (i >= 1), once the producer has published it."""
-        slot = lax.rem(i - 1, 2)
-        plgpu.barrier_wait(self.full.at[slot])
-        lin = self.smem[slot]
-        plgpu.barrier_arrive(self.free.at[slot])
-        return lin
-
-
-def _fetch_tile(counter, dst, grid):
-    """One thread of the warpgroup adds 1 to the GMEM counter and stores grid + its old value to the 1-element SMEM
-    ref; the warpgroup then synchronizes, so all its threads read it."""
-    from jax._src.lib.mlir import ir
-    from jax._src.lib.mlir.dialects import arith, memref
-    from jax.experimental.mosaic import gpu as mgpu
-
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType()))
-    def fetch(_ctx, counter, dst):
-        i32, index = ir.IntegerType.get_signless(32), ir.IndexType.get()
-        with mgpu.utils.when(mgpu.utils.single_thread_predicate(mgpu.utils.ThreadSubset.WARPGROUP)):
-            old = mgpu.utils.inline_ptx("atom.relaxed.gpu.global.add.u32 $0, [$1], 1;", mgpu.utils.memref_ptr(counter),
-                                        result_types=i32, has_side_effects=True)
-            memref.store(arith.addi(old, arith.constant(i32, grid)), dst, [arith.constant(index, 0)])
-        mgpu.utils.warpgroup_barrier()
-
-    fetch(counter, dst)
-
-
 def _static_ring_kernel(
     a_gmem, b_gmem, a_scale_gmem, b_scale_gmem, out_gmem, *, config: TileConfig, producer_warp: bool = True
 ):
@@ -474,17 +410,13 @@ def _static_ring_kernel(
             else plgpu.Barrier(num_arrivals=2, num_barriers=stages)
         ),
         scale_barrier=plgpu.Barrier(num_arrivals=2, num_barriers=2),
-        **(dict(  # the dynamic schedule's tile queue: two slots
-            queue_smem=plgpu.SMEM((2,), jnp.int32),
-            queue_full=plgpu.Barrier(num_arrivals=1, num_barriers=2),
-            queue_free=plgpu.Barrier(num_arrivals=2, num_barriers=2),
-        ) if c.schedule == "dynamic" else {}),
+        **(tile_queue.scratch() if c.schedule == "dynamic" else {}),  # the dynamic schedule's tile queue
         collective_axes="wg",
     )
     def _scope(a_smem, b_smem, out_smem, a_scale_smem, b_scale_smem, produced, consumed, scale_barrier, **queue_refs):
         wg = lax.axis_index("wg")
         total = m_iters * n_iters
-        queue = _TileQueue(**queue_refs) if queue_refs else None
+        queue = tile_queue.TileQueue("cluster_grid", **queue_refs) if queue_refs else None
 
         def walk(body, init=None):
             """body(lin, local_index, carry) -> carry over this CTA's tiles, in order: the persistent grid's static
@@ -534,7 +466,7 @@ def _static_ring_kernel(
                 # compute warpgroups finish this one.
                 def step(st):
                     i, lin = st
-                    nxt = queue.put_next(i + 1, lax.axis_size("cluster_grid"))
+                    nxt = queue.put_next(i + 1)
                     load_tile(lin, i)
                     return i + 1, nxt
 
@@ -681,8 +613,8 @@ def pallas_cover(
     if c.overlap_chunks and (c.ring != "static" or c.epi_m != c.tile_m or c.overlap_chunks > _num_chunks(c)):
         return (f"overlap_chunks={c.overlap_chunks} needs the static ring and one row of at least that many "
                 f"epilogue chunks (epi_tile_m = tile_m)")
-    if c.schedule == "dynamic" and (c.ring != "static" or c.cluster or not compat.MGPU_WARP_MAP):
-        return "the dynamic schedule needs the static ring, no cluster and jax >= 0.11 (where it was built)"
+    if c.schedule == "dynamic" and (c.ring != "static" or c.cluster or not compat.MGPU_TILE_QUEUE):
+        return "the dynamic schedule needs the static ring, no cluster and jax >= 0.11 (compat.MGPU_TILE_QUEUE)"
     if c.ring == "static" and (k // c.tile_k) % c.stages:
         return f"the static ring needs K / tile_k ({k // c.tile_k}) to be a multiple of the stages ({c.stages})"
     if c.smem_bytes(out_dtype) > _SMEM_BYTES:
@@ -809,8 +741,8 @@ def auto_choice(m: int, n: int, k: int, a_dtype, b_dtype, out_dtype=jnp.bfloat16
     config = AUTO_TABLE.get((m, n, k), AUTO_DEFAULT)
     if config is None:
         return None
-    if config.ring == "static" and compat.MGPU_WARP_MAP and device.per_device_of_many():
-        # Per device of a mesh, collectives run beside the GEMMs: the dynamic schedule (_TileQueue; no cluster).
+    if config.ring == "static" and compat.MGPU_TILE_QUEUE and device.per_device_of_many():
+        # Per device of a mesh, collectives run beside the GEMMs: the dynamic schedule (tile_queue; no cluster).
         config = dataclasses.replace(config, cluster=None, schedule="dynamic")
     # A clustered config needs M (or N) to be a multiple of two CTA tiles, one CTA tile is enough without it; the
     # static ring needs the K steps to be a multiple of its stages, jax's pipeline does not.

@@ -65,6 +65,17 @@ Kernels (Mosaic-GPU `plgpu.kernel`, persistent: one CTA per SM walks a list of o
                 and the Pallas transposed cast (pallas_kernels/quantize.py, one set of column multipliers per
                 64-row tile, each inside one group's aligned region) writes the fp8 (K, M') copy: 3 + 5 bytes per
                 element, all coalesced, and the fp8 operands and scales are the same bytes as before.
+- Schedule: each CTA takes every grid-th work item (`schedule="static"`), or its first item by its index and every
+  further one from an atomic counter in GMEM (`"dynamic"`, pallas_kernels/tile_queue.py; the two slots through which
+  the memory warpgroup hands each item to the compute warpgroups are a (grid, 2) int32 scratch output, since the
+  SMEM is full: Pallas aligns every SMEM allocation to 1 KiB and the fp8 `gmm` tile uses 226 of 227 KiB). With the
+  default configs, both kernels take the dynamic schedule per device of a multi-device mesh (`_pick`), where NCCL's
+  kernels hold some SMs as a grouped GEMM launches and a fixed stride made the CTAs that waited for them end the
+  kernel late. On 4 x H200, two Mixtral-shaped `gmm` calls (16384 x 14336 x 4096, 8 groups) beside a 235 MB
+  reduce-scatter ran 12.0% (bf16) and 18.3% (fp8) slower than alone with the static schedule, 3.8% and 5.8% with
+  the dynamic one, which alone is 0.8-1.1% slower (`benchmarks/gemm_beside_collective.py --grouped`). In the
+  2-layer Mixtral step at fsdp=4, per step and device: fp8 `gmm` 11.07 -> 9.52 ms and `tgmm` 8.37 -> 6.14 ms (each
+  against the static schedule in the same call), bf16 both 35.6 -> 28.6 ms (RESULTS.md, session 43).
 - Trade-offs: partial row tiles cost on average E/2 tiles of extra work over M/cta_tile_m (3% at E=8, M=16384,
   128-row tiles); the staging tile is unswizzled so that partial tiles can be stored at any row (its register
   stores took as long as into a swizzled tile on an H200); both compute warpgroups share one tile, so their
@@ -103,7 +114,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels import device
+from mx_jax import compat
+from pallas_kernels import device, tile_queue
 
 qz = importlib.import_module("pallas_kernels.quantize")  # the module: the package re-exports its `quantize` function
 
@@ -130,6 +142,9 @@ class TileConfig:
     epi_tile_n: int | None = None  # epilogue store chunk cols; None = as wide as fits in 32 KiB per warpgroup
     cluster: Literal["n"] | None = None  # gmm only: 2-CTA clusters on neighbouring N blocks multicast the A tile
     delay_release: int = 0  # gmm only: wgmma groups left in flight before a stage is released (module doc)
+    # "dynamic" hands out the work items after each CTA's first through an atomic counter in GMEM
+    # (pallas_kernels/tile_queue.py), so CTAs that start late (SMs held by a collective's kernel) take fewer
+    schedule: Literal["static", "dynamic"] = "static"
     tgmm_layout: Literal["masked", "aligned"] = "masked"  # 16-bit tgmm only; fp8 is always "aligned"
 
     @property
@@ -162,6 +177,8 @@ class TileConfig:
             s += f" cl2{self.cluster}"
         if self.delay_release:
             s += f" d{self.delay_release}"
+        if self.schedule == "dynamic":
+            s += " dyn"
         return s
 
     @property
@@ -193,10 +210,14 @@ def default_configs(dtype, op: Literal["gmm", "tgmm"] = "gmm") -> tuple[TileConf
 
 def _pick(cover, dtype, config: TileConfig | None, op: Literal["gmm", "tgmm"]) -> tuple[TileConfig, str | None]:
     """(config, None) for the given config or the first default that `cover(config)` accepts, else (the first
-    default, its reason)."""
+    default, its reason). On a Hopper GPU per device of a multi-device mesh, where collectives run beside the
+    kernels, the defaults take the dynamic schedule (the interpreter runs no inline PTX)."""
     if config is not None:
         return config, cover(config)
     candidates = default_configs(dtype, op)
+    dynamic = compat.MGPU_TILE_QUEUE and device.on_hopper() and not compat.gpu_interpret_forced()
+    if dynamic and device.per_device_of_many():
+        candidates = tuple(dataclasses.replace(c, schedule="dynamic") for c in candidates)
     for c in candidates:
         if cover(c) is None:
             return c, None
@@ -555,14 +576,39 @@ def _apply_scales(acc, scales, wg):
     return acc * lax.broadcast_in_dim(col, acc.shape, [1])
 
 
+def _for_each_item(tile, loop_size: int, live, wg, slots_gmem, queue_refs) -> None:
+    """Run `tile(lin)` on every work item of this CTA. Static schedule (no `queue_refs`): every grid-th index of
+    range(loop_size), the persistent loop's stride (`tile` skips indices >= live itself). Dynamic schedule: the live
+    items [0, live) that the tile queue hands this CTA (pallas_kernels/tile_queue.py, slots in GMEM). Every
+    warpgroup walks the same items: the memory warpgroup publishes the next one before it loads this one, the
+    compute warpgroups take it after computing this one."""
+    if not queue_refs:
+        plgpu.nd_loop((loop_size,), collective_axes="sm")(lambda info: tile(info.index[0]))
+        return
+    queue = tile_queue.TileQueue("sm", slots_gmem.at[lax.axis_index("sm")], **queue_refs)
+
+    def step(st):
+        i, lin = st
+        pl.when(wg == 2)(lambda: queue.publish(i + 1))
+        tile(lin)
+        return i + 1, queue.take(i + 1, consumer=wg < 2)
+
+    lax.while_loop(lambda st: st[1] < live, step, (jnp.int32(0), queue.first()))
+
+
 def _gmm_kernel(
     meta_gmem, count_gmem, lhs_gmem, rhs_gmem, *refs, config: TileConfig, transpose_rhs: bool, scaled: bool
 ):
     """meta (6, T): per row tile its segment (E = padding, -1 = unused), first row / 8, row range [lo, hi), and its
     band's first entry and width (`_gmm_row_tiles`); count (1,): the used entries, which come first. The walk covers
     count x N-blocks work items, so the round-robin split of the persistent loop deals out only real tiles; the
-    remaining loop indices do nothing. `grid_minor="n"` configs walk N-bands with `_walk` instead."""
+    remaining loop indices do nothing (the dynamic schedule hands out only the real ones). `grid_minor="n"` configs
+    walk N-bands with `_walk` instead. With the dynamic schedule the last ref is the queue's (grid, 2) GMEM slots."""
     c = config
+    dynamic = c.schedule == "dynamic"
+    slots_gmem = None
+    if dynamic:  # the tile queue's GMEM slots, (grid, 2) int32: a scratch output (tile_queue module doc)
+        *refs, slots_gmem = refs
     if scaled:
         lhs_scale_gmem, rhs_scale_gmem, out_gmem = refs
     else:
@@ -622,18 +668,17 @@ def _gmm_kernel(
             if cl > 1
             else plgpu.Barrier(num_arrivals=2)
         ),
+        **(tile_queue.scratch(smem_slots=False) if dynamic else {}),
         collective_axes="wg",
     )
-    def _scope(pipeline_allocs, staging, scales, acc_done):
+    def _scope(pipeline_allocs, staging, scales, acc_done, **queue_refs):
         wg = lax.axis_index("wg")
         cta = lax.axis_index("cluster")
 
         count = count_gmem[0]
         live_items = count * (n_iters // cl)
 
-        @plgpu.nd_loop((num_row_tiles * (n_iters // cl),), collective_axes="sm")
-        def _tile_loop(info):
-            (lin,) = info.index
+        def tile(lin):
             with jax.named_scope("decode"):  # spans of device.profiler_params' traces
                 live = lin < live_items
                 lin_c = jnp.minimum(lin, live_items - 1)
@@ -699,6 +744,8 @@ def _gmm_kernel(
             def _padding():
                 _store_zeros(c, staging.at[wg], dst, w_lo, w_count, full=False)
 
+        _for_each_item(tile, num_row_tiles * (n_iters // cl), live_items, wg, slots_gmem, queue_refs)
+
     plgpu.wait_smem_to_gmem(0)
 
 
@@ -706,8 +753,13 @@ def _tgmm_kernel(meta_gmem, lhs_gmem, rhs_gmem, *refs, config: TileConfig, align
     """meta (4, E): per group its first token block, block count, and token range [start, end) in this layout.
 
     aligned=False: lhs (M, K), rhs (M, N) row-major, boundary blocks masked in SMEM.
-    aligned=True:  lhs (K, M'), rhs (N, M') K-major, every group starts on a block boundary, gaps are zero."""
+    aligned=True:  lhs (K, M'), rhs (N, M') K-major, every group starts on a block boundary, gaps are zero.
+    With the dynamic schedule the last ref is the tile queue's (grid, 2) GMEM slots."""
     c = config
+    dynamic = c.schedule == "dynamic"
+    slots_gmem = None
+    if dynamic:  # the tile queue's GMEM slots, (grid, 2) int32: a scratch output (tile_queue module doc)
+        *refs, slots_gmem = refs
     if scaled:
         lhs_scale_gmem, rhs_scale_gmem, out_gmem = refs
     else:
@@ -756,14 +808,13 @@ def _tgmm_kernel(meta_gmem, lhs_gmem, rhs_gmem, *refs, config: TileConfig, align
         pipeline_allocs=allocs,
         staging=plgpu.SMEM((2, c.tile_m, c.epi_n(out_dtype)), out_dtype),
         scales=_scale_scratch(c, scaled),
+        **(tile_queue.scratch(smem_slots=False) if dynamic else {}),
         collective_axes="wg",
     )
-    def _scope(pipeline_allocs, staging, scales):
+    def _scope(pipeline_allocs, staging, scales, **queue_refs):
         wg = lax.axis_index("wg")
 
-        @plgpu.nd_loop((num_groups * tiles_per_group,), collective_axes="sm")
-        def _tile_loop(info):
-            (lin,) = info.index
+        def tile(lin):
             g = lax.div(lin, jnp.int32(tiles_per_group))
             mi, ni = _walk(lax.rem(lin, jnp.int32(tiles_per_group)), m_iters, n_iters, c.grid_minor, c.grid_tile_width)
             first, num_blocks, start, end = (meta_gmem[i, g] for i in range(4))
@@ -818,6 +869,9 @@ def _tgmm_kernel(meta_gmem, lhs_gmem, rhs_gmem, *refs, config: TileConfig, align
             def _empty_group():
                 _store_zeros(c, staging.at[wg], dst, 0, c.tile_m, full=True)
 
+        total = num_groups * tiles_per_group
+        _for_each_item(tile, total, total, wg, slots_gmem, queue_refs)
+
     plgpu.wait_smem_to_gmem(0)
 
 
@@ -858,6 +912,8 @@ def gmm_pallas_cover(
         return f"out_dtype must be bf16, f16 or f32, got {out_dtype}"
     if (reason := _check_config(config, lhs_dtype, out_dtype, scaled)) is not None:
         return reason
+    if config.schedule == "dynamic" and (config.cluster or not compat.MGPU_TILE_QUEUE):
+        return "the dynamic schedule takes no cluster and needs jax >= 0.11 (compat.MGPU_TILE_QUEUE)"
     cluster_n = config.cta_tile_n * config.cluster_size
     if m % config.cta_tile_m or n % cluster_n or k % config.tile_k:
         return (
@@ -881,6 +937,8 @@ def tgmm_pallas_cover(
         return reason
     if config.cluster:
         return "clusters are implemented for gmm only"
+    if config.schedule == "dynamic" and not compat.MGPU_TILE_QUEUE:
+        return "the dynamic schedule needs jax >= 0.11 (compat.MGPU_TILE_QUEUE)"
     if config.delay_release:
         return "delay_release is implemented for gmm only (tgmm awaits every stage; see the module doc)"
     if k % config.cta_tile_m or n % config.cta_tile_n:
@@ -914,8 +972,13 @@ def _varying_axes(x) -> set:
     return set(getattr(getattr(jax.typeof(x), "mat", None), "varying", None) or ())
 
 
-def _launch(body, out_type, work_items: int, args, interpret, cluster_size: int = 1, name: str = "gmm"):
+def _launch(body, out_type, work_items: int, args, interpret, cluster_size: int = 1, name: str = "gmm",
+            queue_slots: bool = False):
+    """Run the persistent kernel `body` on min(#SMs / cluster, work_items) CTAs. `queue_slots`: the kernel also
+    writes a (grid, 2) int32 scratch output, the dynamic schedule's GMEM slots (dropped here)."""
     grid = max(1, min(device.num_sms(interpret) // cluster_size, work_items))
+    if queue_slots:
+        out_type = (out_type, jax.ShapeDtypeStruct((grid, 2), jnp.int32))
     f = plgpu.kernel(
         body,
         out_type=out_type,
@@ -932,6 +995,8 @@ def _launch(body, out_type, work_items: int, args, interpret, cluster_size: int 
         kernel_name=name,  # how the kernel is named in profiles
     )
     out = f(*args)
+    if queue_slots:
+        out = out[0]
     # A Mosaic-GPU kernel's output carries no varying axes; inside shard_map (check_vma) it varies like its inputs.
     missing = set().union(*map(_varying_axes, args)) - _varying_axes(out)
     return jax.lax.pcast(out, tuple(sorted(missing)), to="varying") if missing else out
@@ -971,7 +1036,8 @@ def gmm_pallas(
     body = functools.partial(_gmm_kernel, config=config, transpose_rhs=transpose_rhs, scaled=bool(scales))
     work = meta.shape[1] * (n // (config.cta_tile_n * config.cluster_size))
     out_type = jax.ShapeDtypeStruct((m, n), out_dtype)
-    return _launch(body, out_type, work, (meta, count, lhs, rhs, *scales), interpret, config.cluster_size)
+    return _launch(body, out_type, work, (meta, count, lhs, rhs, *scales), interpret, config.cluster_size,
+                   queue_slots=config.schedule == "dynamic")
 
 
 @device.lowered_once(('out_dtype', 'config', 'interpret'))
@@ -1008,7 +1074,8 @@ def _tgmm_launch(lhs, rhs, group_sizes, m: int, a_starts, scales, out_dtype, con
     body = functools.partial(_tgmm_kernel, config=config, aligned=aligned, scaled=bool(scales))
     work = e * (k // config.cta_tile_m) * (n // config.cta_tile_n)
     out_type = jax.ShapeDtypeStruct((e, k, n), out_dtype)
-    return _launch(body, out_type, work, (meta, lhs, rhs, *scales), interpret, name="tgmm")
+    return _launch(body, out_type, work, (meta, lhs, rhs, *scales), interpret, name="tgmm",
+                   queue_slots=config.schedule == "dynamic")
 
 
 def _group_cast_t(t, group_sizes, q, align: int, interpret) -> tuple[jax.Array, jax.Array]:

@@ -153,7 +153,7 @@ def test_auto_runs_the_dynamic_schedule_per_device_of_a_mesh(monkeypatch):
     jax.shard_map(per_device, mesh=mesh, in_specs=P("d"), out_specs=P("d"))(jnp.zeros(len(jax.devices())))
     alone = fm.auto_choice(8192, 8192, 8192, E4M3, E4M3)
     assert alone == fm.AUTO_TABLE[(8192, 8192, 8192)] and alone.schedule == "static"
-    if compat.MGPU_WARP_MAP and len(jax.devices()) > 1:
+    if compat.MGPU_TILE_QUEUE and len(jax.devices()) > 1:
         assert seen == [dataclasses.replace(alone, cluster=None, schedule="dynamic")]
     else:
         assert seen == [alone]
@@ -207,7 +207,7 @@ def test_lowers_for_h200(config):
     """Mosaic-GPU lowering (layout inference, SMEM budget) runs in Python: check it on CPU for the bench's configs,
     with the GPU image's jax (0.11) and with 0.10.2 (the static ring's producer then runs on the whole warpgroup,
     compat.MGPU_WARP_MAP; mixed e4m3 x e5m2 operands need 0.11)."""
-    if config.schedule == "dynamic" and not compat.MGPU_WARP_MAP:
+    if config.schedule == "dynamic" and not compat.MGPU_TILE_QUEUE:
         pytest.skip("the dynamic schedule needs jax >= 0.11 (pallas_cover says so)")
     m = n = k = 8192
     b_dtype = E5M2 if compat.MGPU_MIXED_FP8_WGMMA else E4M3
@@ -265,7 +265,7 @@ def test_gpu_static_ring_without_the_producer_warp(monkeypatch, m, n, k):
 @pytest.mark.parametrize("m,n,k", [(8192, 8192, 8192), (8192, 1024, 4096), (4096, 14336, 8192), (256, 512, 512)])
 @pytest.mark.parametrize("overlap_chunks", [0, 4])
 def test_gpu_dynamic_schedule_equals_the_static_one(m, n, k, overlap_chunks):
-    """The dynamic schedule (tiles handed out by a GMEM counter, fp8_matmul._TileQueue) computes every tile as the
+    """The dynamic schedule (tiles handed out by a GMEM counter, pallas_kernels/tile_queue.py) computes every tile as the
     static one does: bit-identical outputs, and again on a second call (XLA zeroes the counter before each)."""
     a, b, sa, sb = operands(jax.random.key(6), m, n, k)
     static = fm.fit_config(dataclasses.replace(fm.AUTO_DEFAULT, cluster=None, overlap_chunks=overlap_chunks),

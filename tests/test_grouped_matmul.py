@@ -357,6 +357,30 @@ _LOWERING_CASES = {
         ),
         ((24576, 2048), (8, 1408, 2048)),
     ),
+    # the dynamic schedule (tiles from a GMEM counter, pallas_kernels/tile_queue.py), bf16 and fp8 with scales
+    "gmm_bf16_dynamic": (
+        lambda x, w, g: gm.gmm_pallas(x, w, g, config=dataclasses.replace(gm.default_configs(x.dtype)[0],
+                                                                           schedule="dynamic")),
+        ((16384, 4096), (8, 4096, 14336)),
+    ),
+    "gmm_fp8_dynamic": (
+        lambda x, w, g: gm.gmm_pallas(
+            x, w, g, transpose_rhs=True, lhs_scale=jnp.ones(x.shape[:1]), rhs_scale=jnp.ones(w.shape[:2]),
+            config=dataclasses.replace(gm.default_configs(x.dtype)[0], schedule="dynamic"),
+        ),
+        ((16384, 4096), (8, 14336, 4096)),
+    ),
+    "tgmm_bf16_masked_dynamic": (
+        lambda x, d, g: gm.tgmm_pallas(x, d, g, config=dataclasses.replace(gm.default_configs(x.dtype, "tgmm")[1],
+                                                                            schedule="dynamic")),  # f32: 3 stages
+        ((16384, 4096), (16384, 14336)),
+    ),
+    "tgmm_fp8_dynamic": (
+        lambda x, d, g: gm.tgmm_pallas(x, d, g, lhs_scale=jnp.ones((8, 4096)), rhs_scale=jnp.ones((8, 14336)),
+                                       config=dataclasses.replace(gm.default_configs(x.dtype, "tgmm")[1],
+                                                                  schedule="dynamic")),
+        ((16384, 4096), (16384, 14336)),
+    ),
     "gmm_bf16_3_stages": (  # the fallback of the default 4-stage tile (which the cases above take)
         lambda x, w, g: gm.gmm_pallas(x, w, g, config=gm.TileConfig()),
         ((16384, 4096), (8, 4096, 14336)),
@@ -384,6 +408,10 @@ def test_kernels_lower_for_hopper(case):
             with pytest.raises(NotImplementedError, match="transposed cast lowers for the GPU with jax >= 0.11"):
                 jax.jit(fn).trace(*args)
             return
+        if "dynamic" in case and not compat.MGPU_TILE_QUEUE:  # jax 0.10.2: no inline PTX for the queue's atomic
+            with pytest.raises(NotImplementedError, match="MGPU_TILE_QUEUE"):
+                jax.jit(fn).trace(*args)
+            return
         text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
 
@@ -391,6 +419,38 @@ def test_kernels_lower_for_hopper(case):
 # ------------------------------------------------------------------------------------------------------------
 # Cover and argument errors (no kernel runs)
 # ------------------------------------------------------------------------------------------------------------
+def test_grouped_gemms_take_the_dynamic_schedule_per_device_of_a_mesh(monkeypatch):
+    """Inside shard_map over several devices (the MoE layer's expert GEMMs under fsdp or expert parallelism) the
+    collectives run beside the grouped GEMMs, and `gmm` and `tgmm` take their default tiles with the dynamic
+    schedule (jax >= 0.11, a Hopper GPU, not interpreted); alone, the static one. A cluster refuses it."""
+    from jax.sharding import PartitionSpec as P
+    from pallas_kernels import device
+
+    monkeypatch.setattr(device, "on_hopper", lambda: True)
+    x, w = _S((16384, 4096), jnp.bfloat16), _S((8, 4096, 14336), jnp.bfloat16)
+    gmm_cover = gm._gmm_cover_fn(x, w, False, jnp.bfloat16, False)
+    tgmm_cover = gm._tgmm_cover_fn(x, _S((16384, 14336), jnp.bfloat16), jnp.float32, False)
+    seen = []
+
+    def per_device(v):
+        seen.append((gm._pick(gmm_cover, x.dtype, None, "gmm"), gm._pick(tgmm_cover, x.dtype, None, "tgmm")))
+        return v
+
+    mesh = jax.make_mesh((len(jax.devices()),), ("d",), axis_types=(jax.sharding.AxisType.Auto,))
+    jax.shard_map(per_device, mesh=mesh, in_specs=P("d"), out_specs=P("d"))(jnp.zeros(len(jax.devices())))
+    (gmm_mesh, gmm_reason), (tgmm_mesh, tgmm_reason) = seen[0]
+    alone, reason = gm._pick(gmm_cover, x.dtype, None, "gmm")
+    t_alone, t_reason = gm._pick(tgmm_cover, x.dtype, None, "tgmm")
+    assert reason is gmm_reason is t_reason is tgmm_reason is None
+    assert alone.schedule == t_alone.schedule == "static"
+    if compat.MGPU_TILE_QUEUE and len(jax.devices()) > 1:
+        assert gmm_mesh == dataclasses.replace(alone, schedule="dynamic")
+        assert tgmm_mesh == dataclasses.replace(t_alone, schedule="dynamic")
+    else:
+        assert (gmm_mesh, tgmm_mesh) == (alone, t_alone)
+    assert "dynamic schedule" in gmm_cover(dataclasses.replace(alone, schedule="dynamic", cluster="n"))
+
+
 def test_pallas_refuses_uncovered_shapes():
     x, w = _inputs(18, (M - 8, K), (E, K, N))
     with pytest.raises(NotImplementedError, match="multiples of"):
@@ -485,3 +545,44 @@ def test_gpu_tgmm_fp8():
     out, ref = f("pallas"), f("reference")
     assert _worst_row_err(out, ref) < GPU_ROW_TOL
     assert not np.asarray(out[1]).any()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["bf16", "fp8"])
+@pytest.mark.parametrize("sizes", [GPU_SIZES, (2048,) * 8, (0,) * 7 + (100,)], ids=["skewed", "balanced", "small"])
+def test_gpu_gmm_dynamic_schedule_equals_the_static_one(dtype, sizes):
+    """The dynamic schedule (work items from a GMEM counter, pallas_kernels/tile_queue.py) computes every tile as
+    the static stride does, on three calls in a row (XLA zeroes the counter before each), and with fewer work items
+    than CTAs (small: 256 rows, 100 of them in the last group, 2 row tiles x 56 column blocks)."""
+    fp8 = dtype == "fp8"
+    m = GPU_M if sum(sizes) > 256 else 256
+    x, w_t = _inputs(26, (m, GPU_D), (GPU_E, GPU_F, GPU_D), dtype=F8 if fp8 else jnp.bfloat16)
+    xs, ws = _scales(27, (m,), (GPU_E, GPU_F)) if fp8 else (None, None)
+    static = gm.default_configs(x.dtype)[0]
+    dynamic = dataclasses.replace(static, schedule="dynamic")
+    assert gm.gmm_pallas_cover(x.shape, w_t.shape, x.dtype, w_t.dtype, transpose_rhs=True, out_dtype=jnp.bfloat16,
+                               scaled=fp8, config=dynamic) is None
+    f = lambda c: jax.jit(functools.partial(gm.gmm, transpose_rhs=True, lhs_scale=xs, rhs_scale=ws, impl="pallas",
+                                            config=c))
+    want = np.asarray(f(static)(x, w_t, _sizes(sizes)), np.float32)
+    run = f(dynamic)
+    for _ in range(3):
+        np.testing.assert_array_equal(np.asarray(run(x, w_t, _sizes(sizes)), np.float32), want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["bf16", "fp8"])
+def test_gpu_tgmm_dynamic_schedule_equals_the_static_one(dtype):
+    """`tgmm` under the dynamic schedule: bit-identical to the static stride, on three calls in a row, with the
+    skewed sizes (an empty group: its work items store zeros)."""
+    fp8 = dtype == "fp8"
+    x, dy = _inputs(28, (GPU_M, GPU_D), (GPU_M, GPU_F), dtype=F8 if fp8 else jnp.bfloat16)
+    xs, dys = _scales(29, (GPU_E, GPU_D), (GPU_E, GPU_F)) if fp8 else (None, None)
+    static, reason = gm._pick(gm._tgmm_cover_fn(x, dy, jnp.float32, fp8), x.dtype, None, "tgmm")
+    assert reason is None and static.schedule == "static"
+    dynamic = dataclasses.replace(static, schedule="dynamic")
+    f = lambda c: jax.jit(functools.partial(gm.tgmm, lhs_scale=xs, rhs_scale=dys, impl="pallas", config=c))
+    want = np.asarray(f(static)(x, dy, _sizes(GPU_SIZES)), np.float32)
+    run = f(dynamic)
+    for _ in range(3):
+        np.testing.assert_array_equal(np.asarray(run(x, dy, _sizes(GPU_SIZES)), np.float32), want)

@@ -403,3 +403,9 @@ def test_gemm_beside_collective_builds_its_three_programs(capsys):
     bench.main(["--small"])
     out = capsys.readouterr().out.splitlines()
     assert out[1].startswith("| variant |") and out[3].startswith("| cuBLASLt (xla) |"), out
+    # --grouped: the MoE grouped GEMM (XLA's ragged_dot on CPU), bf16 and fp8 with scales
+    for dtype in ("bf16", "fp8"):
+        bench.main(["--small", "--grouped", "--dtype", dtype])
+        out = capsys.readouterr().out.splitlines()
+        assert f"grouped {'bfloat16' if dtype == 'bf16' else 'float8_e4m3fn'} GEMMs" in out[0], out
+        assert out[3].startswith("| ragged_dot (xla) |"), out
