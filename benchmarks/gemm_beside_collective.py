@@ -57,11 +57,12 @@ def variants(small: bool, grouped: bool = False, dtype=jnp.float8_e4m3fn) -> dic
 
 def program(kind: str, config, mesh, m: int, n: int, rs_rows: int, rs_cols: int, gemms: int, grouped: bool = False):
     def gemm(a, b, sa, sb, i):
-        if grouped:  # b: (gemms * E, N, K); sa (M,) and sb (E, N) only for fp8
+        if grouped:  # b (gemms * E, N, K); the scales (M,) and (E * N,) apply to fp8 only
             sizes = jnp.full((GROUPS,), m // GROUPS, jnp.int32)
             scales = dict(lhs_scale=sa, rhs_scale=sb.reshape(GROUPS, n)) if a.dtype == jnp.float8_e4m3fn else {}
-            return gm.gmm(a, b[i * GROUPS:(i + 1) * GROUPS], sizes, transpose_rhs=True, impl="xla"
-                          if config is None else "pallas", config=config, **scales)
+            impl = "xla" if config is None else "pallas"
+            return gm.gmm(a, b[i * GROUPS:(i + 1) * GROUPS], sizes, transpose_rhs=True, impl=impl, config=config,
+                          **scales)
         if config is None:
             return fp8mm.fp8_matmul(a, b[i * n:(i + 1) * n], sa, sb, impl="xla")
         return fp8mm.fp8_matmul(a, b[i * n:(i + 1) * n], sa, sb, impl="pallas", config=config)

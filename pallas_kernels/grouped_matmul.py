@@ -576,6 +576,12 @@ def _apply_scales(acc, scales, wg):
     return acc * lax.broadcast_in_dim(col, acc.shape, [1])
 
 
+def _queue_slots(refs: tuple, dynamic: bool) -> tuple[tuple, object]:
+    """(the kernel's other refs, the dynamic schedule's GMEM slots or None): the slots are the last output, a
+    (grid, 2) int32 scratch (`_launch(queue_slots=True)`, tile_queue module doc)."""
+    return (refs[:-1], refs[-1]) if dynamic else (refs, None)
+
+
 def _for_each_item(tile, loop_size: int, live, wg, slots_gmem, queue_refs) -> None:
     """Run `tile(lin)` on every work item of this CTA. Static schedule (no `queue_refs`): every grid-th index of
     range(loop_size), the persistent loop's stride (`tile` skips indices >= live itself). Dynamic schedule: the live
@@ -606,9 +612,7 @@ def _gmm_kernel(
     walk N-bands with `_walk` instead. With the dynamic schedule the last ref is the queue's (grid, 2) GMEM slots."""
     c = config
     dynamic = c.schedule == "dynamic"
-    slots_gmem = None
-    if dynamic:  # the tile queue's GMEM slots, (grid, 2) int32: a scratch output (tile_queue module doc)
-        *refs, slots_gmem = refs
+    refs, slots_gmem = _queue_slots(refs, dynamic)
     if scaled:
         lhs_scale_gmem, rhs_scale_gmem, out_gmem = refs
     else:
@@ -757,9 +761,7 @@ def _tgmm_kernel(meta_gmem, lhs_gmem, rhs_gmem, *refs, config: TileConfig, align
     With the dynamic schedule the last ref is the tile queue's (grid, 2) GMEM slots."""
     c = config
     dynamic = c.schedule == "dynamic"
-    slots_gmem = None
-    if dynamic:  # the tile queue's GMEM slots, (grid, 2) int32: a scratch output (tile_queue module doc)
-        *refs, slots_gmem = refs
+    refs, slots_gmem = _queue_slots(refs, dynamic)
     if scaled:
         lhs_scale_gmem, rhs_scale_gmem, out_gmem = refs
     else:
