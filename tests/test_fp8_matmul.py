@@ -265,8 +265,8 @@ def test_gpu_static_ring_without_the_producer_warp(monkeypatch, m, n, k):
 @pytest.mark.parametrize("m,n,k", [(8192, 8192, 8192), (8192, 1024, 4096), (4096, 14336, 8192), (256, 512, 512)])
 @pytest.mark.parametrize("overlap_chunks", [0, 4])
 def test_gpu_dynamic_schedule_equals_the_static_one(m, n, k, overlap_chunks):
-    """The dynamic schedule (tiles handed out by a GMEM counter, pallas_kernels/tile_queue.py) computes every tile as the
-    static one does: bit-identical outputs, and again on a second call (XLA zeroes the counter before each)."""
+    """The dynamic schedule (tiles handed out by a GMEM counter, pallas_kernels/tile_queue.py) computes every tile as
+    the static one does: bit-identical outputs, and again on a second call (XLA zeroes the counter before each)."""
     a, b, sa, sb = operands(jax.random.key(6), m, n, k)
     static = fm.fit_config(dataclasses.replace(fm.AUTO_DEFAULT, cluster=None, overlap_chunks=overlap_chunks),
                            jnp.bfloat16)
