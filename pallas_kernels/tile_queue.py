@@ -19,8 +19,8 @@ the producer: Mosaic GPU lowers neither the while loop nor the scalar SMEM read 
 no cluster: its two CTAs would have to agree on each tile. The atomic is inline PTX (`mgpu.utils.inline_ptx`, jax
 >= 0.11; compat.MGPU_TILE_QUEUE).
 
-Used by pallas_kernels/fp8_matmul.py (`TileConfig.schedule`) and the grouped GEMM's `gmm`
-(pallas_kernels/grouped_matmul.py)."""
+Used by pallas_kernels/fp8_matmul.py (`TileConfig.schedule`, SMEM slots) and the grouped GEMMs' `gmm` and `tgmm`
+(pallas_kernels/grouped_matmul.py, GMEM slots)."""
 
 from __future__ import annotations
 
@@ -68,7 +68,7 @@ class TileQueue:
     def put_next(self, i):
         """Producer: `publish(i)`, then the tile (its own warpgroup's write, which it may read at once)."""
         self.publish(i)
-        return self.slots[lax.rem(i - 1, 2)]
+        return self.take(i, consumer=False)
 
     def take(self, i, consumer=True):
         """The CTA's `i`-th tile (i >= 1). A compute warpgroup (`consumer`, may be traced) waits until the producer
