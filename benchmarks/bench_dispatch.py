@@ -14,10 +14,13 @@ Paths (each timed as --loop round trips inside one jit, divided by --loop; media
                        into the peers' outputs over NVLink; its last column says whether one exchange is bit-exact
                        against lax.all_to_all (and the round trip returns the input)
   dense exchange       mx_jax.dispatch.exchange "dense": rows packed per peer into a buffer bounded at
-                       1.25 x rows/P (the capacity-factor path), moved with lax.all_to_all
+                       1.25 x rows/P (the capacity-factor path), moved by the NVLink kernel where it applies (only
+                       the rows each peer is sent), else lax.all_to_all
   ragged exchange      mx_jax.dispatch.exchange "ragged": lax.ragged_all_to_all, exact sizes, worst-case buffer
 Then the full dispatch_combine (flat vs hierarchical, P GPUs read as 2 nodes x P/2) for a top-k routing with an
-identity expert, its cross-node/intra-node rows, and a check that the ragged and dense exchanges agree.
+identity expert, its cross-node/intra-node rows, and a check that every path returns x. Its exchanges: "dense"
+(the NVLink kernel on the flat path's whole axis, sent rows only), "dense-xla" (the same worst-case buffers, every
+row moved by lax.all_to_all: the best non-custom path) and "ragged".
 """
 
 from __future__ import annotations
@@ -190,11 +193,16 @@ def dispatch_paths(mesh, n_dev: int, tokens: int, hidden: int, n_experts: int, t
     g = jax.device_put(g, NamedSharding(mesh, spec))
     experts = IdentityExperts(n_experts // n_dev)
     out = {}
+    # (exchange, all_to_all impl): "dense" on the whole axis runs the NVLink kernel where it applies, which moves
+    # only the rows each peer sent; "dense-xla" moves the same padded buffers, all of them, with lax.all_to_all.
+    exchanges = [("dense", "auto"), ("dense-xla", "xla"), ("ragged", "auto")] if jax.default_backend() == "gpu" \
+        else [("dense", "auto")]
     for method in ("flat", "hierarchical"):
-        for how in (["dense", "ragged"] if jax.default_backend() == "gpu" else ["dense"]):
+        for how, impl in exchanges:
             def f(x, idx, g):
                 y, t = dispatch.dispatch_combine(x, idx, g, jnp.ones(idx.shape, bool), experts, axis="expert",
-                                                 method=method, gpus_per_node=max(1, n_dev // 2), exchange_method=how)
+                                                 method=method, gpus_per_node=max(1, n_dev // 2),
+                                                 exchange_method=how.split("-")[0], a2a_impl=impl)
                 return y, {k: jax.lax.psum(v, "expert") for k, v in t.items()}
 
             fn = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(spec,) * 3, out_specs=(spec, P()), check_vma=False))
@@ -254,9 +262,9 @@ def main() -> None:
         print(f"{mb:>7}  {name:<18}{ms:>9.3f}{bw:>12.1f}  {note}")
     print(f"\ndispatch_combine, {args.tokens} tokens/GPU, top-{args.top_k} of {args.experts} experts, "
           f"{n_dev} GPUs as 2 nodes x {max(1, n_dev // 2)}, identity experts")
-    print(f"{'method':<14}{'exchange':<9}{'ms':>9}{'cross-node rows':>17}{'intra-node rows':>17}")
+    print(f"{'method':<14}{'exchange':<11}{'ms':>9}{'cross-node rows':>17}{'intra-node rows':>17}")
     for (method, how), (sec, cross, intra) in d.items():
-        print(f"{method:<14}{how:<9}{1e3 * sec:>9.3f}{cross:>17,}{intra:>17,}")
+        print(f"{method:<14}{how:<11}{1e3 * sec:>9.3f}{cross:>17,}{intra:>17,}")
 
 
 if __name__ == "__main__":

@@ -19,12 +19,17 @@ Hierarchical (two stages, as DeepEP's normal kernels):
 
 Exchanges move rows to peers inside a group of the expert axis (all of it, a rail, or a node):
     "dense"  each peer's chunk is padded to the same worst-case bound (`peer_bound`: min(k, E_l) rows per token,
-             or the capacity's); the hidden states move in one all-to-all
-             and the per-row metadata (expert ids, weights, validity) packed in 32-bit words in a second
-             (`moved_together`). Over the whole axis the all-to-all is pallas_kernels.all_to_all, an NVLink
-             Mosaic-GPU kernel, where it applies, else lax.all_to_all. Chosen on CPU (XLA has no ragged all-to-all
-             there) and for groups of up to 8 GPUs, where it measured 4x faster than the ragged one on 4 x H200
-             despite moving P x the bytes (then counting k rows per token; now min(k, E_l)).
+             or the capacity's); the per-row metadata (expert ids, weights, validity) move packed in 32-bit words
+             in one all-to-all (`moved_together`), then the hidden states in a second. Over the whole axis the
+             all-to-all is pallas_kernels.all_to_all, an NVLink Mosaic-GPU kernel, where it applies, else
+             lax.all_to_all. The kernel is given each chunk's row count (sent: the rows packed for that peer;
+             received: the validity mask's count), so it copies only the rows that hold data and the padding
+             arrives as zeros, as lax.all_to_all would move it; the combine's way back likewise. Chosen on CPU (XLA
+             has no ragged all-to-all there) and for groups of up to 8 GPUs, where it measured 4x faster than the
+             ragged one on 4 x H200 while it still moved P x the bytes. Sending only the rows took the flat
+             dispatch+combine of 4,096 tokens per GPU from 2.78 to 1.86 ms (Mixtral's top-2 of 8) and from 4.05 to
+             2.39 ms (DeepSeekMoE's top-6 of 64) on 4 x H200, and the 2-layer Mixtral fp8 step at expert=4 from
+             198,600 to 208,000 tokens/s (benchmarks/RESULTS.md, session 44).
     "ragged" jax.lax.ragged_all_to_all moves only real rows; the receive buffer holds the same worst case from
              every peer, so nothing is ever dropped. Chosen for larger groups on GPU.
 Both have the same semantics; tests/test_moe.py checks flat == hierarchical == single device (outputs, gradients).
@@ -316,11 +321,16 @@ def moved_together(bufs: dict[str, jax.Array], a2a: Callable[[jax.Array], jax.Ar
     hidden states) each on their own, all the small per-row metadata (expert ids, weights, the validity mask)
     packed side by side in 32-bit words into one. Each exchange is a launch and a synchronisation of every GPU of
     the axis; packing the hidden states too would cost a copy of them. Differentiable in the floating arrays."""
-    row_bytes = {k: math.prod(v.shape[2:]) * v.dtype.itemsize for k, v in bufs.items()}
-    wide = {k for k, v in bufs.items() if jnp.issubdtype(v.dtype, jnp.floating) and row_bytes[k] >= _OWN_EXCHANGE_BYTES}
+    wide = _wide(bufs)
     out = {k: a2a(bufs[k]) for k in wide}
     small = {k: v for k, v in bufs.items() if k not in wide}
     return out | (_moved_packed(small, a2a) if small else {})
+
+
+def _wide(bufs: dict[str, jax.Array]) -> set[str]:
+    """The payloads that move in an exchange of their own (`moved_together`): floating, rows >= 256 bytes."""
+    row_bytes = {k: math.prod(v.shape[2:]) * v.dtype.itemsize for k, v in bufs.items()}
+    return {k for k, v in bufs.items() if jnp.issubdtype(v.dtype, jnp.floating) and row_bytes[k] >= _OWN_EXCHANGE_BYTES}
 
 
 def exchange(payload: dict[str, jax.Array], dest: jax.Array, group: Group, method: str, bound: int | None = None,
@@ -343,9 +353,10 @@ def exchange(payload: dict[str, jax.Array], dest: jax.Array, group: Group, metho
     sent = dest_s < n
     sorted_payload = {k: v[order] for k, v in payload.items()}
 
-    def a2a(x, split_axis=0, concat_axis=0, tiled=False):
+    def a2a(x, split_axis=0, concat_axis=0, tiled=False, rows=None):
         if group.groups is None and not tiled:  # the whole axis: the NVLink kernel where it applies
-            return all_to_all(x, group.axis, impl=a2a_impl)
+            return all_to_all(x, group.axis, rows=rows, impl=a2a_impl)
+        # (rows past `rows` are zeros in every buffer given here, so moving them all gives the same result)
         return jax.lax.all_to_all(x, group.axis, split_axis, concat_axis, tiled=tiled,
                                   axis_index_groups=group.groups)
 
@@ -355,12 +366,17 @@ def exchange(payload: dict[str, jax.Array], dest: jax.Array, group: Group, metho
             return buf.at[dest_s, pos].set(v, mode="drop")  # unsent rows (dest_s == n) fall outside and drop
 
         bufs = {k: pack(v, 0) for k, v in sorted_payload.items()} | {_VALID: pack(sent, False)}
-        moved = moved_together(bufs, a2a)
+        # The small payloads and the validity mask first, packed; the mask gives the rows each peer sent, so the
+        # hidden states then move only their sent rows (`all_to_all` rows=: the rest arrive as zeros, as packed).
+        wide = _wide(bufs)
+        moved = _moved_packed({k: v for k, v in bufs.items() if k not in wide}, a2a)
+        counts = (sizes, jnp.sum(moved[_VALID], axis=1, dtype=jnp.int32))  # (sent to, received from) each peer
+        moved |= {k: a2a(bufs[k], rows=counts) for k in wide}
         recv = {k: moved[k].reshape((n * a,) + v.shape[1:]) for k, v in sorted_payload.items()}
         valid = moved[_VALID].reshape(n * a)
 
-        def back(out):
-            ret = a2a(out.reshape((n, a) + out.shape[1:]))
+        def back(out):  # a row returns only where one arrived (the rest of `out` is zero: padding and dropped rows)
+            ret = a2a(out.reshape((n, a) + out.shape[1:]), rows=counts[::-1])
             rows = ret.at[dest_s, pos].get(mode="fill", fill_value=0)
             return jnp.zeros_like(rows).at[order].set(rows, unique_indices=True)
 
@@ -396,7 +412,8 @@ def exchange(payload: dict[str, jax.Array], dest: jax.Array, group: Group, metho
 
 # Measured on 4 x H200 (NVLink), 64 MB per GPU, dispatch+combine bus bandwidth: padded all_to_all ("dense") 49.7
 # GB/s, ragged_all_to_all 12.0 GB/s even with XLA's decomposer (benchmarks/RESULTS.md). Padding to the worst case
-# costs P x the bytes, so the dense exchange wins inside a node and the ragged one is kept for large groups.
+# costs P x the bytes where lax.all_to_all moves it (the NVLink kernel sends only the rows that hold data), so the
+# dense exchange wins inside a node and the ragged one is kept for large groups.
 DENSE_MAX_PEERS = 8
 
 

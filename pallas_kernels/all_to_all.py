@@ -9,11 +9,25 @@ and lands at row block d of p's output:
 The permutation is its own transpose, so the VJP of the exchange is the same exchange of the cotangent, and two
 exchanges in a row are the identity.
 
+Partly filled chunks (`rows` = (sent, received)): when only the first s_d[p] rows (axis 1) of x_d[p] hold data, as
+in the MoE dispatch, whose receive buffers are sized for the worst routing,
+
+    y_p[d][r] = x_d[p][r]  for r < s_d[p],   0 for r >= s_d[p]
+
+Device p knows s_d[p] as its received[d]. The kernel copies only those rows and the output is masked with
+`received` afterwards (an elementwise select, for XLA to fuse into the consumer); lax.all_to_all moves everything
+and is masked the same way, so both impls give the same result. The transpose is the same exchange of the cotangent
+with sent and received swapped.
+
 Data movement (per device; the whole chunk x_d[p] is contiguous, N = C * prod(x.shape[2:]) elements):
-- The (P, N) view is cut into P * ceil(N / T) work items (peer offset k = item % P, tile t = item // P) of T
-  elements each. Item (k, t) copies x_d[q, off : off + T] into y_q[d, off : off + T] on device q = (d + k) % P,
-  off = min(t * T, N - T): the last tile of a chunk overlaps its neighbour instead of being shorter, so every copy
-  has the same static size; the overlap writes the same bytes twice with the same values.
+- Chunk q's first M_q elements travel: M_q = N, or with `rows` the rows to send times the row's elements, rounded
+  up to 16 bytes (at most N). The (P, N) view is cut into P * ceil(max_q M_q / T) work items (peer offset
+  k = item % P, tile t = item // P) of T elements each. Item (k, t) copies x_d[q, off : off + T] into
+  y_q[d, off : off + T] on device q = (d + k) % P, off = max(0, min(t * T, M_q - T)), when t * T < M_q, and does
+  nothing otherwise: the last tile of a chunk overlaps its neighbour instead of being shorter, so every copy has the
+  same static size; the overlap writes the same bytes twice with the same values (or, past M_q, rows nobody reads).
+  An item that copies nothing still takes its turn in the ring: it waits for every store to have read its slot
+  before the next load reuses it.
 - G CTAs (a persistent grid, default one per SM) take items c, c + G, c + 2G, ...; k varies fastest, so at any
   moment a device sends to, and receives from, all peers about equally.
 - Per CTA a ring of `depth` SMEM slots of T elements: bulk copy (TMA, `cp.async.bulk`, 1-D contiguous) local gmem
@@ -26,8 +40,8 @@ Data movement (per device; the whole chunk x_d[p] is contiguous, N = C * prod(x.
   counted (P - 1) * G signals (`ld.relaxed.sys` poll + `fence.acquire.sys`) before the kernel may end, so no device
   returns before every incoming write has landed. Local self-copies are covered by each CTA's own final wait.
 - Bytes per device: reads P * N * s from local HBM (s = itemsize), sends (P - 1) * N * s over NVLink, writes N * s
-  locally, receives (P - 1) * N * s; the overlapping last tiles add at most P * T * s. Bus bandwidth in the
-  nccl-tests convention: busbw = P * N * s * (P - 1) / P / t.
+  locally, receives (P - 1) * N * s; the overlapping last tiles add at most P * T * s. With `rows`, M_q replaces N
+  for each chunk. Bus bandwidth in the nccl-tests convention: busbw = P * N * s * (P - 1) / P / t.
 
 Synchronisation that XLA provides (read in jax 0.11.2 and the jax-cuda13-pjrt 0.11.2 plugin, not guessed):
 - A kernel that uses `plgpu.remote_ref` / a remote `semaphore_signal` without NVSHMEM is marked
@@ -129,47 +143,77 @@ def all_to_all_reference(x: jax.Array, axis_name: str) -> jax.Array:
 # --------------------------------------------------------------------------------------------------------------
 # Kernel
 # --------------------------------------------------------------------------------------------------------------
-def _work_item(item, dev, *, n_peers: int, tile: int, n: int):
-    """Work item -> (destination device, element offset in the chunk). Nonnegative ints only (lax.div/rem
-    truncate), written with lax ops so that the same code runs in the kernel and, on arrays, in the tests."""
+def _work_item(item, dev, sent, *, n_peers: int, tile: int):
+    """Work item -> (destination device, element offset in the chunk, whether it copies). `sent(q)` is how many
+    leading elements of chunk q travel (`_sent_elements`); item (k, t) copies only while t * T < sent(q).
+    Nonnegative ints only (lax.div/rem truncate), written with lax ops so that the same code runs in the kernel and,
+    on arrays, in the tests."""
     target = lax.rem(dev + lax.rem(item, n_peers), n_peers)
-    off = lax.min(lax.div(item, n_peers) * tile, n - tile)
-    return target, off
+    t = lax.div(item, n_peers)
+    m = sent(target)
+    off = lax.max(lax.min(t * tile, m - tile), 0)
+    return target, off, t * tile < m
 
 
-def _items_of_cta(cta, *, n_items: int, n_ctas: int):
+def _items_of_cta(cta, *, n_items, n_ctas: int):
     """How many of the items cta, cta + G, cta + 2G, ... exist."""
     return lax.div(n_items - cta + n_ctas - 1, n_ctas)
 
 
-def _kernel(x_ref, o_ref, ring, loaded, *, axis_name: str, n_peers: int, tile: int, n: int, n_ctas: int, depth: int):
-    """x_ref, o_ref: (P, N) in GMEM; ring: (depth, T) SMEM; loaded: depth TMA barriers."""
+def _sent_elements(rows, *, row: int, n: int, unit: int):
+    """Elements of a chunk that travel when its first `rows` rows (of `row` elements) hold data: rounded up to the
+    bulk-copy unit (16 bytes), at most the chunk's n."""
+    return lax.min(lax.div(rows * row + unit - 1, unit) * unit, n)
+
+
+def _kernel(x_ref, rows_ref, o_ref, ring, loaded, *, axis_name: str, n_peers: int, tile: int, n: int, row: int,
+            unit: int, n_ctas: int, depth: int):
+    """x_ref, o_ref: (P, N) in GMEM; rows_ref: (P,) int32 rows to send per chunk; ring: (depth, T) SMEM;
+    loaded: depth TMA barriers."""
     arrived = pl.get_global(plgpu.SemaphoreType.REGULAR)  # zero-filled by XLA before every call
     dev = lax.axis_index(axis_name)
     cta = lax.axis_index("cta")
-    n_items = n_peers * pl.cdiv(n, tile)
+
+    # Every chunk's length, read from GMEM once (a load per work item sat on the path that issues the copies)
+    lengths = [_sent_elements(rows_ref[q], row=row, n=n, unit=unit) for q in range(n_peers)]
+
+    def sent(q):
+        return functools.reduce(lambda m, p: lax.select(q == p, lengths[p], m), range(1, n_peers), lengths[0])
+
+    n_items = n_peers * lax.div(functools.reduce(lax.max, lengths) + tile - 1, tile)
     mine = _items_of_cta(cta, n_items=n_items, n_ctas=n_ctas)
-    locate = functools.partial(_work_item, dev=dev, n_peers=n_peers, tile=tile, n=n)
+    locate = functools.partial(_work_item, dev=dev, sent=sent, n_peers=n_peers, tile=tile)
 
     def load(step):
         slot = lax.rem(step, depth)
-        target, off = locate(cta + step * n_ctas)
-        plgpu.copy_gmem_to_smem(
-            x_ref.at[target, pl.ds(off, tile)], ring.at[slot], loaded.at[slot],
-            oob_mode=plgpu.OOBFillMode.PROMISE_IN_BOUNDS,  # in bounds by construction; selects the 1-D bulk copy
-        )
+        target, off, live = locate(cta + step * n_ctas)
+
+        @pl.when(live)
+        def _():
+            plgpu.copy_gmem_to_smem(
+                x_ref.at[target, pl.ds(off, tile)], ring.at[slot], loaded.at[slot],
+                oob_mode=plgpu.OOBFillMode.PROMISE_IN_BOUNDS,  # in bounds by construction; selects the 1-D bulk copy
+            )
 
     for step in range(depth - 1):
         pl.when(step < mine)(functools.partial(load, step))
 
     def body(step, carry):
         slot = lax.rem(step, depth)
-        plgpu.barrier_wait(loaded.at[slot])
-        target, off = locate(cta + step * n_ctas)
-        peer_out = plgpu.remote_ref(o_ref, target, device_id_type=pl.DeviceIdType.LOGICAL)
-        plgpu.copy_smem_to_gmem(ring.at[slot], peer_out.at[dev, pl.ds(off, tile)])
-        # The store of step - 1 must have read its slot before the load of step + depth - 1 overwrites it.
-        plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+        target, off, live = locate(cta + step * n_ctas)
+
+        @pl.when(live)
+        def _():
+            plgpu.barrier_wait(loaded.at[slot])
+            peer_out = plgpu.remote_ref(o_ref, target, device_id_type=pl.DeviceIdType.LOGICAL)
+            plgpu.copy_smem_to_gmem(ring.at[slot], peer_out.at[dev, pl.ds(off, tile)])
+            # The store of step - 1 must have read its slot before the load of step + depth - 1 overwrites it.
+            plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+
+        @pl.when(~live)  # (an item past its chunk's rows: no load, no store; the next load still needs the slot)
+        def _():
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
         pl.when(step + depth - 1 < mine)(functools.partial(load, step + depth - 1))
         return carry
 
@@ -242,18 +286,23 @@ def _grid(n_peers: int, n: int, itemsize: int, config: A2AConfig) -> tuple[int, 
     return tile, min(config.num_ctas or device.num_sms(None), n_items)
 
 
-def all_to_all_pallas(x: jax.Array, axis_name: str, *, config: A2AConfig = DEFAULT_CONFIG) -> jax.Array:
-    """The kernel on x (P, ...) inside shard_map; no device checks (the dispatcher's job), so it can also be
-    lowered for CUDA on a machine without a GPU."""
+def all_to_all_pallas(x: jax.Array, axis_name: str, *, rows: jax.Array | None = None,
+                      config: A2AConfig = DEFAULT_CONFIG) -> jax.Array:
+    """The kernel on x (P, A, ...) inside shard_map; no device checks (the dispatcher's job), so it can also be
+    lowered for CUDA on a machine without a GPU. `rows` (P,) int32: only the first rows[q] rows of chunk x[q] are
+    sent (None: all A); the output's rows past what each peer sent are left as they are (unwritten)."""
     if (why := _shape_cover(x)) is not None:
         raise NotImplementedError(f"all_to_all (pallas): {why}")
     n_peers = x.shape[0]
     flat = _as_payload(x).reshape(n_peers, -1)  # (P, N): each chunk is contiguous
     n = flat.shape[1]
+    row = math.prod(x.shape[2:])
+    rows = jnp.full((n_peers,), x.shape[1], jnp.int32) if rows is None else jnp.clip(rows, 0, x.shape[1])
     tile, n_ctas = _grid(n_peers, n, flat.dtype.itemsize, config)
     out = plgpu.kernel(
         functools.partial(
-            _kernel, axis_name=axis_name, n_peers=n_peers, tile=tile, n=n, n_ctas=n_ctas, depth=config.depth
+            _kernel, axis_name=axis_name, n_peers=n_peers, tile=tile, n=n, row=row,
+            unit=BULK_ALIGN // flat.dtype.itemsize, n_ctas=n_ctas, depth=config.depth,
         ),
         out_type=jax.ShapeDtypeStruct(flat.shape, flat.dtype),
         scratch_types=[plgpu.SMEM((config.depth, tile), flat.dtype), plgpu.Barrier(num_barriers=config.depth)],
@@ -261,7 +310,7 @@ def all_to_all_pallas(x: jax.Array, axis_name: str, *, config: A2AConfig = DEFAU
         grid_names=("cta",),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         kernel_name="all_to_all",
-    )(flat)
+    )(flat, rows.astype(jnp.int32))
     # A Mosaic-GPU kernel's output carries no varying axes; inside shard_map (check_vma) it varies like x.
     missing = _varying_axes(x) - _varying_axes(out)
     out = lax.pcast(out, tuple(sorted(missing)), to="varying") if missing else out
@@ -277,35 +326,49 @@ def _varying_axes(x) -> set:
 # --------------------------------------------------------------------------------------------------------------
 # Dispatcher
 # --------------------------------------------------------------------------------------------------------------
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
-def _exchange(x: jax.Array, axis_name: str, impl: Impl, config: A2AConfig) -> jax.Array:
-    if impl == "xla":
-        return all_to_all_reference(x, axis_name)
-    why = pallas_cover(x, axis_name)
-    if why is None:
-        return all_to_all_pallas(x, axis_name, config=config)
-    if impl == "pallas":
-        raise NotImplementedError(f"all_to_all (pallas): {why}")
-    return all_to_all_reference(x, axis_name)
+def _zero_past(y: jax.Array, rows: jax.Array) -> jax.Array:
+    """y (P, A, ...) with the rows of chunk d from rows[d] on set to zero."""
+    keep = jnp.arange(y.shape[1])[None, :] < rows[:, None]
+    return jnp.where(keep.reshape(keep.shape + (1,) * (y.ndim - 2)), y, jnp.zeros((), y.dtype))
 
 
-def _exchange_fwd(x, axis_name, impl, config):
-    return _exchange(x, axis_name, impl, config), None
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def _exchange(x: jax.Array, rows, axis_name: str, impl: Impl, config: A2AConfig) -> jax.Array:
+    sent, received = rows if rows is not None else (None, None)
+    if impl == "xla" or (why := pallas_cover(x, axis_name)) is not None:
+        if impl == "pallas":
+            raise NotImplementedError(f"all_to_all (pallas): {why}")
+        y = all_to_all_reference(x, axis_name)
+    else:
+        y = all_to_all_pallas(x, axis_name, rows=sent, config=config)
+    return y if rows is None else _zero_past(y, received)
 
 
-def _exchange_bwd(axis_name, impl, config, _, ct):
-    return (_exchange(ct, axis_name, impl, config),)  # the permutation is its own transpose
+def _exchange_fwd(x, rows, axis_name, impl, config):
+    return _exchange(x, rows, axis_name, impl, config), rows
+
+
+def _exchange_bwd(axis_name, impl, config, rows, ct):
+    back = None if rows is None else rows[::-1]  # the cotangent travels back: each peer returns what it received
+    return _exchange(ct, back, axis_name, impl, config), None  # the permutation (masked) is its own transpose
 
 
 _exchange.defvjp(_exchange_fwd, _exchange_bwd)
 
 
-def all_to_all(x: jax.Array, axis_name: str, *, impl: Impl = "auto", config: A2AConfig = DEFAULT_CONFIG) -> jax.Array:
-    """`lax.all_to_all(x, axis_name, 0, 0)` inside shard_map: x (P, ...) per device, P = the axis size.
+def all_to_all(x: jax.Array, axis_name: str, *, rows: tuple[jax.Array, jax.Array] | None = None,
+               impl: Impl = "auto", config: A2AConfig = DEFAULT_CONFIG) -> jax.Array:
+    """`lax.all_to_all(x, axis_name, 0, 0)` inside shard_map: x (P, A, ...) per device, P = the axis size.
+
+    rows = (sent, received), both (P,) int: only the first sent[q] rows (along axis 1) of chunk x[q] hold data,
+    and received[d] must be what device d's `sent` holds for this device (the rows it sends here). The result's
+    chunk d then holds device d's rows up to received[d] and zeros after them, on every impl, and the kernel copies
+    only those rows (rounded up to 16 bytes): a receive buffer sized for the worst case costs no bandwidth for its
+    padding. None: every row.
 
     impl "pallas": the NVLink kernel (NotImplementedError naming the reason where it cannot run); "xla":
-    lax.all_to_all; "auto": the kernel where it applies, else lax.all_to_all. Differentiable (custom_vjp: the
-    backward is the same exchange of the cotangent).
+    lax.all_to_all; "auto": the kernel where it applies, else lax.all_to_all. Differentiable in x (custom_vjp: the
+    backward is the same exchange of the cotangent, with sent and received swapped).
     """
     if impl not in ("auto", "pallas", "xla"):
         raise ValueError(f"all_to_all: impl must be 'auto', 'pallas' or 'xla', got {impl!r}")
@@ -315,4 +378,11 @@ def all_to_all(x: jax.Array, axis_name: str, *, impl: Impl = "auto", config: A2A
             f"all_to_all: `x` must have shape (P, ...) with P = {size}, the size of axis {axis_name!r}; "
             f"got shape {x.shape} dtype {x.dtype}"
         )
-    return _exchange(x, axis_name, impl, config)
+    if rows is not None:
+        if x.ndim < 2 or len(rows) != 2 or any(jnp.shape(r) != (size,) for r in rows):
+            raise ValueError(
+                f"all_to_all: `rows` must be (sent, received), two arrays of shape ({size},), for x of shape "
+                f"(P, A, ...); got x {x.shape} and rows of shapes {[jnp.shape(r) for r in rows]}"
+            )
+        rows = tuple(jnp.asarray(r, jnp.int32) for r in rows)
+    return _exchange(x, rows, axis_name, impl, config)

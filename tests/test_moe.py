@@ -502,3 +502,58 @@ def test_receive_buffers_hold_the_exact_bound_and_drop_nothing(method, gpus_per_
     np.testing.assert_allclose(np.asarray(y), np.asarray(ref), rtol=1e-5, atol=1e-6)
     if capacity:
         assert not keep.all()  # the capacity dropped rows: the bound is the capacity's, not the routing's
+
+
+@pytest.mark.gpu
+def test_gpu_flat_dispatch_on_the_nvlink_kernel_equals_lax_and_one_device():
+    """One process, every local GPU on the expert axis: the flat dense dispatch through the NVLink kernel, which moves
+    only the rows each peer is sent, gives bit for bit the outputs and gradients of lax.all_to_all moving the whole
+    worst-case buffers, and matches the single-device mixture. Device 0's tokens all choose device 0's experts, so
+    it sends its peers nothing; device 1's choose only other devices' experts."""
+    from jax.sharding import PartitionSpec as P
+
+    from mx_jax import dispatch
+
+    gpus = jax.devices("gpu")
+    if len(gpus) < 2:
+        pytest.skip("needs >= 2 GPUs in this process")
+    n_dev, e_l, n_tok, k, d, f = len(gpus), 2, 256, 2, 512, 256
+    n_experts = n_dev * e_l
+    rng = np.random.default_rng(4)
+    idx = np.stack([rng.choice(n_experts, k, replace=False) for _ in range(n_dev * n_tok)]).astype(np.int32)
+    idx[:n_tok] = [0, 1]  # device 0: its own two experts
+    others = [e for e in range(n_experts) if e // e_l != 1]
+    idx[n_tok:2 * n_tok] = [rng.choice(others, k, replace=False) for _ in range(n_tok)]  # device 1: never its own
+    x = jnp.asarray(rng.standard_normal((n_dev * n_tok, d)), jnp.bfloat16)
+    g = jnp.asarray(rng.uniform(0.2, 0.8, idx.shape), jnp.float32)
+    w = [jnp.asarray(rng.standard_normal(s) * 0.05, jnp.bfloat16) for s in
+         ((n_experts, d, f), (n_experts, d, f), (n_experts, f, d))]
+    mesh = jax.make_mesh((n_dev,), ("expert",), axis_types=(jax.sharding.AxisType.Auto,))
+
+    def run(a2a_impl):
+        def body(x, idx, g, w1, w2, w3):
+            ffn = dispatch.ExpertFFN(w1, w2, w3, "bf16", "pallas")
+            y = dispatch.dispatch_combine(x, idx, g, jnp.ones(idx.shape, bool), ffn, axis="expert", method="flat",
+                                          a2a_impl=a2a_impl)[0]
+            return jnp.sum(y.astype(jnp.float32) ** 2, keepdims=True)[None], y
+
+        tok, wspec = P("expert"), P("expert", None, None)
+        f_ = jax.shard_map(body, mesh=mesh, in_specs=(tok, tok, tok, wspec, wspec, wspec), out_specs=(tok, tok),
+                           check_vma=False)
+
+        def loss(x, g, *w):
+            s, y = f_(x, jnp.asarray(idx), g, *w)
+            return jnp.sum(s), y
+
+        (_, y), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True))(x, g, *w)
+        return np.asarray(y.astype(jnp.float32)), [np.asarray(v.astype(jnp.float32)) for v in grads]
+
+    y_kernel, grads_kernel = run("pallas")
+    y_lax, grads_lax = run("xla")
+    np.testing.assert_array_equal(y_kernel, y_lax)
+    for a, b in zip(grads_kernel, grads_lax):
+        np.testing.assert_array_equal(a, b)
+    ref = dispatch.dispatch_combine(x, jnp.asarray(idx), g, jnp.ones(idx.shape, bool),
+                                    dispatch.ExpertFFN(*w, "bf16", "xla"), axis=None)[0]
+    np.testing.assert_allclose(y_kernel, np.asarray(ref.astype(jnp.float32)), rtol=2e-2, atol=2e-2)
+    assert np.all(np.isfinite(y_kernel)) and np.abs(grads_kernel[0]).sum() > 0
