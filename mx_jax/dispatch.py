@@ -38,8 +38,11 @@ Sorting by expert (`ExpertFFN`) uses gathers only, forward and backward (`take_r
 the inverse permutation): XLA transposes a gather into a scatter-add with atomics on every element. Without expert
 parallelism the rows are gathered straight from the n tokens (each read k times) instead of from a repeated copy.
 On an H200 that took the Mixtral layer's fwd+bwd from 30.9 to 29.9 ms and DeepSeekMoE's from 5.65 to 5.05 ms (bf16).
-The exception is one row per assignment without padding (expert parallelism in bf16): there XLA's GPU compiler
-segfaulted on the gathers-only form (jax 0.11.2, 4 x H200), so that case sorts by a gather and unsorts by a scatter.
+Expert parallelism in bf16 (one row per assignment, no padding) once sorted by a gather and unsorted by a scatter,
+written when the gathers-only form segfaulted XLA's GPU compiler; the cause was an empty concatenation (see
+`ExpertFFN.__call__`). On the worst-case receive buffers that form spent 15.5 ms a step in scatter/gather kernels
+at DeepSeekMoE's shape, gathers only 11.4: they took the 4-layer DeepSeekMoE step at expert=4 (its experts bf16)
+from 193,100 to 208,000 tokens/s and the bf16 Mixtral step at expert=4 from 178,900 to 184,800 (4 x H200, session 44).
 Under fp8_rowwise every expert's rows are padded with zero rows to a multiple of 64, so that the grad-weight casts
 read them in place (`ExpertFFN.align`).
 
@@ -165,8 +168,7 @@ class ExpertFFN:
         (padding, dropped). rows (S, D), local_expert (S fan_out,) in [0, E_l] -> (S fan_out, D).
 
         The rows are sorted by expert with gathers only (`take_rows`): in by source row, out by sorted position,
-        and the backward likewise, so no (S fan_out, D) copy of the repeated rows and no scatter is ever made
-        (except fan_out 1 without padding: `_by_scatter`).
+        and the backward likewise, so no (S fan_out, D) copy of the repeated rows and no scatter is ever made.
         With `align` > 1 each expert's rows are padded with zero rows to a multiple of it (at most align - 1 per
         expert), so that the fp8 grad-weight casts read every expert's rows in place (`grouped_linear`'s
         group_align); the padding rows compute zeros and get no gradient."""
@@ -174,8 +176,6 @@ class ExpertFFN:
         s, r = rows.shape[0], local_expert.shape[0]
         if r != s * fan_out:
             raise ValueError(f"ExpertFFN: {r} expert ids for {s} rows x fan_out {fan_out}")
-        if fan_out == 1 and a == 1:
-            return self._by_scatter(rows, local_expert)
         r_pad = r + e * (a - 1)  # room for every expert's padding rows
         r_pad += -r_pad % ROW_MULTIPLE  # the grouped-GEMM kernels tile rows by up to 256; the tail outputs zero
         counts = jnp.bincount(local_expert, length=e + 1)[:e].astype(jnp.int32)
@@ -222,23 +222,6 @@ class ExpertFFN:
         backward. Named without its barrier, the scanned steps ran 2.5-2.8% slower than unnamed instead of faster
         (not profiled; for the dense gate|up GEMM the profile showed the GEMM running twice)."""
         return tuple(saved_output(ys, self.scanned)) if self.name_outputs else ys
-
-    def _by_scatter(self, rows: jax.Array, local_expert: jax.Array) -> jax.Array:
-        """`__call__` for fan_out 1 without padding (the expert-parallel path in bf16): sorted by a gather, put back
-        by a scatter, whose transposes XLA derives (a scatter-add and a gather). Written when the gathers-only form
-        segfaulted jax 0.11.2's compiler on the bf16 Mixtral model with mesh.expert=4 (4 x H200, 2026-11-22). The
-        cause was the empty tail concatenated to the sort keys (Shardy, see `__call__`); without it the gathers-only
-        form compiles and the two measured the same (2 x H200, mesh.expert=2: 87.8 / 90.0 against 89.4 / 89.3 ms
-        per step, RESULTS.md, session 34)."""
-        e, r = self.n_local, rows.shape[0]
-        pad = -r % ROW_MULTIPLE
-        if pad:
-            rows = jnp.concatenate([rows, jnp.zeros((pad, rows.shape[1]), rows.dtype)])
-            local_expert = jnp.concatenate([local_expert, jnp.full((pad,), e, local_expert.dtype)])
-        order = jnp.argsort(local_expert, stable=True)  # padding (id E_l) sorts last
-        sizes = jnp.bincount(local_expert, length=e + 1)[:e].astype(jnp.int32)
-        ys = self._swiglu(rows[order], sizes)
-        return jnp.zeros_like(ys).at[order].set(ys, unique_indices=True)[:r]
 
 
 # ---------------------------------------------------------------------------------------------------------------
