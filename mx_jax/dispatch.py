@@ -299,21 +299,24 @@ def _moved_packed(bufs: dict[str, jax.Array], a2a) -> dict[str, jax.Array]:
     return move(bufs)
 
 
-def moved_together(bufs: dict[str, jax.Array], a2a: Callable[[jax.Array], jax.Array]) -> dict[str, jax.Array]:
-    """a2a applied to every (P, A, ...) array of `bufs` in at most two exchanges: the wide floating payloads (the
-    hidden states) each on their own, all the small per-row metadata (expert ids, weights, the validity mask)
-    packed side by side in 32-bit words into one. Each exchange is a launch and a synchronisation of every GPU of
-    the axis; packing the hidden states too would cost a copy of them. Differentiable in the floating arrays."""
-    wide = _wide(bufs)
-    out = {k: a2a(bufs[k]) for k in wide}
-    small = {k: v for k, v in bufs.items() if k not in wide}
-    return out | (_moved_packed(small, a2a) if small else {})
+def moved_together(bufs: dict[str, jax.Array], a2a: Callable[..., jax.Array], sent: jax.Array | None = None
+                   ) -> tuple[dict[str, jax.Array], tuple[jax.Array, jax.Array] | None]:
+    """a2a applied to every (P, A, ...) array of `bufs` in at most two exchanges: all the small per-row metadata
+    (expert ids, weights, the validity mask) packed side by side in 32-bit words into one, then the wide floating
+    payloads (the hidden states) each on their own. Each exchange is a launch and a synchronisation of every GPU of
+    the axis; packing the hidden states too would cost a copy of them. Differentiable in the floating arrays.
 
-
-def _wide(bufs: dict[str, jax.Array]) -> set[str]:
-    """The payloads that move in an exchange of their own (`moved_together`): floating, rows >= 256 bytes."""
+    `sent` (P,) int32: the rows of each chunk that hold data (a prefix, as `exchange` packs them), with the validity
+    mask in bufs[_VALID]. The mask's count per chunk is then what each peer sent here, and the wide payloads move
+    only those rows (a2a(x, rows=(sent, received))). Returns the moved arrays and (sent, received), or None."""
     row_bytes = {k: math.prod(v.shape[2:]) * v.dtype.itemsize for k, v in bufs.items()}
-    return {k for k, v in bufs.items() if jnp.issubdtype(v.dtype, jnp.floating) and row_bytes[k] >= _OWN_EXCHANGE_BYTES}
+    wide = {k for k, v in bufs.items() if jnp.issubdtype(v.dtype, jnp.floating) and row_bytes[k] >= _OWN_EXCHANGE_BYTES}
+    small = {k: v for k, v in bufs.items() if k not in wide}
+    out = _moved_packed(small, a2a) if small else {}
+    if sent is None:
+        return out | {k: a2a(bufs[k]) for k in wide}, None
+    counts = (sent, jnp.sum(out[_VALID], axis=1, dtype=jnp.int32))
+    return out | {k: a2a(bufs[k], rows=counts) for k in wide}, counts
 
 
 def exchange(payload: dict[str, jax.Array], dest: jax.Array, group: Group, method: str, bound: int | None = None,
@@ -349,12 +352,8 @@ def exchange(payload: dict[str, jax.Array], dest: jax.Array, group: Group, metho
             return buf.at[dest_s, pos].set(v, mode="drop")  # unsent rows (dest_s == n) fall outside and drop
 
         bufs = {k: pack(v, 0) for k, v in sorted_payload.items()} | {_VALID: pack(sent, False)}
-        # The small payloads and the validity mask first, packed; the mask gives the rows each peer sent, so the
-        # hidden states then move only their sent rows (`all_to_all` rows=: the rest arrive as zeros, as packed).
-        wide = _wide(bufs)
-        moved = _moved_packed({k: v for k, v in bufs.items() if k not in wide}, a2a)
-        counts = (sizes, jnp.sum(moved[_VALID], axis=1, dtype=jnp.int32))  # (sent to, received from) each peer
-        moved |= {k: a2a(bufs[k], rows=counts) for k in wide}
+        # the hidden states move only the rows each peer is sent (the rest arrive as zeros, as packed)
+        moved, counts = moved_together(bufs, a2a, sent=sizes)  # counts: (sent to, received from) each peer
         recv = {k: moved[k].reshape((n * a,) + v.shape[1:]) for k, v in sorted_payload.items()}
         valid = moved[_VALID].reshape(n * a)
 

@@ -140,7 +140,7 @@ def test_payloads_move_together_as_separately(d):
 
     def run(together):
         def f(b):
-            return moved_together(b, a2a) if together else {k: a2a(v) for k, v in b.items()}
+            return moved_together(b, a2a)[0] if together else {k: a2a(v) for k, v in b.items()}
         spec = {k: P("expert") for k in bufs}
         return jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(spec,), out_specs=spec))
 
