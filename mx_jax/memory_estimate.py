@@ -147,7 +147,9 @@ def estimate(cfg: TrainConfig) -> dict:
     mesh = AbstractMesh(tuple(shape.values()), tuple(shape.keys()), axis_types=(AxisType.Auto,) * len(shape))
     abstract_model = nnx.eval_shape(lambda: Llama(cfg.model, cfg.quant, rngs=nnx.Rngs(0)))
     params = params_of(abstract_model)
-    logical = param_axes(abstract_model)
+    plan = plan_for_run(abstract_model.plan, cfg.model, cfg.data.batch_size // cfg.data.grad_accum_steps,
+                        cfg.data.seq_len, shape)
+    logical = param_axes(abstract_model, plan=plan)
     n_params = 0
     param_bytes_dev = grad_bytes_dev = moment_bytes_dev = 0.0
     moment_size = jnp.dtype(cfg.optim.moment_dtype).itemsize
@@ -168,8 +170,6 @@ def estimate(cfg: TrainConfig) -> dict:
         gemm = path[-1].key in COMPUTE_CAST and v.dtype != cdt  # differentiated in the compute dtype
         grad_bytes_dev += v.size * (cdt if gemm else v.dtype).itemsize / shards(ax, v)
     # What the GEMMs read: compute-dtype copies and fp8 operands (llama.compute_copies), sharded like their weights.
-    plan = plan_for_run(abstract_model.plan, m, cfg.data.batch_size // cfg.data.grad_accum_steps, cfg.data.seq_len,
-                        shape)
     copies = jax.eval_shape(lambda p: compute_copies(m, p, plan), params)
     copy_bytes_dev = sum(jax.tree.leaves(jax.tree.map(lambda v, ax: v.size * v.dtype.itemsize / shards(ax, v), copies,
                                                       compute_axes(copies, logical))))

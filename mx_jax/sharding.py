@@ -11,7 +11,10 @@ Parameters carry logical axis names (layers.py); activations are constrained at 
 the only place mesh axis names meet logical names: change the parallelism by changing this table or the mesh
 shape, never the model. Dense, attention and embedding weights are sharded over fsdp and context (a context axis
 never duplicates their memory) and replicated over expert; expert weights are sharded over expert as well, and
-their fsdp and context shards go on the expert axis too where they divide it (`param_spec`).
+their fsdp and context shards go on the expert axis too where they divide it (`param_spec`). The output head is
+also split on V over data and expert where a microbatch has few enough tokens that it runs vocab-parallel
+(`head_vocab_axes`; the run's plan names its V "head_vocab"), and the embedding table's gradient then sums the
+devices' sparse partials by all-gathering their rows (`embed_lookup`).
 Changing the mesh never changes the math: GSPMD inserts the collectives, and the manual regions (the embedding
 lookup, context attention, expert dispatch) are written to be exact.
 """
@@ -24,7 +27,7 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from mx_jax.config import ConfigError, MeshConfig
 
@@ -42,6 +45,10 @@ RULES: dict[str, str | tuple[str, ...] | None] = {
     # parameters
     "embed": ("fsdp", "context"),  # the d_model dimension of every weight
     "vocab": None,
+    # the output head's vocab dim, split where the batch is but D is not; `head_vocab_axes` says when the head then
+    # runs vocab-parallel, whose rows and logits are split over "head_batch": the batch's other axes
+    "head_vocab": ("data", "expert"),
+    "head_batch": "fsdp",
     "q_heads": None,  # H*K of the query / output projections
     "kv_heads": None,  # G*K of the key / value projections
     "mlp": None,
@@ -184,38 +191,59 @@ def matrices_whole() -> bool:
 def embed_lookup(table: jax.Array, tokens: jax.Array, dtype) -> jax.Array:
     """table (V, D), tokens (B, S) -> rows (B, S, D) in `dtype`, laid out as the activations (batch, seq, act_embed).
 
-    Without a mesh, or where the table's D is whole on every device, this is `jnp.take` and a constraint. Where D is
-    split (RULES["embed"]: fsdp, context), the lookup runs per device in one shard_map, with its collectives
-    written out:
-    - each device all-gathers the tokens over the axes that split D, along the token dim each of them splits
-      (fsdp: B, context: S): tiny int arrays;
+    Without a mesh, or where every device holds the whole table and all the tokens, this is `jnp.take`. Otherwise
+    the lookup runs per device in one shard_map, with its collectives written out, and so does its gradient
+    (a custom_vjp). Let `split` be the mesh axes that split the table's D (RULES["embed"]: fsdp, context) and
+    `summed` the axes that split the tokens but not D (data, expert: the table is replicated there):
+    - each device all-gathers the tokens over the split axes that split them (fsdp: B, context: S): tiny int
+      arrays;
     - it looks up its own D columns for those tokens and casts them to `dtype`;
-    - for each axis that splits D, minor first, an all-to-all sends every device its own tokens' columns (split the
-      token dim, join D). An axis that splits D but not the tokens (they do not divide it) all-gathers D instead.
-    The backward is jax's transpose of the same steps: the reverse all-to-alls, a scatter-add into the device's
-    columns of the table, and a sum over the axes the table is replicated on (data, expert), as any replicated
-    weight's gradient. Left to the partitioner (a gather, then a sharding constraint), XLA replicated the whole
-    (B, S, D) array on every device ("Involuntary full rematerialization") on fsdp x context, fsdp x expert and
-    data x fsdp x expert meshes (a Mixtral-shaped train step compiled for 12 meshes on 8 CPU devices). A chain of
-    constraints through a middle layout cleared most of those warnings on CPU, but on 4 x H200 at fsdp x context it
-    added six f32 all-reduces and cost 7% of the step. This form matches the single constraint's speed there and
-    moves fewer bytes on every mesh with context or expert (benchmarks/RESULTS.md, session 37)."""
+    - for each split axis, minor first, an all-to-all sends every device its own tokens' columns (split the token
+      dim, join D). A split axis that does not split the tokens (they do not divide it) all-gathers D instead.
+    The gradient undoes the data movement (the reverse all-to-alls, or each device's own D columns of the
+    replicated cotangent) and scatter-adds the cotangent rows into the device's columns of the table, in f32. The
+    devices along `summed` then hold partial gradients of the same table shard. A dense sum is a ring all-reduce of
+    the (V, D_l) f32 table: 2 (P-1)/P V D_l 4 bytes per device. But the partials are sparse: a device's N rows of
+    tokens touch at most N of the V rows. So where it moves fewer bytes, every device all-gathers the cotangent rows
+    and token ids of its `summed` peers, (P-1)/P T (D_l c + 4) bytes with T = P N the tokens of the group and c the
+    cotangent's itemsize, and scatter-adds all of them itself:
+
+        sparse  iff  T (D_l c + 4) < 8 V D_l        (bf16: T < ~4 V; `sparse_table_grad`)
+
+    which holds on expert-parallel and small data-parallel meshes (Mixtral's V = 32,000 against 16,384 tokens per
+    microbatch at expert=4; Llama3's 128,256 against 16,384 at data=2), and not for large global batches. The sum
+    is the same f32 sum of the same bf16 rows that one device forms (only its order differs).
+
+    Left to the partitioner (a gather, then a sharding constraint), XLA replicated the whole (B, S, D) array on
+    every device ("Involuntary full rematerialization") on fsdp x context, fsdp x expert and data x fsdp x expert
+    meshes (a Mixtral-shaped train step compiled for 12 meshes on 8 CPU devices). A chain of constraints through a
+    middle layout cleared most of those warnings on CPU, but on 4 x H200 at fsdp x context it added six f32
+    all-reduces and cost 7% of the step. The shard_map matches the single constraint's speed there and moves fewer
+    bytes on every mesh with context or expert (benchmarks/RESULTS.md, session 37)."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or all(t == AxisType.Manual for t in mesh.axis_types):  # no mesh, or inside a shard_map
         return jnp.take(table, tokens, axis=0).astype(dtype)
+    (v, d), n_tokens = table.shape, math.prod(tokens.shape)
     table_spec = fit_spec(spec(("vocab", "embed")), table.shape, mesh)
     split = tuple(a for a in entry_axes(table_spec[1]) if mesh.shape[a] > 1)
-    out_spec = fit_spec(spec(("batch", "seq", "act_embed")), (*tokens.shape, table.shape[1]), mesh)
-    if not split:
-        return jax.lax.with_sharding_constraint(jnp.take(table, tokens, axis=0).astype(dtype), out_spec)
+    out_spec = fit_spec(spec(("batch", "seq", "act_embed")), (*tokens.shape, d), mesh)
     tok_spec = P(*out_spec[:2])
-    token_dim = {a: d for d in (0, 1) for a in entry_axes(tok_spec[d])}
+    token_dim = {a: dim for dim in (0, 1) for a in entry_axes(tok_spec[dim]) if mesh.shape[a] > 1}
+    summed = tuple(a for a in token_dim if a not in split)
+    if not split and not summed:
+        return jax.lax.with_sharding_constraint(jnp.take(table, tokens, axis=0).astype(dtype), out_spec)
+    d_l = d // math.prod(mesh.shape[a] for a in split)
+    sparse = bool(summed) and sparse_table_grad(n_tokens, v, d_l, jnp.dtype(dtype).itemsize)
+    table_only = P(None, table_spec[1])
 
-    def local(tab, tok):
+    def gathered_tokens(tok):
         for a in split:
             if a in token_dim:
                 tok = jax.lax.all_gather(tok, a, axis=token_dim[a], tiled=True)
-        x = jnp.take(tab, tok, axis=0).astype(dtype)
+        return tok
+
+    def fwd_local(tab, tok):
+        x = jnp.take(tab, gathered_tokens(tok), axis=0).astype(dtype)
         for a in reversed(split):  # minor first: the D columns each step joins are contiguous
             if a in token_dim:
                 x = jax.lax.all_to_all(x, a, split_axis=token_dim[a], concat_axis=2, tiled=True)
@@ -223,12 +251,75 @@ def embed_lookup(table: jax.Array, tokens: jax.Array, dtype) -> jax.Array:
                 x = jax.lax.all_gather(x, a, axis=2, tiled=True)
         return x
 
-    # The table's gradient is summed over every axis its spec leaves out; naming the mesh's 1-device axes on V
-    # keeps that sum to the live ones (a 1-device all-reduce per step otherwise; XLA:CPU kept it).
-    ones = tuple(a for a in mesh.axis_names if mesh.shape[a] == 1 and a not in entry_axes(table_spec[1]))
-    in_table = P(ones or None, table_spec[1])
-    return jax.shard_map(local, mesh=mesh, in_specs=(in_table, tok_spec), out_specs=out_spec,
-                         check_vma=False)(table, tokens)
+    def grad_local(dx, tok):
+        for a in split:  # the forward's steps undone, major first
+            if a in token_dim:
+                dx = jax.lax.all_to_all(dx, a, split_axis=2, concat_axis=token_dim[a], tiled=True)
+            else:  # dx is the same on every device of `a`: keep this device's columns
+                w = dx.shape[2] // mesh.shape[a]
+                dx = jax.lax.dynamic_slice_in_dim(dx, jax.lax.axis_index(a) * w, w, axis=2)
+        rows, ids = dx.reshape(-1, dx.shape[2]), gathered_tokens(tok).reshape(-1)
+        if sparse:
+            rows = jax.lax.all_gather(rows, summed, axis=0, tiled=True)
+            ids = jax.lax.all_gather(ids, summed, axis=0, tiled=True)
+        grad = jnp.zeros((v, rows.shape[1]), jnp.float32).at[ids].add(rows.astype(jnp.float32))
+        if summed and not sparse:
+            grad = jax.lax.psum(grad, summed)
+        return grad.astype(table.dtype)
+
+    @jax.custom_vjp
+    def lookup(tab, tok):
+        return jax.shard_map(fwd_local, mesh=mesh, in_specs=(table_only, tok_spec), out_specs=out_spec,
+                             check_vma=False)(tab, tok)
+
+    def lookup_bwd(tok, dx):
+        grad = jax.shard_map(grad_local, mesh=mesh, in_specs=(out_spec, tok_spec), out_specs=table_only,
+                             check_vma=False)(dx, tok)
+        return grad, None
+
+    lookup.defvjp(lambda tab, tok: (lookup(tab, tok), tok), lookup_bwd)
+    return lookup(table, tokens)
+
+
+def sparse_table_grad(n_tokens: int, vocab: int, d_l: int, itemsize: int) -> bool:
+    """embed_lookup's choice: all-gather `n_tokens` cotangent rows of d_l columns (itemsize bytes) and their int32
+    token ids instead of all-reducing the (vocab, d_l) f32 table gradient (a ring moves it twice)."""
+    return n_tokens * (d_l * itemsize + 4) < 2 * vocab * d_l * 4
+
+
+def head_vocab_axes(n_tokens: int, vocab: int, d: int, reduce_itemsize: int,
+                    mesh_shape: dict[str, int] | None = None) -> tuple[str, ...]:
+    """The mesh axes over which the output head (D, V) runs vocab-parallel for a microbatch of `n_tokens` tokens, on a
+    mesh of `mesh_shape` (default: the set mesh; () inside shard_map); () where it runs as every other weight does.
+
+    Vocab-parallel (Megatron-LM's parallel output layer): the head is split on V over the group's axes
+    (RULES["head_vocab"]); the group's P devices all-gather their rows x, each computes the logits of its V / P
+    vocabulary entries for all of the group's T tokens, the loss reduces (T,) maxima and sums across them, and the
+    backward sums dx across them. No weight moves: per device (P-1)/P T D 2 bytes each way, in bf16. A head
+    replicated over the group instead all-reduces its gradient, a ring's 2 (P-1)/P V D_l r bytes with r the
+    reduce itemsize (model.grad_reduce_dtype) and D_l the head's D per device. So vocab-parallel iff
+
+        4 T D < 2 V D_l r        (T < 2 V in f32, T < V in bf16, where D_l = D: fsdp splits T and D alike)
+
+    a few vocabularies' worth of tokens per microbatch, as on expert-parallel and small data-parallel meshes. The
+    group's axes must be the batch's minor split axes, so that its rows are one block of B: data x fsdp meshes
+    keep the replicated head."""
+    if mesh_shape is None:
+        mesh = jax.sharding.get_abstract_mesh()
+        if mesh.empty or any(t == AxisType.Manual for t in mesh.axis_types):
+            return ()
+        mesh_shape = dict(mesh.shape)
+    shape = {a: mesh_shape.get(a, 1) for a in MESH_AXES}
+    abstract = AbstractMesh(tuple(shape.values()), tuple(shape), axis_types=(AxisType.Auto,) * len(shape))
+    w_spec = fit_spec(spec(("embed", "head_vocab")), (d, vocab), abstract)
+    axes = tuple(a for a in entry_axes(w_spec[1]) if shape[a] > 1)
+    tokens = [a for a in (*batch_axes(), *rule_axes("seq")) if shape[a] > 1]
+    batch = [a for a in tokens if a in batch_axes()]
+    if not axes or batch[len(batch) - len(axes):] != list(axes):
+        return ()
+    d_l = d // math.prod(shape[a] for a in entry_axes(w_spec[0]))
+    group_tokens = n_tokens // math.prod(shape[a] for a in tokens if a not in axes)
+    return axes if 4 * group_tokens * d < 2 * vocab * d_l * reduce_itemsize else ()
 
 
 def batch_axes() -> tuple[str, ...]:

@@ -42,7 +42,8 @@ from mx_jax import checkpoint, compat, metrics, preemption, profiling, sharding
 from mx_jax.config import ConfigError, TrainConfig, load_config, mixture_entries, to_dict, to_yaml
 from mx_jax.data import MIXTURE_ROUND, Batches, Dataset, Mixture, Windows, mixture_quota, open_dataset
 from mx_jax.llama import (LinearPlan, Llama, buffers_of, compute_axes, compute_copies, cross_entropy, flops_per_token,
-                          moe_loss, param_axes, params_of, plan_for_run, update_buffers, with_compute, with_operands)
+                          head_vocab_axes, moe_loss, param_axes, params_of, plan_for_run, update_buffers, with_compute,
+                          with_operands)
 from mx_jax.moe import RouterBias
 from mx_jax.optim import global_norm, make_optimizer, schedule
 
@@ -122,13 +123,13 @@ def build(cfg: TrainConfig, mesh: jax.sharding.Mesh) -> Setup:
     graphdef, _, _ = nnx.split(abstract_model, nnx.Param, ...)
     abstract_params = _abstract(params_of(abstract_model))
     abstract_buffers = _abstract(buffers_of(abstract_model))
-    param_shardings = _shardings_for(mesh, param_axes(abstract_model), abstract_params)
-    optimizer = make_optimizer(cfg.optim, cfg.steps)
-    abstract_opt = jax.eval_shape(optimizer.init, abstract_params)
     plan = plan_for_run(abstract_model.plan, cfg.model, cfg.data.batch_size // cfg.data.grad_accum_steps,
                         cfg.data.seq_len, dict(mesh.shape))
+    param_shardings = _shardings_for(mesh, param_axes(abstract_model, plan=plan), abstract_params)
+    optimizer = make_optimizer(cfg.optim, cfg.steps)
+    abstract_opt = jax.eval_shape(optimizer.init, abstract_params)
     abstract_compute = jax.eval_shape(lambda p: compute_copies(cfg.model, p, plan), abstract_params)
-    compute_logical = compute_axes(abstract_compute, param_axes(abstract_model))
+    compute_logical = compute_axes(abstract_compute, param_axes(abstract_model, plan=plan))
     state_shardings = {
         "step": NamedSharding(mesh, P()),
         "params": param_shardings,
@@ -184,7 +185,7 @@ def make_loss_fn(setup: Setup):
 
     def loss_fn(params, buffers, inputs, targets):
         logits, stats = nnx.merge(graphdef, params, buffers)(inputs, logits_dtype=model_cfg.compute_dtype)
-        ce = cross_entropy(logits, targets)
+        ce = cross_entropy(logits, targets, bool(head_vocab_axes(model_cfg, setup.plan.recipes["head"], targets.size)))
         return ce + moe_loss(model_cfg, stats), (ce, stats)
 
     return loss_fn

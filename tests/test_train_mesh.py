@@ -32,22 +32,64 @@ def test_loss_matches_single_device(layout, reference_loss, tmp_path):
     assert 3.0 < reference_loss < 6.0  # a real, still-high loss after 3 steps (ln 256 = 5.55 at init)
 
 
+def test_head_runs_vocab_parallel_where_few_tokens_share_it(tmp_path):
+    """data=8 with 256 tokens per step (fewer than the 2 V = 512 where sharding.head_vocab_axes stops paying): the
+    head is split on V over data, the devices all-gather their rows instead of all-reducing the head's gradient, and
+    the loss after 3 steps is one device's (fp32: only the reduction order differs)."""
+    import re
+
+    from tests.helpers import lowered_train_step
+
+    over = ("steps=3", "data.batch_size=8", *NO_IO)
+    want = train.train(tiny_config(tmp_path / "one", *over, "mesh.fsdp=1"), devices=jax.devices()[:1])
+    cfg = tiny_config(tmp_path / "mesh", *over, "mesh.data=8", "mesh.fsdp=1")
+    got = train.train(cfg)
+    np.testing.assert_allclose(got.metrics["loss"], want.metrics["loss"], rtol=1e-5)
+    head = got.state["params"]["head"]
+    assert head.addressable_shards[0].data.shape == (64, 256 // 8)
+    assert got.state["opt_state"][1][0].mu["head"].sharding == head.sharding
+    text = lowered_train_step(cfg, 8).compile().as_text()
+    assert re.search(r"f32\[8,32,64\]\S* all-gather", text)  # the rows
+    assert not re.search(r"f32\[64,(256|32)\]\S* all-reduce", text)  # and never the head's gradient
+
+
+@pytest.mark.parametrize("mesh_shape, tokens, want", [
+    ({"expert": 4}, 16384, ("expert",)),  # expert parallelism: one microbatch is a fraction of V = 32,000 tokens
+    ({"expert": 4}, 65536, ()),  # T >= 2 V: the replicated head's all-reduce moves fewer bytes
+    ({"data": 2, "expert": 2}, 16384, ("data", "expert")),
+    ({"fsdp": 2, "expert": 2}, 16384, ("expert",)),  # fsdp splits the head's D; the group is expert's
+    ({"fsdp": 4}, 16384, ()),  # nothing splits the tokens but not D
+    ({"data": 2, "fsdp": 2}, 16384, ()),  # a data group's rows are not one block of B (data is major)
+    ({"data": 3}, 16384, ()),  # 3 does not divide V
+])
+def test_head_vocab_axes(mesh_shape, tokens, want):
+    from mx_jax import sharding
+
+    assert sharding.head_vocab_axes(tokens, 32000, 4096, 4, mesh_shape) == want
+
+
+@pytest.mark.parametrize("V", [40, 5])  # the table gradient's partials: all-gathered rows (40), all-reduced (5)
 @pytest.mark.parametrize("mesh_shape, B, D", [
     ({"data": 2, "fsdp": 2, "context": 2}, 4, 16),
     ({"data": 2, "fsdp": 2, "expert": 2}, 8, 16),
     ({"fsdp": 2, "context": 4}, 2, 24),
     ({"fsdp": 4, "data": 2}, 2, 16),  # B=2: the tokens cannot take fsdp, so D is all-gathered over it
-    ({"fsdp": 8}, 8, 12),  # D=12: the table cannot take fsdp, so the lookup is jnp.take
+    ({"fsdp": 8}, 8, 12),  # D=12: the table cannot take fsdp; the tokens' partial gradients are summed over it
+    ({"expert": 4, "data": 2}, 8, 16),  # the table whole on every device; partials summed over data x expert
 ])
-def test_embed_lookup_is_take_on_every_mesh(mesh_shape, B, D):
-    """sharding.embed_lookup's per-device lookup and its collectives give jnp.take's rows and table gradient."""
+def test_embed_lookup_is_take_on_every_mesh(mesh_shape, B, D, V):
+    """sharding.embed_lookup's per-device lookup and its collectives give jnp.take's rows and table gradient, and
+    the gradient sums the devices' partials the way `sparse_table_grad` picks: where some devices hold other tokens
+    of the same table columns, the compiled gradient all-reduces a (V, D_l) f32 table exactly when not sparse."""
+    import re
+
     from mx_jax import sharding
     from mx_jax.config import MeshConfig
 
-    V, S = 40, 8
-    kt, kx, kw = jax.random.split(jax.random.key(B * D), 3)
+    S = 8
+    kt, kx, kw = jax.random.split(jax.random.key(B * D + V), 3)
     table = jax.random.normal(kt, (V, D), jnp.float32)
-    tokens = jax.random.randint(kx, (B, S), 0, V).at[0, :3].set(7)  # a repeated token sums its rows' gradients
+    tokens = jax.random.randint(kx, (B, S), 0, V).at[0, :3].set(3)  # a repeated token sums its rows' gradients
     w = jax.random.normal(kw, (B, S, D), jnp.float32)
     loss = lambda lookup: lambda t, x: jnp.sum(lookup(t, x) * w)
     take = lambda t, x: jnp.take(t, x, axis=0)
@@ -58,12 +100,21 @@ def test_embed_lookup_is_take_on_every_mesh(mesh_shape, B, D):
         x = jax.device_put(tokens, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
         lookup = lambda t, x: sharding.embed_lookup(t, x, jnp.float32)
         got = jax.jit(lookup)(t, x)
-        got_grad = jax.jit(jax.grad(loss(lookup)))(t, x)
+        grad_fn = jax.jit(jax.grad(loss(lookup)))
+        got_grad = grad_fn(t, x)
+        hlo = grad_fn.lower(t, x).compile().as_text()
     np.testing.assert_array_equal(got, want)
     np.testing.assert_allclose(got_grad, want_grad, rtol=1e-6, atol=1e-6)
     if D % 8 == 0 or "context" in mesh_shape:
         want_spec = sharding.fit_spec(sharding.spec(("batch", "seq", "act_embed")), got.shape, mesh)
         assert got.sharding.is_equivalent_to(jax.sharding.NamedSharding(mesh, want_spec), got.ndim)
+    table_spec = sharding.fit_spec(sharding.spec(("vocab", "embed")), table.shape, mesh)
+    d_l = D // int(np.prod([mesh.shape[a] for a in sharding.entry_axes(table_spec[1])]))
+    token_axes = sharding.entry_axes(sharding.fit_spec(sharding.spec(("batch", "seq")), tokens.shape, mesh)[0])
+    summed = [a for a in token_axes if a not in sharding.entry_axes(table_spec[1]) and mesh.shape[a] > 1]
+    dense = bool(summed) and not sharding.sparse_table_grad(B * S, V, d_l, 4)
+    reduced = re.search(rf"f32\[{V},{d_l}\]\S* all-reduce(-start)?\(", hlo) is not None
+    assert reduced == dense, (summed, dense)
 
 
 def test_params_are_sharded_as_configured(tmp_path, capsys):
