@@ -499,6 +499,10 @@ def train(cfg: TrainConfig, devices: list[jax.Device] | None = None) -> TrainRes
                     experts = "; the routed experts' in bfloat16" if cfg.model.moe.n_experts else ""
                     log(f"mesh   | weight gradients summed across devices in {cfg.model.grad_reduce_dtype} "
                         f"(model.grad_reduce_dtype){experts}")
+                    tokens = cfg.data.batch_size // cfg.data.grad_accum_steps * cfg.data.seq_len
+                    if axes := head_vocab_axes(cfg.model, setup.plan.recipes["head"], tokens, dict(mesh.shape)):
+                        log(f"mesh   | output head vocab-parallel over {' x '.join(axes)}: split on its "
+                            f"{cfg.model.vocab_size} vocabulary entries, for {tokens} tokens per microbatch")
                 if cfg.deterministic:
                     log(f"mx_jax | deterministic: XLA_FLAGS has {DETERMINISTIC_XLA_FLAG}=true (slower; see README)")
                 log(f"data   | {dataset.description}")

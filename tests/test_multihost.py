@@ -52,6 +52,19 @@ def test_two_processes_match_one_and_share_checkpoints(tmp_path):
     assert resumed.metrics["loss"] == pytest.approx(straight.metrics["loss"], rel=1e-5)
 
 
+def test_two_processes_sum_the_embedding_and_head_gradients_across_them(tmp_path):
+    """data=8 over two processes with 256 tokens per step: the head runs vocab-parallel across the processes and the
+    embedding's sparse partials are all-gathered across them (sharding.head_vocab_axes, embed_lookup); the losses are
+    one device's."""
+    common = [*TINY, "mesh.data=8", "mesh.fsdp=1", "data.batch_size=8", "steps=3", *NO_IO]
+    p = _local(2, 4, [*common, f"run_dir={tmp_path / 'two'}"], tmp_path / "logs")
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    assert "output head vocab-parallel over data: split on its 256 vocabulary entries, for 256 tokens" in p.stdout
+    one = train.train(tiny_config(tmp_path / "one", *common, "mesh.data=1"), devices=jax.devices()[:1])
+    assert len(_losses(tmp_path / "two")) == 3
+    np.testing.assert_allclose(_losses(tmp_path / "two"), _losses(tmp_path / "one"), rtol=1e-5)
+
+
 def test_hsdp_mesh_keeps_fsdp_inside_a_host():
     mesh = sharding.make_mesh(MeshConfig(data=2, fsdp=4))
     ids = np.vectorize(lambda d: d.id)(mesh.devices).reshape(2, 4)
