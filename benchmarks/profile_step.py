@@ -382,6 +382,8 @@ def main() -> None:
     print(f"compile: {compile_s:.1f} s")
     print("loss of the first 3 steps (one batch, repeated): " + " ".join(f"{float(v):.6f}" for v in first))
     print(f"wall time per step (untraced): {1000 * wall:.1f} ms = {tokens / wall:,.0f} tokens/s")
+    if moe := {k: float(v) for k, v in m.items() if k.startswith("moe_")}:  # the last step's routing statistics
+        print("moe, last step: " + ", ".join(f"{k.removeprefix('moe_')} {v:.4g}" for k, v in sorted(moe.items())))
     peaks = [(d.memory_stats() or {}).get("peak_bytes_in_use", 0) for d in jax.local_devices()]
     if any(peaks):  # the allocator's high-water mark since start (not reported on CPU)
         print(f"peak device memory: {max(peaks) / 2**30:.2f} GiB (largest of {len(peaks)} local devices)")

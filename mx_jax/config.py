@@ -56,6 +56,10 @@ class MoEConfig:
     capacity_factor: float = 0.0  # 0 = dropless
     dispatch: Literal["flat", "hierarchical"] = "flat"
     gpus_per_node: int = 8  # for hierarchical dispatch: the expert axis is (node, local)
+    # Under expert parallelism the experts run on a compact buffer of this many times the rows a device receives on
+    # average (tokens x top_k), where its rows fit; a device that receives more runs the worst-case buffer (slower;
+    # no row is dropped; metric moe_ep_overflow_frac). 0 = always the worst case (dispatch.py: "Two expert buffers").
+    ep_buffer_factor: float = 2.0
     all_to_all: Literal["auto", "pallas", "xla"] = "auto"  # the dense exchange over the whole expert axis: the NVLink
     # Mosaic-GPU kernel (pallas_kernels/all_to_all.py) where it applies, or lax.all_to_all (NCCL)
     impl: Literal["auto", "pallas", "xla", "reference"] = "auto"
@@ -428,6 +432,8 @@ def validate(cfg: TrainConfig) -> None:
         _check(e.gpus_per_node >= 1, "model.moe.gpus_per_node", f"must be >= 1, got {e.gpus_per_node}")
         _check(e.capacity_factor == 0 or e.capacity_factor >= 1, "model.moe.capacity_factor",
                f"must be 0 (dropless) or >= 1, got {e.capacity_factor}")
+        _check(e.ep_buffer_factor == 0 or e.ep_buffer_factor >= 1, "model.moe.ep_buffer_factor",
+               f"must be 0 (always the worst-case buffer) or >= 1, got {e.ep_buffer_factor}")
     _check(d.seq_len > 0, "data.seq_len", f"must be positive, got {d.seq_len}")
     _check(d.batch_size > 0, "data.batch_size", f"must be positive, got {d.batch_size}")
     _check(d.grad_accum_steps > 0 and d.batch_size % d.grad_accum_steps == 0, "data.grad_accum_steps",

@@ -53,7 +53,25 @@ barrier) took the 2-layer Mixtral step from 54,450 to 62,230 tokens/s in bf16 (5
 the 4-layer DeepSeekMoE step from 106,678 to 112,893, for 1.0-1.3 GiB (benchmarks/RESULTS.md). With expert
 parallelism they stay unnamed: there the GEMMs run on the receive buffer, padded to the worst routing (P peers x
 min(k, E_l) rows per token: `peer_bound`), and keeping that per layer would cost up to P x the memory. The price is
-that the backward recomputes the forward there, dispatch exchange included.
+that the backward recomputes the experts there (next paragraph).
+
+Two expert buffers (expert parallelism, model.moe.ep_buffer_factor = f > 0). A device receives n k rows on average
+(n tokens x top-k per device, for its E/P experts) but its sorted buffer is sized for the worst routing, W = P x
+peer_bound rows, 4 x the average for Mixtral at expert=4 (8 x at expert=8). The grouped GEMMs write zeros past the
+data, and the SwiGLU, the fp8 casts and their amax run over all W rows, forward and in the backward. So the experts
+run on a compact buffer of C = ceil(f n k) rows (plus the padding's room, in 256-row tiles) on every device whose
+rows with data fit, with one row to spare (sum of the padded group sizes < C), and on all W rows elsewhere: a
+per-device lax.cond with no collective inside, so devices may differ, and nothing is ever dropped (the metric
+moe_ep_overflow_frac is the share of devices and layers that ran W). A plain lax.cond would not pay: its backward
+saves the union of both branches' residuals, so the compact branch wrote zeros of the whole buffer's (W, F)
+activations (on 4 x H200 the DeepSeekMoE step ran 6% slower than with one buffer). `_either` is a custom VJP whose
+backward is one cond: its branch recomputes the experts' forward and transposes it, and the experts' combined
+output (n k, D) is saved under model.remat=save_matmuls, so the layer's rematerialization does not run them a third
+time: the experts' forward runs twice per step, as before, and the dispatch exchange once. On 4 x H200 at expert=4,
+fp8_rowwise, 4,096 tokens per GPU, f = 2: the 2-layer Mixtral step 215,800 -> 244,399 tokens/s (+13%, peak 21.06
+-> 22.04 GiB), the 4-layer DeepSeekMoE step 230,700 -> 233,767 (+1.3%; its experts run bf16 and its buffer is only
+2 x the average at f = 2) (benchmarks/RESULTS.md, session 46). Under model.remat=none the experts' forward now
+runs twice where it ran once, for none of the (W, F) activations kept.
 
 When the experts run fp8. Per expert with r rows, an fp8 recipe saves GEMM time ~ r K N and pays for casting
 the rows ~ r (K + N) and the weights ~ K N (the experts' GEMMs have (K, N) = (D, F) and (F, D)). Per row, the row
@@ -115,6 +133,41 @@ def _take_rows_bwd(back, dout):
 take_rows.defvjp(_take_rows_fwd, _take_rows_bwd)
 
 
+def _room(rows: int, n_local: int, align: int) -> int:
+    """Rows of a sorted expert buffer for `rows` assignments: room for every expert's padding to `align`, rounded
+    up to the grouped-GEMM kernels' 256-row tiles (the tail outputs zero)."""
+    n = rows + n_local * (align - 1)
+    return n + -n % ROW_MULTIPLE
+
+
+def _either(small_fits: jax.Array, small: Callable, large: Callable, diff: tuple, rest: tuple) -> jax.Array:
+    """small(diff, rest) where small_fits, else large(diff, rest): two ways to the same function, differentiable in
+    the floating arrays `diff`. Neither may close over a traced array (a custom_vjp must not): `rest` carries them.
+
+    A plain lax.cond would have its backward union both branches' residuals: the compact branch then writes zeros
+    of the large branch's saved (rows, F) activations, and both are kept (on 4 x H200, the DeepSeekMoE step ran 6%
+    slower than without the compact buffer). Here nothing inside is saved: the backward is one cond whose branch
+    recomputes its forward and transposes it, as the rematerialized backward of expert parallelism did before."""
+
+    @jax.custom_vjp
+    def f(diff, rest, small_fits):
+        return jax.lax.cond(small_fits, small, large, diff, rest)
+
+    def fwd(diff, rest, small_fits):
+        return f(diff, rest, small_fits), (diff, rest, small_fits)
+
+    def bwd(res, ct):
+        diff, rest, small_fits = res
+
+        def transposed(fn):
+            return lambda diff, rest, ct: jax.vjp(lambda d: fn(d, rest), diff)[1](ct)[0]
+
+        return jax.lax.cond(small_fits, transposed(small), transposed(large), diff, rest, ct), None, None
+
+    f.defvjp(fwd, bwd)
+    return f(diff, rest, small_fits)
+
+
 ROW_CAST_WIDTH = 565  # c in the module doc: the row casts take all of fp8's GEMM saving where 1/D + 1/F = 1/c
 
 
@@ -165,19 +218,27 @@ class ExpertFFN:
 
     def __call__(self, rows: jax.Array, local_expert: jax.Array, fan_out: int = 1) -> jax.Array:
         """Row a of the result is Expert_{local_expert[a]}(rows[a // fan_out]), zero where local_expert[a] = E_l
-        (padding, dropped). rows (S, D), local_expert (S fan_out,) in [0, E_l] -> (S fan_out, D).
+        (padding, dropped). rows (S, D), local_expert (S fan_out,) in [0, E_l] -> (S fan_out, D). See `run`."""
+        return self.run(rows, local_expert, fan_out)[0]
+
+    def run(self, rows: jax.Array, local_expert: jax.Array, fan_out: int = 1, compact: int = 0
+            ) -> tuple[jax.Array, jax.Array]:
+        """`__call__`, and whether the rows overflowed the compact buffer (a bool scalar; None where there is no
+        compact buffer: `compact` is 0 or not smaller than the whole one).
 
         The rows are sorted by expert with gathers only (`take_rows`): in by source row, out by sorted position,
         and the backward likewise, so no (S fan_out, D) copy of the repeated rows and no scatter is ever made.
         With `align` > 1 each expert's rows are padded with zero rows to a multiple of it (at most align - 1 per
         expert), so that the fp8 grad-weight casts read every expert's rows in place (`grouped_linear`'s
-        group_align); the padding rows compute zeros and get no gradient."""
+        group_align); the padding rows compute zeros and get no gradient.
+
+        `compact` > 0: the experts run on a sorted buffer of about that many rows (plus the padding's room) when
+        the rows that hold data fit in it, else on the whole one (module doc, "Two expert buffers")."""
         e, a = self.n_local, self.align
         s, r = rows.shape[0], local_expert.shape[0]
         if r != s * fan_out:
             raise ValueError(f"ExpertFFN: {r} expert ids for {s} rows x fan_out {fan_out}")
-        r_pad = r + e * (a - 1)  # room for every expert's padding rows
-        r_pad += -r_pad % ROW_MULTIPLE  # the grouped-GEMM kernels tile rows by up to 256; the tail outputs zero
+        r_pad = _room(r, e, a)
         counts = jnp.bincount(local_expert, length=e + 1)[:e].astype(jnp.int32)
         sizes = counts + (-counts % a)  # a multiple of `a`, the excess zero rows
         # position of each assignment: its expert's (padded) start + its rank among that expert's assignments
@@ -194,12 +255,32 @@ class ExpertFFN:
         # The row indices are materialized: fused into the (rows, D) gathers that read them, XLA computed them again
         # for every element (the padding's prefix sum, a signed division), which doubled the combine's time
         # (DeepSeekMoE fp8 layer on an H100, RESULTS.md).
-        pos, src_row, src, real = jax.lax.optimization_barrier(
-            (pos, jnp.where(real, src // fan_out, 0), jnp.where(real, src, -1), real))
-        xs = take_rows(rows, src_row, pos.reshape(s, fan_out))
-        if a > 1:
+        layout = jax.lax.optimization_barrier(
+            (pos, jnp.where(real, src // fan_out, 0), jnp.where(real, src, -1), real, sizes))
+        diff = (rows, self.w_gate, self.w_up, self.w_down)
+        rest = (layout, self.operands)  # (everything the branches read goes in as an argument: see _either)
+        small = _room(compact, e, a) if compact > 0 else r_pad
+        if small >= r_pad:
+            return self._sorted(r_pad, diff, rest), None
+        fits = jnp.sum(sizes) < small  # (<: the compact buffer's last row is always padding, see _sorted)
+        y = _either(fits, functools.partial(self._sorted, small), functools.partial(self._sorted, r_pad), diff, rest)
+        return y, ~fits
+
+    def _sorted(self, n_rows: int, diff: tuple, rest: tuple) -> jax.Array:
+        """The experts on a sorted buffer of n_rows rows (all of them, or the compact buffer when the data fits)."""
+        rows, w_gate, w_up, w_down = diff
+        (pos, src_row, src, real, sizes), operands = rest
+        ffn = dataclasses.replace(self, w_gate=w_gate, w_up=w_up, w_down=w_down, operands=operands)
+        s = rows.shape[0]
+        if n_rows < src.shape[0]:
+            # Assignments placed past the data (padding, dropped) read the compact buffer's last row instead, which
+            # `fits` keeps padding: a zero output, and its cotangent dies in the grouped GEMMs' backward.
+            pos = jnp.minimum(pos, n_rows - 1)
+            src_row, src, real = src_row[:n_rows], src[:n_rows], real[:n_rows]
+        xs = take_rows(rows, src_row, pos.reshape(s, -1))
+        if self.align > 1:
             xs = jnp.where(real[:, None], xs, jnp.zeros((), xs.dtype))  # padding rows inside a group must be zero
-        ys = self._swiglu(xs, sizes, a)
+        ys = ffn._swiglu(xs, sizes, self.align)
         return take_rows(ys, pos, src[:, None])
 
     def _swiglu(self, xs: jax.Array, sizes: jax.Array, group_align: int = 1) -> jax.Array:
@@ -409,12 +490,16 @@ def pick_exchange(method: str, n_peers: int) -> str:
 
 def dispatch_combine(x: jax.Array, idx: jax.Array, g: jax.Array, keep: jax.Array, ffn: ExpertFFN, *,
                      axis: str | None, method: str = "flat", gpus_per_node: int = 8, exchange_method: str = "auto",
-                     a2a_impl: str = "auto", capacity: int = 0) -> tuple[jax.Array, dict[str, jax.Array]]:
+                     a2a_impl: str = "auto", capacity: int = 0, buffer_factor: float = 0.0
+                     ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """y (n,D) = sum_j g[:, j] * Expert_{idx[:, j]}(x) with experts spread over mesh axis `axis` (None: all local).
 
     `capacity` > 0: `keep` holds at most that many of this device's assignments per expert (moe.capacity_keep),
-    which bounds the rows a peer can receive (`peer_bound`). Also returns the rows this device sent for dispatch to
-    devices on other nodes and to other devices of its own node (the combine sends the same numbers back).
+    which bounds the rows a peer can receive (`peer_bound`). `buffer_factor` > 0: with `axis`, the experts run on a
+    compact buffer of that many times the rows a device receives on average when its rows fit (`compact_rows`;
+    module doc, "Two expert buffers"). Also returns traffic: the rows this device sent for dispatch to devices on
+    other nodes and to other devices of its own node (the combine sends the same numbers back), and "overflow",
+    1.0 where this device received more rows than its compact buffer holds and ran the whole buffer.
     """
     n, k = idx.shape
     e_l = ffn.n_local
@@ -422,11 +507,12 @@ def dispatch_combine(x: jax.Array, idx: jax.Array, g: jax.Array, keep: jax.Array
     if axis is None:
         out = ffn(x, jnp.where(eid >= 0, eid, e_l).reshape(-1), fan_out=k)
         zero = jnp.zeros((), jnp.int32)
-        return _combine(out, g, x.dtype), {"rows_cross_node": zero, "rows_intra_node": zero}
+        return _combine(out, g, x.dtype), {"rows_cross_node": zero, "rows_intra_node": zero,
+                                           "overflow": jnp.zeros((), jnp.float32)}
     if method == "flat":
-        out, traffic = _flat(x, eid, ffn, axis, gpus_per_node, exchange_method, a2a_impl, capacity)
+        out, traffic = _flat(x, eid, ffn, axis, gpus_per_node, exchange_method, a2a_impl, capacity, buffer_factor)
         return _combine(out, g, x.dtype), traffic
-    return _hierarchical(x, eid, g, ffn, axis, gpus_per_node, exchange_method, a2a_impl, capacity)
+    return _hierarchical(x, eid, g, ffn, axis, gpus_per_node, exchange_method, a2a_impl, capacity, buffer_factor)
 
 
 def peer_bound(tokens: int, k: int, n_local: int, capacity: int = 0) -> int:
@@ -440,6 +526,12 @@ def peer_bound(tokens: int, k: int, n_local: int, capacity: int = 0) -> int:
     tokens/s, peak 20.9 -> 17.4 GiB (benchmarks/RESULTS.md)."""
     bound = tokens * min(k, n_local)
     return min(bound, n_local * capacity) if capacity > 0 else bound
+
+
+def compact_rows(tokens: int, k: int, factor: float) -> int:
+    """The compact expert buffer's rows under expert parallelism: `factor` x the tokens k rows a device receives
+    on average (0: none). Nothing is dropped for it: a device that receives more runs the whole buffer."""
+    return math.ceil(factor * tokens * k) if factor > 0 else 0
 
 
 def _combine(out: jax.Array, g: jax.Array, dtype) -> jax.Array:
@@ -458,24 +550,36 @@ def _node_layout(axis: str, gpus_per_node: int) -> tuple[int, int, jax.Array]:
     return p, l, jax.lax.axis_index(axis) // l
 
 
-def _flat(x, eid, ffn: ExpertFFN, axis: str, gpus_per_node: int, how: str, a2a_impl: str, capacity: int):
+def _home(out: jax.Array, overflow: jax.Array | None, scanned: bool) -> tuple[jax.Array, jax.Array]:
+    """The experts' outputs back home, named for remat policies where they ran on two buffers (module doc, "Two
+    expert buffers"), and the overflow flag (False where there was one buffer)."""
+    if overflow is None:
+        return out, jnp.zeros((), bool)
+    return saved_output(out, scanned), overflow
+
+
+def _flat(x, eid, ffn: ExpertFFN, axis: str, gpus_per_node: int, how: str, a2a_impl: str, capacity: int,
+          buffer_factor: float):
     n_dev, l, my_node = _node_layout(axis, gpus_per_node)
     n, k = eid.shape
     e_l = ffn.n_local
     flat_e = eid.reshape(-1)
-    rows = jnp.repeat(x, k, axis=0)  # (n k, D): assignment i = token i // k, choice i % k
     dest = jnp.where(flat_e >= 0, flat_e // e_l, n_dev)
-    recv, valid, back = exchange({"x": rows, "e": flat_e % e_l}, dest, Group(axis, n_dev),
-                                 pick_exchange(how, n_dev), bound=peer_bound(n, k, e_l, capacity), a2a_impl=a2a_impl)
-    out = back(ffn(recv["x"], jnp.where(valid, recv["e"], e_l)))
+    how = pick_exchange(how, n_dev)
+    recv, valid, back = exchange({"x": jnp.repeat(x, k, axis=0), "e": flat_e % e_l}, dest, Group(axis, n_dev), how,
+                                 bound=peer_bound(n, k, e_l, capacity), a2a_impl=a2a_impl)
+    y, overflow = ffn.run(recv["x"], jnp.where(valid, recv["e"], e_l), compact=compact_rows(n, k, buffer_factor))
+    out, overflow = _home(back(y), overflow, ffn.scanned)
     off_dev = (dest < n_dev) & (dest != jax.lax.axis_index(axis))
     cross = off_dev & (dest // l != my_node)
     traffic = {"rows_cross_node": jnp.sum(cross).astype(jnp.int32),
-               "rows_intra_node": jnp.sum(off_dev & ~cross).astype(jnp.int32)}
+               "rows_intra_node": jnp.sum(off_dev & ~cross).astype(jnp.int32),
+               "overflow": overflow.astype(jnp.float32)}
     return out, traffic
 
 
-def _hierarchical(x, eid, g, ffn: ExpertFFN, axis: str, gpus_per_node: int, how: str, a2a_impl: str, capacity: int):
+def _hierarchical(x, eid, g, ffn: ExpertFFN, axis: str, gpus_per_node: int, how: str, a2a_impl: str, capacity: int,
+                  buffer_factor: float):
     n_dev, l, my_node = _node_layout(axis, gpus_per_node)
     n_nodes = n_dev // l
     n, k = eid.shape
@@ -499,12 +603,14 @@ def _hierarchical(x, eid, g, ffn: ExpertFFN, axis: str, gpus_per_node: int, how:
     bound2 = n_nodes * peer_bound(n, k, e_l, capacity)
     recv2, valid2, back2 = exchange({"x": jnp.repeat(recv1["x"], k, axis=0), "e": e2 % e_l}, dest2, node,
                                     pick_exchange(how, l), bound=bound2, a2a_impl=a2a_impl)
-    out2 = back2(ffn(recv2["x"], jnp.where(valid2, recv2["e"], e_l)))  # (N n k, D); zero where not mine
+    y2, overflow = ffn.run(recv2["x"], jnp.where(valid2, recv2["e"], e_l), compact=compact_rows(n, k, buffer_factor))
+    out2, overflow = _home(back2(y2), overflow, ffn.scanned)  # (N n k, D); zero where not mine
     # Combine inside the node: the weighted partial sum over this token's experts here, then one row home.
     partial = jnp.sum(out2.reshape(-1, k, d).astype(jnp.float32) * recv1["g"][..., None], axis=1)
     parts = back1(partial)  # (n N, D) in row order
     y = jnp.sum(parts.reshape(n, n_nodes, d), axis=1).astype(x.dtype)
     me_local = jax.lax.axis_index(axis) % l
     traffic = {"rows_cross_node": jnp.sum((dest1 < n_nodes) & (dest1 != my_node)).astype(jnp.int32),
-               "rows_intra_node": jnp.sum((dest2 < l) & (dest2 != me_local)).astype(jnp.int32)}
+               "rows_intra_node": jnp.sum((dest2 < l) & (dest2 != me_local)).astype(jnp.int32),
+               "overflow": overflow.astype(jnp.float32)}
     return y, traffic

@@ -28,8 +28,9 @@ key/value width, F feed-forward width; tests/test_dry_run.py checks the trace ag
     remat=none          every intermediate the backward reads (about twice save_matmuls for the 8B block), and
                         each layer's concatenated q|k|v and gate|up weights (weight-shaped residuals count whole)
 A routed-expert layer under save_matmuls keeps, without expert parallelism, its three grouped GEMMs' outputs for
-every (token, expert) row, 2k (2F + D) bytes per token plus row padding; with expert parallelism nothing of the
-experts (the backward recomputes them, dispatch included; mx_jax/dispatch.py).
+every (token, expert) row, 2k (2F + D) bytes per token plus row padding; with expert parallelism only the experts'
+outputs once back home, 2kD bytes per token (with model.moe.ep_buffer_factor > 0, the default; with 0 nothing): the
+backward recomputes the experts, and the dispatch with them under 0 (mx_jax/dispatch.py, "Two expert buffers").
 On top of what every layer keeps, the layer whose backward is running holds the rest of its intermediates (under
 remat, recomputed): the largest of (remat=none minus kept) over the stacks, counted once. With expert parallelism
 that includes the dispatch's receive buffers and the expert GEMMs run over them, sized for the worst routing
@@ -122,22 +123,30 @@ def layer_residuals(cfg: TrainConfig, abstract_model: Llama, mesh: AbstractMesh)
                 total += nbytes  # weight-shaped (remat=none keeps each layer's concatenated and fp8 weights): whole
         return total
 
+    # The layer's transient figure (remat=none) counts the routed experts run over the whole receive buffer, as a
+    # device whose rows overflow the compact one runs them. With the compact buffer on they run inside a custom VJP
+    # whose backward recomputes them, out of saved_residuals' sight, so that pass traces the model without it.
+    whole = abstract_model
+    if m.moe.n_experts and m.moe.ep_buffer_factor:
+        no_compact = dataclasses.replace(m, moe=dataclasses.replace(m.moe, ep_buffer_factor=0.0))
+        whole = nnx.eval_shape(lambda: Llama(no_compact, cfg.quant, rngs=nnx.Rngs(0)))
     out = {}
     for name in ("dense_blocks", "blocks"):
         if not hasattr(abstract_model, name):
             continue
         graphdef, state = nnx.split(getattr(abstract_model, name))
+        whole_graphdef = nnx.split(getattr(whole, name))[0]
         # One layer's weights as the train step feeds them: compute-dtype copies, or slots with fp8 operands.
         fed = jax.eval_shape(lambda p, c: with_operands(with_compute(p, c, cdt), c), nnx.to_pure_dict(state),
                              copies.get(name, {}))
         layer = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), fed)
         n_layers = jax.tree.leaves(state)[0].shape[0]
-        kept = {}
-        for remat in {m.remat, "none"}:
-            body = layer_body(graphdef, positions, inv_freq, remat)
+        kept = []
+        for g, remat in ((graphdef, m.remat), (whole_graphdef, "none")):
+            body = layer_body(g, positions, inv_freq, remat)
             with jax.sharding.use_abstract_mesh(mesh), compat.cudnn_shapes_only():
-                kept[remat] = per_device(compat.saved_residuals(body, x, layer))
-        out[name] = (n_layers, kept[m.remat], kept["none"])
+                kept.append(per_device(compat.saved_residuals(body, x, layer)))
+        out[name] = (n_layers, *kept)
     return out
 
 

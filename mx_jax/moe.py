@@ -42,7 +42,7 @@ from mx_jax.config import ModelConfig
 from mx_jax.layers import SwiGLU, _param, weight_and_operands
 
 
-STATS = ("aux_loss", "z_loss", "load", "dropped", "rows_cross_node", "rows_intra_node")
+STATS = ("aux_loss", "z_loss", "load", "dropped", "rows_cross_node", "rows_intra_node", "ep_overflow")
 
 
 class RouterBias(nnx.Variable):
@@ -148,9 +148,12 @@ class MoE(nnx.Module):
                                  operands=ops)
         y, traffic = dispatch.dispatch_combine(xt, idx, g, keep, ffn, axis="expert" if ep else None,
                                                method=m.dispatch, gpus_per_node=m.gpus_per_node,
-                                               a2a_impl=m.all_to_all, capacity=capacity)
+                                               a2a_impl=m.all_to_all, capacity=capacity,
+                                               buffer_factor=m.ep_buffer_factor)
         stats = {"aux_loss": aux, "z_loss": z, "load": load, "dropped": dropped,
-                 **{k: psum(v) for k, v in traffic.items()}}  # rows_cross_node, rows_intra_node
+                 **{k: psum(traffic[k]) for k in ("rows_cross_node", "rows_intra_node")},
+                 # the share of devices whose expert group ran the worst-case receive buffer
+                 "ep_overflow": psum(traffic["overflow"]) / psum(jnp.float32(1))}
         return y.reshape(b, t, d), stats
 
 

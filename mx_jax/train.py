@@ -202,6 +202,9 @@ def _moe_metrics(stats: dict) -> dict:
         "moe_z_loss": jnp.mean(stats["z_loss"]),
         "moe_dropped_frac": jnp.mean(stats["dropped"]),
         "moe_max_over_mean_load": jnp.mean(jnp.max(share, axis=-1) * share.shape[-1]),
+        # the share of MoE layers (and expert groups) whose routing overflowed expert parallelism's compact receive
+        # buffer and ran the worst-case one (model.moe.ep_buffer_factor)
+        "moe_ep_overflow_frac": jnp.mean(stats["ep_overflow"]),
         "expert_load": jnp.mean(share, axis=0),  # (E,): share of assignments per expert, averaged over layers
     }
 
@@ -344,7 +347,7 @@ _DATA_KEYS = ("seed", "data.seq_len", "data.source", "data.mixture_quota")
 _MODEL_KEYS_FREE_ON_RESUME = frozenset({
     "remat", "scan_layers", "attention", "compute_dtype", "param_dtype", "grad_reduce_dtype", "moe.impl",
     "moe.all_to_all", "moe.dispatch", "moe.gpus_per_node", "moe.capacity_factor", "moe.aux_loss_coef",
-    "moe.z_loss_coef", "moe.bias_update_rate"})
+    "moe.z_loss_coef", "moe.bias_update_rate", "moe.ep_buffer_factor"})
 
 
 def _flat(d: dict, prefix: str = "") -> dict:

@@ -1,5 +1,7 @@
 """MoE: routing math, and expert parallelism that changes nothing: same loss and gradients on every mesh."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -477,8 +479,8 @@ def test_receive_buffers_hold_the_exact_bound_and_drop_nothing(method, gpus_per_
     w = [jnp.asarray(rng.standard_normal(s) * 0.1, jnp.float32) for s in
          ((n_experts, d, f), (n_experts, d, f), (n_experts, f, d))]
     seen = []
-    call = dispatch.ExpertFFN.__call__
-    monkeypatch.setattr(dispatch.ExpertFFN, "__call__", lambda self, rows, *a, **kw: seen.append(rows.shape[0])
+    call = dispatch.ExpertFFN.run
+    monkeypatch.setattr(dispatch.ExpertFFN, "run", lambda self, rows, *a, **kw: seen.append(rows.shape[0])
                         or call(self, rows, *a, **kw))
     mesh = sharding.make_mesh(MeshConfig(fsdp=1, expert=8))
 
@@ -504,12 +506,80 @@ def test_receive_buffers_hold_the_exact_bound_and_drop_nothing(method, gpus_per_
         assert not keep.all()  # the capacity dropped rows: the bound is the capacity's, not the routing's
 
 
+@pytest.mark.parametrize("method", ["flat", "hierarchical"])
+@pytest.mark.parametrize("routing", ["balanced", "device_0_flooded"])
+def test_compact_expert_buffer_unless_a_device_receives_more(method, routing, monkeypatch):
+    """8 devices, 2 experts each, top-2, 32 tokens per device: a device receives 64 rows on average and its whole
+    sorted buffer has 512 rows (8 peers x 64, the worst case); buffer_factor 2 gives a compact one of 256 (128
+    rounded up to the kernels' tile). Balanced routing (exactly 8 rows from every device to every device) runs the
+    compact buffer everywhere; when devices 1-7 send all their rows to device 0, device 0 runs the whole buffer and
+    the others the compact one. Outputs and the gradients of x, the gates and every expert weight equal the
+    single-device mixture either way, and the overflow flag says which buffer each device ran."""
+    from jax.sharding import PartitionSpec as P
+
+    from mx_jax import dispatch
+
+    n_dev, e_l, n_tok, k, d, f = 8, 2, 32, 2, 8, 4
+    n_experts = n_dev * e_l
+    t = np.arange(n_tok)
+    idx = np.concatenate([np.stack([2 * ((dev + t) % n_dev), 2 * ((dev + t + 1) % n_dev) + 1], axis=1)
+                          for dev in range(n_dev)]).astype(np.int32)
+    if routing != "balanced":
+        idx[n_tok:] = [0, 1]
+    rng = np.random.default_rng(5)
+    x = jnp.asarray(rng.standard_normal((n_dev * n_tok, d)), jnp.float32)
+    g = jnp.asarray(rng.uniform(0.2, 0.8, idx.shape), jnp.float32)
+    w = [jnp.asarray(rng.standard_normal(s) * 0.1, jnp.float32) for s in
+         ((n_experts, d, f), (n_experts, d, f), (n_experts, f, d))]
+    seen = set()
+    sorted_ = dispatch.ExpertFFN._sorted
+    monkeypatch.setattr(dispatch.ExpertFFN, "_sorted", lambda self, n_rows, *a: seen.add(n_rows)
+                        or sorted_(self, n_rows, *a))
+    mesh = sharding.make_mesh(MeshConfig(fsdp=1, expert=n_dev))
+    assert dispatch.compact_rows(n_tok, k, 2.0) == 128
+
+    def body(x, g, w1, w2, w3):
+        ffn = dispatch.ExpertFFN(w1, w2, w3, "bf16", "xla")
+        y, traffic = dispatch.dispatch_combine(x, jnp.asarray(idx).reshape(n_dev, n_tok, k)[jax.lax.axis_index(
+            "expert")], g, jnp.ones((n_tok, k), bool), ffn, axis="expert", method=method, gpus_per_node=4,
+            buffer_factor=2.0)
+        return y, traffic["overflow"][None]
+
+    tok, wspec = P("expert"), P("expert", None, None)
+    ep = jax.shard_map(body, mesh=mesh, in_specs=(tok, tok, wspec, wspec, wspec), out_specs=(tok, tok),
+                       check_vma=False)
+
+    def loss(fn, x, g, *w):
+        y, overflow = fn(x, g, *w)
+        return jnp.sum(jnp.sin(y)), (y, overflow)
+
+    def one(x, g, *w):
+        y = dispatch.dispatch_combine(x, jnp.asarray(idx), g, jnp.ones(idx.shape, bool),
+                                      dispatch.ExpertFFN(*w, "bf16", "xla"), axis=None)[0]
+        return y, jnp.zeros((1,))
+
+    grad = jax.value_and_grad(loss, argnums=(1, 2, 3, 4, 5), has_aux=True)
+    with jax.set_mesh(mesh):
+        (_, (y, overflow)), grads = jax.jit(functools.partial(grad, ep))(x, g, *w)
+    whole = 512 if method == "flat" else 2 * 4 * 64  # hierarchical: 4 local peers x 2 nodes x 64 rows per source
+    assert seen == {256, whole}  # both buffers are traced; each device runs one
+    np.testing.assert_array_equal(overflow, [float(routing != "balanced")] + [0.0] * (n_dev - 1))
+    (_, (y_ref, _)), grads_ref = jax.jit(functools.partial(grad, one))(x, g, *w)
+    np.testing.assert_allclose(y, y_ref, rtol=1e-5, atol=1e-6)
+    for a, b in zip(grads, grads_ref, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.gpu
-def test_gpu_flat_dispatch_on_the_nvlink_kernel_equals_lax_and_one_device():
+@pytest.mark.parametrize("routing, buffer_factor", [("skewed", 0.0), ("flooded", 2.0), ("random", 2.0)])
+def test_gpu_flat_dispatch_on_the_nvlink_kernel_equals_lax_and_one_device(routing, buffer_factor):
     """One process, every local GPU on the expert axis: the flat dense dispatch through the NVLink kernel, which moves
     only the rows each peer is sent, gives bit for bit the outputs and gradients of lax.all_to_all moving the whole
-    worst-case buffers, and matches the single-device mixture. Device 0's tokens all choose device 0's experts, so
-    it sends its peers nothing; device 1's choose only other devices' experts."""
+    worst-case buffers, and matches the single-device mixture. Skewed: device 0's tokens all choose device 0's
+    experts, so it sends its peers nothing; device 1's choose only other devices' experts. With buffer_factor 2 a
+    device's compact expert buffer holds 1,024 rows (2 x 256 tokens x top-2) beside the whole one's P x 512:
+    flooded (every token chooses device 0's experts) sends device 0 P x 512 rows, which overflow it on 4 GPUs, and
+    nothing to the others; random routing fits everywhere."""
     from jax.sharding import PartitionSpec as P
 
     from mx_jax import dispatch
@@ -521,9 +591,12 @@ def test_gpu_flat_dispatch_on_the_nvlink_kernel_equals_lax_and_one_device():
     n_experts = n_dev * e_l
     rng = np.random.default_rng(4)
     idx = np.stack([rng.choice(n_experts, k, replace=False) for _ in range(n_dev * n_tok)]).astype(np.int32)
-    idx[:n_tok] = [0, 1]  # device 0: its own two experts
-    others = [e for e in range(n_experts) if e // e_l != 1]
-    idx[n_tok:2 * n_tok] = [rng.choice(others, k, replace=False) for _ in range(n_tok)]  # device 1: never its own
+    if routing == "flooded":
+        idx[:] = [0, 1]
+    if routing == "skewed":
+        idx[:n_tok] = [0, 1]  # device 0: its own two experts
+        others = [e for e in range(n_experts) if e // e_l != 1]
+        idx[n_tok:2 * n_tok] = [rng.choice(others, k, replace=False) for _ in range(n_tok)]  # device 1: never its own
     x = jnp.asarray(rng.standard_normal((n_dev * n_tok, d)), jnp.bfloat16)
     g = jnp.asarray(rng.uniform(0.2, 0.8, idx.shape), jnp.float32)
     w = [jnp.asarray(rng.standard_normal(s) * 0.05, jnp.bfloat16) for s in
@@ -533,19 +606,24 @@ def test_gpu_flat_dispatch_on_the_nvlink_kernel_equals_lax_and_one_device():
     def run(a2a_impl):
         def body(x, idx, g, w1, w2, w3):
             ffn = dispatch.ExpertFFN(w1, w2, w3, "bf16", "pallas")
-            y = dispatch.dispatch_combine(x, idx, g, jnp.ones(idx.shape, bool), ffn, axis="expert", method="flat",
-                                          a2a_impl=a2a_impl)[0]
-            return jnp.sum(y.astype(jnp.float32) ** 2, keepdims=True)[None], y
+            y, traffic = dispatch.dispatch_combine(x, idx, g, jnp.ones(idx.shape, bool), ffn, axis="expert",
+                                                   method="flat", a2a_impl=a2a_impl, buffer_factor=buffer_factor)
+            return jnp.sum(y.astype(jnp.float32) ** 2, keepdims=True)[None], y, traffic["overflow"][None]
 
         tok, wspec = P("expert"), P("expert", None, None)
-        f_ = jax.shard_map(body, mesh=mesh, in_specs=(tok, tok, tok, wspec, wspec, wspec), out_specs=(tok, tok),
-                           check_vma=False)
+        f_ = jax.shard_map(body, mesh=mesh, in_specs=(tok, tok, tok, wspec, wspec, wspec),
+                           out_specs=(tok, tok, tok), check_vma=False)
 
         def loss(x, g, *w):
-            s, y = f_(x, jnp.asarray(idx), g, *w)
-            return jnp.sum(s), y
+            s, y, overflow = f_(x, jnp.asarray(idx), g, *w)
+            return jnp.sum(s), (y, overflow)
 
-        (_, y), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True))(x, g, *w)
+        (_, (y, overflow)), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True))(x, g, *w)
+        received = np.bincount(idx.reshape(-1) // e_l, minlength=n_dev)
+        compact = dispatch.compact_rows(n_tok, k, buffer_factor)  # 1,024: already a whole number of 256-row tiles
+        two_buffers = 0 < compact < n_dev * n_tok * min(k, e_l)
+        np.testing.assert_array_equal(overflow, (two_buffers & (received >= compact)).astype(np.float32))
+        assert overflow.any() == (routing == "flooded" and n_dev > 2)  # the routings do what the docstring says
         return np.asarray(y.astype(jnp.float32)), [np.asarray(v.astype(jnp.float32)) for v in grads]
 
     y_kernel, grads_kernel = run("pallas")
