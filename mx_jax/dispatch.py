@@ -57,21 +57,22 @@ that the backward recomputes the experts there (next paragraph).
 
 Two expert buffers (expert parallelism, model.moe.ep_buffer_factor = f > 0). A device receives n k rows on average
 (n tokens x top-k per device, for its E/P experts) but its sorted buffer is sized for the worst routing, W = P x
-peer_bound rows, 4 x the average for Mixtral at expert=4 (8 x at expert=8). The grouped GEMMs write zeros past the
-data, and the SwiGLU, the fp8 casts and their amax run over all W rows, forward and in the backward. So the experts
-run on a compact buffer of C = ceil(f n k) rows (plus the padding's room, in 256-row tiles) on every device whose
-rows with data fit, with one row to spare (sum of the padded group sizes < C), and on all W rows elsewhere: a
-per-device lax.cond with no collective inside, so devices may differ, and nothing is ever dropped (the metric
-moe_ep_overflow_frac is the share of devices and layers that ran W). A plain lax.cond would not pay: its backward
-saves the union of both branches' residuals, so the compact branch wrote zeros of the whole buffer's (W, F)
-activations (on 4 x H200 the DeepSeekMoE step ran 6% slower than with one buffer). `_either` is a custom VJP whose
-backward is one cond: its branch recomputes the experts' forward and transposes it, and the experts' combined
-output (n k, D) is saved under model.remat=save_matmuls, so the layer's rematerialization does not run them a third
-time: the experts' forward runs twice per step, as before, and the dispatch exchange once. On 4 x H200 at expert=4,
-fp8_rowwise, 4,096 tokens per GPU, f = 2: the 2-layer Mixtral step 215,800 -> 244,399 tokens/s (+13%, peak 21.06
--> 22.04 GiB), the 4-layer DeepSeekMoE step 230,700 -> 233,767 (+1.3%; its experts run bf16 and its buffer is only
-2 x the average at f = 2) (benchmarks/RESULTS.md, session 46). Under model.remat=none the experts' forward now
-runs twice where it ran once, for none of the (W, F) activations kept.
+peer_bound rows, W / (n k) = P min(k, E_l) / k: 4 at expert=4 for Mixtral and DeepSeekMoE, 8 for DeepSeekMoE at
+expert=8. The grouped GEMMs write zeros past the data, and the SwiGLU, the fp8 casts and their amax run over all W
+rows, forward and in the backward. So the experts run on a compact buffer of C = ceil(f n k) rows (plus the
+padding's room, in 256-row tiles) on every device whose rows with data fit, with one row to spare (sum of the padded
+group sizes < C), and on all W rows elsewhere: a per-device lax.cond with no collective inside, so devices may
+differ, and nothing is ever dropped (the metric moe_ep_overflow_frac is the share of devices and layers that ran W).
+A plain lax.cond would not pay: its backward saves the union of both branches' residuals, so the compact branch
+wrote zeros of the whole buffer's (W, F) activations (on 4 x H200 the DeepSeekMoE step ran 6% slower than with one
+buffer). `_either` is a custom VJP whose backward is one cond: its branch recomputes the experts' forward and
+transposes it, and the experts' combined output (n k, D) is saved under model.remat=save_matmuls, so the layer's
+rematerialization does not run them a third time: the experts' forward runs twice per step, as before, and the
+combine's exchange is no longer run again there. On 4 x H200 at expert=4, fp8_rowwise, 4,096 tokens per GPU, f = 2:
+the 2-layer Mixtral step 215,800 -> 244,399 tokens/s (+13%, peak 21.06 -> 22.04 GiB), the 4-layer DeepSeekMoE step
+230,700 -> 233,767 (+1.3%: its experts run bf16 there, so no row casts are saved, and they take a smaller share of
+its step) (benchmarks/RESULTS.md, session 46). Under model.remat=none the experts' forward now runs twice where it
+ran once, for none of the (W, F) activations kept.
 
 When the experts run fp8. Per expert with r rows, an fp8 recipe saves GEMM time ~ r K N and pays for casting
 the rows ~ r (K + N) and the weights ~ K N (the experts' GEMMs have (K, N) = (D, F) and (F, D)). Per row, the row
@@ -222,7 +223,7 @@ class ExpertFFN:
         return self.run(rows, local_expert, fan_out)[0]
 
     def run(self, rows: jax.Array, local_expert: jax.Array, fan_out: int = 1, compact: int = 0
-            ) -> tuple[jax.Array, jax.Array]:
+            ) -> tuple[jax.Array, jax.Array | None]:
         """`__call__`, and whether the rows overflowed the compact buffer (a bool scalar; None where there is no
         compact buffer: `compact` is 0 or not smaller than the whole one).
 

@@ -30,7 +30,8 @@ key/value width, F feed-forward width; tests/test_dry_run.py checks the trace ag
 A routed-expert layer under save_matmuls keeps, without expert parallelism, its three grouped GEMMs' outputs for
 every (token, expert) row, 2k (2F + D) bytes per token plus row padding; with expert parallelism only the experts'
 outputs once back home, 2kD bytes per token (with model.moe.ep_buffer_factor > 0, the default; with 0 nothing): the
-backward recomputes the experts, and the dispatch with them under 0 (mx_jax/dispatch.py, "Two expert buffers").
+backward recomputes the experts, and the combine's exchange with them under 0 (mx_jax/dispatch.py, "Two expert
+buffers").
 On top of what every layer keeps, the layer whose backward is running holds the rest of its intermediates (under
 remat, recomputed): the largest of (remat=none minus kept) over the stacks, counted once. With expert parallelism
 that includes the dispatch's receive buffers and the expert GEMMs run over them, sized for the worst routing
