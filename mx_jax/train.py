@@ -323,6 +323,12 @@ def _fmt_log(step: int, m: dict) -> str:
         per = [f"{k.split('/', 1)[1]} {v:.4f}" for k, v in m.items() if k.startswith("eval_loss/")]
         parts.append(f"eval {m['eval_loss']:.4f}" + (f" ({', '.join(per)})" if per else ""))
     parts += [f"gnorm {m['grad_norm']:.3f}", f"lr {m['lr']:.2e}"]
+    if "moe_max_over_mean_load" in m:  # the busiest expert's load over the mean, averaged over the MoE layers
+        parts.append(f"moe load max/mean {m['moe_max_over_mean_load']:.2f}")
+        if m.get("moe_dropped_frac"):
+            parts.append(f"dropped {100 * m['moe_dropped_frac']:.1f}%")
+        if m.get("moe_ep_overflow_frac"):  # devices x layers that ran the worst-case expert buffer (slower)
+            parts.append(f"ep overflow {100 * m['moe_ep_overflow_frac']:.0f}%")
     if "tokens_per_sec" in m:
         parts += [f"{m['tokens_per_sec']:,.0f} tok/s", f"{m['tflops_per_device']:.1f} TFLOP/s/dev"]
     if m.get("mfu") is not None:

@@ -570,6 +570,20 @@ def test_compact_expert_buffer_unless_a_device_receives_more(method, routing, mo
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
+def test_the_log_line_shows_the_routing():
+    """The console line of an MoE run shows the max/mean expert load, and the dropped share and the share of devices
+    and layers that overflowed the compact expert buffer only when they are not zero; a dense run shows none."""
+    from mx_jax.train import _fmt_log
+
+    base = {"loss": 2.5, "grad_norm": 0.5, "lr": 1e-3}
+    moe = {"moe_max_over_mean_load": 1.4204, "moe_dropped_frac": 0.0, "moe_ep_overflow_frac": 0.0}
+    assert "moe load max/mean 1.42" in _fmt_log(3, base | moe)
+    assert "dropped" not in _fmt_log(3, base | moe) and "overflow" not in _fmt_log(3, base | moe)
+    line = _fmt_log(3, base | moe | {"moe_dropped_frac": 0.0312, "moe_ep_overflow_frac": 0.25})
+    assert "dropped 3.1%" in line and "ep overflow 25%" in line
+    assert "moe" not in _fmt_log(3, base)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("routing, buffer_factor", [("skewed", 0.0), ("flooded", 2.0), ("random", 2.0)])
 def test_gpu_flat_dispatch_on_the_nvlink_kernel_equals_lax_and_one_device(routing, buffer_factor):
