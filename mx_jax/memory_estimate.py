@@ -144,6 +144,9 @@ def layer_residuals(cfg: TrainConfig, abstract_model: Llama, mesh: AbstractMesh)
         n_layers = jax.tree.leaves(state)[0].shape[0]
         kept = []
         for g, remat in ((graphdef, m.remat), (whole_graphdef, "none")):
+            if kept and whole is abstract_model and remat == m.remat:
+                kept.append(kept[0])  # remat=none and no compact buffer: the same trace
+                continue
             body = layer_body(g, positions, inv_freq, remat)
             with jax.sharding.use_abstract_mesh(mesh), compat.cudnn_shapes_only():
                 kept.append(per_device(compat.saved_residuals(body, x, layer)))

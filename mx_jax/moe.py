@@ -152,7 +152,7 @@ class MoE(nnx.Module):
                                                buffer_factor=m.ep_buffer_factor)
         stats = {"aux_loss": aux, "z_loss": z, "load": load, "dropped": dropped,
                  **{k: psum(traffic[k]) for k in ("rows_cross_node", "rows_intra_node")},
-                 # the share of devices whose expert group ran the worst-case receive buffer
+                 # the share of devices whose rows overflowed the compact expert buffer (they ran the whole one)
                  "ep_overflow": psum(traffic["overflow"]) / psum(jnp.float32(1))}
         return y.reshape(b, t, d), stats
 

@@ -202,8 +202,8 @@ def _moe_metrics(stats: dict) -> dict:
         "moe_z_loss": jnp.mean(stats["z_loss"]),
         "moe_dropped_frac": jnp.mean(stats["dropped"]),
         "moe_max_over_mean_load": jnp.mean(jnp.max(share, axis=-1) * share.shape[-1]),
-        # the share of MoE layers (and expert groups) whose routing overflowed expert parallelism's compact receive
-        # buffer and ran the worst-case one (model.moe.ep_buffer_factor)
+        # the share of MoE layers (and devices) whose rows overflowed expert parallelism's compact expert buffer
+        # and ran the worst-case one (model.moe.ep_buffer_factor)
         "moe_ep_overflow_frac": jnp.mean(stats["ep_overflow"]),
         "expert_load": jnp.mean(share, axis=0),  # (E,): share of assignments per expert, averaged over layers
     }
