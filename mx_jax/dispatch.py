@@ -43,6 +43,13 @@ written when the gathers-only form segfaulted XLA's GPU compiler; the cause was 
 `ExpertFFN.__call__`). On the worst-case receive buffers that form spent 15.5 ms a step in scatter/gather kernels
 at DeepSeekMoE's shape, gathers only 11.4: they took the 4-layer DeepSeekMoE step at expert=4 (its experts bf16)
 from 193,100 to 208,000 tokens/s and the bf16 Mixtral step at expert=4 from 178,900 to 184,800 (4 x H200, session 44).
+The exchanges fill their send buffers and bring the outputs home in row order the same way (`exchange`): each row's
+slot in the (peers, bound) send buffer and each slot's row are one map and its inverse, so packing is one gather
+from the tokens (a token is passed once, not repeated k times) and unpacking one gather, and their transposes are
+gathers. Packing by a scatter, an argsort gather and a repeat (with scatter-adds as their transposes) spent 9.3 ms
+of the 4-layer DeepSeekMoE step's 75.9 at expert=4 in scatter/gather kernels, 2.4 ms now; the step went from
+204,737 to 236,042 tokens/s (+15%) and the 2-layer Mixtral step from 215,946 to 229,992 (+6.5%), fp8_rowwise,
+4 x H100 (benchmarks/RESULTS.md, session 47).
 Under fp8_rowwise every expert's rows are padded with zero rows to a multiple of 64, so that the grad-weight casts
 read them in place (`ExpertFFN.align`).
 
@@ -403,23 +410,25 @@ def moved_together(bufs: dict[str, jax.Array], a2a: Callable[..., jax.Array], se
 
 def exchange(payload: dict[str, jax.Array], dest: jax.Array, group: Group, method: str, bound: int | None = None,
              a2a_impl: str = "auto") -> tuple[dict[str, jax.Array], jax.Array, Callable[[jax.Array], jax.Array]]:
-    """Send row i of every payload array to peer dest[i] (dest == group.size: not sent).
+    """Send row i of the exchange to peer dest[i] (dest == group.size: not sent).
 
+    The exchange has R = dest.shape[0] rows. A payload array may hold R / f rows for a whole f: row i of the
+    exchange then carries its row i // f (a token sent once per expert choice is passed once, not repeated).
     `bound` is the most rows any one peer can be sent (default: all of them, the worst case), so no row drops.
     Returns (received payloads (group.size * bound, ...), valid mask (group.size * bound,), back) where
-    back(out (group.size * bound, D)) returns each received row's output to its sender, as (rows, D) in the
-    original row order (zeros for rows that were not sent).
+    back(out (group.size * bound, D)) returns each received row's output to its sender, as (R, D) in the
+    exchange's row order (zeros for rows that were not sent).
+
+    The send buffers are filled and the outputs brought back in row order by gathers only, forward and backward
+    (`_gathered`, module doc).
     """
     n = group.size
     rows_in = dest.shape[0]
     a = rows_in if bound is None else bound
-    order = jnp.argsort(dest, stable=True)
-    dest_s = dest[order]
+    order = jnp.argsort(dest, stable=True).astype(jnp.int32)  # rows by peer, each peer's in row order
     sizes = jnp.bincount(dest, length=n + 1)[:n].astype(jnp.int32)
     starts = jnp.cumsum(sizes) - sizes
-    pos = jnp.arange(rows_in) - starts[jnp.minimum(dest_s, n - 1)]
-    sent = dest_s < n
-    sorted_payload = {k: v[order] for k, v in payload.items()}
+    at = jnp.zeros((rows_in,), jnp.int32).at[order].set(jnp.arange(rows_in, dtype=jnp.int32))  # row -> sorted
 
     def a2a(x, split_axis=0, concat_axis=0, tiled=False, rows=None):
         if group.groups is None and not tiled:  # the whole axis: the NVLink kernel where it applies
@@ -429,45 +438,79 @@ def exchange(payload: dict[str, jax.Array], dest: jax.Array, group: Group, metho
                                   axis_index_groups=group.groups)
 
     if method == "dense":
-        def pack(v, fill):
-            buf = jnp.full((n, a) + v.shape[1:], fill, v.dtype)
-            return buf.at[dest_s, pos].set(v, mode="drop")  # unsent rows (dest_s == n) fall outside and drop
-
-        bufs = {k: pack(v, 0) for k, v in sorted_payload.items()} | {_VALID: pack(sent, False)}
+        # row -> slot p a + j of the (n, a) send buffer (-1: not sent), and slot -> row (-1: padding)
+        rank = at - starts[jnp.minimum(dest, n - 1)]
+        sent = (dest < n) & (rank < a)
+        slot = jnp.where(sent, dest * a + rank, -1)
+        j = jnp.arange(a, dtype=jnp.int32)
+        held = j[None, :] < jnp.minimum(sizes, a)[:, None]  # (n, a): the slots that hold a row, a prefix per peer
+        row = jnp.where(held, order[jnp.minimum(starts[:, None] + j[None, :], rows_in - 1)], -1).reshape(-1)
+        bufs = {k: _gathered(v, row, slot, held.reshape(-1)).reshape((n, a) + v.shape[1:])
+                for k, v in payload.items()} | {_VALID: held}
         # the hidden states move only the rows each peer is sent (the rest arrive as zeros, as packed)
         moved, counts = moved_together(bufs, a2a, sent=sizes)  # counts: (sent to, received from) each peer
-        recv = {k: moved[k].reshape((n * a,) + v.shape[1:]) for k, v in sorted_payload.items()}
+        recv = {k: moved[k].reshape((n * a,) + v.shape[1:]) for k, v in payload.items()}
         valid = moved[_VALID].reshape(n * a)
 
         def back(out):  # a row returns only where one arrived (the rest of `out` is zero: padding and dropped rows)
             ret = a2a(out.reshape((n, a) + out.shape[1:]), rows=counts[::-1])
-            rows = ret.at[dest_s, pos].get(mode="fill", fill_value=0)
-            return jnp.zeros_like(rows).at[order].set(rows, unique_indices=True)
+            return _gathered(ret.reshape((n * a,) + out.shape[1:]), slot, row, sent)
 
         return recv, valid, back
 
     # ragged: offsets of my chunk in each peer's receive buffer come from an exchange of the sizes.
+    sent = dest < n
+    sorted_payload = {k: _gathered(v, order, at, jnp.ones((rows_in,), bool)) for k, v in payload.items()}
     recv_sizes = a2a(sizes, tiled=True)
     recv_off = (jnp.cumsum(recv_sizes) - recv_sizes).astype(jnp.int32)
     out_off = a2a(recv_off, tiled=True)
     in_off = starts.astype(jnp.int32)
 
-    def ragged(x, out_buf, in_o, send, out_o, recv):
-        return jax.lax.ragged_all_to_all(x, out_buf, in_o, send, out_o, recv, axis_name=group.axis,
-                                         axis_index_groups=group.groups)
-
-    recv = {k: ragged(v, jnp.zeros((n * a,) + v.shape[1:], v.dtype), in_off, sizes, out_off, recv_sizes)
-            for k, v in sorted_payload.items()}
-    valid = jnp.arange(n * a) < jnp.sum(recv_sizes)
     peer_in_off = a2a(in_off, tiled=True)  # where each sender's chunk for me sat in its send buffer
+    there = (in_off, sizes, out_off, recv_sizes)  # (input offsets, send sizes, output offsets, receive sizes)
+    home = (recv_off, recv_sizes, peer_in_off, sizes)  # the same exchange reversed
+
+    def ragged(rows_out: int, rows_back: int) -> Callable:
+        """x (rows_back, ...) moved `way` into a zero (rows_out, ...) buffer. Its transpose is the reverse exchange:
+        JAX's own transpose of ragged_all_to_all ignores axis_index_groups (it all-to-alls the offsets over the
+        whole axis), so the hierarchical rail stage could not be differentiated."""
+
+        @jax.custom_vjp
+        def move(x, way, reverse):
+            return jax.lax.ragged_all_to_all(x, jnp.zeros((rows_out,) + x.shape[1:], x.dtype), *way,
+                                             axis_name=group.axis, axis_index_groups=group.groups)
+
+        def bwd(res, ct):
+            way, reverse = res
+            return ragged(rows_back, rows_out)(ct, reverse, way), None, None
+
+        move.defvjp(lambda x, way, reverse: (move(x, way, reverse), (way, reverse)), bwd)
+        return move
+
+    recv = {k: ragged(n * a, rows_in)(v, there, home) for k, v in sorted_payload.items()}
+    valid = jnp.arange(n * a) < jnp.sum(recv_sizes)
 
     def back(out):
-        rows = ragged(out, jnp.zeros((rows_in,) + out.shape[1:], out.dtype), recv_off, recv_sizes, peer_in_off,
-                      sizes)
-        rows = jnp.where(sent[:, None], rows, 0)
-        return jnp.zeros_like(rows).at[order].set(rows, unique_indices=True)
+        return _gathered(ragged(rows_in, n * a)(out, home, there), at, order, sent)
 
     return recv, valid, back
+
+
+def _gathered(v: jax.Array, src: jax.Array, back: jax.Array, keep: jax.Array) -> jax.Array:
+    """Row i of the result is v[src[i] // f] where keep[i], else zeros (src[i] is then ignored). src indexes a space
+    of R = back.shape[0] rows of which v holds every f-th (f = R / v.shape[0]: a row repeated f times is passed
+    once); `back` (R,) maps each of those rows to the result row that reads it (-1: none), the inverse of src. The
+    transpose is then a gather too (`take_rows`); non-floating payloads carry no gradient and are gathered plainly."""
+    f = back.shape[0] // v.shape[0]
+    if f * v.shape[0] != back.shape[0]:
+        raise ValueError(f"dispatch: a payload of {v.shape[0]} rows for an exchange of {back.shape[0]}")
+    flat = v.reshape(v.shape[0], -1)
+    src = jnp.where(keep, src // f, 0)
+    if jnp.issubdtype(v.dtype, jnp.floating):
+        got = take_rows(flat, src, back.reshape(v.shape[0], f))
+    else:
+        got = jnp.take(flat, src, axis=0)
+    return jnp.where(keep[:, None], got, jnp.zeros((), v.dtype)).reshape((src.shape[0],) + v.shape[1:])
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -567,7 +610,7 @@ def _flat(x, eid, ffn: ExpertFFN, axis: str, gpus_per_node: int, how: str, a2a_i
     flat_e = eid.reshape(-1)
     dest = jnp.where(flat_e >= 0, flat_e // e_l, n_dev)
     how = pick_exchange(how, n_dev)
-    recv, valid, back = exchange({"x": jnp.repeat(x, k, axis=0), "e": flat_e % e_l}, dest, Group(axis, n_dev), how,
+    recv, valid, back = exchange({"x": x, "e": flat_e % e_l}, dest, Group(axis, n_dev), how,
                                  bound=peer_bound(n, k, e_l, capacity), a2a_impl=a2a_impl)
     y, overflow = ffn.run(recv["x"], jnp.where(valid, recv["e"], e_l), compact=compact_rows(n, k, buffer_factor))
     out, overflow = _home(back(y), overflow, ffn.scanned)
@@ -592,8 +635,7 @@ def _hierarchical(x, eid, g, ffn: ExpertFFN, axis: str, gpus_per_node: int, how:
     node_of = jnp.where(eid >= 0, (eid // e_l) // l, n_nodes)  # (n,k)
     need = jnp.any(node_of[:, :, None] == jnp.arange(n_nodes)[None, None, :], axis=1)  # (n, N)
     dest1 = jnp.where(need, jnp.arange(n_nodes)[None, :], n_nodes).reshape(-1)  # row i = token i // N, node i % N
-    payload1 = {"x": jnp.repeat(x, n_nodes, axis=0), "e": jnp.repeat(eid, n_nodes, axis=0),
-                "g": jnp.repeat(g.astype(jnp.float32), n_nodes, axis=0)}
+    payload1 = {"x": x, "e": eid, "g": g.astype(jnp.float32)}  # each row stands for its N rows (`exchange`)
     # (N n, ...): the tokens that need my node
     recv1, valid1, back1 = exchange(payload1, dest1, rail, pick_exchange(how, n_nodes), bound=n, a2a_impl=a2a_impl)
     # Stage 2 (node): one row per (received token, its expert on this node) to the expert's GPU.
@@ -602,7 +644,7 @@ def _hierarchical(x, eid, g, ffn: ExpertFFN, axis: str, gpus_per_node: int, how:
     dest2 = jnp.where(mine, (e2 // e_l) % l, l)
     # A node peer gets rows from my N rail sources' tokens, each source's within its own bound.
     bound2 = n_nodes * peer_bound(n, k, e_l, capacity)
-    recv2, valid2, back2 = exchange({"x": jnp.repeat(recv1["x"], k, axis=0), "e": e2 % e_l}, dest2, node,
+    recv2, valid2, back2 = exchange({"x": recv1["x"], "e": e2 % e_l}, dest2, node,
                                     pick_exchange(how, l), bound=bound2, a2a_impl=a2a_impl)
     y2, overflow = ffn.run(recv2["x"], jnp.where(valid2, recv2["e"], e_l), compact=compact_rows(n, k, buffer_factor))
     out2, overflow = _home(back2(y2), overflow, ffn.scanned)  # (N n k, D); zero where not mine

@@ -125,6 +125,41 @@ def test_dispatch_traffic_matches_fabric_accounting(method, gpus_per_node):
     np.testing.assert_allclose(np.asarray(y), np.asarray(ref), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("method", ["flat", "hierarchical"])
+def test_dispatch_moves_rows_by_gathers_only(method):
+    """The forward and backward of the expert-parallel dispatch scatter no rows: the exchanges fill their send
+    buffers and bring the outputs home by gathers whose transposes are gathers (dispatch.exchange), and the experts
+    sort likewise. What is left are the 1-D int32 index maps (each row's slot, each slot's row)."""
+    import re
+
+    from jax.sharding import PartitionSpec as P
+
+    from mx_jax import dispatch
+
+    n_dev, n_experts, n_tok, k, d, f = 8, 16, 6, 4, 8, 4
+    rng = np.random.default_rng(7)
+    idx = jnp.asarray(np.stack([rng.choice(n_experts, k, replace=False) for _ in range(n_dev * n_tok)]), jnp.int32)
+    x = jnp.asarray(rng.standard_normal((n_dev * n_tok, d)), jnp.float32)
+    g = jnp.full(idx.shape, 1.0 / k, jnp.float32)
+    w = [jnp.zeros(s, jnp.float32) for s in ((n_experts, d, f), (n_experts, d, f), (n_experts, f, d))]
+    mesh = sharding.make_mesh(MeshConfig(fsdp=1, expert=8))
+
+    def body(x, idx, g, w1, w2, w3):
+        y, _ = dispatch.dispatch_combine(x, idx, g, jnp.ones(idx.shape, bool), dispatch.ExpertFFN(w1, w2, w3, "bf16",
+                                         "xla"), axis="expert", method=method, gpus_per_node=4)
+        return jnp.sum(y ** 2, keepdims=True)[None]
+
+    tok, wspec = P("expert"), P("expert", None, None)
+    f_ = jax.shard_map(body, mesh=mesh, in_specs=(tok, tok, tok, wspec, wspec, wspec), out_specs=tok,
+                       check_vma=False)
+    with jax.set_mesh(mesh):
+        hlo = jax.jit(jax.grad(lambda x, g, *w: jnp.sum(f_(x, idx, g, *w)), argnums=(0, 1, 2, 3, 4))).lower(
+            x, g, *w).as_text(dialect="hlo")
+    scatters = re.findall(r"= (\w+)\[([\d,]*)\]\S* scatter\(", hlo)
+    assert scatters  # the index maps: the pattern finds scatters in this text
+    assert all(dtype == "s32" and "," not in dims for dtype, dims in scatters), scatters
+
+
 @pytest.mark.parametrize("d", [6, 160])  # hidden rows packed with the metadata, or (wide) moved on their own
 def test_payloads_move_together_as_separately(d):
     """moved_together (the small arrays packed as 32-bit words into one exchange) equals one lax.all_to_all per
@@ -649,3 +684,53 @@ def test_gpu_flat_dispatch_on_the_nvlink_kernel_equals_lax_and_one_device(routin
                                     dispatch.ExpertFFN(*w, "bf16", "xla"), axis=None)[0]
     np.testing.assert_allclose(y_kernel, np.asarray(ref.astype(jnp.float32)), rtol=2e-2, atol=2e-2)
     assert np.all(np.isfinite(y_kernel)) and np.abs(grads_kernel[0]).sum() > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("method", ["flat", "hierarchical"])
+def test_gpu_ragged_exchange_equals_the_dense_one(method):
+    """The ragged exchange (lax.ragged_all_to_all, chosen on GPU for groups of more than 8 peers; XLA:CPU cannot run
+    it) gives the dense exchange's outputs and gradients, flat and hierarchical (2 GPUs per node, so the rail
+    stage's groups are strided), with a device whose tokens all stay home."""
+    from jax.sharding import PartitionSpec as P
+
+    from mx_jax import dispatch
+
+    gpus = jax.devices("gpu")
+    n_dev = len(gpus) - len(gpus) % 2
+    if n_dev < 2 or (method == "hierarchical" and n_dev < 4):
+        pytest.skip(f"needs >= {2 if method == 'flat' else 4} GPUs in this process")
+    e_l, n_tok, k, d, f = 2, 128, 2, 256, 128
+    rng = np.random.default_rng(5)
+    idx = np.stack([rng.choice(n_dev * e_l, k, replace=False) for _ in range(n_dev * n_tok)]).astype(np.int32)
+    idx[:n_tok] = [0, 1]  # device 0's tokens choose its own experts
+    x = jnp.asarray(rng.standard_normal((n_dev * n_tok, d)), jnp.float32)
+    g = jnp.asarray(rng.uniform(0.2, 0.8, idx.shape), jnp.float32)
+    w = [jnp.asarray(rng.standard_normal(s) * 0.05, jnp.float32) for s in
+         ((n_dev * e_l, d, f), (n_dev * e_l, d, f), (n_dev * e_l, f, d))]
+    mesh = jax.make_mesh((n_dev,), ("expert",), axis_types=(jax.sharding.AxisType.Auto,), devices=gpus[:n_dev])
+
+    def run(exchange):
+        def body(x, idx, g, w1, w2, w3):
+            y, _ = dispatch.dispatch_combine(x, idx, g, jnp.ones(idx.shape, bool),
+                                             dispatch.ExpertFFN(w1, w2, w3, "bf16", "xla"), axis="expert",
+                                             method=method, gpus_per_node=2, exchange_method=exchange)
+            return jnp.sum(y ** 2, keepdims=True)[None], y
+
+        tok, wspec = P("expert"), P("expert", None, None)
+        f_ = jax.shard_map(body, mesh=mesh, in_specs=(tok, tok, tok, wspec, wspec, wspec), out_specs=(tok, tok),
+                           check_vma=False)
+
+        def loss(x, g, *w):
+            s, y = f_(x, jnp.asarray(idx), g, *w)
+            return jnp.sum(s), y
+
+        (_, y), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True))(x, g, *w)
+        return np.asarray(y), [np.asarray(v) for v in grads]
+
+    y_dense, grads_dense = run("dense")
+    y_ragged, grads_ragged = run("ragged")
+    np.testing.assert_allclose(y_ragged, y_dense, rtol=1e-5, atol=1e-6)
+    for a, b in zip(grads_ragged, grads_dense, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+    assert np.abs(y_dense).sum() > 0 and np.abs(grads_dense[0]).sum() > 0
