@@ -55,9 +55,11 @@ class IdentityExperts:
     """Stands in for ExpertFFN: returns each row unchanged (padding rows zero), so only the exchange is timed."""
 
     n_local: int
+    scanned: bool = False
 
-    def __call__(self, rows, local_expert):
-        return jnp.where((local_expert < self.n_local)[:, None], rows, 0)
+    def run(self, rows, local_expert, fan_out: int = 1, compact: int = 0):
+        """ExpertFFN.run's contract: (outputs, overflow flag); one buffer here, so the flag is None."""
+        return jnp.where((local_expert < self.n_local)[:, None], jnp.repeat(rows, fan_out, axis=0), 0), None
 
 
 def looped(f, loop: int):

@@ -448,7 +448,7 @@ def exchange(payload: dict[str, jax.Array], dest: jax.Array, group: Group, metho
         bufs = {k: _gathered(v, row, slot, held.reshape(-1)).reshape((n, a) + v.shape[1:])
                 for k, v in payload.items()} | {_VALID: held}
         # the hidden states move only the rows each peer is sent (the rest arrive as zeros, as packed)
-        moved, counts = moved_together(bufs, a2a, sent=sizes)  # counts: (sent to, received from) each peer
+        moved, counts = moved_together(bufs, a2a, sent=jnp.minimum(sizes, a))  # (sent to, received from) each peer
         recv = {k: moved[k].reshape((n * a,) + v.shape[1:]) for k, v in payload.items()}
         valid = moved[_VALID].reshape(n * a)
 
