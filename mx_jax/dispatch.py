@@ -460,7 +460,7 @@ def exchange(payload: dict[str, jax.Array], dest: jax.Array, group: Group, metho
 
     # ragged: offsets of my chunk in each peer's receive buffer come from an exchange of the sizes.
     sent = dest < n
-    sorted_payload = {k: _gathered(v, order, at, jnp.ones((rows_in,), bool)) for k, v in payload.items()}
+    sorted_payload = {k: _gathered(v, order, at) for k, v in payload.items()}
     recv_sizes = a2a(sizes, tiled=True)
     recv_off = (jnp.cumsum(recv_sizes) - recv_sizes).astype(jnp.int32)
     out_off = a2a(recv_off, tiled=True)
@@ -496,21 +496,24 @@ def exchange(payload: dict[str, jax.Array], dest: jax.Array, group: Group, metho
     return recv, valid, back
 
 
-def _gathered(v: jax.Array, src: jax.Array, back: jax.Array, keep: jax.Array) -> jax.Array:
-    """Row i of the result is v[src[i] // f] where keep[i], else zeros (src[i] is then ignored). src indexes a space
-    of R = back.shape[0] rows of which v holds every f-th (f = R / v.shape[0]: a row repeated f times is passed
-    once); `back` (R,) maps each of those rows to the result row that reads it (-1: none), the inverse of src. The
-    transpose is then a gather too (`take_rows`); non-floating payloads carry no gradient and are gathered plainly."""
+def _gathered(v: jax.Array, src: jax.Array, back: jax.Array, keep: jax.Array | None = None) -> jax.Array:
+    """Row i of the result is v[src[i] // f] where keep[i] (None: everywhere), else zeros (src[i] is then ignored).
+    src indexes a space of R = back.shape[0] rows of which v holds every f-th (f = R / v.shape[0]: a row repeated f
+    times is passed once); `back` (R,) maps each of those rows to the result row that reads it (-1: none), the
+    inverse of src. The transpose is then a gather too (`take_rows`); non-floating payloads carry no gradient and
+    are gathered plainly."""
     f = back.shape[0] // v.shape[0]
     if f * v.shape[0] != back.shape[0]:
         raise ValueError(f"dispatch: a payload of {v.shape[0]} rows for an exchange of {back.shape[0]}")
     flat = v.reshape(v.shape[0], -1)
-    src = jnp.where(keep, src // f, 0)
+    src = src // f if keep is None else jnp.where(keep, src // f, 0)
     if jnp.issubdtype(v.dtype, jnp.floating):
         got = take_rows(flat, src, back.reshape(v.shape[0], f))
     else:
         got = jnp.take(flat, src, axis=0)
-    return jnp.where(keep[:, None], got, jnp.zeros((), v.dtype)).reshape((src.shape[0],) + v.shape[1:])
+    if keep is not None:
+        got = jnp.where(keep[:, None], got, jnp.zeros((), v.dtype))
+    return got.reshape((src.shape[0],) + v.shape[1:])
 
 
 # ---------------------------------------------------------------------------------------------------------------
