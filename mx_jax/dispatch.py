@@ -141,6 +141,11 @@ def _take_rows_bwd(back, dout):
 take_rows.defvjp(_take_rows_fwd, _take_rows_bwd)
 
 
+def _inverse(order: jax.Array) -> jax.Array:
+    """The inverse of a permutation (int32): inverse[order[i]] = i (a 1-D int scatter, cheap beside the rows)."""
+    return jnp.zeros(order.shape, jnp.int32).at[order].set(jnp.arange(order.shape[0], dtype=jnp.int32))
+
+
 def _room(rows: int, n_local: int, align: int) -> int:
     """Rows of a sorted expert buffer for `rows` assignments: room for every expert's padding to `align`, rounded
     up to the grouped-GEMM kernels' 256-row tiles (the tail outputs zero)."""
@@ -255,7 +260,7 @@ class ExpertFFN:
         ids = local_expert if r_pad == r else jnp.concatenate(
             [local_expert, jnp.full((r_pad - r,), e, local_expert.dtype)])
         order = jnp.argsort(ids, stable=True).astype(jnp.int32)  # sorted -> assignment (>= r: the tail)
-        rank = jnp.zeros((r_pad,), jnp.int32).at[order].set(jnp.arange(r_pad, dtype=jnp.int32))[:r]
+        rank = _inverse(order)[:r]
         shift = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(sizes - counts)])  # padding before expert
         pos = rank + shift[local_expert]  # assignment -> row of the expert layout
         src = jnp.full((r_pad,), r, jnp.int32).at[pos].set(jnp.arange(r, dtype=jnp.int32))  # row -> assignment
@@ -428,7 +433,7 @@ def exchange(payload: dict[str, jax.Array], dest: jax.Array, group: Group, metho
     order = jnp.argsort(dest, stable=True).astype(jnp.int32)  # rows by peer, each peer's in row order
     sizes = jnp.bincount(dest, length=n + 1)[:n].astype(jnp.int32)
     starts = jnp.cumsum(sizes) - sizes
-    at = jnp.zeros((rows_in,), jnp.int32).at[order].set(jnp.arange(rows_in, dtype=jnp.int32))  # row -> sorted
+    at = _inverse(order)  # row -> sorted position
 
     def a2a(x, split_axis=0, concat_axis=0, tiled=False, rows=None):
         if group.groups is None and not tiled:  # the whole axis: the NVLink kernel where it applies
