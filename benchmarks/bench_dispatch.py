@@ -18,9 +18,10 @@ Paths (each timed as --loop round trips inside one jit, divided by --loop; media
                        the rows each peer is sent), else lax.all_to_all
   ragged exchange      mx_jax.dispatch.exchange "ragged": lax.ragged_all_to_all, exact sizes, worst-case buffer
 Then the full dispatch_combine (flat vs hierarchical, P GPUs read as 2 nodes x P/2) for a top-k routing with an
-identity expert, its cross-node/intra-node rows, and a check that every path returns x. Its exchanges: "dense"
-(the NVLink kernel on the flat path's whole axis, sent rows only), "dense-xla" (the same worst-case buffers, every
-row moved by lax.all_to_all: the best non-custom path) and "ragged".
+identity expert, its cross-node/intra-node rows, and a check that every path returns x. Its exchanges: "land"
+(flat only: each row written by the row kernel straight to its place in the expert device's sorted buffer, and
+read back from there), "dense" (the NVLink kernel on the flat path's whole axis, sent rows only), "dense-xla" (the
+same worst-case buffers, every row moved by lax.all_to_all: the best non-custom path) and "ragged".
 """
 
 from __future__ import annotations
@@ -56,10 +57,15 @@ class IdentityExperts:
 
     n_local: int
     scanned: bool = False
+    align: int = 1
 
     def run(self, rows, local_expert, fan_out: int = 1, compact: int = 0):
         """ExpertFFN.run's contract: (outputs, overflow flag); one buffer here, so the flag is None."""
         return jnp.where((local_expert < self.n_local)[:, None], jnp.repeat(rows, fan_out, axis=0), 0), None
+
+    def run_landed(self, xs, sizes, compact: int = 0):
+        """ExpertFFN.run_landed's contract: the rows arrived sorted, with zeros past the data."""
+        return xs, None
 
 
 def looped(f, loop: int):
@@ -197,10 +203,12 @@ def dispatch_paths(mesh, n_dev: int, tokens: int, hidden: int, n_experts: int, t
     out = {}
     # (exchange, all_to_all impl): "dense" on the whole axis runs the NVLink kernel where it applies, which moves
     # only the rows each peer sent; "dense-xla" moves the same padded buffers, all of them, with lax.all_to_all.
-    exchanges = [("dense", "auto"), ("dense-xla", "xla"), ("ragged", "auto")] if jax.default_backend() == "gpu" \
-        else [("dense", "auto")]
+    exchanges = [("land", "auto"), ("dense", "auto"), ("dense-xla", "xla"), ("ragged", "auto")] \
+        if jax.default_backend() == "gpu" else [("land", "xla"), ("dense", "auto")]
     for method in ("flat", "hierarchical"):
         for how, impl in exchanges:
+            if how == "land" and method != "flat":
+                continue
             def f(x, idx, g):
                 y, t = dispatch.dispatch_combine(x, idx, g, jnp.ones(idx.shape, bool), experts, axis="expert",
                                                  method=method, gpus_per_node=max(1, n_dev // 2),

@@ -111,7 +111,7 @@ MGPU_TILE_QUEUE = JAX_VERSION >= (0, 11, 0)
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Pallas Mosaic-GPU collective kernels: NVLink all-to-all (pallas_kernels/all_to_all.py)
+# Pallas Mosaic-GPU collective kernels: NVLink all-to-all and row exchange (pallas_kernels/all_to_all.py, ...)
 # ---------------------------------------------------------------------------------------------------------------
 # - A kernel that writes into peers' memory (plgpu.remote_ref, remote semaphore_signal) runs on XLA's collective
 #   metadata path. jaxlib 0.11.2's `mosaic_gpu_v2` handler launches a multi-GPU barrier on the stream before each
@@ -120,6 +120,9 @@ MGPU_TILE_QUEUE = JAX_VERSION >= (0, 11, 0)
 #   kernel's first remote write is safe only behind that barrier; it is not checked for jax 0.10.2 (CPU only
 #   here, and 0.10.2 emits no such attribute), so impl="pallas" refuses there.
 MGPU_COLLECTIVE_PRELAUNCH_BARRIER = JAX_VERSION >= (0, 11, 0)
+# - Bulk copies from a peer's memory into SMEM (plgpu.remote_ref as a copy's source: pallas_kernels/row_exchange.py,
+#   "pull") need jaxlib 0.11.1 (jax/_src/pallas/mosaic_gpu/primitives.py raises NotImplementedError before it).
+MGPU_REMOTE_LOAD = JAX_VERSION >= (0, 11, 1)
 
 
 # ---------------------------------------------------------------------------------------------------------------

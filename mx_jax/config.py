@@ -60,8 +60,13 @@ class MoEConfig:
     # average (tokens x top_k), where its rows fit; a device that receives more runs the worst-case buffer (slower;
     # no row is dropped; metric moe_ep_overflow_frac). 0 = always the worst case (dispatch.py: "Two expert buffers").
     ep_buffer_factor: float = 2.0
-    all_to_all: Literal["auto", "pallas", "xla"] = "auto"  # the dense exchange over the whole expert axis: the NVLink
-    # Mosaic-GPU kernel (pallas_kernels/all_to_all.py) where it applies, or lax.all_to_all (NCCL)
+    # How a flat dispatch moves the rows (mx_jax/dispatch.py): "land" writes each row straight to its place in the
+    # expert device's buffer sorted by expert and reads the outputs back from there (pallas_kernels/row_exchange.py);
+    # "dense" pads each peer's chunk to the worst case; "ragged" is lax.ragged_all_to_all. "auto": land where its
+    # NVLink kernel runs (one process holding the GPUs of the expert axis), else dense up to 8 peers, else ragged.
+    exchange: Literal["auto", "dense", "ragged", "land"] = "auto"
+    all_to_all: Literal["auto", "pallas", "xla"] = "auto"  # the NVLink kernels of the exchanges over the whole expert
+    # axis (pallas_kernels/all_to_all.py, row_exchange.py) where they apply, or XLA's collectives (NCCL)
     impl: Literal["auto", "pallas", "xla", "reference"] = "auto"
 
 
@@ -430,6 +435,8 @@ def validate(cfg: TrainConfig) -> None:
         _check((m.n_layers - e.n_dense_first) % e.every_n_layers == 0, "model.moe.every_n_layers",
                f"must divide the {m.n_layers - e.n_dense_first} layers after model.moe.n_dense_first")
         _check(e.gpus_per_node >= 1, "model.moe.gpus_per_node", f"must be >= 1, got {e.gpus_per_node}")
+        _check(not (e.exchange == "land" and e.dispatch == "hierarchical"), "model.moe.exchange",
+               "'land' is for model.moe.dispatch=flat (the hierarchical stages exchange dense or ragged)")
         _check(e.capacity_factor == 0 or e.capacity_factor >= 1, "model.moe.capacity_factor",
                f"must be 0 (dropless) or >= 1, got {e.capacity_factor}")
         _check(e.ep_buffer_factor == 0 or e.ep_buffer_factor >= 1, "model.moe.ep_buffer_factor",

@@ -110,6 +110,7 @@ import jax.numpy as jnp
 
 from mx_jax import grouped_linear
 from mx_jax.layers import saved_output, swiglu
+from pallas_kernels import row_exchange
 from pallas_kernels.all_to_all import all_to_all
 
 
@@ -278,6 +279,30 @@ class ExpertFFN:
         fits = jnp.sum(sizes) < small  # (<: the compact buffer's last row is always padding, see _sorted)
         y = _either(fits, functools.partial(self._sorted, small), functools.partial(self._sorted, r_pad), diff, rest)
         return y, ~fits
+
+    def run_landed(self, xs: jax.Array, sizes: jax.Array, compact: int = 0) -> tuple[jax.Array, jax.Array | None]:
+        """`run` on rows that arrived already sorted by expert (the "land" exchange): xs (W, D) holds expert e's
+        rows (padded to `align` with zero rows) at [sum(sizes[:e]), sum(sizes[:e + 1])) and zeros after them;
+        sizes (E_l,) the padded group sizes. Returns the experts' outputs in the same rows (zero past the data)
+        and the overflow flag as `run` (the compact buffer is the first rows of xs)."""
+        w = xs.shape[0]
+        diff = (xs, self.w_gate, self.w_up, self.w_down)
+        rest = (sizes, self.operands)
+        small = _room(compact, self.n_local, self.align) if compact > 0 else w
+        if small >= w:
+            return self._landed(w, diff, rest), None
+        fits = jnp.sum(sizes) <= small
+        y = _either(fits, functools.partial(self._landed, small), functools.partial(self._landed, w), diff, rest)
+        return y, ~fits
+
+    def _landed(self, n_rows: int, diff: tuple, rest: tuple) -> jax.Array:
+        xs, w_gate, w_up, w_down = diff
+        sizes, operands = rest
+        ffn = dataclasses.replace(self, w_gate=w_gate, w_up=w_up, w_down=w_down, operands=operands)
+        if n_rows == xs.shape[0]:
+            return ffn._swiglu(xs, sizes, self.align)
+        ys = ffn._swiglu(xs[:n_rows], sizes, self.align)  # (the rows past them are never read back)
+        return jnp.pad(ys, ((0, xs.shape[0] - n_rows), (0, 0)))
 
     def _sorted(self, n_rows: int, diff: tuple, rest: tuple) -> jax.Array:
         """The experts on a sorted buffer of n_rows rows (all of them, or the compact buffer when the data fits)."""
@@ -522,6 +547,99 @@ def _gathered(v: jax.Array, src: jax.Array, back: jax.Array, keep: jax.Array | N
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# Landing: each row written straight to its place in the expert device's sorted buffer, and read back from there
+
+
+@dataclasses.dataclass(frozen=True)
+class Landing:
+    """Where every assignment of this device goes (module doc, "land"), as the row kernels' work lists.
+
+    out: this device's assignments (row i = token i // k, choice i % k), the live ones first, each to row `dst` of
+    its expert device's sorted buffer; `zero` lists this device's buffer rows that no assignment fills (each
+    expert's padding to `align`, and the tail). back: the same assignments read back from those rows into row i
+    of an (n k, D) array; `zero` lists the assignments that are not live (dropped by capacity). sizes (E_l,): the
+    padded group sizes of this device's buffer."""
+
+    out: row_exchange.Items
+    back: row_exchange.Items
+    sizes: jax.Array
+    rows: int  # W, the sorted buffer's rows
+    fan_out: int  # k
+
+
+jax.tree_util.register_dataclass(Landing, data_fields=["out", "back", "sizes"], meta_fields=["rows", "fan_out"])
+
+
+def landing(eid: jax.Array, axis: str, n_local: int, align: int, rows: int) -> Landing:
+    """The plan for eid (n, k) (global expert ids, -1: dropped) over the P devices of `axis`, each owning n_local
+    experts, into sorted buffers of `rows` rows. Every device learns how many rows every device sends to each
+    expert (one all_gather of P x E ints); expert e's group on device q starts at the padded sizes of q's lower
+    experts, and inside it sender s's rows follow those of senders < s, each sender's in row order: the order
+    `ExpertFFN.run` sorts the dense exchange's receive buffer into."""
+    n, k = eid.shape
+    n_dev, me = jax.lax.axis_size(axis), jax.lax.axis_index(axis)
+    n_exp = n_dev * n_local
+    flat = eid.reshape(-1)
+    live = flat >= 0
+    ge = jnp.where(live, flat, n_exp)
+    per = jnp.bincount(ge, length=n_exp + 1).astype(jnp.int32)
+    sent = jax.lax.all_gather(per[:n_exp].reshape(n_dev, n_local), axis)  # (senders, devices, experts)
+    got = jnp.sum(sent, axis=0)  # (devices, experts): rows each device receives per expert
+    padded = got + (-got % align)
+    start = jnp.cumsum(padded, axis=1) - padded  # each group's first row
+    lower = (jnp.cumsum(sent, axis=0) - sent)[me]  # (devices, experts): rows lower senders put in my groups first
+    rank = _inverse(jnp.argsort(ge, stable=True).astype(jnp.int32)) - (jnp.cumsum(per) - per)[ge]
+    peer, e = jnp.minimum(ge // n_local, n_dev - 1), ge % n_local
+    dst = (start + lower)[peer, e] + rank
+    # the live assignments first, in row order (consecutive items go to different peers)
+    order = jnp.argsort(~live, stable=True).astype(jnp.int32)
+    n_live = jnp.sum(live, dtype=jnp.int32)
+    # this device's buffer: a row holds data iff it lies in its group's first got[e] rows
+    r = jnp.arange(rows, dtype=jnp.int32)
+    mine_start, mine_got = start[me], got[me]
+    group = jnp.minimum(jnp.sum(r[:, None] >= mine_start[None, :], axis=1) - 1, n_local - 1)
+    data = (r >= mine_start[group]) & (r < mine_start[group] + mine_got[group])
+    n_data = jnp.sum(mine_got, dtype=jnp.int32)
+    zero_out = jnp.nonzero(~data, size=rows, fill_value=0)[0].astype(jnp.int32)
+    zero_back = jnp.nonzero(~live, size=n * k, fill_value=0)[0].astype(jnp.int32)
+    dst_o, peer_o = dst[order], peer[order]
+    out = row_exchange.Items(order // k, peer_o, dst_o, n_live, zero_out, rows - n_data)
+    back = row_exchange.Items(dst_o, peer_o, order, n_live, zero_back, n * k - n_live)
+    return Landing(out, back, padded[me], rows, k)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def land(x: jax.Array, plan: Landing, axis: str, impl: str = "auto") -> jax.Array:
+    """The tokens x (n, D) in the expert devices' sorted buffers (W, D); its transpose reads each assignment's
+    cotangent back (`fetch`'s items) and sums the k of each token."""
+    return row_exchange.move(x, plan.out, plan.rows, "push", axis, impl)
+
+
+def _land_bwd(axis, impl, plan, ct):
+    rows = row_exchange.move(ct, plan.back, plan.back.src.shape[0], "pull", axis, impl)  # (n k, D)
+    dx = jnp.sum(rows.reshape(-1, plan.fan_out, rows.shape[-1]).astype(jnp.float32), axis=1).astype(ct.dtype)
+    return dx, None
+
+
+land.defvjp(lambda x, plan, axis, impl: (land(x, plan, axis, impl), plan), _land_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def fetch(ys: jax.Array, plan: Landing, axis: str, impl: str = "auto") -> jax.Array:
+    """Each assignment's row of the expert devices' outputs ys (W, D), home as (n k, D) in row order (zero where
+    not live); its transpose writes the cotangents back to those rows (`land`'s items, one row each)."""
+    return row_exchange.move(ys, plan.back, plan.back.src.shape[0], "pull", axis, impl)
+
+
+def _fetch_bwd(axis, impl, plan, ct):
+    items = dataclasses.replace(plan.out, src=plan.back.dst)  # row i of ct, not token i // k
+    return row_exchange.move(ct, items, plan.rows, "push", axis, impl), None
+
+
+fetch.defvjp(lambda ys, plan, axis, impl: (fetch(ys, plan, axis, impl), plan), _fetch_bwd)
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # Flat and hierarchical dispatch + combine
 
 
@@ -532,8 +650,21 @@ def _gathered(v: jax.Array, src: jax.Array, back: jax.Array, keep: jax.Array | N
 DENSE_MAX_PEERS = 8
 
 
-def pick_exchange(method: str, n_peers: int) -> str:
+EXCHANGES = ("auto", "dense", "ragged", "land")
+
+
+def pick_exchange(method: str, n_peers: int, x: jax.Array | None = None, axis: str | None = None,
+                  impl: str = "auto") -> str:
+    """The exchange for `method` ("auto" or one of EXCHANGES). "land" is a flat dispatch's alone: given the tokens x
+    and the expert axis, "auto" picks it where the row kernel runs (impl "xla" runs its reference anywhere, for
+    tests); a stage of the hierarchical dispatch (no x) picks between "dense" and "ragged"."""
+    if method not in EXCHANGES:
+        raise ValueError(f"dispatch: exchange must be one of {EXCHANGES}, got {method!r}")
+    if x is not None and method == "auto" and impl != "xla" and row_exchange.pallas_cover(x, axis) is None:
+        return "land"
     if method != "auto":
+        if method == "land" and x is None:
+            raise ValueError("dispatch: exchange 'land' is for the flat dispatch (model.moe.dispatch=flat)")
         return method
     if jax.default_backend() != "gpu":
         return "dense"  # XLA:CPU has no ragged all-to-all
@@ -617,11 +748,17 @@ def _flat(x, eid, ffn: ExpertFFN, axis: str, gpus_per_node: int, how: str, a2a_i
     e_l = ffn.n_local
     flat_e = eid.reshape(-1)
     dest = jnp.where(flat_e >= 0, flat_e // e_l, n_dev)
-    how = pick_exchange(how, n_dev)
-    recv, valid, back = exchange({"x": x, "e": flat_e % e_l}, dest, Group(axis, n_dev), how,
-                                 bound=peer_bound(n, k, e_l, capacity), a2a_impl=a2a_impl)
-    y, overflow = ffn.run(recv["x"], jnp.where(valid, recv["e"], e_l), compact=compact_rows(n, k, buffer_factor))
-    out, overflow = _home(back(y), overflow, ffn.scanned)
+    bound = peer_bound(n, k, e_l, capacity)
+    compact = compact_rows(n, k, buffer_factor)
+    if pick_exchange(how, n_dev, x, axis, a2a_impl) == "land":
+        plan = landing(eid, axis, e_l, ffn.align, _room(n_dev * bound, e_l, ffn.align))
+        y, overflow = ffn.run_landed(land(x, plan, axis, a2a_impl), plan.sizes, compact=compact)
+        out, overflow = _home(fetch(y, plan, axis, a2a_impl), overflow, ffn.scanned)
+    else:
+        recv, valid, back = exchange({"x": x, "e": flat_e % e_l}, dest, Group(axis, n_dev),
+                                     pick_exchange(how, n_dev), bound=bound, a2a_impl=a2a_impl)
+        y, overflow = ffn.run(recv["x"], jnp.where(valid, recv["e"], e_l), compact=compact)
+        out, overflow = _home(back(y), overflow, ffn.scanned)
     off_dev = (dest < n_dev) & (dest != jax.lax.axis_index(axis))
     cross = off_dev & (dest // l != my_node)
     traffic = {"rows_cross_node": jnp.sum(cross).astype(jnp.int32),

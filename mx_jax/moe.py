@@ -148,7 +148,7 @@ class MoE(nnx.Module):
                                  operands=ops)
         y, traffic = dispatch.dispatch_combine(xt, idx, g, keep, ffn, axis="expert" if ep else None,
                                                method=m.dispatch, gpus_per_node=m.gpus_per_node,
-                                               a2a_impl=m.all_to_all, capacity=capacity,
+                                               exchange_method=m.exchange, a2a_impl=m.all_to_all, capacity=capacity,
                                                buffer_factor=m.ep_buffer_factor)
         stats = {"aux_loss": aux, "z_loss": z, "load": load, "dropped": dropped,
                  **{k: psum(traffic[k]) for k in ("rows_cross_node", "rows_intra_node")},

@@ -74,7 +74,8 @@ def moe_setup():
     (MeshConfig(data=1, fsdp=2, expert=2, context=2), ()),
     (MeshConfig(fsdp=1, expert=8), ("model.moe.dispatch=hierarchical", "model.moe.gpus_per_node=4")),
     (MeshConfig(fsdp=1, expert=8), ("model.moe.dispatch=hierarchical", "model.moe.gpus_per_node=2")),
-], ids=["expert8", "expert4_data2", "fsdp2_expert2_context2", "hier_2nodes_x4", "hier_4nodes_x2"])
+    (MeshConfig(fsdp=1, expert=8), ("model.moe.exchange=land", "model.moe.all_to_all=xla")),
+], ids=["expert8", "expert4_data2", "fsdp2_expert2_context2", "hier_2nodes_x4", "hier_4nodes_x2", "expert8_land"])
 def test_expert_parallel_matches_single_device(moe_setup, mesh_cfg, extra):
     cfg, params, buffers, tokens, (ref_loss, ref_load, ref_grads) = moe_setup
     assert ref_load[:, 5].sum() == 0 and ref_load.sum() == 2 * 16 * 16 * 2  # layers x tokens x top-k
@@ -605,6 +606,71 @@ def test_compact_expert_buffer_unless_a_device_receives_more(method, routing, mo
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("routing, capacity, align, buffer_factor", [
+    ("random", 0, 1, 0.0), ("random", 3, 8, 2.0), ("device_0_flooded", 0, 8, 2.0)])
+def test_landed_dispatch_equals_the_dense_one(routing, capacity, align, buffer_factor, monkeypatch):
+    """The "land" exchange (each row pushed straight to its place in the expert device's sorted buffer, outputs
+    pulled back; here its XLA reference) gives the dense exchange's outputs and the gradients of x, the gates and
+    every expert weight, on 8 devices with 2 experts each: with rows dropped by a capacity (items that do not move,
+    and zero rows where they come home), groups padded to a multiple of 8 (zero rows inside the buffer), and device
+    0 flooded past its compact buffer while the others run theirs."""
+    from jax.sharding import PartitionSpec as P
+
+    from mx_jax import dispatch
+    from mx_jax.moe import capacity_keep
+
+    n_dev, e_l, n_tok, k, d, f = 8, 2, 32, 2, 8, 4
+    n_experts = n_dev * e_l
+    rng = np.random.default_rng(6)
+    idx = np.stack([rng.choice(n_experts, k, replace=False) for _ in range(n_dev * n_tok)]).astype(np.int32)
+    if routing == "device_0_flooded":
+        idx[n_tok:] = [0, 1]
+    keep = np.ones(idx.shape, bool)
+    if capacity:
+        keep = np.concatenate([np.asarray(capacity_keep(jnp.asarray(idx[i * n_tok:(i + 1) * n_tok]), n_experts,
+                                                        capacity)) for i in range(n_dev)])
+        assert not keep.all()
+    x = jnp.asarray(rng.standard_normal((n_dev * n_tok, d)), jnp.float32)
+    g = jnp.asarray(rng.uniform(0.2, 0.8, idx.shape), jnp.float32)
+    w = [jnp.asarray(rng.standard_normal(s) * 0.1, jnp.float32) for s in
+         ((n_experts, d, f), (n_experts, d, f), (n_experts, f, d))]
+    landed = []
+    plan = dispatch.landing
+    monkeypatch.setattr(dispatch, "landing", lambda *a: landed.append(1) or plan(*a))
+    mesh = sharding.make_mesh(MeshConfig(fsdp=1, expert=n_dev))
+
+    def run(exchange):
+        def body(x, idx, g, keep, w1, w2, w3):
+            ffn = dispatch.ExpertFFN(w1, w2, w3, "bf16", "xla", group_align=align)
+            y, traffic = dispatch.dispatch_combine(x, idx, g, keep, ffn, axis="expert", exchange_method=exchange,
+                                                   a2a_impl="xla", capacity=capacity, buffer_factor=buffer_factor)
+            return jnp.sum(jnp.sin(y), keepdims=True)[None], y, traffic["overflow"][None]
+
+        tok, wspec = P("expert"), P("expert", None, None)
+        f_ = jax.shard_map(body, mesh=mesh, in_specs=(tok, tok, tok, tok, wspec, wspec, wspec),
+                           out_specs=(tok, tok, tok), check_vma=False)
+
+        def loss(x, g, *w):
+            s, y, overflow = f_(x, jnp.asarray(idx), g, jnp.asarray(keep), *w)
+            return jnp.sum(s), (y, overflow)
+
+        with jax.set_mesh(mesh):
+            (_, (y, overflow)), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True))(
+                x, g, *w)
+        return np.asarray(y), np.asarray(overflow), [np.asarray(v) for v in grads]
+
+    y_dense, over_dense, grads_dense = run("dense")
+    assert not landed
+    y_land, over_land, grads_land = run("land")
+    assert landed
+    np.testing.assert_array_equal(over_land, over_dense)
+    assert over_land.any() == (routing == "device_0_flooded")
+    np.testing.assert_allclose(y_land, y_dense, rtol=1e-6, atol=1e-7)
+    for a, b in zip(grads_land, grads_dense, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+    assert np.abs(grads_land[0]).sum() > 0 and np.abs(grads_land[-1]).sum() > 0
+
+
 def test_the_log_line_shows_the_routing():
     """The console line of an MoE run shows the max/mean expert load, and the dropped share and the share of devices
     and layers that overflowed the compact expert buffer only when they are not zero; a dense run shows none."""
@@ -620,11 +686,13 @@ def test_the_log_line_shows_the_routing():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("exchange", ["dense", "land"])
 @pytest.mark.parametrize("routing, buffer_factor", [("skewed", 0.0), ("flooded", 2.0), ("random", 2.0)])
-def test_gpu_flat_dispatch_on_the_nvlink_kernel_equals_lax_and_one_device(routing, buffer_factor):
-    """One process, every local GPU on the expert axis: the flat dense dispatch through the NVLink kernel, which moves
-    only the rows each peer is sent, gives bit for bit the outputs and gradients of lax.all_to_all moving the whole
-    worst-case buffers, and matches the single-device mixture. Skewed: device 0's tokens all choose device 0's
+def test_gpu_flat_dispatch_on_the_nvlink_kernel_equals_lax_and_one_device(routing, buffer_factor, exchange):
+    """One process, every local GPU on the expert axis: the flat dispatch through the NVLink kernels, the dense one
+    (moves only the rows each peer is sent) or the row kernel ("land": each row straight to its sorted place, with
+    groups padded to 8 rows), gives bit for bit the outputs and gradients of the dense exchange over lax.all_to_all
+    moving the whole worst-case buffers, and matches the single-device mixture. Skewed: device 0's tokens all choose device 0's
     experts, so it sends its peers nothing; device 1's choose only other devices' experts. With buffer_factor 2 a
     device's compact expert buffer holds 1,024 rows (2 x 256 tokens x top-2) beside the whole one's P x 512:
     flooded (every token chooses device 0's experts) sends device 0 P x 512 rows, which overflow it on 4 GPUs, and
@@ -652,11 +720,12 @@ def test_gpu_flat_dispatch_on_the_nvlink_kernel_equals_lax_and_one_device(routin
          ((n_experts, d, f), (n_experts, d, f), (n_experts, f, d))]
     mesh = jax.make_mesh((n_dev,), ("expert",), axis_types=(jax.sharding.AxisType.Auto,))
 
-    def run(a2a_impl):
+    def run(a2a_impl, how):
         def body(x, idx, g, w1, w2, w3):
-            ffn = dispatch.ExpertFFN(w1, w2, w3, "bf16", "pallas")
+            ffn = dispatch.ExpertFFN(w1, w2, w3, "bf16", "pallas", group_align=8)
             y, traffic = dispatch.dispatch_combine(x, idx, g, jnp.ones(idx.shape, bool), ffn, axis="expert",
-                                                   method="flat", a2a_impl=a2a_impl, buffer_factor=buffer_factor)
+                                                   method="flat", exchange_method=how, a2a_impl=a2a_impl,
+                                                   buffer_factor=buffer_factor)
             return jnp.sum(y.astype(jnp.float32) ** 2, keepdims=True)[None], y, traffic["overflow"][None]
 
         tok, wspec = P("expert"), P("expert", None, None)
@@ -675,8 +744,8 @@ def test_gpu_flat_dispatch_on_the_nvlink_kernel_equals_lax_and_one_device(routin
         assert overflow.any() == (routing == "flooded" and n_dev > 2)  # the routings do what the docstring says
         return np.asarray(y.astype(jnp.float32)), [np.asarray(v.astype(jnp.float32)) for v in grads]
 
-    y_kernel, grads_kernel = run("pallas")
-    y_lax, grads_lax = run("xla")
+    y_kernel, grads_kernel = run("pallas", exchange)
+    y_lax, grads_lax = run("xla", "dense")
     np.testing.assert_array_equal(y_kernel, y_lax)
     for a, b in zip(grads_kernel, grads_lax):
         np.testing.assert_array_equal(a, b)

@@ -424,6 +424,7 @@ def test_dispatch_bench_runs_both_methods_on_identity_experts(capsys, monkeypatc
     mesh = jax.make_mesh((4,), ("expert",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:4])
     out = bench.dispatch_paths(mesh, 4, tokens=16, hidden=32, n_experts=8, top_k=2, reps=1)
     assert "FAILED" not in capsys.readouterr().out
-    assert set(out) == {("flat", "dense"), ("hierarchical", "dense")}
+    assert set(out) == {("flat", "land"), ("flat", "dense"), ("hierarchical", "dense")}
+    assert out[("flat", "land")][1:] == out[("flat", "dense")][1:]  # the same rows cross the fabric
     flat, hier = out[("flat", "dense")], out[("hierarchical", "dense")]
     assert hier[1] <= flat[1] and flat[1] > 0  # a token crosses to another node at most once per node
