@@ -48,7 +48,7 @@ for s in "$@"; do
     bench_context) section bench_context 420 env CUDA_VISIBLE_DEVICES=0 $PY benchmarks/bench_context.py ${CONTEXT_SEQS:+--seqs $CONTEXT_SEQS} ;;
     train_context) section train_context 330 $PY benchmarks/bench_train.py --out "$LOGS" --steps 6 --log-every 1 --base "$CTX8B" --variant ctx2_32k:"data.seq_len=32768 mesh.context=2" --variant one_gpu_32k:"data.seq_len=32768 mesh.context=1 +CUDA_VISIBLE_DEVICES=0" --variant ctx2_64k:"data.seq_len=65536 mesh.context=2" ;;
     profile_context) section profile_context 240 $PY -m mx_jax.train $CTX8B data.seq_len=32768 mesh.context=2 steps=7 log.profile_steps=2 log.profile_from=5 ckpt.every_steps=-1 log.eval_every_steps=-1 log.progress=false log.tensorboard=false run_dir=/tmp/mx_jax_profile_context ;;
-    tests_a2a) section tests_a2a 200 $PY -m pytest -q -m gpu -x tests/test_all_to_all.py ;;
+    tests_a2a) section tests_a2a 200 $PY -m pytest -q -m gpu -x tests/test_all_to_all.py tests/test_row_exchange.py ;;
     dispatch_tune) section dispatch_tune 240 $PY benchmarks/bench_dispatch.py --tune ;;
     train_final) section train_final 420 env CUDA_VISIBLE_DEVICES=0 $PY benchmarks/bench_train.py --out "$LOGS" --steps 20 --base "$DENSE8B model.scan_layers=false" --variant bf16: --variant fp8_rowwise:quant.recipe=fp8_rowwise ;;
     train_layout) section train_layout 420 $PY benchmarks/bench_train.py --out "$LOGS" --steps 20 --base "$DENSE8B" --variant bf16_scan: --variant bf16_unrolled:model.scan_layers=false --variant fp8_rowwise_unrolled:"model.scan_layers=false quant.recipe=fp8_rowwise" ;;
@@ -90,6 +90,7 @@ for s in "$@"; do
     profile_fp8) section profile_fp8 240 $PY benchmarks/profile_step.py --steps 3 --top 30 ${DENSE8B} quant.recipe=fp8_rowwise ;;
     nccl_a2a) section nccl_a2a 120 torchrun --nproc_per_node="$(nvidia-smi -L | wc -l)" benchmarks/nccl_a2a_torch.py ;;
     dispatch) section dispatch 200 $PY benchmarks/bench_dispatch.py ;;
+    row_exchange) section row_exchange 200 $PY benchmarks/bench_row_exchange.py ;;
     dispatch_decomposer) section dispatch_decomposer 200 env XLA_FLAGS="--xla_gpu_unsupported_enable_ragged_all_to_all_decomposer=true" $PY benchmarks/bench_dispatch.py ;;
     moe_1gpu) section moe_1gpu 200 env CUDA_VISIBLE_DEVICES=0 $PY benchmarks/profile_step.py --steps 3 --top 15 $MOE data.batch_size=1 mesh.expert=1 ;;
     moe_ep_xla) section moe_ep_xla 200 $PY benchmarks/profile_step.py --steps 3 --top 15 $MOE data.batch_size="$(nvidia-smi -L | wc -l)" mesh.expert="$(nvidia-smi -L | wc -l)" model.moe.all_to_all=xla ;;

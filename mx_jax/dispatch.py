@@ -32,7 +32,19 @@ Exchanges move rows to peers inside a group of the expert axis (all of it, a rai
              198,600 to 208,000 tokens/s (benchmarks/RESULTS.md, session 44).
     "ragged" jax.lax.ragged_all_to_all moves only real rows; the receive buffer holds the same worst case from
              every peer, so nothing is ever dropped. Chosen for larger groups on GPU.
-Both have the same semantics; tests/test_moe.py checks flat == hierarchical == single device (outputs, gradients).
+    "land"   (flat dispatch; chosen where its kernel runs: one process holding the GPUs of the expert axis) each
+             (token, expert) row is pushed by pallas_kernels/row_exchange.py straight to its row of the expert
+             device's buffer sorted by expert, and the padding there is zeroed in runs. `landing` plans it: one
+             all_gather of every device's per-expert counts gives each group's start and each sender's offset in
+             it, in the order ExpertFFN.run sorts a dense receive buffer into. The experts run on the buffer as it
+             landed (`ExpertFFN.run_landed`), and each output row is pulled home into its (token, choice) slot. No
+             send buffer, no sort or unsort gathers, no metadata exchange; the transposes swap push and pull. On
+             2 x H200 at expert=2, fp8_rowwise, two 4,096-token sequences per GPU (RESULTS.md, session 48): the
+             4-layer DeepSeekMoE step 190,229 -> 202,138 tokens/s (+6.3%; scatter/gather kernels 5.16 -> 0.66 ms,
+             the row kernels 7.0 ms against the dense exchange's 6.2), the 2-layer Mixtral step 157,076 -> 160,645
+             (+2.3%).
+All have the same semantics; tests/test_moe.py checks flat == hierarchical == single device and land == dense
+(outputs, gradients).
 
 Sorting by expert (`ExpertFFN`) uses gathers only, forward and backward (`take_rows`, whose transpose is a gather by
 the inverse permutation): XLA transposes a gather into a scatter-add with atomics on every element. Without expert
@@ -570,12 +582,13 @@ class Landing:
 jax.tree_util.register_dataclass(Landing, data_fields=["out", "back", "sizes"], meta_fields=["rows", "fan_out"])
 
 
-def landing(eid: jax.Array, axis: str, n_local: int, align: int, rows: int) -> Landing:
+def landing(eid: jax.Array, axis: str, n_local: int, align: int, rows: int, row_bytes: int) -> Landing:
     """The plan for eid (n, k) (global expert ids, -1: dropped) over the P devices of `axis`, each owning n_local
-    experts, into sorted buffers of `rows` rows. Every device learns how many rows every device sends to each
-    expert (one all_gather of P x E ints); expert e's group on device q starts at the padded sizes of q's lower
-    experts, and inside it sender s's rows follow those of senders < s, each sender's in row order: the order
-    `ExpertFFN.run` sorts the dense exchange's receive buffer into."""
+    experts, into sorted buffers of `rows` rows of `row_bytes` bytes (which sets the zeroing stores' width). Every
+    device learns how many rows every device sends to each expert (one all_gather of P x E ints); expert e's group
+    on device q starts at the padded sizes of q's lower experts, and inside it sender s's rows follow those of
+    senders < s, each sender's in row order: the order `ExpertFFN.run` sorts the dense exchange's receive buffer
+    into."""
     n, k = eid.shape
     n_dev, me = jax.lax.axis_size(axis), jax.lax.axis_index(axis)
     n_exp = n_dev * n_local
@@ -597,14 +610,14 @@ def landing(eid: jax.Array, axis: str, n_local: int, align: int, rows: int) -> L
     # this device's buffer: a row holds data iff it lies in its group's first got[e] rows
     r = jnp.arange(rows, dtype=jnp.int32)
     mine_start, mine_got = start[me], got[me]
-    group = jnp.minimum(jnp.sum(r[:, None] >= mine_start[None, :], axis=1) - 1, n_local - 1)
+    group = jnp.searchsorted(mine_start, r, side="right").astype(jnp.int32) - 1  # (of equal starts, the last)
     data = (r >= mine_start[group]) & (r < mine_start[group] + mine_got[group])
-    n_data = jnp.sum(mine_got, dtype=jnp.int32)
-    zero_out = jnp.nonzero(~data, size=rows, fill_value=0)[0].astype(jnp.int32)
-    zero_back = jnp.nonzero(~live, size=n * k, fill_value=0)[0].astype(jnp.int32)
+    chunk = row_exchange.zero_chunk(row_bytes)
+    zero_out, chunks_out, n_zero_out = row_exchange.zero_work(~data, chunk)
+    zero_back, chunks_back, n_zero_back = row_exchange.zero_work(~live, chunk)
     dst_o, peer_o = dst[order], peer[order]
-    out = row_exchange.Items(order // k, peer_o, dst_o, n_live, zero_out, rows - n_data)
-    back = row_exchange.Items(dst_o, peer_o, order, n_live, zero_back, n * k - n_live)
+    out = row_exchange.Items(order // k, peer_o, dst_o, n_live, zero_out, n_zero_out, chunks_out, chunk)
+    back = row_exchange.Items(dst_o, peer_o, order, n_live, zero_back, n_zero_back, chunks_back, chunk)
     return Landing(out, back, padded[me], rows, k)
 
 
@@ -751,7 +764,7 @@ def _flat(x, eid, ffn: ExpertFFN, axis: str, gpus_per_node: int, how: str, a2a_i
     bound = peer_bound(n, k, e_l, capacity)
     compact = compact_rows(n, k, buffer_factor)
     if pick_exchange(how, n_dev, x, axis, a2a_impl) == "land":
-        plan = landing(eid, axis, e_l, ffn.align, _room(n_dev * bound, e_l, ffn.align))
+        plan = landing(eid, axis, e_l, ffn.align, _room(n_dev * bound, e_l, ffn.align), x.shape[1] * x.dtype.itemsize)
         y, overflow = ffn.run_landed(land(x, plan, axis, a2a_impl), plan.sizes, compact=compact)
         out, overflow = _home(fetch(y, plan, axis, a2a_impl), overflow, ffn.scanned)
     else:

@@ -607,13 +607,13 @@ def test_compact_expert_buffer_unless_a_device_receives_more(method, routing, mo
 
 
 @pytest.mark.parametrize("routing, capacity, align, buffer_factor", [
-    ("random", 0, 1, 0.0), ("random", 3, 8, 2.0), ("device_0_flooded", 0, 8, 2.0)])
+    ("random", 0, 1, 0.0), ("random", 3, 8, 2.0), ("device_0_flooded", 0, 8, 2.0), ("even_experts", 0, 8, 0.0)])
 def test_landed_dispatch_equals_the_dense_one(routing, capacity, align, buffer_factor, monkeypatch):
     """The "land" exchange (each row pushed straight to its place in the expert device's sorted buffer, outputs
     pulled back; here its XLA reference) gives the dense exchange's outputs and the gradients of x, the gates and
     every expert weight, on 8 devices with 2 experts each: with rows dropped by a capacity (items that do not move,
     and zero rows where they come home), groups padded to a multiple of 8 (zero rows inside the buffer), and device
-    0 flooded past its compact buffer while the others run theirs."""
+    0 flooded past its compact buffer while the others run theirs, and with every odd expert empty."""
     from jax.sharding import PartitionSpec as P
 
     from mx_jax import dispatch
@@ -625,6 +625,8 @@ def test_landed_dispatch_equals_the_dense_one(routing, capacity, align, buffer_f
     idx = np.stack([rng.choice(n_experts, k, replace=False) for _ in range(n_dev * n_tok)]).astype(np.int32)
     if routing == "device_0_flooded":
         idx[n_tok:] = [0, 1]
+    if routing == "even_experts":
+        idx = 2 * np.stack([rng.choice(n_experts // 2, k, replace=False) for _ in range(n_dev * n_tok)])
     keep = np.ones(idx.shape, bool)
     if capacity:
         keep = np.concatenate([np.asarray(capacity_keep(jnp.asarray(idx[i * n_tok:(i + 1) * n_tok]), n_experts,
@@ -692,11 +694,11 @@ def test_gpu_flat_dispatch_on_the_nvlink_kernel_equals_lax_and_one_device(routin
     """One process, every local GPU on the expert axis: the flat dispatch through the NVLink kernels, the dense one
     (moves only the rows each peer is sent) or the row kernel ("land": each row straight to its sorted place, with
     groups padded to 8 rows), gives bit for bit the outputs and gradients of the dense exchange over lax.all_to_all
-    moving the whole worst-case buffers, and matches the single-device mixture. Skewed: device 0's tokens all choose device 0's
-    experts, so it sends its peers nothing; device 1's choose only other devices' experts. With buffer_factor 2 a
-    device's compact expert buffer holds 1,024 rows (2 x 256 tokens x top-2) beside the whole one's P x 512:
-    flooded (every token chooses device 0's experts) sends device 0 P x 512 rows, which overflow it on 4 GPUs, and
-    nothing to the others; random routing fits everywhere."""
+    moving the whole worst-case buffers, and matches the single-device mixture. Skewed: device 0's tokens all choose
+    device 0's experts, so it sends its peers nothing; device 1's choose only other devices' experts. With
+    buffer_factor 2 a device's compact expert buffer holds 1,024 rows (2 x 256 tokens x top-2, plus the padding's
+    room) beside the whole one's P x 512: flooded (every token chooses device 0's experts) sends device 0 P x 512
+    rows, which overflow it on 4 GPUs, and nothing to the others; random routing fits everywhere."""
     from jax.sharding import PartitionSpec as P
 
     from mx_jax import dispatch
@@ -753,6 +755,56 @@ def test_gpu_flat_dispatch_on_the_nvlink_kernel_equals_lax_and_one_device(routin
                                     dispatch.ExpertFFN(*w, "bf16", "xla"), axis=None)[0]
     np.testing.assert_allclose(y_kernel, np.asarray(ref.astype(jnp.float32)), rtol=2e-2, atol=2e-2)
     assert np.all(np.isfinite(y_kernel)) and np.abs(grads_kernel[0]).sum() > 0
+
+
+@pytest.mark.gpu
+def test_gpu_landed_dispatch_is_bit_exact_at_deepseek_scale():
+    """The row kernels at DeepSeekMoE's dims (8,192 tokens per GPU, top-6 of 32 experts per GPU, hidden 2,048,
+    expert width 1,408) with Zipf-skewed routing (on 2 GPUs one expert gets 14,930 rows, the devices 53,436 and
+    44,868): the "land" dispatch gives the dense exchange's outputs and gradients (lax.all_to_all) bit for bit, on
+    two runs, so no row lands late or unzeroed at the scale the train step runs at."""
+    from jax.sharding import PartitionSpec as P
+
+    from mx_jax import dispatch
+
+    gpus = jax.devices("gpu")
+    if len(gpus) < 2:
+        pytest.skip("needs >= 2 GPUs in this process")
+    n_dev, e_l, n_tok, k, d, f = len(gpus), 32, 8192, 6, 2048, 1408
+    n_experts = n_dev * e_l
+    rng = np.random.default_rng(0)
+    pop = 1.0 / np.arange(1, n_experts + 1) ** 1.2
+    pop = rng.permutation(pop / pop.sum())
+    idx = np.stack([rng.choice(n_experts, k, replace=False, p=pop) for _ in range(n_dev * n_tok)]).astype(np.int32)
+    x = jnp.asarray(rng.standard_normal((n_dev * n_tok, d)), jnp.bfloat16)
+    g = jnp.asarray(rng.uniform(0.05, 0.3, idx.shape), jnp.float32)
+    w = [jnp.asarray(rng.standard_normal(s) * 0.02, jnp.bfloat16) for s in
+         ((n_experts, d, f), (n_experts, d, f), (n_experts, f, d))]
+    mesh = jax.make_mesh((n_dev,), ("expert",), axis_types=(jax.sharding.AxisType.Auto,))
+
+    def run(a2a_impl, how):
+        def body(x, idx, g, w1, w2, w3):
+            ffn = dispatch.ExpertFFN(w1, w2, w3, "bf16", "pallas")
+            y, _ = dispatch.dispatch_combine(x, idx, g, jnp.ones(idx.shape, bool), ffn, axis="expert", method="flat",
+                                             exchange_method=how, a2a_impl=a2a_impl, buffer_factor=2.0)
+            return jnp.sum(y.astype(jnp.float32) ** 2, keepdims=True)[None], y
+
+        tok, wspec = P("expert"), P("expert", None, None)
+        f_ = jax.shard_map(body, mesh=mesh, in_specs=(tok, tok, tok, wspec, wspec, wspec), out_specs=(tok, tok),
+                           check_vma=False)
+
+        def loss(x, g, *w):
+            s, y = f_(x, jnp.asarray(idx), g, *w)
+            return jnp.sum(s), y
+
+        (_, y), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True))(x, g, *w)
+        return [np.asarray(v.astype(jnp.float32)) for v in (y, *grads)]
+
+    want = run("xla", "dense")
+    assert np.bincount(idx.reshape(-1)).max() > 10_000 and all(np.isfinite(v).all() for v in want)
+    for _ in range(2):
+        for a, b in zip(run("pallas", "land"), want, strict=True):
+            np.testing.assert_array_equal(a, b)
 
 
 @pytest.mark.gpu
