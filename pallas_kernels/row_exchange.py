@@ -117,9 +117,8 @@ def zero_work(zero: jax.Array, chunk: int) -> tuple[jax.Array, jax.Array, jax.Ar
     zeroing it costs about W / chunk stores instead of one per row."""
     w = zero.shape[0]
     r = jnp.arange(w, dtype=jnp.int32)
-    no = jnp.zeros((1,), bool)
-    first = zero & ~jnp.concatenate([no, zero[:-1]])
-    last = zero & ~jnp.concatenate([zero[1:], no])
+    first = zero & ~jnp.pad(zero[:-1], (1, 0))  # (a pad, not a concatenation: no empty piece when w == 1)
+    last = zero & ~jnp.pad(zero[1:], (0, 1))
     start = lax.cummax(jnp.where(first, r, 0))  # (meaningful on the rows where zero holds)
     end = lax.cummin(jnp.where(last, r + 1, w), reverse=True)
     off, length = r - start, end - start
@@ -134,10 +133,6 @@ def zero_work(zero: jax.Array, chunk: int) -> tuple[jax.Array, jax.Array, jax.Ar
 # --------------------------------------------------------------------------------------------------------------
 # Reference (also the "xla" path)
 # --------------------------------------------------------------------------------------------------------------
-def _live(items: Items) -> jax.Array:
-    return jnp.arange(items.src.shape[0]) < items.n_live
-
-
 def _zeroed(y: jax.Array, items: Items) -> jax.Array:
     """y with its zero rows set to zero (the entries past n_zero are ignored)."""
     j = jnp.arange(items.zero.shape[0])
@@ -151,7 +146,7 @@ def _zeroed(y: jax.Array, items: Items) -> jax.Array:
 def move_reference(a: jax.Array, items: Items, out_rows: int, mode: Mode, axis_name: str) -> jax.Array:
     """The semantics with lax.all_to_all; rows that no item or zero row names are zero."""
     p = lax.axis_size(axis_name)
-    live = _live(items)
+    live = jnp.arange(items.src.shape[0]) < items.n_live
     to = live[None, :] & (items.peer[None, :] == jnp.arange(p)[:, None])  # (P, T): item i concerns peer q
     tail = a.shape[1:]
     pad = (1,) * len(tail)

@@ -757,16 +757,36 @@ def test_gpu_flat_dispatch_on_the_nvlink_kernel_equals_lax_and_one_device(routin
     assert np.all(np.isfinite(y_kernel)) and np.abs(grads_kernel[0]).sum() > 0
 
 
+def _gpu_dispatch_grads(mesh, idx, x, g, w, ffn_impl, **dispatch_kwargs) -> list[np.ndarray]:
+    """[y, dy/dx, dy/dg, dy/dw_gate, dy/dw_up, dy/dw_down] (float32) of sum(y^2) for dispatch_combine over the
+    mesh's `expert` axis (tokens and experts split over it), with `dispatch_kwargs` passed through."""
+    from jax.sharding import PartitionSpec as P
+
+    from mx_jax import dispatch
+
+    def body(x, idx, g, w1, w2, w3):
+        ffn = dispatch.ExpertFFN(w1, w2, w3, "bf16", ffn_impl)
+        y, _ = dispatch.dispatch_combine(x, idx, g, jnp.ones(idx.shape, bool), ffn, axis="expert", **dispatch_kwargs)
+        return jnp.sum(y.astype(jnp.float32) ** 2, keepdims=True)[None], y
+
+    tok, wspec = P("expert"), P("expert", None, None)
+    f_ = jax.shard_map(body, mesh=mesh, in_specs=(tok, tok, tok, wspec, wspec, wspec), out_specs=(tok, tok),
+                       check_vma=False)
+
+    def loss(x, g, *w):
+        s, y = f_(x, jnp.asarray(idx), g, *w)
+        return jnp.sum(s), y
+
+    (_, y), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True))(x, g, *w)
+    return [np.asarray(v.astype(jnp.float32)) for v in (y, *grads)]
+
+
 @pytest.mark.gpu
 def test_gpu_landed_dispatch_is_bit_exact_at_deepseek_scale():
     """The row kernels at DeepSeekMoE's dims (8,192 tokens per GPU, top-6 of 32 experts per GPU, hidden 2,048,
     expert width 1,408) with Zipf-skewed routing (on 2 GPUs one expert gets 14,930 rows, the devices 53,436 and
     44,868): the "land" dispatch gives the dense exchange's outputs and gradients (lax.all_to_all) bit for bit, on
     two runs, so no row lands late or unzeroed at the scale the train step runs at."""
-    from jax.sharding import PartitionSpec as P
-
-    from mx_jax import dispatch
-
     gpus = jax.devices("gpu")
     if len(gpus) < 2:
         pytest.skip("needs >= 2 GPUs in this process")
@@ -783,22 +803,8 @@ def test_gpu_landed_dispatch_is_bit_exact_at_deepseek_scale():
     mesh = jax.make_mesh((n_dev,), ("expert",), axis_types=(jax.sharding.AxisType.Auto,))
 
     def run(a2a_impl, how):
-        def body(x, idx, g, w1, w2, w3):
-            ffn = dispatch.ExpertFFN(w1, w2, w3, "bf16", "pallas")
-            y, _ = dispatch.dispatch_combine(x, idx, g, jnp.ones(idx.shape, bool), ffn, axis="expert", method="flat",
-                                             exchange_method=how, a2a_impl=a2a_impl, buffer_factor=2.0)
-            return jnp.sum(y.astype(jnp.float32) ** 2, keepdims=True)[None], y
-
-        tok, wspec = P("expert"), P("expert", None, None)
-        f_ = jax.shard_map(body, mesh=mesh, in_specs=(tok, tok, tok, wspec, wspec, wspec), out_specs=(tok, tok),
-                           check_vma=False)
-
-        def loss(x, g, *w):
-            s, y = f_(x, jnp.asarray(idx), g, *w)
-            return jnp.sum(s), y
-
-        (_, y), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True))(x, g, *w)
-        return [np.asarray(v.astype(jnp.float32)) for v in (y, *grads)]
+        return _gpu_dispatch_grads(mesh, idx, x, g, w, "pallas", method="flat", exchange_method=how,
+                                   a2a_impl=a2a_impl, buffer_factor=2.0)
 
     want = run("xla", "dense")
     assert np.bincount(idx.reshape(-1)).max() > 10_000 and all(np.isfinite(v).all() for v in want)
@@ -813,10 +819,6 @@ def test_gpu_ragged_exchange_equals_the_dense_one(method):
     """The ragged exchange (lax.ragged_all_to_all, chosen on GPU for groups of more than 8 peers; XLA:CPU cannot run
     it) gives the dense exchange's outputs and gradients, flat and hierarchical (2 GPUs per node, so the rail
     stage's groups are strided), with a device whose tokens all stay home."""
-    from jax.sharding import PartitionSpec as P
-
-    from mx_jax import dispatch
-
     gpus = jax.devices("gpu")
     n_dev = len(gpus) - len(gpus) % 2
     if n_dev < 2 or (method == "hierarchical" and n_dev < 4):
@@ -832,22 +834,9 @@ def test_gpu_ragged_exchange_equals_the_dense_one(method):
     mesh = jax.make_mesh((n_dev,), ("expert",), axis_types=(jax.sharding.AxisType.Auto,), devices=gpus[:n_dev])
 
     def run(exchange):
-        def body(x, idx, g, w1, w2, w3):
-            y, _ = dispatch.dispatch_combine(x, idx, g, jnp.ones(idx.shape, bool),
-                                             dispatch.ExpertFFN(w1, w2, w3, "bf16", "xla"), axis="expert",
-                                             method=method, gpus_per_node=2, exchange_method=exchange)
-            return jnp.sum(y ** 2, keepdims=True)[None], y
-
-        tok, wspec = P("expert"), P("expert", None, None)
-        f_ = jax.shard_map(body, mesh=mesh, in_specs=(tok, tok, tok, wspec, wspec, wspec), out_specs=(tok, tok),
-                           check_vma=False)
-
-        def loss(x, g, *w):
-            s, y = f_(x, jnp.asarray(idx), g, *w)
-            return jnp.sum(s), y
-
-        (_, y), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True))(x, g, *w)
-        return np.asarray(y), [np.asarray(v) for v in grads]
+        y, *grads = _gpu_dispatch_grads(mesh, idx, x, g, w, "xla", method=method, gpus_per_node=2,
+                                        exchange_method=exchange)
+        return y, grads
 
     y_dense, grads_dense = run("dense")
     y_ragged, grads_ragged = run("ragged")
