@@ -25,8 +25,9 @@ Exchanges move rows to peers inside a group of the expert axis (all of it, a rai
              lax.all_to_all. The kernel is given each chunk's row count (sent: the rows packed for that peer;
              received: the validity mask's count), so it copies only the rows that hold data and the padding
              arrives as zeros, as lax.all_to_all would move it; the combine's way back likewise. Chosen on CPU (XLA
-             has no ragged all-to-all there) and for groups of up to 8 GPUs, where it measured 4x faster than the
-             ragged one on 4 x H200 while it still moved P x the bytes. Sending only the rows took the flat
+             has no ragged all-to-all there) and, where "land" does not apply (the hierarchical stages, several
+             processes), for groups of up to 8 GPUs, where it measured 4x faster than the ragged one on 4 x H200
+             while it still moved P x the bytes. Sending only the rows took the flat
              dispatch+combine of 4,096 tokens per GPU from 2.78 to 1.86 ms (Mixtral's top-2 of 8) and from 4.05 to
              2.39 ms (DeepSeekMoE's top-6 of 64) on 4 x H200, and the 2-layer Mixtral fp8 step at expert=4 from
              198,600 to 208,000 tokens/s (benchmarks/RESULTS.md, session 44).
