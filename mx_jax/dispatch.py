@@ -764,13 +764,14 @@ def _flat(x, eid, ffn: ExpertFFN, axis: str, gpus_per_node: int, how: str, a2a_i
     dest = jnp.where(flat_e >= 0, flat_e // e_l, n_dev)
     bound = peer_bound(n, k, e_l, capacity)
     compact = compact_rows(n, k, buffer_factor)
-    if pick_exchange(how, n_dev, x, axis, a2a_impl) == "land":
+    how = pick_exchange(how, n_dev, x, axis, a2a_impl)
+    if how == "land":
         plan = landing(eid, axis, e_l, ffn.align, _room(n_dev * bound, e_l, ffn.align), x.shape[1] * x.dtype.itemsize)
         y, overflow = ffn.run_landed(land(x, plan, axis, a2a_impl), plan.sizes, compact=compact)
         out, overflow = _home(fetch(y, plan, axis, a2a_impl), overflow, ffn.scanned)
     else:
         recv, valid, back = exchange({"x": x, "e": flat_e % e_l}, dest, Group(axis, n_dev),
-                                     pick_exchange(how, n_dev), bound=bound, a2a_impl=a2a_impl)
+                                     how, bound=bound, a2a_impl=a2a_impl)
         y, overflow = ffn.run(recv["x"], jnp.where(valid, recv["e"], e_l), compact=compact)
         out, overflow = _home(back(y), overflow, ffn.scanned)
     off_dev = (dest < n_dev) & (dest != jax.lax.axis_index(axis))

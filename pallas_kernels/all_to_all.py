@@ -237,6 +237,12 @@ def _as_payload(x: jax.Array) -> jax.Array:
 
 def pallas_cover(x: jax.Array, axis_name: str) -> str | None:
     """Why impl="pallas" cannot run here, or None when it can (device, topology, dtype and shape)."""
+    return topology_cover(axis_name) or _shape_cover(x)
+
+
+def topology_cover(axis_name: str) -> str | None:
+    """Why an NVLink collective kernel over `axis_name` (XLA's collective-metadata path) cannot run here, or None:
+    the device, the jax version, one process holding every GPU, and a shard_map axis spanning all of them."""
     if device.compute_capability() is None:
         return f"not an NVIDIA GPU (backend {jax.default_backend()!r})"
     if not device.on_hopper():
@@ -252,7 +258,7 @@ def pallas_cover(x: jax.Array, axis_name: str) -> str | None:
         return f"axis {axis_name!r} has one device: nothing to exchange (and no peers for collective metadata)"
     if size != jax.device_count():
         return f"axis {axis_name!r} has {size} devices, the kernel needs an axis spanning all {jax.device_count()}"
-    return _shape_cover(x)
+    return None
 
 
 def _bits(dtype: jnp.dtype) -> int:

@@ -260,7 +260,7 @@ def pallas_cover(a: jax.Array, axis_name: str, out_rows: int = 0) -> str | None:
     """Why impl="pallas" cannot run here, or None when it can."""
     if not compat.MGPU_REMOTE_LOAD:
         return f"jax {jax.__version__}: Mosaic GPU loads from a peer's memory from jax 0.11.1 on"
-    return a2a.pallas_cover(jnp.zeros((lax.axis_size(axis_name), 16), jnp.uint8), axis_name) or _row_cover(a, out_rows)
+    return a2a.topology_cover(axis_name) or _row_cover(a, out_rows)
 
 
 def move_pallas(a: jax.Array, items: Items, out_rows: int, mode: Mode, axis_name: str,
