@@ -63,9 +63,15 @@ class IdentityExperts:
         """ExpertFFN.run's contract: (outputs, overflow flag); one buffer here, so the flag is None."""
         return jnp.where((local_expert < self.n_local)[:, None], jnp.repeat(rows, fan_out, axis=0), 0), None
 
-    def run_landed(self, xs, sizes, compact: int = 0):
-        """ExpertFFN.run_landed's contract: the rows arrived sorted, with zeros past the data."""
-        return xs, None
+    params: tuple = ()
+    operands: None = None
+
+    def with_params(self, params, operands):
+        return self
+
+    def on_sorted(self, xs, sizes):
+        """ExpertFFN.on_sorted's contract: the rows arrived sorted, with zeros past the data."""
+        return xs
 
 
 def looped(f, loop: int):

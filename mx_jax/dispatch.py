@@ -33,13 +33,15 @@ Exchanges move rows to peers inside a group of the expert axis (all of it, a rai
              198,600 to 208,000 tokens/s (benchmarks/RESULTS.md, session 44).
     "ragged" jax.lax.ragged_all_to_all moves only real rows; the receive buffer holds the same worst case from
              every peer, so nothing is ever dropped. Chosen for larger groups on GPU.
-    "land"   (flat dispatch; chosen where its kernel runs: one process holding the GPUs of the expert axis) each
+    "land"   (flat dispatch; "auto" chooses it where its kernel runs, one process holding the GPUs of the expert
+             axis, on axes of up to LAND_MAX_PEERS = 2 devices, the only size verified on a GPU so far) each
              (token, expert) row is pushed by pallas_kernels/row_exchange.py straight to its row of the expert
              device's buffer sorted by expert, and the padding there is zeroed in runs. `landing` plans it: one
              all_gather of every device's per-expert counts gives each group's start and each sender's offset in
              it, in the order ExpertFFN.run sorts a dense receive buffer into. The experts run on the buffer as it
-             landed (`ExpertFFN.run_landed`), and each output row is pulled home into its (token, choice) slot. No
-             send buffer, no sort or unsort gathers, no metadata exchange; the transposes swap push and pull. On
+             landed (`run_landed`, `ExpertFFN.on_sorted`), and each output row is pulled home into its (token,
+             choice) slot. No send buffer, no sort or unsort gathers, no metadata exchange; the transposes swap
+             push and pull. On
              2 x H200 at expert=2, fp8_rowwise, two 4,096-token sequences per GPU (RESULTS.md, session 48): the
              4-layer DeepSeekMoE step 190,229 -> 202,138 tokens/s (+6.3%; scatter/gather kernels 5.16 -> 0.66 ms,
              the row kernels 7.0 ms against the dense exchange's 6.2), the 2-layer Mixtral step 157,076 -> 160,645
@@ -83,6 +85,14 @@ rows, forward and in the backward. So the experts run on a compact buffer of C =
 padding's room, in 256-row tiles) on every device whose rows with data fit, with one row to spare (sum of the padded
 group sizes < C), and on all W rows elsewhere: a per-device lax.cond with no collective inside, so devices may
 differ, and nothing is ever dropped (the metric moe_ep_overflow_frac is the share of devices and layers that ran W).
+Under "land" the rows are pushed into the compact buffer itself (`run_landed`): push, experts and pull run inside
+the cond, so it takes one branch on every device, compact when every device's rows fit (`Landing.totals`, known to
+all from the plan's all_gather) and whole otherwise. The step time is the slowest device's either way. No W-row
+buffer is then zeroed, sliced or padded, and the cond keeps no W-row residual. On 2 x H200 at expert=2 with f =
+1.5 (so that the cond runs) the 4-layer DeepSeekMoE step ran 196,157 tokens/s against 195,927 with the W-row landing
+and a cond around the experts alone (RESULTS.md, session 49): at P = 2, W is only 1.33 C, and both ran below the
+step without a cond (f = 2: 199,568), which pays the conditional's host sync and copies (benchmarks/JAX_NOTES.md).
+The gain should grow with W / C = P min(k, E_l) / (f k), but has not been measured at P >= 4.
 A plain lax.cond would not pay: its backward saves the union of both branches' residuals, so the compact branch
 wrote zeros of the whole buffer's (W, F) activations (on 4 x H200 the DeepSeekMoE step ran 6% slower than with one
 buffer). `_either` is a custom VJP whose backward is one cond: its branch recomputes the experts' forward and
@@ -293,29 +303,18 @@ class ExpertFFN:
         y = _either(fits, functools.partial(self._sorted, small), functools.partial(self._sorted, r_pad), diff, rest)
         return y, ~fits
 
-    def run_landed(self, xs: jax.Array, sizes: jax.Array, compact: int = 0) -> tuple[jax.Array, jax.Array | None]:
-        """`run` on rows that arrived already sorted by expert (the "land" exchange): xs (W, D) holds expert e's
-        rows (padded to `align` with zero rows) at [sum(sizes[:e]), sum(sizes[:e + 1])) and zeros after them;
-        sizes (E_l,) the padded group sizes. Returns the experts' outputs in the same rows (zero past the data)
-        and the overflow flag as `run` (the compact buffer is the first rows of xs)."""
-        w = xs.shape[0]
-        diff = (xs, self.w_gate, self.w_up, self.w_down)
-        rest = (sizes, self.operands)
-        small = _room(compact, self.n_local, self.align) if compact > 0 else w
-        if small >= w:
-            return self._landed(w, diff, rest), None
-        fits = jnp.sum(sizes) <= small
-        y = _either(fits, functools.partial(self._landed, small), functools.partial(self._landed, w), diff, rest)
-        return y, ~fits
+    @property
+    def params(self) -> tuple[jax.Array, ...]:
+        """The differentiable weights (w_gate, w_up, w_down), as `with_params` takes them back."""
+        return self.w_gate, self.w_up, self.w_down
 
-    def _landed(self, n_rows: int, diff: tuple, rest: tuple) -> jax.Array:
-        xs, w_gate, w_up, w_down = diff
-        sizes, operands = rest
-        ffn = dataclasses.replace(self, w_gate=w_gate, w_up=w_up, w_down=w_down, operands=operands)
-        if n_rows == xs.shape[0]:
-            return ffn._swiglu(xs, sizes, self.align)
-        ys = ffn._swiglu(xs[:n_rows], sizes, self.align)  # (the rows past them are never read back)
-        return jnp.pad(ys, ((0, xs.shape[0] - n_rows), (0, 0)))
+    def with_params(self, params: tuple[jax.Array, ...], operands: tuple | None) -> ExpertFFN:
+        return dataclasses.replace(self, w_gate=params[0], w_up=params[1], w_down=params[2], operands=operands)
+
+    def on_sorted(self, xs: jax.Array, sizes: jax.Array) -> jax.Array:
+        """The experts on rows that arrived sorted by expert (the "land" exchange): expert e's rows (padded to
+        `align` with zero rows) at [sum(sizes[:e]), sum(sizes[:e + 1])) of xs, zero past them."""
+        return self._swiglu(xs, sizes, self.align)
 
     def _sorted(self, n_rows: int, diff: tuple, rest: tuple) -> jax.Array:
         """The experts on a sorted buffer of n_rows rows (all of them, or the compact buffer when the data fits)."""
@@ -571,16 +570,38 @@ class Landing:
     its expert device's sorted buffer; `zero` lists this device's buffer rows that no assignment fills (each
     expert's padding to `align`, and the tail). back: the same assignments read back from those rows into row i
     of an (n k, D) array; `zero` lists the assignments that are not live (dropped by capacity). sizes (E_l,): the
-    padded group sizes of this device's buffer."""
+    padded group sizes of this device's buffer; got (E_l,): the rows that hold data in each; totals (P,): every
+    device's sum of padded sizes, the rows its buffer needs (the same on every device)."""
 
     out: row_exchange.Items
     back: row_exchange.Items
     sizes: jax.Array
-    rows: int  # W, the sorted buffer's rows
+    got: jax.Array
+    totals: jax.Array
+    rows: int  # the sorted buffers' rows
     fan_out: int  # k
 
+    def resized(self, rows: int) -> Landing:
+        """The same plan into sorted buffers of `rows` rows (at least max(totals): the caller checks)."""
+        if rows == self.rows:
+            return self
+        zero, n_chunks, n_zero = _buffer_padding(self.sizes, self.got, rows, self.out.chunk)
+        out = dataclasses.replace(self.out, zero=zero, n_zero=n_zero, n_chunks=n_chunks)
+        return dataclasses.replace(self, out=out, rows=rows)
 
-jax.tree_util.register_dataclass(Landing, data_fields=["out", "back", "sizes"], meta_fields=["rows", "fan_out"])
+
+jax.tree_util.register_dataclass(Landing, data_fields=["out", "back", "sizes", "got", "totals"],
+                                 meta_fields=["rows", "fan_out"])
+
+
+def _buffer_padding(sizes: jax.Array, got: jax.Array, rows: int, chunk: int) -> tuple[jax.Array, ...]:
+    """`row_exchange.zero_work` for a sorted buffer of `rows` rows whose group e spans sizes[e] rows, the first
+    got[e] of them data: its padding and its tail."""
+    start = jnp.cumsum(sizes) - sizes
+    r = jnp.arange(rows, dtype=jnp.int32)
+    group = jnp.searchsorted(start, r, side="right").astype(jnp.int32) - 1  # (of equal starts, the last)
+    data = (r >= start[group]) & (r < start[group] + got[group])
+    return row_exchange.zero_work(~data, chunk)
 
 
 def landing(eid: jax.Array, axis: str, n_local: int, align: int, rows: int, row_bytes: int) -> Landing:
@@ -588,8 +609,7 @@ def landing(eid: jax.Array, axis: str, n_local: int, align: int, rows: int, row_
     experts, into sorted buffers of `rows` rows of `row_bytes` bytes (which sets the zeroing stores' width). Every
     device learns how many rows every device sends to each expert (one all_gather of P x E ints); expert e's group
     on device q starts at the padded sizes of q's lower experts, and inside it sender s's rows follow those of
-    senders < s, each sender's in row order: the order `ExpertFFN.run` sorts the dense exchange's receive buffer
-    into."""
+    senders < s, each sender's in row order: the order `ExpertFFN.run` sorts a dense receive buffer into."""
     n, k = eid.shape
     n_dev, me = jax.lax.axis_size(axis), jax.lax.axis_index(axis)
     n_exp = n_dev * n_local
@@ -608,18 +628,13 @@ def landing(eid: jax.Array, axis: str, n_local: int, align: int, rows: int, row_
     # the live assignments first, in row order (consecutive items go to different peers)
     order = jnp.argsort(~live, stable=True).astype(jnp.int32)
     n_live = jnp.sum(live, dtype=jnp.int32)
-    # this device's buffer: a row holds data iff it lies in its group's first got[e] rows
-    r = jnp.arange(rows, dtype=jnp.int32)
-    mine_start, mine_got = start[me], got[me]
-    group = jnp.searchsorted(mine_start, r, side="right").astype(jnp.int32) - 1  # (of equal starts, the last)
-    data = (r >= mine_start[group]) & (r < mine_start[group] + mine_got[group])
     chunk = row_exchange.zero_chunk(row_bytes)
-    zero_out, chunks_out, n_zero_out = row_exchange.zero_work(~data, chunk)
+    zero_out, chunks_out, n_zero_out = _buffer_padding(padded[me], got[me], rows, chunk)
     zero_back, chunks_back, n_zero_back = row_exchange.zero_work(~live, chunk)
     dst_o, peer_o = dst[order], peer[order]
     out = row_exchange.Items(order // k, peer_o, dst_o, n_live, zero_out, n_zero_out, chunks_out, chunk)
     back = row_exchange.Items(dst_o, peer_o, order, n_live, zero_back, n_zero_back, chunks_back, chunk)
-    return Landing(out, back, padded[me], rows, k)
+    return Landing(out, back, padded[me], got[me], jnp.sum(padded, axis=1), rows, k)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
@@ -653,6 +668,30 @@ def _fetch_bwd(axis, impl, plan, ct):
 fetch.defvjp(lambda ys, plan, axis, impl: (fetch(ys, plan, axis, impl), plan), _fetch_bwd)
 
 
+def run_landed(x: jax.Array, plan: Landing, ffn: ExpertFFN, axis: str, impl: str = "auto", whole: int = 0
+               ) -> tuple[jax.Array, jax.Array | None]:
+    """The experts on the "land" exchange: x (n, D) pushed into the sorted buffers of `plan`, the experts run there
+    (`ExpertFFN.on_sorted`), and each (token, choice)'s output pulled home as (n k, D). With `whole` > plan.rows,
+    plan's buffers are the compact ones: every device uses them when every device's rows fit in them, and all use
+    buffers of `whole` rows otherwise (module doc, "Two expert buffers"). Returns the outputs and whether the
+    whole buffers ran (None where there is one size)."""
+
+    def branch(which: int):
+        def f(diff, rest):
+            (x, *params), (plans, operands) = diff, rest
+            plan = plans[which]
+            ys = ffn.with_params(tuple(params), operands).on_sorted(land(x, plan, axis, impl), plan.sizes)
+            return fetch(ys, plan, axis, impl)
+        return f
+
+    if whole <= plan.rows:
+        return branch(0)((x, *ffn.params), ((plan,), ffn.operands)), None
+    fits = jnp.max(plan.totals) <= plan.rows  # the same on every device: the pushes and pulls stay matched
+    # (both plans made here, not in the branches: a conditional's kernels launch one by one after a host sync)
+    rest = ((plan, plan.resized(whole)), ffn.operands)
+    return _either(fits, branch(0), branch(1), (x, *ffn.params), rest), ~fits
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Flat and hierarchical dispatch + combine
 
@@ -665,16 +704,22 @@ DENSE_MAX_PEERS = 8
 
 
 EXCHANGES = ("auto", "dense", "ragged", "land")
+# "auto" takes "land" only on expert axes this size or smaller: on 4 x H200 (expert=4) the 4-layer DeepSeekMoE step
+# with land, into compact or padded buffers, had not compiled and run 5 steps after 135 s, where the dense exchange
+# had (95 s of it compiling); not yet explained (benchmarks/RESULTS.md, session 49).
+LAND_MAX_PEERS = 2
 
 
 def pick_exchange(method: str, n_peers: int, x: jax.Array | None = None, axis: str | None = None,
                   impl: str = "auto") -> str:
     """The exchange for `method` ("auto" or one of EXCHANGES). "land" is a flat dispatch's alone: given the tokens x
-    and the expert axis, "auto" picks it where the row kernel runs (impl "xla" runs its reference anywhere, for
-    tests); a stage of the hierarchical dispatch (no x) picks between "dense" and "ragged"."""
+    and the expert axis, "auto" picks it where the row kernel runs, on up to LAND_MAX_PEERS devices (impl "xla" runs
+    its reference anywhere, for tests); a stage of the hierarchical dispatch (no x) picks between "dense" and
+    "ragged"."""
     if method not in EXCHANGES:
         raise ValueError(f"dispatch: exchange must be one of {EXCHANGES}, got {method!r}")
-    if x is not None and method == "auto" and impl != "xla" and row_exchange.pallas_cover(x, axis) is None:
+    if (x is not None and method == "auto" and impl != "xla" and n_peers <= LAND_MAX_PEERS
+            and row_exchange.pallas_cover(x, axis) is None):
         return "land"
     if method != "auto":
         if method == "land" and x is None:
@@ -766,9 +811,10 @@ def _flat(x, eid, ffn: ExpertFFN, axis: str, gpus_per_node: int, how: str, a2a_i
     compact = compact_rows(n, k, buffer_factor)
     how = pick_exchange(how, n_dev, x, axis, a2a_impl)
     if how == "land":
-        plan = landing(eid, axis, e_l, ffn.align, _room(n_dev * bound, e_l, ffn.align), x.shape[1] * x.dtype.itemsize)
-        y, overflow = ffn.run_landed(land(x, plan, axis, a2a_impl), plan.sizes, compact=compact)
-        out, overflow = _home(fetch(y, plan, axis, a2a_impl), overflow, ffn.scanned)
+        whole = _room(n_dev * bound, e_l, ffn.align)
+        rows = min(whole, _room(compact, e_l, ffn.align)) if compact > 0 else whole
+        plan = landing(eid, axis, e_l, ffn.align, rows, x.shape[1] * x.dtype.itemsize)
+        out, overflow = _home(*run_landed(x, plan, ffn, axis, a2a_impl, whole), ffn.scanned)
     else:
         recv, valid, back = exchange({"x": x, "e": flat_e % e_l}, dest, Group(axis, n_dev),
                                      how, bound=bound, a2a_impl=a2a_impl)

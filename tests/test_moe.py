@@ -607,13 +607,15 @@ def test_compact_expert_buffer_unless_a_device_receives_more(method, routing, mo
 
 
 @pytest.mark.parametrize("routing, capacity, align, buffer_factor", [
-    ("random", 0, 1, 0.0), ("random", 3, 8, 2.0), ("device_0_flooded", 0, 8, 2.0), ("even_experts", 0, 8, 0.0)])
+    ("random", 0, 1, 0.0), ("random", 3, 8, 2.0), ("random", 0, 8, 2.0), ("device_0_flooded", 0, 8, 2.0),
+    ("even_experts", 0, 8, 0.0)])
 def test_landed_dispatch_equals_the_dense_one(routing, capacity, align, buffer_factor, monkeypatch):
     """The "land" exchange (each row pushed straight to its place in the expert device's sorted buffer, outputs
     pulled back; here its XLA reference) gives the dense exchange's outputs and the gradients of x, the gates and
     every expert weight, on 8 devices with 2 experts each: with rows dropped by a capacity (items that do not move,
-    and zero rows where they come home), groups padded to a multiple of 8 (zero rows inside the buffer), and device
-    0 flooded past its compact buffer while the others run theirs, and with every odd expert empty."""
+    and zero rows where they come home), groups padded to a multiple of 8 (zero rows inside the buffer), in compact
+    buffers, with device 0 flooded past its compact buffer (then every device runs the whole one), and with every
+    odd expert empty."""
     from jax.sharding import PartitionSpec as P
 
     from mx_jax import dispatch
@@ -636,9 +638,10 @@ def test_landed_dispatch_equals_the_dense_one(routing, capacity, align, buffer_f
     g = jnp.asarray(rng.uniform(0.2, 0.8, idx.shape), jnp.float32)
     w = [jnp.asarray(rng.standard_normal(s) * 0.1, jnp.float32) for s in
          ((n_experts, d, f), (n_experts, d, f), (n_experts, f, d))]
-    landed = []
-    plan = dispatch.landing
+    landed, buffers = [], set()
+    plan, land = dispatch.landing, dispatch.land
     monkeypatch.setattr(dispatch, "landing", lambda *a: landed.append(1) or plan(*a))
+    monkeypatch.setattr(dispatch, "land", lambda x, p, *a: buffers.add(p.rows) or land(x, p, *a))
     mesh = sharding.make_mesh(MeshConfig(fsdp=1, expert=n_dev))
 
     def run(exchange):
@@ -665,12 +668,36 @@ def test_landed_dispatch_equals_the_dense_one(routing, capacity, align, buffer_f
     assert not landed
     y_land, over_land, grads_land = run("land")
     assert landed
-    np.testing.assert_array_equal(over_land, over_dense)
+    whole = dispatch._room(n_dev * dispatch.peer_bound(n_tok, k, e_l, capacity), e_l, align)
+    # with a compact buffer smaller than the whole one both sizes are traced (the pushes land in one or the other);
+    # a capacity of 3 rows per expert already makes the whole buffer small
+    compact = dispatch._room(dispatch.compact_rows(n_tok, k, buffer_factor), e_l, align)
+    assert buffers == ({compact, whole} if buffer_factor and not capacity else {whole}) and compact <= whole
+    # land decides for every device at once (its pushes and pulls must match): all run whole buffers if one must
+    np.testing.assert_array_equal(over_land, np.full_like(over_dense, over_dense.max()))
     assert over_land.any() == (routing == "device_0_flooded")
     np.testing.assert_allclose(y_land, y_dense, rtol=1e-6, atol=1e-7)
     for a, b in zip(grads_land, grads_dense, strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
     assert np.abs(grads_land[0]).sum() > 0 and np.abs(grads_land[-1]).sum() > 0
+
+
+def test_auto_lands_rows_only_where_the_row_kernel_was_verified(monkeypatch):
+    """exchange "auto" takes "land" where the row kernel can run and the expert axis has at most LAND_MAX_PEERS
+    devices, the dense exchange on larger axes and wherever the kernel cannot run; an explicit choice is kept, and
+    land is refused for a hierarchical stage."""
+    from mx_jax import dispatch
+    from pallas_kernels import row_exchange
+
+    x = jnp.zeros((8, 16), jnp.bfloat16)
+    assert dispatch.pick_exchange("auto", 2, x, "expert") == "dense"  # CPU: the kernel cannot run here
+    monkeypatch.setattr(row_exchange, "pallas_cover", lambda *a: None)  # as on one GPU process
+    assert dispatch.pick_exchange("auto", dispatch.LAND_MAX_PEERS, x, "expert") == "land"
+    assert dispatch.pick_exchange("auto", dispatch.LAND_MAX_PEERS + 1, x, "expert") == "dense"
+    assert dispatch.pick_exchange("auto", 2, x, "expert", impl="xla") == "dense"
+    assert dispatch.pick_exchange("land", 8, x, "expert") == "land"
+    with pytest.raises(ValueError, match="flat dispatch"):
+        dispatch.pick_exchange("land", 2)
 
 
 def test_the_log_line_shows_the_routing():
@@ -689,16 +716,17 @@ def test_the_log_line_shows_the_routing():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("exchange", ["dense", "land"])
-@pytest.mark.parametrize("routing, buffer_factor", [("skewed", 0.0), ("flooded", 2.0), ("random", 2.0)])
+@pytest.mark.parametrize("routing, buffer_factor", [("skewed", 0.0), ("flooded", 1.25), ("random", 1.25)])
 def test_gpu_flat_dispatch_on_the_nvlink_kernel_equals_lax_and_one_device(routing, buffer_factor, exchange):
     """One process, every local GPU on the expert axis: the flat dispatch through the NVLink kernels, the dense one
     (moves only the rows each peer is sent) or the row kernel ("land": each row straight to its sorted place, with
     groups padded to 8 rows), gives bit for bit the outputs and gradients of the dense exchange over lax.all_to_all
     moving the whole worst-case buffers, and matches the single-device mixture. Skewed: device 0's tokens all choose
     device 0's experts, so it sends its peers nothing; device 1's choose only other devices' experts. With
-    buffer_factor 2 a device's compact expert buffer holds 1,024 rows (2 x 256 tokens x top-2, plus the padding's
-    room) beside the whole one's P x 512: flooded (every token chooses device 0's experts) sends device 0 P x 512
-    rows, which overflow it on 4 GPUs, and nothing to the others; random routing fits everywhere."""
+    buffer_factor 1.25 a device's compact expert buffer holds 768 rows (1.25 x 256 tokens x top-2, plus the
+    padding's room, in 256-row tiles) beside the whole one's P x 512: flooded (every token chooses device 0's
+    experts) sends device 0 P x 512 rows, which overflow it, and nothing to the others (land then runs the whole
+    buffers on every device); random routing fits everywhere."""
     from jax.sharding import PartitionSpec as P
 
     from mx_jax import dispatch
@@ -740,10 +768,12 @@ def test_gpu_flat_dispatch_on_the_nvlink_kernel_equals_lax_and_one_device(routin
 
         (_, (y, overflow)), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True))(x, g, *w)
         received = np.bincount(idx.reshape(-1) // e_l, minlength=n_dev)
-        compact = dispatch.compact_rows(n_tok, k, buffer_factor)  # 1,024: already a whole number of 256-row tiles
-        two_buffers = 0 < compact < n_dev * n_tok * min(k, e_l)
-        np.testing.assert_array_equal(overflow, (two_buffers & (received >= compact)).astype(np.float32))
-        assert overflow.any() == (routing == "flooded" and n_dev > 2)  # the routings do what the docstring says
+        compact = dispatch.compact_rows(n_tok, k, buffer_factor)
+        over = (0 < compact) & (received >= compact)
+        if how == "land":
+            over = np.full_like(over, over.any())
+        np.testing.assert_array_equal(overflow, over.astype(np.float32))
+        assert overflow.any() == (routing == "flooded")  # the routings do what the docstring says
         return np.asarray(y.astype(jnp.float32)), [np.asarray(v.astype(jnp.float32)) for v in grads]
 
     y_kernel, grads_kernel = run("pallas", exchange)
@@ -786,7 +816,8 @@ def test_gpu_landed_dispatch_is_bit_exact_at_deepseek_scale():
     """The row kernels at DeepSeekMoE's dims (8,192 tokens per GPU, top-6 of 32 experts per GPU, hidden 2,048,
     expert width 1,408) with Zipf-skewed routing (on 2 GPUs one expert gets 14,930 rows, the devices 53,436 and
     44,868): the "land" dispatch gives the dense exchange's outputs and gradients (lax.all_to_all) bit for bit, on
-    two runs, so no row lands late or unzeroed at the scale the train step runs at."""
+    two runs into the whole buffers and one into compact ones (1.25 x the rows a device receives on average), so
+    no row lands late or unzeroed at the scale the train step runs at."""
     gpus = jax.devices("gpu")
     if len(gpus) < 2:
         pytest.skip("needs >= 2 GPUs in this process")
@@ -802,14 +833,14 @@ def test_gpu_landed_dispatch_is_bit_exact_at_deepseek_scale():
          ((n_experts, d, f), (n_experts, d, f), (n_experts, f, d))]
     mesh = jax.make_mesh((n_dev,), ("expert",), axis_types=(jax.sharding.AxisType.Auto,))
 
-    def run(a2a_impl, how):
+    def run(a2a_impl, how, buffer_factor=2.0):
         return _gpu_dispatch_grads(mesh, idx, x, g, w, "pallas", method="flat", exchange_method=how,
-                                   a2a_impl=a2a_impl, buffer_factor=2.0)
+                                   a2a_impl=a2a_impl, buffer_factor=buffer_factor)
 
     want = run("xla", "dense")
     assert np.bincount(idx.reshape(-1)).max() > 10_000 and all(np.isfinite(v).all() for v in want)
-    for _ in range(2):
-        for a, b in zip(run("pallas", "land"), want, strict=True):
+    for factor in (2.0, 2.0, 1.25):
+        for a, b in zip(run("pallas", "land", factor), want, strict=True):
             np.testing.assert_array_equal(a, b)
 
 
