@@ -41,11 +41,10 @@ Exchanges move rows to peers inside a group of the expert axis (all of it, a rai
              it, in the order ExpertFFN.run sorts a dense receive buffer into. The experts run on the buffer as it
              landed (`run_landed`, `ExpertFFN.on_sorted`), and each output row is pulled home into its (token,
              choice) slot. No send buffer, no sort or unsort gathers, no metadata exchange; the transposes swap
-             push and pull. On
-             2 x H200 at expert=2, fp8_rowwise, two 4,096-token sequences per GPU (RESULTS.md, session 48): the
-             4-layer DeepSeekMoE step 190,229 -> 202,138 tokens/s (+6.3%; scatter/gather kernels 5.16 -> 0.66 ms,
-             the row kernels 7.0 ms against the dense exchange's 6.2), the 2-layer Mixtral step 157,076 -> 160,645
-             (+2.3%).
+             push and pull. On 2 x H200 at expert=2, fp8_rowwise, two 4,096-token sequences per GPU (RESULTS.md,
+             session 48): the 4-layer DeepSeekMoE step 190,229 -> 202,138 tokens/s (+6.3%; scatter/gather kernels
+             5.16 -> 0.66 ms, the row kernels 7.0 ms against the dense exchange's 6.2), the 2-layer Mixtral step
+             157,076 -> 160,645 (+2.3%).
 All have the same semantics; tests/test_moe.py checks flat == hierarchical == single device and land == dense
 (outputs, gradients).
 
