@@ -705,7 +705,7 @@ DENSE_MAX_PEERS = 8
 EXCHANGES = ("auto", "dense", "ragged", "land")
 # "auto" takes "land" only on expert axes this size or smaller: on 4 x H200 (expert=4) the 4-layer DeepSeekMoE step
 # with land, into compact or padded buffers, had not compiled and run 5 steps after 135 s, where the dense exchange
-# had (95 s of it compiling); not yet explained (benchmarks/RESULTS.md, session 49).
+# had (95 s of it compiling): a slower compile or a hang, not yet known (benchmarks/RESULTS.md, session 49).
 LAND_MAX_PEERS = 2
 
 
