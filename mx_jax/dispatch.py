@@ -723,10 +723,20 @@ def pick_exchange(method: str, n_peers: int, x: jax.Array | None = None, axis: s
     if method != "auto":
         if method == "land" and x is None:
             raise ValueError("dispatch: exchange 'land' is for the flat dispatch (model.moe.dispatch=flat)")
+        if method == "land" and impl == "auto" and (why := row_exchange.pallas_cover(x, axis)) is not None:
+            _warn_land_reference(why)
         return method
     if jax.default_backend() != "gpu":
         return "dense"  # XLA:CPU has no ragged all-to-all
     return "dense" if n_peers <= DENSE_MAX_PEERS else "ragged"
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_land_reference(why: str) -> None:
+    logging.getLogger("mx_jax").warning(
+        "MoE: model.moe.exchange=land, but its NVLink row kernel cannot run here (%s); land runs on its XLA "
+        "reference, which moves P x the rows of the dense exchange (model.moe.exchange=auto picks the fastest that "
+        "runs)", why)
 
 
 def dispatch_combine(x: jax.Array, idx: jax.Array, g: jax.Array, keep: jax.Array, ffn: ExpertFFN, *,

@@ -684,13 +684,18 @@ def test_landed_dispatch_equals_the_dense_one(routing, capacity, align, buffer_f
 
 def test_auto_lands_rows_only_where_the_row_kernel_was_verified(monkeypatch):
     """exchange "auto" takes "land" where the row kernel can run and the expert axis has at most LAND_MAX_PEERS
-    devices, the dense exchange on larger axes and wherever the kernel cannot run; an explicit choice is kept, and
-    land is refused for a hierarchical stage."""
+    devices, the dense exchange on larger axes and wherever the kernel cannot run; an explicit choice is kept (land
+    where the kernel cannot run, with a warning naming why, unless the XLA path was asked for), and land is
+    refused for a hierarchical stage."""
     from mx_jax import dispatch
     from pallas_kernels import row_exchange
 
     x = jnp.zeros((8, 16), jnp.bfloat16)
     assert dispatch.pick_exchange("auto", 2, x, "expert") == "dense"  # CPU: the kernel cannot run here
+    warned = []
+    monkeypatch.setattr(dispatch, "_warn_land_reference", warned.append)
+    assert dispatch.pick_exchange("land", 2, x, "expert") == "land" and "GPU" in warned[0]  # forced: says why
+    assert dispatch.pick_exchange("land", 2, x, "expert", impl="xla") == "land" and len(warned) == 1
     monkeypatch.setattr(row_exchange, "pallas_cover", lambda *a: None)  # as on one GPU process
     assert dispatch.pick_exchange("auto", dispatch.LAND_MAX_PEERS, x, "expert") == "land"
     assert dispatch.pick_exchange("auto", dispatch.LAND_MAX_PEERS + 1, x, "expert") == "dense"
