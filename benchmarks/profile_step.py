@@ -362,26 +362,28 @@ def main() -> None:
         t0 = time.perf_counter()
         step = train.make_train_step(setup).lower(state, batch).compile()
         compile_s = time.perf_counter() - t0
+        # Progress as it happens: a run cut off by a timeout still shows how far it got.
+        print(f"compile: {compile_s:.1f} s", flush=True)
         hlo = step.as_text()
         first = []
         for _ in range(3):  # warm up
             state, m = step(state, batch)
             first.append(m["loss"])
         jax.block_until_ready(m["loss"])
+        print("loss of the first 3 steps (one batch, repeated): " + " ".join(f"{float(v):.6f}" for v in first),
+              flush=True)
         t0 = time.perf_counter()
         for _ in range(args.steps):
             state, m = step(state, batch)
         jax.block_until_ready(m["loss"])
         wall = (time.perf_counter() - t0) / args.steps
+        tokens = cfg.data.batch_size * cfg.data.seq_len
+        print(f"wall time per step (untraced): {1000 * wall:.1f} ms = {tokens / wall:,.0f} tokens/s", flush=True)
         jax.profiler.start_trace(args.trace_dir)
         for _ in range(args.steps):
             state, m = step(state, batch)
         jax.block_until_ready(m["loss"])
         jax.profiler.stop_trace()
-    tokens = cfg.data.batch_size * cfg.data.seq_len
-    print(f"compile: {compile_s:.1f} s")
-    print("loss of the first 3 steps (one batch, repeated): " + " ".join(f"{float(v):.6f}" for v in first))
-    print(f"wall time per step (untraced): {1000 * wall:.1f} ms = {tokens / wall:,.0f} tokens/s")
     if moe := {k: float(v) for k, v in m.items() if k.startswith("moe_")}:  # the last step's routing statistics
         print("moe, last step: " + ", ".join(f"{k.removeprefix('moe_')} {v:.4g}" for k, v in sorted(moe.items())))
     peaks = [(d.memory_stats() or {}).get("peak_bytes_in_use", 0) for d in jax.local_devices()]
