@@ -34,7 +34,7 @@ Exchanges move rows to peers inside a group of the expert axis (all of it, a rai
     "ragged" jax.lax.ragged_all_to_all moves only real rows; the receive buffer holds the same worst case from
              every peer, so nothing is ever dropped. Chosen for larger groups on GPU.
     "land"   (flat dispatch; "auto" chooses it where its kernel runs, one process holding the GPUs of the expert
-             axis, on axes of up to LAND_MAX_PEERS = 2 devices, the only size verified on a GPU so far) each
+             axis, on axes of up to LAND_MAX_PEERS = 4 devices, the sizes verified on GPUs so far) each
              (token, expert) row is pushed by pallas_kernels/row_exchange.py straight to its row of the expert
              device's buffer sorted by expert, and the padding there is zeroed in runs. `landing` plans it: one
              all_gather of every device's per-expert counts gives each group's start and each sender's offset in
@@ -44,7 +44,8 @@ Exchanges move rows to peers inside a group of the expert axis (all of it, a rai
              push and pull. On 2 x H200 at expert=2, fp8_rowwise, two 4,096-token sequences per GPU (RESULTS.md,
              session 48): the 4-layer DeepSeekMoE step 190,229 -> 202,138 tokens/s (+6.3%; scatter/gather kernels
              5.16 -> 0.66 ms, the row kernels 7.0 ms against the dense exchange's 6.2), the 2-layer Mixtral step
-             157,076 -> 160,645 (+2.3%).
+             157,076 -> 160,645 (+2.3%). On 4 x H200 at expert=4, the DeepSeekMoE step 328,105 -> 372,216
+             (+13.4%; session 50).
 All have the same semantics; tests/test_moe.py checks flat == hierarchical == single device and land == dense
 (outputs, gradients).
 
@@ -703,10 +704,10 @@ DENSE_MAX_PEERS = 8
 
 
 EXCHANGES = ("auto", "dense", "ragged", "land")
-# "auto" takes "land" only on expert axes this size or smaller: on 4 x H200 (expert=4) the 4-layer DeepSeekMoE step
-# with land, into compact or padded buffers, had not compiled and run 5 steps after 135 s, where the dense exchange
-# had (95 s of it compiling): a slower compile or a hang, not yet known (benchmarks/RESULTS.md, session 49).
-LAND_MAX_PEERS = 2
+# "auto" takes "land" only on expert axes this size or smaller, the sizes its kernel and tests have run on (2 and 4
+# GPUs; no 8-GPU machine was lent yet). On 4 x H200 (expert=4) land took the 4-layer DeepSeekMoE step from 328,105 to
+# 372,216 tokens/s and compiled in 75 s against the dense exchange's 87 (benchmarks/RESULTS.md, session 50).
+LAND_MAX_PEERS = 4
 
 
 def pick_exchange(method: str, n_peers: int, x: jax.Array | None = None, axis: str | None = None,
