@@ -63,8 +63,8 @@ class MoEConfig:
     # How a flat dispatch moves the rows (mx_jax/dispatch.py): "land" writes each row straight to its place in the
     # expert device's buffer sorted by expert and reads the outputs back from there (pallas_kernels/row_exchange.py);
     # "dense" pads each peer's chunk to the worst case; "ragged" is lax.ragged_all_to_all. "auto": land where its
-    # NVLink kernel runs (one process holding the GPUs of the expert axis) on 2 of them (larger axes are not yet
-    # verified on a GPU), else dense up to 8 peers, else ragged.
+    # NVLink kernel runs (one process holding the GPUs of the expert axis) on up to 4 of them (dispatch.LAND_MAX_PEERS:
+    # the sizes verified on GPUs), else dense up to 8 peers, else ragged.
     exchange: Literal["auto", "dense", "ragged", "land"] = "auto"
     all_to_all: Literal["auto", "pallas", "xla"] = "auto"  # the NVLink kernels of the exchanges over the whole expert
     # axis (pallas_kernels/all_to_all.py, row_exchange.py) where they apply, or XLA's collectives (NCCL)
