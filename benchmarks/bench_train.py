@@ -51,7 +51,10 @@ def run_variant(name: str, base: list[str], overrides: str, steps: int, log_ever
     env_vars = dict(i[1:].split("=", 1) for i in items if i.startswith("+"))
     keys = [i for i in items if not i.startswith(("@", "+"))]
     run_dir = pathlib.Path(tempfile.mkdtemp(prefix=f"bench_{name}_"))
-    cmd = [sys.executable, "-P", "-m", "mx_jax.train", *base, f"run_dir={run_dir}", f"steps={steps}",
+    # The embedded corpus unless the base or the variant names a source (a config's own `data.source: bin` would
+    # need shards on the benchmark machine).
+    source = [] if any(i.startswith("data.source=") for i in (*base, *keys)) else ["data.source=embedded"]
+    cmd = [sys.executable, "-P", "-m", "mx_jax.train", *base, *source, f"run_dir={run_dir}", f"steps={steps}",
            "ckpt.every_steps=-1", "log.eval_every_steps=-1", f"log.every_steps={log_every}", "log.progress=false",
            "log.tensorboard=false", *keys]
     env = {**os.environ, **env_vars, "XLA_FLAGS": " ".join([os.environ.get("XLA_FLAGS", ""), *xla]).strip()}

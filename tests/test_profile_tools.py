@@ -234,6 +234,31 @@ def test_bench_train_reports_a_run_that_logged_no_step(tmp_path, monkeypatch):
     assert "--steps 2" in row["error"] and "--log-every 5" in row["error"]
 
 
+def test_bench_train_runs_the_embedded_corpus_unless_told_a_source(tmp_path, monkeypatch):
+    """A config whose data.source is `bin` would need shards on the benchmark machine: bench_train adds
+    data.source=embedded after the base, except where the base or the variant names a source."""
+    import subprocess
+
+    spec = importlib.util.spec_from_file_location(
+        "bench_train", pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "bench_train.py")
+    bench_train = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench_train)
+    cmds = []
+
+    def fake_run(cmd, env):
+        cmds.append(cmd)
+        return subprocess.CompletedProcess(cmd, 1, "", "stopped")
+
+    monkeypatch.setattr(bench_train, "run_trainer", fake_run)
+    base = ["--config", "configs/deepseek_moe_16b.yaml"]
+    bench_train.run_variant("a", base, "", steps=2, log_every=1, out_dir=tmp_path)
+    bench_train.run_variant("b", [*base, "data.source=bin"], "", steps=2, log_every=1, out_dir=tmp_path)
+    bench_train.run_variant("c", base, "data.source=bin", steps=2, log_every=1, out_dir=tmp_path)
+    sources = [[a for a in cmd if a.startswith("data.source=")] for cmd in cmds]
+    assert sources == [["data.source=embedded"], ["data.source=bin"], ["data.source=bin"]]
+    assert cmds[0].index("data.source=embedded") > cmds[0].index("configs/deepseek_moe_16b.yaml")
+
+
 def test_bench_train_stopped_by_sigterm_kills_its_trainer(tmp_path):
     """`timeout` around bench_train sends it SIGTERM: the trainer it started, and that trainer's own child (the data
     loader in a real run), must not outlive it. A fake mx_jax.train on +PYTHONPATH writes both pids and sleeps."""
