@@ -27,6 +27,7 @@ import logging
 import math
 import os
 import pathlib
+import re
 import sys
 import time
 from typing import Any
@@ -892,7 +893,35 @@ def main(argv: list[str] | None = None) -> int:
     except checkpoint.CheckpointError as e:
         print(f"error: {e}", file=sys.stderr)
         return 4
+    except jax.errors.JaxRuntimeError as e:
+        if (why := out_of_memory_help(str(e))) is None:
+            raise
+        print(f"error: {why}", file=sys.stderr)
+        return 5
     return 0
+
+
+# XLA's GPU allocator (BFC) gives each executable its temporaries as one block: with the pool nearly two-thirds full,
+# a step can fail for want of a contiguous block although the free memory adds up to twice what it needs. That
+# stopped the whole DeepSeekMoE 16B at mesh.expert=4 on 4 x H200 at step 2 (the step's 30.5 GiB block, with 59 GiB
+# free in two pieces); with XLA_PYTHON_CLIENT_ALLOCATOR=cuda_async (stream-ordered cudaMallocAsync) the same run
+# trained at a 95.4 GiB peak (benchmarks/RESULTS.md, session 50).
+OOM_ALLOCATOR_VAR = "XLA_PYTHON_CLIENT_ALLOCATOR"
+
+
+def out_of_memory_help(message: str) -> str | None:
+    """What to do about a device out-of-memory error from XLA (its message), or None for any other error."""
+    if "RESOURCE_EXHAUSTED" not in message or "memory" not in message.lower():
+        return None
+    size = re.search(r"allocate ([\d.]+ ?[KMGT]i?B)", message)
+    first = message.strip().splitlines()[0][:300]
+    lines = [f"out of device memory{f' allocating {size.group(1)}' if size else ''} ({first})."]
+    if (os.environ.get(OOM_ALLOCATOR_VAR) or "default").lower() in ("default", "bfc"):
+        lines.append(f"If `--dry-run` says this run fits, the free memory may be fragmented (XLA needs each step's "
+                     f"temporaries in one block): {OOM_ALLOCATOR_VAR}=cuda_async avoids that.")
+    lines.append("Less memory per device: a smaller data.batch_size with data.grad_accum_steps, model.remat=full, "
+                 "or more devices on mesh.fsdp. Checkpoints already committed are kept.")
+    return " ".join(lines)
 
 
 if __name__ == "__main__":

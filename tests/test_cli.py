@@ -109,6 +109,33 @@ def test_deterministic_adds_xlas_flag_once_and_refuses_a_contradiction(monkeypat
         train.apply_default_xla_flags(deterministic=True)
 
 
+def test_out_of_device_memory_stops_with_what_to_do(monkeypatch, capsys):
+    """An XLA out-of-memory error from the run ends with exit code 5 and a message naming the failed allocation, the
+    allocator that avoids fragmentation (unless it is already in use) and the config keys that need less memory;
+    any other XLA runtime error is raised as it was."""
+    import jax
+
+    from mx_jax import train
+
+    monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))  # restored after: main() sets the defaults
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.9")
+    errors = []
+    monkeypatch.setattr(train, "train", lambda cfg: (_ for _ in ()).throw(errors[-1]))
+    oom = ("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 30.51GiB with allocator GPU_0_bfc on device "
+           "0. [executable_name='jit_train_step']")
+    args = ["--config", str(ROOT / "configs" / "llama3_debug.yaml")]
+    for allocator, hint in [("", True), ("cuda_async", False)]:
+        monkeypatch.setenv(train.OOM_ALLOCATOR_VAR, allocator)
+        errors.append(jax.errors.JaxRuntimeError(oom))
+        assert train.main(args) == 5
+        err = capsys.readouterr().err
+        assert "out of device memory allocating 30.51GiB" in err and "data.grad_accum_steps" in err
+        assert ("XLA_PYTHON_CLIENT_ALLOCATOR=cuda_async avoids" in err) == hint
+    errors.append(jax.errors.JaxRuntimeError("INTERNAL: an unrelated failure"))
+    with pytest.raises(jax.errors.JaxRuntimeError, match="unrelated"):
+        train.main(args)
+
+
 def test_loading_a_config_starts_no_backend():
     """`python -m mx_jax.train` sets XLA_FLAGS after reading the config (`deterministic`), which only works while no
     backend has started: XLA reads the flags once, when the first backend starts."""
