@@ -901,8 +901,8 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-# XLA's GPU allocator (BFC) gives each executable its temporaries as one block: with the pool nearly two-thirds full,
-# a step can fail for want of a contiguous block although the free memory adds up to twice what it needs. That
+# XLA's GPU allocator (BFC) gives each executable its temporaries as one block: with half the pool in use, a step
+# can fail for want of a contiguous block although the free memory adds up to twice what it needs. That
 # stopped the whole DeepSeekMoE 16B at mesh.expert=4 on 4 x H200 at step 2 (the step's 30.5 GiB block, with 59 GiB
 # free in two pieces); with XLA_PYTHON_CLIENT_ALLOCATOR=cuda_async (stream-ordered cudaMallocAsync) the same run
 # trained at a 95.4 GiB peak (benchmarks/RESULTS.md, session 50).

@@ -120,7 +120,11 @@ def test_out_of_device_memory_stops_with_what_to_do(monkeypatch, capsys):
     monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))  # restored after: main() sets the defaults
     monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.9")
     errors = []
-    monkeypatch.setattr(train, "train", lambda cfg: (_ for _ in ()).throw(errors[-1]))
+
+    def train_fails(cfg):
+        raise errors[-1]
+
+    monkeypatch.setattr(train, "train", train_fails)
     oom = ("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 30.51GiB with allocator GPU_0_bfc on device "
            "0. [executable_name='jit_train_step']")
     args = ["--config", str(ROOT / "configs" / "llama3_debug.yaml")]
