@@ -215,14 +215,19 @@ def test_moe_layer_bench_times_the_configs_layer(problem):
     assert float(np.abs(np.asarray(dx, np.float32)).max()) > 0
 
 
-def test_bench_train_reports_a_run_that_logged_no_step(tmp_path, monkeypatch):
-    """--steps below --log-every leaves metrics.jsonl empty: a row naming both flags, not a traceback."""
-    import subprocess
-
+def _load_bench_train():
     spec = importlib.util.spec_from_file_location(
         "bench_train", pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "bench_train.py")
     bench_train = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench_train)
+    return bench_train
+
+
+def test_bench_train_reports_a_run_that_logged_no_step(tmp_path, monkeypatch):
+    """--steps below --log-every leaves metrics.jsonl empty: a row naming both flags, not a traceback."""
+    import subprocess
+
+    bench_train = _load_bench_train()
 
     def fake_run(cmd, **_):
         run_dir = pathlib.Path(next(a for a in cmd if a.startswith("run_dir=")).split("=", 1)[1])
@@ -239,10 +244,7 @@ def test_bench_train_runs_the_embedded_corpus_unless_told_a_source(tmp_path, mon
     data.source=embedded after the base, except where the base or the variant names a source."""
     import subprocess
 
-    spec = importlib.util.spec_from_file_location(
-        "bench_train", pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "bench_train.py")
-    bench_train = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench_train)
+    bench_train = _load_bench_train()
     cmds = []
 
     def fake_run(cmd, env):
