@@ -843,12 +843,20 @@ DEFAULT_XLA_FLAGS = ("--xla_gpu_enable_triton_gemm=false",)
 # on an H200: step-10 losses 4.8466 and 5.0032); with it they matched at every logged step, at 0.87x the tokens/s
 # (benchmarks/RESULTS.md, session 33). The Pallas kernels need nothing: none of them uses atomics.
 DETERMINISTIC_XLA_FLAG = "--xla_gpu_deterministic_ops"
+# The GPU allocator, unless the environment chose one. XLA's default (BFC) gives each executable its temporaries as
+# one block: with half the pool in use a step can fail for want of a contiguous block although the free memory adds
+# up to twice what it needs. That stopped the whole DeepSeekMoE 16B at mesh.expert=4 on 4 x H200 at step 2 (its
+# 30.5 GiB block, with 59 GiB free in two pieces). CUDA's stream-ordered allocator (cudaMallocAsync) trained the
+# same run at a 95.4 GiB peak. It ran the 8B-shaped fp8 step (one H200) and the 4-layer DeepSeekMoE step at
+# expert=2 (two) as fast as BFC (within 1%), with a first step 3-5 s longer (benchmarks/RESULTS.md, sessions 50-51).
+ALLOCATOR_VAR = "XLA_PYTHON_CLIENT_ALLOCATOR"
+DEFAULT_ALLOCATOR = "cuda_async"
 
 
 def apply_default_xla_flags(deterministic: bool = False) -> None:
-    """DEFAULT_XLA_FLAGS, and the GPU memory share (memory_estimate.GPU_MEM_FRACTION instead of JAX's 0.75), each
-    unless the environment already chose it; with `deterministic`, XLA's deterministic ops (an XLA_FLAGS that turns
-    them off is a ConfigError). Before any backend starts."""
+    """DEFAULT_XLA_FLAGS, the GPU memory share (memory_estimate.GPU_MEM_FRACTION instead of JAX's 0.75) and
+    DEFAULT_ALLOCATOR, each unless the environment already chose it; with `deterministic`, XLA's deterministic ops
+    (an XLA_FLAGS that turns them off is a ConfigError). Before any backend starts."""
     from mx_jax import memory_estimate
 
     flags = os.environ.get("XLA_FLAGS", "")
@@ -865,6 +873,8 @@ def apply_default_xla_flags(deterministic: bool = False) -> None:
     os.environ["XLA_FLAGS"] = flags
     if not any(os.environ.get(v) for v in memory_estimate.MEM_FRACTION_VARS):
         os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] = str(memory_estimate.GPU_MEM_FRACTION)
+    if not os.environ.get(ALLOCATOR_VAR):
+        os.environ[ALLOCATOR_VAR] = DEFAULT_ALLOCATOR
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -901,24 +911,19 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-# XLA's GPU allocator (BFC) gives each executable its temporaries as one block: with half the pool in use, a step
-# can fail for want of a contiguous block although the free memory adds up to twice what it needs. That
-# stopped the whole DeepSeekMoE 16B at mesh.expert=4 on 4 x H200 at step 2 (the step's 30.5 GiB block, with 59 GiB
-# free in two pieces); with XLA_PYTHON_CLIENT_ALLOCATOR=cuda_async (stream-ordered cudaMallocAsync) the same run
-# trained at a 95.4 GiB peak (benchmarks/RESULTS.md, session 50).
-OOM_ALLOCATOR_VAR = "XLA_PYTHON_CLIENT_ALLOCATOR"
-
-
 def out_of_memory_help(message: str) -> str | None:
     """What to do about a device out-of-memory error from XLA (its message), or None for any other error."""
     if "RESOURCE_EXHAUSTED" not in message or "memory" not in message.lower():
         return None
     size = re.search(r"allocate ([\d.]+ ?[KMGT]i?B)", message)
-    first = message.strip().splitlines()[0][:300]
+    # Quote XLA's line that names the allocation: out of memory while autotuning, the message's first line is only
+    # "Failed to get configs for: 8 out of 109 instructions", with the allocations listed below it.
+    lines = message.strip().splitlines()
+    first = next((l for l in lines if "Out of memory while trying to allocate" in l), lines[0]).strip()[:300]
     lines = [f"out of device memory{f' allocating {size.group(1)}' if size else ''} ({first})."]
-    if (os.environ.get(OOM_ALLOCATOR_VAR) or "default").lower() in ("default", "bfc"):
+    if (os.environ.get(ALLOCATOR_VAR) or "default").lower() in ("default", "bfc"):
         lines.append(f"If `--dry-run` says this run fits, the free memory may be fragmented (XLA needs each step's "
-                     f"temporaries in one block): {OOM_ALLOCATOR_VAR}=cuda_async avoids that.")
+                     f"temporaries in one block): {ALLOCATOR_VAR}={DEFAULT_ALLOCATOR} avoids that.")
     lines.append("Less memory per device: a smaller data.batch_size with data.grad_accum_steps, model.remat=full, "
                  "or more devices on mesh.fsdp. Checkpoints already committed are kept.")
     return " ".join(lines)

@@ -98,6 +98,7 @@ def test_deterministic_adds_xlas_flag_once_and_refuses_a_contradiction(monkeypat
     from mx_jax.config import ConfigError
 
     monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/tmp/dump")
+    monkeypatch.delenv(train.ALLOCATOR_VAR, raising=False)  # restored after: the call sets the default
     train.apply_default_xla_flags(deterministic=False)
     assert "deterministic" not in os.environ["XLA_FLAGS"]
     for _ in range(2):
@@ -109,10 +110,24 @@ def test_deterministic_adds_xlas_flag_once_and_refuses_a_contradiction(monkeypat
         train.apply_default_xla_flags(deterministic=True)
 
 
+def test_the_trainer_uses_cudas_stream_ordered_allocator_unless_told(monkeypatch):
+    """XLA's BFC allocator failed the whole DeepSeekMoE 16B on fragmentation; the trainer picks cuda_async unless the
+    environment chose an allocator."""
+    from mx_jax import train
+
+    monkeypatch.setenv("XLA_FLAGS", "")
+    monkeypatch.delenv(train.ALLOCATOR_VAR, raising=False)
+    train.apply_default_xla_flags()
+    assert os.environ[train.ALLOCATOR_VAR] == "cuda_async"
+    monkeypatch.setenv(train.ALLOCATOR_VAR, "bfc")
+    train.apply_default_xla_flags()
+    assert os.environ[train.ALLOCATOR_VAR] == "bfc"
+
+
 def test_out_of_device_memory_stops_with_what_to_do(monkeypatch, capsys):
     """An XLA out-of-memory error from the run ends with exit code 5 and a message naming the failed allocation, the
-    allocator that avoids fragmentation (unless it is already in use) and the config keys that need less memory;
-    any other XLA runtime error is raised as it was."""
+    allocator that avoids fragmentation (where the user chose XLA's BFC instead) and the config keys that need less
+    memory; any other XLA runtime error is raised as it was."""
     import jax
 
     from mx_jax import train
@@ -128,13 +143,23 @@ def test_out_of_device_memory_stops_with_what_to_do(monkeypatch, capsys):
     oom = ("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 30.51GiB with allocator GPU_0_bfc on device "
            "0. [executable_name='jit_train_step']")
     args = ["--config", str(ROOT / "configs" / "llama3_debug.yaml")]
-    for allocator, hint in [("", True), ("cuda_async", False)]:
-        monkeypatch.setenv(train.OOM_ALLOCATOR_VAR, allocator)
+    for allocator, hint in [("bfc", True), ("", False), ("cuda_async", False)]:
+        monkeypatch.setenv(train.ALLOCATOR_VAR, allocator)
         errors.append(jax.errors.JaxRuntimeError(oom))
         assert train.main(args) == 5
         err = capsys.readouterr().err
         assert "out of device memory allocating 30.51GiB" in err and "data.grad_accum_steps" in err
+        assert f"({oom[:60]}" in err
         assert ("XLA_PYTHON_CLIENT_ALLOCATOR=cuda_async avoids" in err) == hint
+        assert os.environ[train.ALLOCATOR_VAR] == (allocator or "cuda_async")  # main() set the default
+    # Out of memory while XLA autotunes (seen on an H200): the allocation is on a later line, and that is quoted.
+    autotune = ("RESOURCE_EXHAUSTED: Failed to get configs for: 8 out of 109 instructions. See logs for all failures. "
+                "Example failure: \nFailures (7):\nEXECUTION FAILED: RESOURCE_EXHAUSTED: Out of memory while trying "
+                "to allocate 256.02GiB with allocator gpu_async_0 on device 0.\n=== Source Location Trace: === ")
+    errors.append(jax.errors.JaxRuntimeError(autotune))
+    assert train.main(args) == 5
+    err = capsys.readouterr().err
+    assert "allocating 256.02GiB (EXECUTION FAILED: RESOURCE_EXHAUSTED: Out of memory while trying to allocate" in err
     errors.append(jax.errors.JaxRuntimeError("INTERNAL: an unrelated failure"))
     with pytest.raises(jax.errors.JaxRuntimeError, match="unrelated"):
         train.main(args)
@@ -172,3 +197,22 @@ def test_gpu_runs_with_deterministic_repeat_bit_for_bit(tmp_path):
         lines = (tmp_path / str(i) / "metrics.jsonl").read_text().splitlines()
         records.append([(r["step"], r["loss"], r["grad_norm"]) for r in map(json.loads, lines)])
     assert len(records[0]) == 6 and records[0] == records[1], records
+
+
+@pytest.mark.gpu
+def test_gpu_out_of_memory_exits_5_under_the_default_allocator(tmp_path):
+    """A step far past the GPU's memory (the debug Llama with 2M tokens a batch: f32 attention scores alone are
+    hundreds of GB) stops with exit code 5 and the trainer's message, under the cuda_async allocator the trainer
+    picks itself, and writes no checkpoint."""
+    env = {**os.environ, "XLA_FLAGS": xla_flags(), "PYTHONPATH": str(ROOT)}
+    env.pop("JAX_PLATFORMS", None)
+    env.pop("XLA_PYTHON_CLIENT_ALLOCATOR", None)
+    args = ["--config", "configs/llama3_debug.yaml", f"run_dir={tmp_path}", "steps=2", "data.seq_len=4096",
+            "data.batch_size=512", "ckpt.every_steps=1", "log.eval_every_steps=-1", "log.progress=false",
+            "log.tensorboard=false"]
+    p = subprocess.run([sys.executable, "-m", "mx_jax.train", *args], capture_output=True, text=True, env=env,
+                       cwd=ROOT, timeout=600)
+    assert p.returncode == 5, p.stderr[-3000:]
+    assert "error: out of device memory" in p.stderr and "data.grad_accum_steps" in p.stderr, p.stderr[-3000:]
+    assert "XLA_PYTHON_CLIENT_ALLOCATOR=cuda_async avoids" not in p.stderr  # already in use
+    assert not list((tmp_path / "checkpoints").glob("*")), sorted(str(f) for f in tmp_path.rglob("*"))

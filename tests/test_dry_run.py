@@ -144,6 +144,7 @@ def test_the_trainer_takes_90_percent_of_gpu_memory_unless_told(monkeypatch):
     for var in memory_estimate.MEM_FRACTION_VARS:
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("XLA_FLAGS", "")
+    monkeypatch.delenv(train.ALLOCATOR_VAR, raising=False)  # restored after: the call sets the default
     train.apply_default_xla_flags()
     assert os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.9" and memory_estimate.mem_fraction() == 0.9
     monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION")
