@@ -192,13 +192,22 @@ def make_loss_fn(setup: Setup):
     return loss_fn
 
 
-def _moe_metrics(stats: dict) -> dict:
-    """Scalars for the log from per-layer MoE statistics (load: (layers, E) assignment counts)."""
+def _moe_metrics(stats: dict, expert_devices: int = 1) -> dict:
+    """Scalars for the log from per-layer MoE statistics (load: (layers, E) assignment counts). With expert
+    parallelism over `expert_devices` (P), device p holds experts [p E/P, (p+1) E/P) and computes their rows. A
+    layer's exchange and expert GEMMs last as long as its busiest device's, so the experts take about
+    moe_ep_max_over_mean = mean over layers l of max_p(load_lp) / mean_p(load_lp) times as long as under balanced
+    routing (from the router's choices before capacity drops, summed over the data axes)."""
     if not stats:
         return {}
     load = stats["load"]
     share = load / jnp.sum(load, axis=-1, keepdims=True)  # (layers, E), rows sum to 1
+    ep = {}
+    if expert_devices > 1:
+        per_device = jnp.sum(share.reshape(share.shape[0], expert_devices, -1), axis=-1)  # (layers, P)
+        ep = {"moe_ep_max_over_mean": jnp.mean(jnp.max(per_device, axis=-1) * expert_devices)}
     return {
+        **ep,
         "moe_aux_loss": jnp.mean(stats["aux_loss"]),
         "moe_z_loss": jnp.mean(stats["z_loss"]),
         "moe_dropped_frac": jnp.mean(stats["dropped"]),
@@ -252,7 +261,8 @@ def make_train_step(setup: Setup):
         new_state = {"step": state["step"] + 1, "params": new_params,
                      "compute": compute_copies(cfg.model, new_params, setup.plan),
                      "buffers": update_buffers(cfg.model, buffers, stats), "opt_state": opt_state}
-        out = {"loss": ce, "grad_norm": global_norm(grads), "lr": lr_at(state["step"]), **_moe_metrics(stats)}
+        out = {"loss": ce, "grad_norm": global_norm(grads), "lr": lr_at(state["step"]),
+               **_moe_metrics(stats, setup.mesh.shape["expert"])}
         return new_state, out
 
     return jax.jit(train_step, in_shardings=(setup.state_shardings, setup.batch_shardings),
@@ -328,6 +338,8 @@ def _fmt_log(step: int, m: dict) -> str:
         parts.append(f"moe load max/mean {m['moe_max_over_mean_load']:.2f}")
         if m.get("moe_dropped_frac"):
             parts.append(f"dropped {100 * m['moe_dropped_frac']:.1f}%")
+        if "moe_ep_max_over_mean" in m:  # the busiest expert device's rows over the mean (expert parallelism)
+            parts.append(f"ep device max/mean {m['moe_ep_max_over_mean']:.2f}")
         if m.get("moe_ep_overflow_frac"):  # devices x layers that ran the worst-case expert buffer (slower)
             parts.append(f"ep overflow {100 * m['moe_ep_overflow_frac']:.0f}%")
     if "tokens_per_sec" in m:

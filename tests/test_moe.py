@@ -719,6 +719,23 @@ def test_the_log_line_shows_the_routing():
     assert "moe" not in _fmt_log(3, base)
 
 
+def test_expert_parallel_imbalance_is_the_busiest_devices_share():
+    """moe_ep_max_over_mean: per layer, the rows of the busiest expert device's block of experts over the mean,
+    averaged over layers; absent without expert parallelism."""
+    from mx_jax.train import _fmt_log, _moe_metrics
+
+    load = jnp.array([[4.0, 0, 2, 2, 1, 1, 3, 3],  # P = 2: blocks 8 and 8; P = 4: 4, 4, 2, 6
+                      [10.0, 6, 0, 0, 0, 0, 0, 0]])  # P = 2: 16 and 0; P = 4: 16, 0, 0, 0
+    stats = {"load": load, **{k: jnp.zeros(2) for k in ("aux_loss", "z_loss", "dropped", "ep_overflow")}}
+    assert "moe_ep_max_over_mean" not in _moe_metrics(stats)
+    assert float(_moe_metrics(stats, 2)["moe_ep_max_over_mean"]) == pytest.approx((1.0 + 2.0) / 2)
+    m = _moe_metrics(stats, 4)
+    assert float(m["moe_ep_max_over_mean"]) == pytest.approx((6 / 4 + 4.0) / 2)
+    line = _fmt_log(3, {"loss": 2.5, "grad_norm": 0.5, "lr": 1e-3, **{k: float(v) for k, v in m.items()
+                                                                       if k != "expert_load"}})
+    assert "ep device max/mean 2.75" in line
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("exchange", ["dense", "land"])
 @pytest.mark.parametrize("routing, buffer_factor", [("skewed", 0.0), ("flooded", 1.25), ("random", 1.25)])
