@@ -930,8 +930,8 @@ def out_of_memory_help(message: str) -> str | None:
     size = re.search(r"allocate ([\d.]+ ?[KMGT]i?B)", message)
     # Quote XLA's line that names the allocation: out of memory while autotuning, the message's first line is only
     # "Failed to get configs for: 8 out of 109 instructions", with the allocations listed below it.
-    lines = message.strip().splitlines()
-    first = next((l for l in lines if "Out of memory while trying to allocate" in l), lines[0]).strip()[:300]
+    xla_lines = message.strip().splitlines()
+    first = next((l for l in xla_lines if "Out of memory while trying to allocate" in l), xla_lines[0]).strip()[:300]
     lines = [f"out of device memory{f' allocating {size.group(1)}' if size else ''} ({first})."]
     if (os.environ.get(ALLOCATOR_VAR) or "default").lower() in ("default", "bfc"):
         lines.append(f"If `--dry-run` says this run fits, the free memory may be fragmented (XLA needs each step's "
