@@ -9,7 +9,8 @@ A variant is NAME:OVERRIDES, where OVERRIDES are space-separated key=value pairs
 with @ are added to XLA_FLAGS for that run; +NAME=VALUE sets an environment variable for it
 (`+PYTHONPATH=/tmp/old_tree` runs the mx_jax found there: the trainer starts with `python -P`, so the working
 directory does not shadow PYTHONPATH, and this checkout comes after it). Every run uses the
-embedded corpus unless the base says otherwise, no checkpoints, no evaluation, and reports the mean of the logged
+embedded corpus unless the base says otherwise, the configured run's learning-rate schedule (its first steps, not a
+warmup squeezed into --steps), no checkpoints, no evaluation, and reports the mean of the logged
 intervals after the first (compile) step: tokens/s, TFLOP/s per device, MFU, peak memory, and the first step's wall
 time (compile included).
 """
@@ -45,6 +46,25 @@ def run_trainer(cmd: list[str], env: dict[str, str]) -> subprocess.CompletedProc
     return subprocess.CompletedProcess(cmd, p.returncode, out, err)
 
 
+def configured_schedule(base: list[str], keys: list[str]) -> list[str]:
+    """The configured run's learning-rate schedule for the benchmark's few steps: `steps=N` alone makes them the
+    whole run (optim.decay_steps 0 means the run's steps), with the warmup squeezed into them. A fresh MoE router
+    trained so, at the peak learning rate by step 10, routes less evenly step by step than a real run's first steps
+    (benchmarks/RESULTS.md, session 51), and expert parallelism waits on its busiest device. Nothing where the base
+    or the variant sets optim.decay_steps, or where the trainer will reject the config anyway."""
+    from mx_jax.config import ConfigError, load_config
+
+    if any(i.startswith("optim.decay_steps=") for i in (*base, *keys)):
+        return []
+    config = base[base.index("--config") + 1] if "--config" in base[:-1] else None
+    overrides = [i for i in (*base, *keys) if "=" in i and not i.startswith("-")]
+    try:
+        cfg = load_config(str(ROOT / config) if config else None, overrides)
+    except (ConfigError, OSError):
+        return []
+    return [f"optim.decay_steps={cfg.optim.decay_steps or cfg.steps}"]
+
+
 def run_variant(name: str, base: list[str], overrides: str, steps: int, log_every: int, out_dir: pathlib.Path):
     items = shlex.split(overrides)
     xla = [i[1:] for i in items if i.startswith("@")]
@@ -54,7 +74,8 @@ def run_variant(name: str, base: list[str], overrides: str, steps: int, log_ever
     # The embedded corpus unless the base or the variant names a source (a config's own `data.source: bin` would
     # need shards on the benchmark machine).
     source = [] if any(i.startswith("data.source=") for i in (*base, *keys)) else ["data.source=embedded"]
-    cmd = [sys.executable, "-P", "-m", "mx_jax.train", *base, *source, f"run_dir={run_dir}", f"steps={steps}",
+    cmd = [sys.executable, "-P", "-m", "mx_jax.train", *base, *source, *configured_schedule([*base, *source], keys),
+           f"run_dir={run_dir}", f"steps={steps}",
            "ckpt.every_steps=-1", "log.eval_every_steps=-1", f"log.every_steps={log_every}", "log.progress=false",
            "log.tensorboard=false", *keys]
     env = {**os.environ, **env_vars, "XLA_FLAGS": " ".join([os.environ.get("XLA_FLAGS", ""), *xla]).strip()}

@@ -261,6 +261,30 @@ def test_bench_train_runs_the_embedded_corpus_unless_told_a_source(tmp_path, mon
     assert cmds[0].index("data.source=embedded") > cmds[0].index("configs/deepseek_moe_16b.yaml")
 
 
+def test_bench_train_keeps_the_configured_learning_rate_schedule(tmp_path, monkeypatch):
+    """`steps=N` would make the benchmark's steps the whole run and squeeze the warmup into them: bench_train passes
+    the configured run's decay_steps (its `steps` where decay_steps is 0), unless the base or the variant sets it."""
+    import subprocess
+
+    bench_train = _load_bench_train()
+    cmds = []
+
+    def fake_run(cmd, env):
+        cmds.append(cmd)
+        return subprocess.CompletedProcess(cmd, 1, "", "stopped")
+
+    monkeypatch.setattr(bench_train, "run_trainer", fake_run)
+    moe = ["--config", "configs/deepseek_moe_16b.yaml"]
+    bench_train.run_variant("a", moe, "", steps=2, log_every=1, out_dir=tmp_path)
+    bench_train.run_variant("b", ["--config", "configs/llama3_debug.yaml", "steps=300"], "", steps=2, log_every=1,
+                            out_dir=tmp_path)
+    bench_train.run_variant("c", moe, "optim.decay_steps=40", steps=2, log_every=1, out_dir=tmp_path)
+    bench_train.run_variant("d", moe, "model.no_such_key=1", steps=2, log_every=1, out_dir=tmp_path)
+    decay = [[a for a in cmd if a.startswith("optim.decay_steps=")] for cmd in cmds]
+    assert decay == [["optim.decay_steps=100000"], ["optim.decay_steps=300"], ["optim.decay_steps=40"], []]
+    assert cmds[0].index("optim.decay_steps=100000") < cmds[0].index("steps=2")
+
+
 def test_bench_train_stopped_by_sigterm_kills_its_trainer(tmp_path):
     """`timeout` around bench_train sends it SIGTERM: the trainer it started, and that trainer's own child (the data
     loader in a real run), must not outlive it. A fake mx_jax.train on +PYTHONPATH writes both pids and sleeps."""
