@@ -223,6 +223,23 @@ def _load_bench_train():
     return bench_train
 
 
+def _trainer_commands(monkeypatch, tmp_path, runs: list[tuple[list[str], str]]) -> list[list[str]]:
+    """The trainer command lines bench_train builds for each (base, variant overrides), none of them run."""
+    import subprocess
+
+    bench_train = _load_bench_train()
+    cmds = []
+
+    def fake_run(cmd, env):
+        cmds.append(cmd)
+        return subprocess.CompletedProcess(cmd, 1, "", "stopped")
+
+    monkeypatch.setattr(bench_train, "run_trainer", fake_run)
+    for i, (base, overrides) in enumerate(runs):
+        bench_train.run_variant(f"v{i}", base, overrides, steps=2, log_every=1, out_dir=tmp_path)
+    return cmds
+
+
 def test_bench_train_reports_a_run_that_logged_no_step(tmp_path, monkeypatch):
     """--steps below --log-every leaves metrics.jsonl empty: a row naming both flags, not a traceback."""
     import subprocess
@@ -242,20 +259,9 @@ def test_bench_train_reports_a_run_that_logged_no_step(tmp_path, monkeypatch):
 def test_bench_train_runs_the_embedded_corpus_unless_told_a_source(tmp_path, monkeypatch):
     """A config whose data.source is `bin` would need shards on the benchmark machine: bench_train adds
     data.source=embedded after the base, except where the base or the variant names a source."""
-    import subprocess
-
-    bench_train = _load_bench_train()
-    cmds = []
-
-    def fake_run(cmd, env):
-        cmds.append(cmd)
-        return subprocess.CompletedProcess(cmd, 1, "", "stopped")
-
-    monkeypatch.setattr(bench_train, "run_trainer", fake_run)
     base = ["--config", "configs/deepseek_moe_16b.yaml"]
-    bench_train.run_variant("a", base, "", steps=2, log_every=1, out_dir=tmp_path)
-    bench_train.run_variant("b", [*base, "data.source=bin"], "", steps=2, log_every=1, out_dir=tmp_path)
-    bench_train.run_variant("c", base, "data.source=bin", steps=2, log_every=1, out_dir=tmp_path)
+    cmds = _trainer_commands(monkeypatch, tmp_path, [(base, ""), ([*base, "data.source=bin"], ""),
+                                                     (base, "data.source=bin")])
     sources = [[a for a in cmd if a.startswith("data.source=")] for cmd in cmds]
     assert sources == [["data.source=embedded"], ["data.source=bin"], ["data.source=bin"]]
     assert cmds[0].index("data.source=embedded") > cmds[0].index("configs/deepseek_moe_16b.yaml")
@@ -264,22 +270,10 @@ def test_bench_train_runs_the_embedded_corpus_unless_told_a_source(tmp_path, mon
 def test_bench_train_keeps_the_configured_learning_rate_schedule(tmp_path, monkeypatch):
     """`steps=N` would make the benchmark's steps the whole run and squeeze the warmup into them: bench_train passes
     the configured run's decay_steps (its `steps` where decay_steps is 0), unless the base or the variant sets it."""
-    import subprocess
-
-    bench_train = _load_bench_train()
-    cmds = []
-
-    def fake_run(cmd, env):
-        cmds.append(cmd)
-        return subprocess.CompletedProcess(cmd, 1, "", "stopped")
-
-    monkeypatch.setattr(bench_train, "run_trainer", fake_run)
     moe = ["--config", "configs/deepseek_moe_16b.yaml"]
-    bench_train.run_variant("a", moe, "", steps=2, log_every=1, out_dir=tmp_path)
-    bench_train.run_variant("b", ["--config", "configs/llama3_debug.yaml", "steps=300"], "", steps=2, log_every=1,
-                            out_dir=tmp_path)
-    bench_train.run_variant("c", moe, "optim.decay_steps=40", steps=2, log_every=1, out_dir=tmp_path)
-    bench_train.run_variant("d", moe, "model.no_such_key=1", steps=2, log_every=1, out_dir=tmp_path)
+    debug = ["--config", "configs/llama3_debug.yaml", "steps=300"]
+    cmds = _trainer_commands(monkeypatch, tmp_path, [(moe, ""), (debug, ""), (moe, "optim.decay_steps=40"),
+                                                     (moe, "model.no_such_key=1")])
     decay = [[a for a in cmd if a.startswith("optim.decay_steps=")] for cmd in cmds]
     assert decay == [["optim.decay_steps=100000"], ["optim.decay_steps=300"], ["optim.decay_steps=40"], []]
     assert cmds[0].index("optim.decay_steps=100000") < cmds[0].index("steps=2")
