@@ -10,7 +10,8 @@ with @ are added to XLA_FLAGS for that run; +NAME=VALUE sets an environment vari
 (`+PYTHONPATH=/tmp/old_tree` runs the mx_jax found there: the trainer starts with `python -P`, so the working
 directory does not shadow PYTHONPATH, and this checkout comes after it). Every run uses the
 embedded corpus unless the base says otherwise, the configured run's learning-rate schedule (its first steps, not a
-warmup squeezed into --steps), no checkpoints, no evaluation, and reports the mean of the logged
+warmup squeezed into --steps), an empty compile cache (so the first step is a whole compile; a variant's
+`compile_cache=DIR` shares one on purpose), no checkpoints, no evaluation, and reports the mean of the logged
 intervals after the first (compile) step: tokens/s, TFLOP/s per device, MFU, peak memory, and the first step's wall
 time (compile included).
 """
@@ -22,6 +23,7 @@ import json
 import os
 import pathlib
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -78,11 +80,16 @@ def run_variant(name: str, base: list[str], overrides: str, steps: int, log_ever
            f"run_dir={run_dir}", f"steps={steps}",
            "ckpt.every_steps=-1", "log.eval_every_steps=-1", f"log.every_steps={log_every}", "log.progress=false",
            "log.tensorboard=false", *keys]
-    env = {**os.environ, **env_vars, "XLA_FLAGS": " ".join([os.environ.get("XLA_FLAGS", ""), *xla]).strip()}
+    # An empty compile cache of its own (the trainer's compile_cache=auto reads the variable; older trees' jax does
+    # too), so that the first step is a whole compile in every run; removed after the run.
+    cache = run_dir / "jax_cache"
+    env = {**os.environ, "JAX_COMPILATION_CACHE_DIR": str(cache), **env_vars,
+           "XLA_FLAGS": " ".join([os.environ.get("XLA_FLAGS", ""), *xla]).strip()}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH"), str(ROOT)) if p)
     t0 = time.time()
     p = run_trainer(cmd, env)
     wall = time.time() - t0
+    shutil.rmtree(cache, ignore_errors=True)
     (out_dir / f"{name}.log").write_text(" ".join(cmd) + "\n\n" + p.stdout + "\n" + p.stderr)
     if p.returncode != 0:
         return {"name": name, "error": (p.stderr.strip().splitlines() or ["?"])[-1][:160], "wall_s": wall}

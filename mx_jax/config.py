@@ -193,6 +193,9 @@ class TrainConfig:
     # GPU runs repeat bit for bit (XLA's --xla_gpu_deterministic_ops; 0.87x tokens/s on the 2-layer Mixtral step)
     deterministic: bool = False
     init_from: str = ""  # start a fresh run from HF safetensors or an mx_jax checkpoint (see mx_jax/hf.py)
+    # Compiled programs kept on disk for the next run of the same program (a resume, a restart): "auto" =
+    # $JAX_COMPILATION_CACHE_DIR if set, else $XDG_CACHE_HOME/mx_jax/jax (~/.cache/mx_jax/jax); "" = off
+    compile_cache: str = "auto"
     model: ModelConfig = ModelConfig()
     mesh: MeshConfig = MeshConfig()
     data: DataConfig = DataConfig()

@@ -165,6 +165,52 @@ def test_out_of_device_memory_stops_with_what_to_do(monkeypatch, capsys):
         train.main(args)
 
 
+def test_compile_cache_dir_follows_the_config_then_the_environment(monkeypatch, tmp_path):
+    from mx_jax import train
+    from mx_jax.config import ConfigError
+
+    monkeypatch.setenv(train.COMPILE_CACHE_VAR, "/scratch/jax")
+    assert train.compile_cache_dir("auto") == "/scratch/jax"
+    monkeypatch.delenv(train.COMPILE_CACHE_VAR)
+    monkeypatch.setenv("XDG_CACHE_HOME", "/xdg")
+    assert train.compile_cache_dir("auto") == "/xdg/mx_jax/jax"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", "/home/u")
+    assert train.compile_cache_dir("auto") == "/home/u/.cache/mx_jax/jax"
+    assert train.compile_cache_dir("~/c") == "/home/u/c"
+    assert train.compile_cache_dir("") is None
+    (tmp_path / "a_file").write_text("")
+    with pytest.raises(ConfigError, match="config key 'compile_cache'.*a_file/jax"):
+        train.use_compile_cache(str(tmp_path / "a_file" / "jax"))  # fails before it changes jax's setting
+
+
+def test_second_run_takes_its_step_from_the_compile_cache(tmp_path):
+    """The second run of the same command loads the compiled train step from `compile_cache` (and says so), and
+    trains the same losses; `compile_cache=` turns the cache off even where JAX_COMPILATION_CACHE_DIR names one."""
+    cache = tmp_path / "cache"
+    losses = []
+    for i in range(2):
+        p = _run([*TINY, f"run_dir={tmp_path / str(i)}", "steps=2", "ckpt.every_steps=-1", "log.eval_every_steps=-1",
+                  f"compile_cache={cache}"], devices=1)
+        assert p.returncode == 0, p.stderr[-3000:]
+        assert f"compiled programs are kept in {cache}" in p.stdout
+        first = next(l for l in p.stdout.splitlines() if "first step (compile included)" in l)
+        assert ("from the compile cache" in first) == (i == 1), first
+        lines = (tmp_path / str(i) / "metrics.jsonl").read_text().splitlines()
+        losses.append([json.loads(l)["loss"] for l in lines])
+    assert any(f.name.startswith("jit_train_step") for f in cache.iterdir()), sorted(cache.iterdir())
+    assert losses[0] == losses[1] and len(losses[0]) == 2
+    env_cache = tmp_path / "env_cache"
+    env_cache.mkdir()
+    p = subprocess.run([sys.executable, "-m", "mx_jax.train", *TINY, f"run_dir={tmp_path / 'off'}", "steps=1",
+                        "ckpt.every_steps=-1", "log.eval_every_steps=-1", "compile_cache="], capture_output=True,
+                       text=True, cwd=ROOT, timeout=300,
+                       env={**os.environ, "XLA_FLAGS": xla_flags(1), "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu",
+                            "JAX_COMPILATION_CACHE_DIR": str(env_cache)})
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "compiled programs are kept" not in p.stdout and not list(env_cache.iterdir())
+
+
 def test_loading_a_config_starts_no_backend():
     """`python -m mx_jax.train` sets XLA_FLAGS after reading the config (`deterministic`), which only works while no
     backend has started: XLA reads the flags once, when the first backend starts."""
@@ -216,3 +262,26 @@ def test_gpu_out_of_memory_exits_5_under_the_default_allocator(tmp_path):
     assert "error: out of device memory" in p.stderr and "data.grad_accum_steps" in p.stderr, p.stderr[-3000:]
     assert "XLA_PYTHON_CLIENT_ALLOCATOR=cuda_async avoids" not in p.stderr  # already in use
     assert not list((tmp_path / "checkpoints").glob("*")), sorted(str(f) for f in tmp_path.rglob("*"))
+
+
+@pytest.mark.gpu
+def test_gpu_second_run_loads_the_pallas_step_from_the_compile_cache(tmp_path):
+    """The fp8 step with its Mosaic GPU kernels comes back from the persistent compilation cache in a second process
+    and trains the same losses and gradient norms, bit for bit under `deterministic=true`."""
+    env = {**os.environ, "XLA_FLAGS": xla_flags(), "PYTHONPATH": str(ROOT)}
+    env.pop("JAX_PLATFORMS", None)
+    records = []
+    for i in range(2):
+        args = ["--config", "configs/llama3_debug.yaml", f"run_dir={tmp_path / str(i)}", "steps=4",
+                "deterministic=true", "model.compute_dtype=bfloat16", "data.seq_len=2048", "data.batch_size=4", "model.d_model=512",
+                "model.d_ff=1536", "quant.recipe=fp8_rowwise", "quant.impl=pallas", f"compile_cache={tmp_path / 'c'}",
+                "log.every_steps=1", "log.eval_every_steps=-1", "ckpt.every_steps=-1", "log.progress=false",
+                "log.tensorboard=false"]
+        p = subprocess.run([sys.executable, "-m", "mx_jax.train", *args], capture_output=True, text=True, env=env,
+                           cwd=ROOT, timeout=600)
+        assert p.returncode == 0, p.stderr[-3000:]
+        first = next(l for l in p.stdout.splitlines() if "first step (compile included)" in l)
+        assert ("from the compile cache" in first) == (i == 1), first
+        lines = (tmp_path / str(i) / "metrics.jsonl").read_text().splitlines()
+        records.append([(r["step"], r["loss"], r["grad_norm"]) for r in map(json.loads, lines)])
+    assert len(records[0]) == 4 and records[0] == records[1], records

@@ -223,8 +223,10 @@ def _load_bench_train():
     return bench_train
 
 
-def _trainer_commands(monkeypatch, tmp_path, runs: list[tuple[list[str], str]]) -> list[list[str]]:
-    """The trainer command lines bench_train builds for each (base, variant overrides), none of them run."""
+def _trainer_commands(monkeypatch, tmp_path, runs: list[tuple[list[str], str]], envs: list | None = None
+                      ) -> list[list[str]]:
+    """The trainer command lines bench_train builds for each (base, variant overrides), none of them run; each
+    run's environment is appended to `envs` when given."""
     import subprocess
 
     bench_train = _load_bench_train()
@@ -232,6 +234,8 @@ def _trainer_commands(monkeypatch, tmp_path, runs: list[tuple[list[str], str]]) 
 
     def fake_run(cmd, env):
         cmds.append(cmd)
+        if envs is not None:
+            envs.append(env)
         return subprocess.CompletedProcess(cmd, 1, "", "stopped")
 
     monkeypatch.setattr(bench_train, "run_trainer", fake_run)
@@ -277,6 +281,21 @@ def test_bench_train_keeps_the_configured_learning_rate_schedule(tmp_path, monke
     decay = [[a for a in cmd if a.startswith("optim.decay_steps=")] for cmd in cmds]
     assert decay == [["optim.decay_steps=100000"], ["optim.decay_steps=300"], ["optim.decay_steps=40"], []]
     assert cmds[0].index("optim.decay_steps=100000") < cmds[0].index("steps=2")
+
+
+def test_bench_train_compiles_each_run_afresh(tmp_path, monkeypatch):
+    """Every run gets an empty compile cache of its own, so its first-step time is a whole compile (older trees read
+    the variable too); a variant's +JAX_COMPILATION_CACHE_DIR or compile_cache= is the user's choice."""
+    monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path / "users_cache"))
+    envs = []
+    base = ["--config", "configs/llama3_debug.yaml"]
+    cmds = _trainer_commands(monkeypatch, tmp_path, [(base, ""), (base, ""), (base, "+JAX_COMPILATION_CACHE_DIR=/c"),
+                                                     (base, "compile_cache=/d")], envs)
+    dirs = [e["JAX_COMPILATION_CACHE_DIR"] for e in envs]
+    runs = [next(a for a in c if a.startswith("run_dir=")).split("=", 1)[1] for c in cmds]
+    assert dirs[0] != dirs[1] and all(d.startswith(r) for d, r in zip(dirs[:2], runs)), (dirs, runs)
+    assert not any(pathlib.Path(d).exists() for d in dirs[:2])  # removed after the run
+    assert dirs[2] == "/c" and "compile_cache=/d" in cmds[3]
 
 
 def test_bench_train_stopped_by_sigterm_kills_its_trainer(tmp_path):
