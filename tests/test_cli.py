@@ -223,26 +223,41 @@ def test_loading_a_config_starts_no_backend():
     assert p.stdout.split() == ["True", "False"], p.stdout
 
 
+# The small bf16 MoE model of the GPU repeat tests: 6 steps once differed from step 5 between two identical runs.
+_GPU_MOE = ["--config", "configs/moe_debug.yaml", "model.compute_dtype=bfloat16", "data.seq_len=2048",
+            "data.batch_size=4", "model.d_model=512", "model.d_ff=1536", "model.moe.d_expert=512"]
+
+
+def _gpu_twice(tmp_path, args: list[str]) -> list[tuple[list, str]]:
+    """`python -m mx_jax.train ARGS` twice on the GPU (run_dir tmp_path/0 and /1, every step logged, no evaluation,
+    no checkpoint): per run its (step, loss, grad_norm) records and its stdout."""
+    env = {**os.environ, "XLA_FLAGS": xla_flags(), "PYTHONPATH": str(ROOT)}
+    env.pop("JAX_PLATFORMS", None)
+    runs = []
+    for i in range(2):
+        cmd = [sys.executable, "-m", "mx_jax.train", *args, f"run_dir={tmp_path / str(i)}", "log.every_steps=1",
+               "log.eval_every_steps=-1", "ckpt.every_steps=-1", "log.progress=false", "log.tensorboard=false"]
+        p = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+        assert p.returncode == 0, p.stderr[-3000:]
+        assert "Error reading persistent compilation cache" not in p.stderr, p.stderr[-3000:]
+        lines = (tmp_path / str(i) / "metrics.jsonl").read_text().splitlines()
+        runs.append(([(r["step"], r["loss"], r["grad_norm"]) for r in map(json.loads, lines)], p.stdout))
+    return runs
+
+
+def _first_step_line(stdout: str) -> str:
+    return next(l for l in stdout.splitlines() if "first step (compile included)" in l)
+
+
 @pytest.mark.gpu
 def test_gpu_runs_with_deterministic_repeat_bit_for_bit(tmp_path):
     """Two identical 6-step runs of a small bf16 MoE model with `deterministic=true`: the same loss and gradient norm
     at every step. Without it, two runs of this very command differed from step 5 on an H200 (losses 4.29423 /
     4.30240, benchmarks/RESULTS.md session 33), as did the dense debug Llama at sequence 2048."""
-    env = {**os.environ, "XLA_FLAGS": xla_flags(), "PYTHONPATH": str(ROOT)}
-    env.pop("JAX_PLATFORMS", None)
-    records = []
-    for i in range(2):
-        args = ["--config", "configs/moe_debug.yaml", f"run_dir={tmp_path / str(i)}", "steps=6", "deterministic=true",
-                "model.compute_dtype=bfloat16", "data.seq_len=2048", "data.batch_size=4", "model.d_model=512",
-                "model.d_ff=1536", "model.moe.d_expert=512", "log.every_steps=1", "log.eval_every_steps=-1",
-                "ckpt.every_steps=0", "log.progress=false", "log.tensorboard=false"]
-        p = subprocess.run([sys.executable, "-m", "mx_jax.train", *args], capture_output=True, text=True, env=env,
-                           cwd=ROOT, timeout=600)
-        assert p.returncode == 0, p.stderr[-3000:]
-        assert "deterministic: XLA_FLAGS has --xla_gpu_deterministic_ops=true" in p.stdout
-        lines = (tmp_path / str(i) / "metrics.jsonl").read_text().splitlines()
-        records.append([(r["step"], r["loss"], r["grad_norm"]) for r in map(json.loads, lines)])
-    assert len(records[0]) == 6 and records[0] == records[1], records
+    runs = _gpu_twice(tmp_path, [*_GPU_MOE, "steps=6", "deterministic=true"])
+    for _, out in runs:
+        assert "deterministic: XLA_FLAGS has --xla_gpu_deterministic_ops=true" in out
+    assert len(runs[0][0]) == 6 and runs[0][0] == runs[1][0], runs
 
 
 @pytest.mark.gpu
@@ -268,23 +283,12 @@ def test_gpu_out_of_memory_exits_5_under_the_default_allocator(tmp_path):
 def test_gpu_second_run_loads_the_pallas_step_from_the_compile_cache(tmp_path):
     """The fp8 step with its Mosaic GPU kernels comes back from the persistent compilation cache in a second process
     and trains the same losses and gradient norms, bit for bit under `deterministic=true`."""
-    env = {**os.environ, "XLA_FLAGS": xla_flags(), "PYTHONPATH": str(ROOT)}
-    env.pop("JAX_PLATFORMS", None)
-    records = []
-    for i in range(2):
-        args = ["--config", "configs/llama3_debug.yaml", f"run_dir={tmp_path / str(i)}", "steps=4",
-                "deterministic=true", "model.compute_dtype=bfloat16", "data.seq_len=2048", "data.batch_size=4",
-                "model.d_model=512", "model.d_ff=1536", "quant.recipe=fp8_rowwise", "quant.impl=pallas",
-                f"compile_cache={tmp_path / 'c'}", "log.every_steps=1", "log.eval_every_steps=-1",
-                "ckpt.every_steps=-1", "log.progress=false", "log.tensorboard=false"]
-        p = subprocess.run([sys.executable, "-m", "mx_jax.train", *args], capture_output=True, text=True, env=env,
-                           cwd=ROOT, timeout=600)
-        assert p.returncode == 0, p.stderr[-3000:]
-        first = next(l for l in p.stdout.splitlines() if "first step (compile included)" in l)
-        assert ("from the compile cache" in first) == (i == 1), first
-        lines = (tmp_path / str(i) / "metrics.jsonl").read_text().splitlines()
-        records.append([(r["step"], r["loss"], r["grad_norm"]) for r in map(json.loads, lines)])
-    assert len(records[0]) == 4 and records[0] == records[1], records
+    runs = _gpu_twice(tmp_path, [
+        "--config", "configs/llama3_debug.yaml", "steps=4", "deterministic=true", "model.compute_dtype=bfloat16",
+        "data.seq_len=2048", "data.batch_size=4", "model.d_model=512", "model.d_ff=1536", "quant.recipe=fp8_rowwise",
+        "quant.impl=pallas", f"compile_cache={tmp_path / 'c'}"])
+    assert ["from the compile cache" in _first_step_line(out) for _, out in runs] == [False, True]
+    assert len(runs[0][0]) == 4 and runs[0][0] == runs[1][0], runs
 
 
 @pytest.mark.gpu
@@ -296,21 +300,7 @@ def test_gpu_expert_parallel_step_from_the_compile_cache(tmp_path):
 
     if len(jax.devices("gpu")) < 2:
         pytest.skip("needs >= 2 GPUs")
-    env = {**os.environ, "XLA_FLAGS": xla_flags(), "PYTHONPATH": str(ROOT)}
-    env.pop("JAX_PLATFORMS", None)
-    records = []
-    for i in range(2):
-        args = ["--config", "configs/moe_debug.yaml", f"run_dir={tmp_path / str(i)}", "steps=4", "deterministic=true",
-                "model.compute_dtype=bfloat16", "data.seq_len=2048", "data.batch_size=4", "model.d_model=512",
-                "model.d_ff=1536", "model.moe.d_expert=512", "mesh.fsdp=1", "mesh.expert=2",
-                f"compile_cache={tmp_path / 'c'}", "log.every_steps=1", "log.eval_every_steps=-1",
-                "ckpt.every_steps=-1", "log.progress=false", "log.tensorboard=false"]
-        p = subprocess.run([sys.executable, "-m", "mx_jax.train", *args], capture_output=True, text=True, env=env,
-                           cwd=ROOT, timeout=600)
-        assert p.returncode == 0, p.stderr[-3000:]
-        assert "Error reading persistent compilation cache" not in p.stderr, p.stderr[-3000:]
-        first = next(l for l in p.stdout.splitlines() if "first step (compile included)" in l)
-        assert ("from the compile cache" in first) == (i == 1), first
-        lines = (tmp_path / str(i) / "metrics.jsonl").read_text().splitlines()
-        records.append([(r["step"], r["loss"], r["grad_norm"]) for r in map(json.loads, lines)])
-    assert len(records[0]) == 4 and records[0] == records[1], records
+    runs = _gpu_twice(tmp_path, [*_GPU_MOE, "steps=4", "deterministic=true", "mesh.fsdp=1", "mesh.expert=2",
+                                 f"compile_cache={tmp_path / 'c'}"])
+    assert ["from the compile cache" in _first_step_line(out) for _, out in runs] == [False, True]
+    assert len(runs[0][0]) == 4 and runs[0][0] == runs[1][0], runs
