@@ -44,6 +44,7 @@ for s in "$@"; do
     bench_grouped_bf16) section bench_grouped_bf16 300 $PY -m pallas_kernels.bench_grouped --dtypes bf16 --no-ffn ;;
     bench_fp8_cublas) section bench_fp8_cublas 450 env CUDA_VISIBLE_DEVICES=0 XLA_FLAGS="--xla_gpu_enable_triton_gemm=false" $PY -m pallas_kernels.bench fp8 ;;
     fp8_cube) section fp8_cube 120 env CUDA_VISIBLE_DEVICES=0 XLA_FLAGS="--xla_gpu_enable_triton_gemm=false" $PY -m pallas_kernels.bench fp8 --shapes cube --config stages=4,epi_tile_m=64,epi_tile_n=64 --config stages=4,epi_tile_m=64,epi_tile_n=64,delay_release=0 --config stages=4,epi_tile_m=64,epi_tile_n=64,cluster=n --config tile_m=64,tile_n=256,wg_split=m,stages=4,epi_tile_m=64,epi_tile_n=64 --config tile_m=64,tile_n=256,wg_split=m,delay_release=0 --config delay_release=0,cluster=n --config stages=4,epi_tile_m=64,epi_tile_n=64,grid_tile_width=16 ;;
+    tests_cli) section tests_cli 600 $PY -P -m pytest -x -q -m gpu tests/test_cli.py ;;  # on 2 GPUs: the expert-parallel step from the compile cache
     tests_context) section tests_context 240 $PY -m pytest -q -m gpu tests/test_context_parallel.py ;;
     bench_context) section bench_context 420 env CUDA_VISIBLE_DEVICES=0 $PY benchmarks/bench_context.py ${CONTEXT_SEQS:+--seqs $CONTEXT_SEQS} ;;
     train_context) section train_context 330 $PY benchmarks/bench_train.py --out "$LOGS" --steps 6 --log-every 1 --base "$CTX8B" --variant ctx2_32k:"data.seq_len=32768 mesh.context=2" --variant one_gpu_32k:"data.seq_len=32768 mesh.context=1 +CUDA_VISIBLE_DEVICES=0" --variant ctx2_64k:"data.seq_len=65536 mesh.context=2" ;;

@@ -271,14 +271,15 @@ _GPU_MOE = ["--config", "configs/moe_debug.yaml", "model.compute_dtype=bfloat16"
             "data.batch_size=4", "model.d_model=512", "model.d_ff=1536", "model.moe.d_expert=512"]
 
 
-def _gpu_twice(tmp_path, args: list[str]) -> list[tuple[list, str]]:
-    """`python -m mx_jax.train ARGS` twice on the GPU (run_dir tmp_path/0 and /1, every step logged, no evaluation,
-    no checkpoint): per run its (step, loss, grad_norm) records and its stdout."""
+def _gpu_twice(tmp_path, args: list[str], last: tuple[list[str], ...] = ([], [])) -> list[tuple[list, str]]:
+    """`python -m mx_jax.train ARGS` on the GPU once per entry of `last` (default twice), each run with those
+    arguments appended (run_dir tmp_path/0, /1, ..., every step logged, no evaluation, no checkpoint): per run its
+    (step, loss, grad_norm) records and its stdout."""
     env = {**os.environ, "XLA_FLAGS": xla_flags(), "PYTHONPATH": str(ROOT)}
     env.pop("JAX_PLATFORMS", None)
     runs = []
-    for i in range(2):
-        cmd = [sys.executable, "-m", "mx_jax.train", *args, f"run_dir={tmp_path / str(i)}", "log.every_steps=1",
+    for i, more in enumerate(last):
+        cmd = [sys.executable, "-m", "mx_jax.train", *args, *more, f"run_dir={tmp_path / str(i)}", "log.every_steps=1",
                "log.eval_every_steps=-1", "ckpt.every_steps=-1", "log.progress=false", "log.tensorboard=false"]
         p = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
         assert p.returncode == 0, p.stderr[-3000:]
@@ -338,16 +339,21 @@ def test_gpu_second_run_loads_the_pallas_step_from_the_compile_cache(tmp_path):
 def test_gpu_expert_parallel_step_from_the_compile_cache(tmp_path):
     """The MoE step with the expert axis over every GPU, whose exchange runs Mosaic GPU kernels that write to the
     peer GPUs over NVLink, comes back from the compile cache in a second process and trains the same losses and
-    gradient norms, bit for bit under `deterministic=true`. It failed once on 2 x H200 (session 53, which assertion
+    gradient norms, bit for bit under `deterministic=true`, as a third process without the cache does. It failed once on 2 x H200 (session 53, which assertion
     not seen), so `compile_cache=auto` leaves the cache off for this step (train.compile_cache_unverified); a named
     directory, as here, keeps it."""
     import jax
 
     if len(jax.devices("gpu")) < 2:
         pytest.skip("needs >= 2 GPUs")
-    # The expert axis spans every GPU (2, 4 or 8: the kernels run only then), one sequence or more per GPU.
-    runs = _gpu_twice(tmp_path, [*_GPU_MOE, "steps=4", "deterministic=true", "mesh.fsdp=1", "mesh.expert=-1",
-                                 "data.batch_size=8", f"compile_cache={tmp_path / 'c'}"])
-    assert all("not verified for this step" in out for _, out in runs)
-    assert ["from the compile cache" in _first_step_line(out) for _, out in runs] == [False, True]
-    assert len(runs[0][0]) == 4 and runs[0][0] == runs[1][0], runs
+    # The expert axis spans every GPU (2, 4 or 8: the kernels run only then), one sequence or more per GPU. Runs:
+    # cold (writes the cache), warm (reads it), and without the cache, which tells a cache fault from a step that
+    # does not repeat between processes at all.
+    cache = f"compile_cache={tmp_path / 'c'}"
+    (cold, cold_out), (warm, warm_out), (off, off_out) = _gpu_twice(
+        tmp_path, [*_GPU_MOE, "steps=4", "deterministic=true", "mesh.fsdp=1", "mesh.expert=-1", "data.batch_size=8"],
+        last=([cache], [cache], ["compile_cache="]))
+    assert "not verified for this step" in cold_out and "not verified for this step" in warm_out
+    assert len(cold) == 4 and cold == off, f"the step does not repeat between processes, cache or not: {cold} {off}"
+    assert ["from the compile cache" in _first_step_line(out) for out in (cold_out, warm_out)] == [False, True]
+    assert warm == cold, f"the step from the cache trains other losses: {warm} against {cold}"
