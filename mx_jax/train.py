@@ -897,8 +897,9 @@ def compile_cache_unverified(cfg: TrainConfig, mesh: jax.sharding.Mesh) -> str |
     so far: an expert-parallel MoE step whose exchanges run the NVLink Mosaic GPU kernels (pallas_kernels/
     all_to_all.py and row_exchange.py through XLA's collective-metadata path, `all_to_all.topology_cover`: Hopper,
     jax >= 0.11, one process holding every GPU, the expert axis spanning all of them, `model.moe.all_to_all` not
-    "xla"). Its GPU test, a cold and a warm run on 2 x H200 (tests/test_cli.py::test_gpu_expert_parallel_step_from_
-    the_compile_cache), failed in session 53, and what failed was not seen (benchmarks/RESULTS.md)."""
+    "xla"). Loading those kernels from the cache has not yet run on a GPU: their test (tests/test_cli.py::
+    test_gpu_expert_parallel_step_from_the_compile_cache) failed on 2 x H200 in session 53, most likely on the cache
+    miss that every multi-device step had then (compat._sharded_empty; benchmarks/RESULTS.md)."""
     from pallas_kernels import device
 
     moe = cfg.model.moe
@@ -907,8 +908,8 @@ def compile_cache_unverified(cfg: TrainConfig, mesh: jax.sharding.Mesh) -> str |
         return None
     if not (device.on_hopper() and compat.MGPU_COLLECTIVE_PRELAUNCH_BARRIER and device.one_process_sees_all_devices()):
         return None
-    return (f"the expert-parallel step's NVLink exchange kernels ({n_peers} GPUs) have not yet been seen to come back "
-            f"from the cache intact (benchmarks/RESULTS.md, session 53)")
+    return (f"the expert-parallel step's NVLink exchange kernels ({n_peers} GPUs) have not yet been loaded from the "
+            f"cache on GPUs (benchmarks/RESULTS.md, session 53)")
 
 
 def skip_unverified_cache(cfg: TrainConfig) -> None:
@@ -933,6 +934,9 @@ def use_compile_cache(setting: str) -> str | None:
             raise ConfigError(f"config key 'compile_cache': cannot use {path!r} for compiled programs ({e}); name "
                               f"another directory, or compile_cache= to turn the cache off") from None
     jax.config.update("jax_compilation_cache_dir", path)
+    # A custom_partitioning op (the scan buffers of multi-device steps, compat._sharded_empty) names its callback by
+    # an object address that differs in every process; left in the key, no such step would ever be found again.
+    jax.config.update("jax_remove_custom_partitioning_ptr_from_cache_key", path is not None)
     return path
 
 
