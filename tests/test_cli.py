@@ -212,9 +212,7 @@ def test_auto_cache_stays_off_where_the_exchange_kernels_run(monkeypatch, tmp_pa
     assert reason(dense) is None
     monkeypatch.setattr(device, "one_process_sees_all_devices", lambda: False)
     assert reason(cfg("mesh.expert=8")) is None  # several processes: XLA's collectives, no kernels
-    monkeypatch.undo()
-    monkeypatch.setattr(device, "on_hopper", lambda: True)
-    monkeypatch.setattr(compat, "MGPU_COLLECTIVE_PRELAUNCH_BARRIER", True)
+    monkeypatch.setattr(device, "one_process_sees_all_devices", lambda: True)
 
     before = jax.config.jax_compilation_cache_dir
     try:
@@ -273,14 +271,14 @@ _GPU_MOE = ["--config", "configs/moe_debug.yaml", "model.compute_dtype=bfloat16"
             "data.batch_size=4", "model.d_model=512", "model.d_ff=1536", "model.moe.d_expert=512"]
 
 
-def _gpu_twice(tmp_path, args: list[str], last: tuple[list[str], ...] = ([], [])) -> list[tuple[list, str]]:
-    """`python -m mx_jax.train ARGS` on the GPU once per entry of `last` (default twice), each run with those
+def _gpu_runs(tmp_path, args: list[str], extra: tuple[list[str], ...] = ([], [])) -> list[tuple[list, str]]:
+    """`python -m mx_jax.train ARGS` on the GPU once per entry of `extra` (default twice), each run with those
     arguments appended (run_dir tmp_path/0, /1, ..., every step logged, no evaluation, no checkpoint): per run its
     (step, loss, grad_norm) records and its stdout."""
     env = {**os.environ, "XLA_FLAGS": xla_flags(), "PYTHONPATH": str(ROOT)}
     env.pop("JAX_PLATFORMS", None)
     runs = []
-    for i, more in enumerate(last):
+    for i, more in enumerate(extra):
         cmd = [sys.executable, "-m", "mx_jax.train", *args, *more, f"run_dir={tmp_path / str(i)}", "log.every_steps=1",
                "log.eval_every_steps=-1", "ckpt.every_steps=-1", "log.progress=false", "log.tensorboard=false"]
         p = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
@@ -300,7 +298,7 @@ def test_gpu_runs_with_deterministic_repeat_bit_for_bit(tmp_path):
     """Two identical 6-step runs of a small bf16 MoE model with `deterministic=true`: the same loss and gradient norm
     at every step. Without it, two runs of this very command differed from step 5 on an H200 (losses 4.29423 /
     4.30240, benchmarks/RESULTS.md session 33), as did the dense debug Llama at sequence 2048."""
-    runs = _gpu_twice(tmp_path, [*_GPU_MOE, "steps=6", "deterministic=true"])
+    runs = _gpu_runs(tmp_path, [*_GPU_MOE, "steps=6", "deterministic=true"])
     for _, out in runs:
         assert "deterministic: XLA_FLAGS has --xla_gpu_deterministic_ops=true" in out
     assert len(runs[0][0]) == 6 and runs[0][0] == runs[1][0], runs
@@ -329,7 +327,7 @@ def test_gpu_out_of_memory_exits_5_under_the_default_allocator(tmp_path):
 def test_gpu_second_run_loads_the_pallas_step_from_the_compile_cache(tmp_path):
     """The fp8 step with its Mosaic GPU kernels comes back from the persistent compilation cache in a second process
     and trains the same losses and gradient norms, bit for bit under `deterministic=true`."""
-    runs = _gpu_twice(tmp_path, [
+    runs = _gpu_runs(tmp_path, [
         "--config", "configs/llama3_debug.yaml", "steps=4", "deterministic=true", "model.compute_dtype=bfloat16",
         "data.seq_len=2048", "data.batch_size=4", "model.d_model=512", "model.d_ff=1536", "quant.recipe=fp8_rowwise",
         "quant.impl=pallas", f"compile_cache={tmp_path / 'c'}"])
@@ -353,9 +351,9 @@ def test_gpu_expert_parallel_step_from_the_compile_cache(tmp_path):
     # cold (writes the cache), warm (reads it), and without the cache, which tells a cache fault from a step that
     # does not repeat between processes at all.
     cache = f"compile_cache={tmp_path / 'c'}"
-    (cold, cold_out), (warm, warm_out), (off, off_out) = _gpu_twice(
+    (cold, cold_out), (warm, warm_out), (off, _) = _gpu_runs(
         tmp_path, [*_GPU_MOE, "steps=4", "deterministic=true", "mesh.fsdp=1", "mesh.expert=-1", "data.batch_size=8"],
-        last=([cache], [cache], ["compile_cache="]))
+        extra=([cache], [cache], ["compile_cache="]))
     assert "not verified for this step" in cold_out and "not verified for this step" in warm_out
     assert len(cold) == 4 and cold == off, f"the step does not repeat between processes, cache or not: {cold} {off}"
     assert ["from the compile cache" in _first_step_line(out) for out in (cold_out, warm_out)] == [False, True]
