@@ -223,9 +223,7 @@ def cudnn_shapes_only():
 # residual buffers: +2.7-2.8% in fp8_rowwise, +0.8% in bf16; the 2-layer Mixtral at data=2 x fsdp=2: +1.0%.
 # The lowered op names its partition callback by a Python object address, different in every process, so the
 # persistent compilation cache's key changed from run to run and no multi-device scanned step ever came back from it
-# (session 53). The trainer has jax leave those addresses out of the key (`train.use_compile_cache`); the op's scalar
-# operand then carries `_SHARDED_EMPTY_TAG`, a digest of this function's source, so that a changed callback still
-# changes the key.
+# until session 53 (train.COMPILE_CACHE_VAR says how the trainer's cache deals with it).
 _JAX_EMPTY_ARRAY = None
 
 
@@ -257,22 +255,7 @@ def _sharded_empty(shape: tuple[int, ...], dtype) -> jax.Array:
     factors = " ".join(f"d{i}" for i in range(len(shape)))
     empty.def_partition(partition=partition, infer_sharding_from_operands=replicated,
                         propagate_user_sharding=user_sharding, sharding_rule=f"-> {factors}")
-    return empty(jax.numpy.asarray(_SHARDED_EMPTY_TAG, jax.numpy.int32))
-
-
-def _source_tag(fn) -> int:
-    """A 31-bit digest of `fn`'s source (0 where the source cannot be read)."""
-    import hashlib
-    import inspect
-
-    try:
-        source = inspect.getsource(fn)
-    except (OSError, TypeError):
-        return 0
-    return int(hashlib.sha256(source.encode()).hexdigest()[:7], 16)
-
-
-_SHARDED_EMPTY_TAG = _source_tag(_sharded_empty)
+    return empty(jax.numpy.zeros((), jax.numpy.int32))
 
 
 def _scan_output_buffer(prefix, length_spec, aval):

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
+import hashlib
 import logging
 import math
 import os
@@ -878,7 +880,31 @@ DEFAULT_ALLOCATOR = "cuda_async"
 # compile options and XLA flags, the devices and jax's version, so a run only ever reuses a program compiled for the
 # same step, and a stale entry is never read. Only process 0 writes entries (jax); on a cluster every process finds
 # them when the directory is on a filesystem all nodes see.
+# One part of a program is not in its HLO: a custom_partitioning op (the scan buffers of multi-device steps,
+# compat._sharded_empty; jax's cuDNN attention under a mesh) is lowered as a call to a Python callback, named by the
+# callback's object address. That address differs in every process, so jax is told to leave it out of the key
+# (`jax_remove_custom_partitioning_ptr_from_cache_key`); otherwise no multi-device step would ever be found again
+# (session 53). What the callback does then has to be pinned another way. Its code: the programs are kept in a
+# subdirectory named by a digest of mx_jax's and pallas_kernels' sources (`code_digest`), so a changed mx_jax never
+# loads a program another version compiled. Its static arguments: they must follow from the program's shapes, as
+# they do today (cuDNN attention's scale is head_dim^-0.5, its mask causal or padding by the block's place); a
+# config value that reached such a callback and nothing else would let two different steps share a key.
 COMPILE_CACHE_VAR = "JAX_COMPILATION_CACHE_DIR"
+
+
+def source_digest(root: pathlib.Path) -> str:
+    """12 hex digits of sha256 over the Python sources of root/mx_jax and root/pallas_kernels (path and bytes)."""
+    h = hashlib.sha256()
+    for package in ("mx_jax", "pallas_kernels"):
+        for f in sorted((root / package).rglob("*.py")):
+            h.update(f.relative_to(root).as_posix().encode() + b"\0" + f.read_bytes() + b"\0")
+    return h.hexdigest()[:12]
+
+
+@functools.cache
+def code_digest() -> str:
+    """`source_digest` of the code running now."""
+    return source_digest(pathlib.Path(__file__).resolve().parent.parent)
 
 
 def compile_cache_dir(setting: str) -> str | None:
@@ -921,10 +947,12 @@ def skip_unverified_cache(cfg: TrainConfig) -> None:
 
 
 def use_compile_cache(setting: str) -> str | None:
-    """Point jax's persistent compilation cache at `compile_cache_dir(setting)` (None turns it off, also where the
-    environment had set it), before anything compiles. A local directory that cannot be created or written is a
-    ConfigError naming the key."""
+    """Point jax's persistent compilation cache at the subdirectory code-`code_digest()` of
+    `compile_cache_dir(setting)` (None turns it off, also where the environment had set it), before anything
+    compiles, and return it. A local directory that cannot be created or written is a ConfigError naming the key."""
     path = compile_cache_dir(setting)
+    if path is not None:
+        path = f"{path.rstrip('/')}/code-{code_digest()}"
     if path is not None and "://" not in path:
         try:
             os.makedirs(path, exist_ok=True)
@@ -934,9 +962,7 @@ def use_compile_cache(setting: str) -> str | None:
             raise ConfigError(f"config key 'compile_cache': cannot use {path!r} for compiled programs ({e}); name "
                               f"another directory, or compile_cache= to turn the cache off") from None
     jax.config.update("jax_compilation_cache_dir", path)
-    # A custom_partitioning op (the scan buffers of multi-device steps, compat._sharded_empty) names its callback by
-    # an object address that differs in every process; left in the key, no such step would ever be found again.
-    jax.config.update("jax_remove_custom_partitioning_ptr_from_cache_key", path is not None)
+    jax.config.update("jax_remove_custom_partitioning_ptr_from_cache_key", path is not None)  # see COMPILE_CACHE_VAR
     return path
 
 

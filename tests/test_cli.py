@@ -225,11 +225,38 @@ def test_auto_cache_stays_off_where_the_exchange_kernels_run(monkeypatch, tmp_pa
         jax.config.update("jax_compilation_cache_dir", before)
 
 
+def test_the_cache_keeps_each_version_of_the_code_apart(tmp_path):
+    """Programs go to a subdirectory named by a digest of the Python sources of mx_jax and pallas_kernels: an edit to
+    either changes it, other files do not (jax's key leaves out what custom_partitioning callbacks do)."""
+    import jax
+
+    from mx_jax import train
+
+    for package, name in (("mx_jax", "a.py"), ("pallas_kernels", "b.py")):
+        (tmp_path / package / "sub").mkdir(parents=True)
+        (tmp_path / package / "sub" / name).write_text("x = 1\n")
+    first = train.source_digest(tmp_path)
+    (tmp_path / "mx_jax" / "notes.md").write_text("not code")
+    (tmp_path / "README.py").write_text("outside the packages")
+    assert train.source_digest(tmp_path) == first
+    (tmp_path / "pallas_kernels" / "sub" / "b.py").write_text("x = 2\n")
+    assert train.source_digest(tmp_path) != first
+    before = jax.config.jax_compilation_cache_dir, jax.config.jax_remove_custom_partitioning_ptr_from_cache_key
+    try:
+        assert train.use_compile_cache(str(tmp_path / "c")) == f"{tmp_path / 'c'}/code-{train.code_digest()}"
+        assert jax.config.jax_remove_custom_partitioning_ptr_from_cache_key
+    finally:
+        jax.config.update("jax_compilation_cache_dir", before[0])
+        jax.config.update("jax_remove_custom_partitioning_ptr_from_cache_key", before[1])
+
+
 def test_second_run_takes_its_step_from_the_compile_cache(tmp_path):
     """The second run of the same command loads the compiled train step from `compile_cache` (and says so), and
     trains the same losses; `compile_cache=` turns the cache off even where JAX_COMPILATION_CACHE_DIR names one.
     On two devices: the scanned step's buffers are custom_partitioning ops, whose callback addresses differ between
     processes and kept every multi-device step out of the cache until session 53 (compat._sharded_empty)."""
+    from mx_jax import train
+
     cache = tmp_path / "cache"
     losses = []
     for i in range(2):
@@ -241,7 +268,9 @@ def test_second_run_takes_its_step_from_the_compile_cache(tmp_path):
         assert ("from the compile cache" in first) == (i == 1), first
         lines = (tmp_path / str(i) / "metrics.jsonl").read_text().splitlines()
         losses.append([json.loads(l)["loss"] for l in lines])
-    assert any(f.name.startswith("jit_train_step") for f in cache.iterdir()), sorted(cache.iterdir())
+    code = cache / f"code-{train.code_digest()}"  # this code's programs, apart from other versions'
+    assert [f.name for f in cache.iterdir()] == [code.name]
+    assert any(f.name.startswith("jit_train_step") for f in code.iterdir()), sorted(code.iterdir())
     assert losses[0] == losses[1] and len(losses[0]) == 2
     env_cache = tmp_path / "env_cache"
     env_cache.mkdir()
