@@ -921,18 +921,17 @@ def compile_cache_dir(setting: str) -> str | None:
 def compile_cache_unverified(cfg: TrainConfig, mesh: jax.sharding.Mesh) -> str | None:
     """Why the persistent compilation cache is not yet known to give this run's step back intact, or None. One case
     so far: an expert-parallel MoE step whose exchanges run the NVLink Mosaic GPU kernels (pallas_kernels/
-    all_to_all.py and row_exchange.py through XLA's collective-metadata path, `all_to_all.topology_cover`: Hopper,
-    jax >= 0.11, one process holding every GPU, the expert axis spanning all of them, `model.moe.all_to_all` not
-    "xla"). Loading those kernels from the cache has not yet run on a GPU: their test (tests/test_cli.py::
+    all_to_all.py and row_exchange.py through XLA's collective-metadata path: `all_to_all.platform_cover`, the
+    expert axis spanning every GPU, `model.moe.all_to_all` not "xla"). Loading those kernels from the cache has not yet run on a GPU: their test (tests/test_cli.py::
     test_gpu_expert_parallel_step_from_the_compile_cache) failed on 2 x H200 in session 53, most likely on the cache
     miss that every multi-device step had then (compat._sharded_empty; benchmarks/RESULTS.md)."""
-    from pallas_kernels import device
+    from pallas_kernels import all_to_all
 
     moe = cfg.model.moe
     n_peers = dict(mesh.shape).get("expert", 1)
     if not moe.n_experts or moe.all_to_all == "xla" or n_peers < 2 or n_peers != jax.device_count():
         return None
-    if not (device.on_hopper() and compat.MGPU_COLLECTIVE_PRELAUNCH_BARRIER and device.one_process_sees_all_devices()):
+    if all_to_all.platform_cover() is not None:
         return None
     return (f"the expert-parallel step's NVLink exchange kernels ({n_peers} GPUs) have not yet been loaded from the "
             f"cache on GPUs (benchmarks/RESULTS.md, session 53)")

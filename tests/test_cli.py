@@ -201,6 +201,7 @@ def test_auto_cache_stays_off_where_the_exchange_kernels_run(monkeypatch, tmp_pa
         return train.compile_cache_unverified(c, sharding.make_mesh(c.mesh))
 
     assert reason(cfg("mesh.expert=8")) is None  # on CPU
+    monkeypatch.setattr(device, "compute_capability", lambda: (9, 0))
     monkeypatch.setattr(device, "on_hopper", lambda: True)
     monkeypatch.setattr(compat, "MGPU_COLLECTIVE_PRELAUNCH_BARRIER", True)
     assert "NVLink exchange kernels (8 GPUs)" in reason(cfg("mesh.expert=8"))
