@@ -519,12 +519,8 @@ def train(cfg: TrainConfig, devices: list[jax.Device] | None = None) -> TrainRes
                 log(f"mx_jax | {jax.device_count()} x {jax.devices()[0].device_kind} ({jax.process_count()} "
                     f"process(es)) | mesh {dict(mesh.shape)} | jax {jax.__version__}")
                 log(f"mesh   | {sharding.describe(mesh)}")
-                unverified = compile_cache_unverified(cfg, mesh)
                 if cache := jax.config.jax_compilation_cache_dir:
-                    log(f"cache  | compiled programs are kept in {cache} for later runs (config key compile_cache)"
-                        + (f"; not verified for this step: {unverified}" if unverified else ""))
-                elif unverified and cfg.compile_cache == "auto":
-                    log(f"cache  | off for this run: {unverified}; compile_cache=DIR keeps the programs anyway")
+                    log(f"cache  | compiled programs are kept in {cache} for later runs (config key compile_cache)")
                 if mesh.size > 1:
                     experts = "; the routed experts' in bfloat16" if cfg.model.moe.n_experts else ""
                     log(f"mesh   | weight gradients summed across devices in {cfg.model.grad_reduce_dtype} "
@@ -918,33 +914,6 @@ def compile_cache_dir(setting: str) -> str | None:
     return os.path.expanduser(setting) if setting else None
 
 
-def compile_cache_unverified(cfg: TrainConfig, mesh: jax.sharding.Mesh) -> str | None:
-    """Why the persistent compilation cache is not yet known to give this run's step back intact, or None. One case
-    so far: an expert-parallel MoE step whose exchanges run the NVLink Mosaic GPU kernels (pallas_kernels/
-    all_to_all.py and row_exchange.py through XLA's collective-metadata path: `all_to_all.platform_cover`, the
-    expert axis spanning every GPU, `model.moe.all_to_all` not "xla"). Loading those kernels from the cache has not yet run on a GPU: their test (tests/test_cli.py::
-    test_gpu_expert_parallel_step_from_the_compile_cache) failed on 2 x H200 in session 53, most likely on the cache
-    miss that every multi-device step had then (compat._sharded_empty; benchmarks/RESULTS.md)."""
-    from pallas_kernels import all_to_all
-
-    moe = cfg.model.moe
-    n_peers = dict(mesh.shape).get("expert", 1)
-    if not moe.n_experts or moe.all_to_all == "xla" or n_peers < 2 or n_peers != jax.device_count():
-        return None
-    if all_to_all.platform_cover() is not None:
-        return None
-    return (f"the expert-parallel step's NVLink exchange kernels ({n_peers} GPUs) have not yet been loaded from the "
-            f"cache on GPUs (benchmarks/RESULTS.md, session 53)")
-
-
-def skip_unverified_cache(cfg: TrainConfig) -> None:
-    """Under `compile_cache=auto`, turn the cache off for a step `compile_cache_unverified` names (a directory named
-    in the config keeps it: the user's choice). After jax.distributed starts, before anything compiles."""
-    if cfg.compile_cache == "auto" and cfg.model.moe.n_experts and jax.config.jax_compilation_cache_dir:
-        if compile_cache_unverified(cfg, sharding.make_mesh(cfg.mesh)):
-            jax.config.update("jax_compilation_cache_dir", None)
-
-
 def use_compile_cache(setting: str) -> str | None:
     """Point jax's persistent compilation cache at the subdirectory code-`code_digest()` of
     `compile_cache_dir(setting)` (None turns it off, also where the environment had set it), before anything
@@ -1024,7 +993,6 @@ def main(argv: list[str] | None = None) -> int:
             dry_run(cfg, prepare_dry_run_backend(dry_run_devices(cfg)))
             return 0
         init_distributed()
-        skip_unverified_cache(cfg)
         if train(cfg).preempted:
             return preemption.EXIT_CODE
     except ConfigError as e:
