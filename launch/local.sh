@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # Start N local processes of one mx_jax training run, joined by jax.distributed (coordinator on loopback).
 #
-#   launch/local.sh N [--cpu-devices K] --config configs/X.yaml [key=value ...]
+#   launch/local.sh N [--cpu-devices K | --gpus-per-process G] --config configs/X.yaml [key=value ...]
 #
 # Each process runs `python -m mx_jax.train` with MX_JAX_COORDINATOR / MX_JAX_NUM_PROCESSES / MX_JAX_PROCESS_ID.
-# --cpu-devices K gives each process K fake CPU devices (testing multi-host logic on one machine); without it each
-# process sees the machine's accelerators (use CUDA_VISIBLE_DEVICES per process yourself to split GPUs).
+# --cpu-devices K gives each process K fake CPU devices (testing multi-host logic on one machine).
+# --gpus-per-process G gives process i the i-th G of the machine's GPUs (of $CUDA_VISIBLE_DEVICES where set), through
+# CUDA_VISIBLE_DEVICES: a GPU machine stands in for N hosts of G GPUs, as launch/slurm.sbatch's one task per GPU does.
+# Without either, every process sees every GPU, which only suits one process (N = 1).
 # Process 0's output goes to the terminal, process i's to $MX_JAX_LOG_DIR/proc<i>.log (default: a fresh
 # /tmp/mx_jax_local.XXXX directory, named on failure). Any failure stops all (SIGKILL: after
 # jax.distributed.initialize a process takes SIGTERM as a preemption notice, not as an order to die). The processes
@@ -14,12 +16,26 @@
 # The exit code is the first failing process's (143 after a preemption stop), 0 if all succeeded.
 set -euo pipefail
 if [[ $# -lt 1 || ! "$1" =~ ^[0-9]+$ ]]; then
-  echo "usage: $0 N [--cpu-devices K] --config configs/X.yaml [key=value ...]" >&2
+  echo "usage: $0 N [--cpu-devices K | --gpus-per-process G] --config configs/X.yaml [key=value ...]" >&2
   exit 2
 fi
 n=$1; shift
 cpu_devices=""
+gpus_each=""
 if [[ "${1:-}" == "--cpu-devices" ]]; then cpu_devices=$2; shift 2; fi
+if [[ "${1:-}" == "--gpus-per-process" ]]; then
+  gpus_each=$2; shift 2
+  if [[ -n "${CUDA_VISIBLE_DEVICES:-}" ]]; then
+    IFS=, read -r -a gpus <<< "$CUDA_VISIBLE_DEVICES"
+  else
+    mapfile -t gpus < <(nvidia-smi --query-gpu=index --format=csv,noheader 2>/dev/null || true)
+  fi
+  if [[ ! "$gpus_each" =~ ^[1-9][0-9]*$ || $((n * gpus_each)) -gt ${#gpus[@]} ]]; then
+    echo "error: --gpus-per-process $gpus_each for $n processes needs $n x $gpus_each GPUs; this machine shows" \
+         "${#gpus[@]} (nvidia-smi, or CUDA_VISIBLE_DEVICES where set)" >&2
+    exit 2
+  fi
+fi
 port=${MX_JAX_PORT:-$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')}
 logdir=${MX_JAX_LOG_DIR:-$(mktemp -d /tmp/mx_jax_local.XXXX)}
 mkdir -p "$logdir"
@@ -31,6 +47,10 @@ trap on_signal INT TERM
 for ((i = 0; i < n; i++)); do
   env=(MX_JAX_COORDINATOR="127.0.0.1:$port" MX_JAX_NUM_PROCESSES="$n" MX_JAX_PROCESS_ID="$i")
   if [[ -n "$cpu_devices" ]]; then env+=(MX_JAX_CPU_DEVICES="$cpu_devices" JAX_PLATFORMS=cpu); fi
+  if [[ -n "$gpus_each" ]]; then
+    mine=("${gpus[@]:$((i * gpus_each)):$gpus_each}")
+    env+=(CUDA_VISIBLE_DEVICES="$(IFS=,; echo "${mine[*]}")")
+  fi
   if [[ $i -eq 0 ]]; then
     env "${env[@]}" python -m mx_jax.train "$@" &
   else

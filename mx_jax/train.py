@@ -519,6 +519,8 @@ def train(cfg: TrainConfig, devices: list[jax.Device] | None = None) -> TrainRes
                 log(f"mx_jax | {jax.device_count()} x {jax.devices()[0].device_kind} ({jax.process_count()} "
                     f"process(es)) | mesh {dict(mesh.shape)} | jax {jax.__version__}")
                 log(f"mesh   | {sharding.describe(mesh)}")
+                if note := process_layout_note(jax.default_backend(), jax.process_count(), jax.local_device_count()):
+                    log(f"note   | {note}")
                 if cache := jax.config.jax_compilation_cache_dir:
                     log(f"cache  | compiled programs are kept in {cache} for later runs (config key compile_cache)")
                 if mesh.size > 1:
@@ -852,6 +854,21 @@ def init_distributed() -> None:
     jax.distributed.initialize(coordinator_address=coordinator,
                                num_processes=int(os.environ["MX_JAX_NUM_PROCESSES"]),
                                process_id=int(os.environ["MX_JAX_PROCESS_ID"]))
+
+
+def process_layout_note(backend: str, n_processes: int, local_devices: int) -> str | None:
+    """The advice for a run where a process drives several GPUs, or None. On 2 x H200 (benchmarks/RESULTS.md,
+    session 54) two processes of one GPU each trained 1.19-1.34x the tokens/s of one process holding both GPUs, the
+    step otherwise the same: the 4-layer 8B shape at fsdp=2 in fp8 and in bf16, and the 2-layer Mixtral and 4-layer
+    DeepSeekMoE at expert=2, whose exchanges then run XLA's collectives instead of the NVLink kernels. (The debug
+    models train the same losses bit for bit in both layouts under `deterministic=true`, tests/test_multihost.py.)
+    In traced steps each GPU was busy as long per step in both layouts, so the one process loses its time between
+    kernels, not in them; why was not found (XLA's command buffers off changed neither layout's speed much)."""
+    if backend != "gpu" or local_devices < 2:
+        return None
+    each = "one process drives" if n_processes == 1 else "each process drives"
+    return (f"{each} {local_devices} GPUs; one process per GPU trained 1.19-1.34x faster on 2 x H200 "
+            f"(launch/local.sh N --gpus-per-process 1, or one SLURM task per GPU; README, Multi-host runs)")
 
 
 # XLA flags mx_jax sets unless the user already chose them (before any backend starts). Measured on an H200

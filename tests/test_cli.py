@@ -344,3 +344,16 @@ def test_gpu_expert_parallel_step_from_the_compile_cache(tmp_path):
     assert len(cold) == 4 and cold == off, f"the step does not repeat between processes, cache or not: {cold} {off}"
     assert ["from the compile cache" in _first_step_line(out) for out in (cold_out, warm_out)] == [False, True]
     assert warm == cold, f"the step from the cache trains other losses: {warm} against {cold}"
+
+
+def test_the_log_advises_one_process_per_gpu():
+    """A run where a process drives several GPUs is told that one process per GPU trained faster; runs of one GPU
+    per process or on CPU devices are not."""
+    from mx_jax import train
+
+    assert "one process drives 8 GPUs" in train.process_layout_note("gpu", 1, 8)
+    assert "--gpus-per-process 1" in train.process_layout_note("gpu", 1, 2)
+    assert train.process_layout_note("gpu", 1, 1) is None
+    assert train.process_layout_note("gpu", 2, 1) is None
+    assert "each process drives 4 GPUs" in train.process_layout_note("gpu", 2, 4)  # one process per node
+    assert train.process_layout_note("cpu", 1, 8) is None
