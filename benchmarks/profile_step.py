@@ -31,7 +31,7 @@ import time
 import jax
 
 from mx_jax import sharding, train
-from mx_jax.profiling import category, device_events, device_time, latest_trace, summarize as summary_lines
+from mx_jax.profiling import category, device_events, device_time, idle_gaps, latest_trace, summarize as summary_lines
 from mx_jax.config import load_config
 from mx_jax.data import Batches, open_dataset
 
@@ -260,22 +260,13 @@ def idle_report(data, n_steps: int) -> None:
     for plane in data.planes:
         if not plane.name.startswith("/device:"):
             continue
-        events = sorted(((ev.start_ns, ev.start_ns + ev.duration_ns, ev.name,
-                          "cuda_graph_id" in dict(ev.stats) if hasattr(ev, "stats") else False)
-                         for line in plane.lines if "Stream" in line.name for ev in line.events), key=lambda e: e[0])
+        events = [ev for line in plane.lines if "Stream" in line.name for ev in line.events]
         if not events:
             continue
-        gaps: collections.Counter = collections.Counter()
-        idle, end = 0.0, events[0][1]
-        for start, stop, name, _ in events[1:]:
-            if start > end:
-                idle += start - end
-                gaps[name.split("(")[0][:60]] += (start - end) / 1e6
-            end = max(end, stop)
-        span = (end - events[0][0]) / 1e6
-        in_graph = sum(e[3] for e in events)
+        span, idle, gaps = idle_gaps(events)
+        in_graph = sum("cuda_graph_id" in dict(ev.stats) for ev in events if getattr(ev, "stats", None))
         print(f"\n{plane.name}: {len(events) // n_steps} kernels per step, {in_graph // n_steps} of them in CUDA "
-              f"graphs; stream idle {idle / 1e6 / n_steps:.2f} ms per step between kernels "
+              f"graphs; stream idle {idle / n_steps:.2f} ms per step between kernels "
               f"(span {span / n_steps:.1f} ms)")
         for name, ms in gaps.most_common(5):
             print(f"    {ms / n_steps:7.2f} ms idle before {name}")

@@ -112,9 +112,25 @@ def overlap(data) -> tuple[float, float, int, collections.Counter]:
     return busy, alone, len(planes), by_op
 
 
+def idle_gaps(events) -> tuple[float, float, collections.Counter]:
+    """One device's (span, idle, idle by op) in ms: from its first event's start to its last one's end; the time in
+    that span with no event running; and that idle time by the event that ended each gap (its name up to "(")."""
+    events = sorted(events, key=lambda ev: ev.start_ns)
+    if not events:
+        return 0.0, 0.0, collections.Counter()
+    before: collections.Counter = collections.Counter()
+    idle, end = 0, events[0].start_ns + events[0].duration_ns
+    for ev in events[1:]:
+        if ev.start_ns > end:
+            idle += ev.start_ns - end
+            before[ev.name.split("(")[0][:60]] += (ev.start_ns - end) / 1e6
+        end = max(end, ev.start_ns + ev.duration_ns)
+    return (end - events[0].start_ns) / 1e6, idle / 1e6, before
+
+
 def summarize(data, n_steps: int, top: int) -> list[str]:
     """Lines: device time per step and device, by category, the busy and unhidden-communication times (`overlap`),
-    then the `top` longest ops."""
+    the idle time between ops and the ops it came before (`idle_gaps`), then the `top` longest ops."""
     per_op, counts, n_dev = device_time(data)
     if not n_dev:
         return ["no device plane in the trace (a CPU run): no per-op device time to sum"]
@@ -132,6 +148,16 @@ def summarize(data, n_steps: int, top: int) -> list[str]:
     if by_op:
         top_ops = by_op.most_common(6)
         out.append("  unhidden by collective: " + ", ".join(f"{name} {ms / n:.1f}" for name, ms in top_ops))
+    span = idle = 0.0
+    before: collections.Counter = collections.Counter()
+    for events in device_events(data):
+        s, i, b = idle_gaps(events)
+        span, idle = span + s, idle + i
+        before.update(b)
+    out.append(f"  idle {idle / n:.1f} ms per step and device with no op running, of a {span / n:.1f} ms span from "
+               f"the first op to the last (the device waiting on the host or on another device)")
+    if before:
+        out.append("  idle before: " + ", ".join(f"{name} {ms / n:.1f}" for name, ms in before.most_common(6)))
     if top:
         out.append(f"top {top} ops (ms per step, calls per step):")
         out += [f"  {ms / n:8.2f}  {counts[name] // n:4d}x  {category(name):<14} {name[:110]}"

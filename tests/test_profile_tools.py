@@ -390,7 +390,10 @@ def test_profiling_overlap_counts_communication_nothing_hid():
     lines = profiling.summarize(data, n_steps=1, top=0)
     line = [ln for ln in lines if ln.lstrip().startswith("busy")]
     assert line and line[0].split()[1] == "6.5" and "of which 3.0 ms collectives" in line[0]
-    assert lines[-1] == "  unhidden by collective: all-reduce.1 1.0, ag.7 0.8, rs.8 0.8, all-gather.2 0.5"
+    assert "  unhidden by collective: all-reduce.1 1.0, ag.7 0.8, rs.8 0.8, all-gather.2 0.5" in lines
+    # Idle: GPU 0 [6, 7) and [8, 9) of its 10 ms span, GPU 1 [2, 3) of 6 ms; per device, by the op each gap ended at.
+    assert lines[-2].startswith("  idle 1.5 ms per step and device with no op running, of a 8.0 ms span"), lines
+    assert lines[-1] == "  idle before: loop_add_fusion 0.5, all-gather.2 0.5, ncclDevKernel_AllGather 0.5"
 
 
 def test_profile_step_dumps_device_0s_timeline_with_its_stats(tmp_path):
