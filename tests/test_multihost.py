@@ -172,4 +172,4 @@ def test_gpu_two_processes_of_one_gpu_train_as_one_process_of_two(tmp_path, mode
     two, one = _losses(tmp_path / "two"), _losses(tmp_path / "one")
     print(model, "two processes", two, "one process", one)
     assert len(two) == len(one) == 6
-    np.testing.assert_allclose(two, one, rtol=1e-5)
+    assert two == one  # bit for bit (session 54, 2 x H200: both models)
