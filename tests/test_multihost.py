@@ -170,6 +170,5 @@ def test_gpu_two_processes_of_one_gpu_train_as_one_process_of_two(tmp_path, mode
     out = launch(*local, "steps=6")
     assert "resume | from step 4" in out, out[-2000:]
     two, one = _losses(tmp_path / "two"), _losses(tmp_path / "one")
-    print(model, "two processes", two, "one process", one)
     assert len(two) == len(one) == 6
-    assert two == one  # bit for bit (session 54, 2 x H200: both models)
+    assert two == one, f"two processes {two}, one process {one}"  # bit for bit (session 54, 2 x H200: both models)
