@@ -8,12 +8,13 @@
 A variant is NAME:OVERRIDES, where OVERRIDES are space-separated key=value pairs for the trainer and items starting
 with @ are added to XLA_FLAGS for that run; +NAME=VALUE sets an environment variable for it
 (`+PYTHONPATH=/tmp/old_tree` runs the mx_jax found there: the trainer starts with `python -P`, so the working
-directory does not shadow PYTHONPATH, and this checkout comes after it). Every run uses the
-embedded corpus unless the base says otherwise, the configured run's learning-rate schedule (its first steps, not a
-warmup squeezed into --steps), an empty compile cache (so the first step is a whole compile; a variant's
-`compile_cache=DIR` shares one on purpose), no checkpoints, no evaluation, and reports the mean of the logged
-intervals after the first (compile) step: tokens/s, TFLOP/s per device, MFU, peak memory, and the first step's wall
-time (compile included).
+directory does not shadow PYTHONPATH, and this checkout comes after it); %N runs it as N processes of one GPU each
+(`launch/local.sh N --gpus-per-process 1`, this checkout's mx_jax; process 1..N-1's output goes to OUT/NAME_procs).
+Every run uses the embedded corpus unless the base says otherwise, the configured run's learning-rate schedule (its
+first steps, not a warmup squeezed into --steps), an empty compile cache (so the first step is a whole compile; a
+variant's `compile_cache=DIR` shares one on purpose), no checkpoints, no evaluation, and reports the mean of the
+logged intervals after the first (compile) step: tokens/s, TFLOP/s per device, MFU, peak memory, and the first
+step's wall time (compile included).
 """
 
 from __future__ import annotations
@@ -71,14 +72,18 @@ def run_variant(name: str, base: list[str], overrides: str, steps: int, log_ever
     items = shlex.split(overrides)
     xla = [i[1:] for i in items if i.startswith("@")]
     env_vars = dict(i[1:].split("=", 1) for i in items if i.startswith("+"))
-    keys = [i for i in items if not i.startswith(("@", "+"))]
+    procs = [int(i[1:]) for i in items if i.startswith("%")]
+    keys = [i for i in items if not i.startswith(("@", "+", "%"))]
     run_dir = pathlib.Path(tempfile.mkdtemp(prefix=f"bench_{name}_"))
     # The embedded corpus unless the base or the variant names a source (a config's own `data.source: bin` would
     # need shards on the benchmark machine).
     source = [] if any(i.startswith("data.source=") for i in (*base, *keys)) else ["data.source=embedded"]
-    cmd = [sys.executable, "-P", "-m", "mx_jax.train", *base, *source, *configured_schedule([*base, *source], keys),
-           f"run_dir={run_dir}", f"steps={steps}",
-           "ckpt.every_steps=-1", "log.eval_every_steps=-1", f"log.every_steps={log_every}", "log.progress=false",
+    launcher = [sys.executable, "-P", "-m", "mx_jax.train"]
+    if procs:
+        launcher = ["bash", "launch/local.sh", str(procs[-1]), "--gpus-per-process", "1"]
+        env_vars = {"MX_JAX_LOG_DIR": str(out_dir / f"{name}_procs"), "PYTHON": sys.executable, **env_vars}
+    cmd = [*launcher, *base, *source, *configured_schedule([*base, *source], keys), f"run_dir={run_dir}",
+           f"steps={steps}", "ckpt.every_steps=-1", "log.eval_every_steps=-1", f"log.every_steps={log_every}", "log.progress=false",
            "log.tensorboard=false", *keys]
     # An empty compile cache of its own (the trainer's compile_cache=auto reads the variable; older trees' jax does
     # too), so that the first step is a whole compile in every run; removed after the run.

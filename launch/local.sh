@@ -3,7 +3,8 @@
 #
 #   launch/local.sh N [--cpu-devices K | --gpus-per-process G] --config configs/X.yaml [key=value ...]
 #
-# Each process runs `python -m mx_jax.train` with MX_JAX_COORDINATOR / MX_JAX_NUM_PROCESSES / MX_JAX_PROCESS_ID.
+# Each process runs `python -m mx_jax.train` ($PYTHON where set) with MX_JAX_COORDINATOR / MX_JAX_NUM_PROCESSES /
+# MX_JAX_PROCESS_ID.
 # --cpu-devices K gives each process K fake CPU devices (testing multi-host logic on one machine).
 # --gpus-per-process G gives process i the i-th G of the machine's GPUs (of $CUDA_VISIBLE_DEVICES where set), through
 # CUDA_VISIBLE_DEVICES: a GPU machine stands in for N hosts of G GPUs, as launch/slurm.sbatch's one task per GPU does.
@@ -52,9 +53,9 @@ for ((i = 0; i < n; i++)); do
     env+=(CUDA_VISIBLE_DEVICES="$(IFS=,; echo "${mine[*]}")")
   fi
   if [[ $i -eq 0 ]]; then
-    env "${env[@]}" python -m mx_jax.train "$@" &
+    env "${env[@]}" "${PYTHON:-python}" -m mx_jax.train "$@" &
   else
-    env "${env[@]}" python -m mx_jax.train "$@" > "$logdir/proc$i.log" 2>&1 &
+    env "${env[@]}" "${PYTHON:-python}" -m mx_jax.train "$@" > "$logdir/proc$i.log" 2>&1 &
   fi
   pids+=($!)
 done

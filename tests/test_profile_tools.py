@@ -2,6 +2,7 @@
 names the GPU trace attributes kernels to (a GEMM can be the root of a wrapping dynamic-slice fusion)."""
 
 import importlib.util
+import os
 import pathlib
 import sys
 
@@ -495,3 +496,17 @@ def test_dispatch_bench_runs_both_methods_on_identity_experts(capsys, monkeypatc
     assert out[("flat", "land")][1:] == out[("flat", "dense")][1:]  # the same rows cross the fabric
     flat, hier = out[("flat", "dense")], out[("hierarchical", "dense")]
     assert hier[1] <= flat[1] and flat[1] > 0  # a token crosses to another node at most once per node
+
+
+def test_bench_train_runs_a_variant_as_processes_of_one_gpu(tmp_path, monkeypatch):
+    """`%N` in a variant starts it through launch/local.sh as N processes of one GPU each, with this Python and the
+    other processes' logs under --out; the trainer arguments are the same as a one-process variant's."""
+    envs = []
+    base = ["--config", "configs/llama3_debug.yaml"]
+    one, two = _trainer_commands(monkeypatch, tmp_path, [(base, "mesh.fsdp=2"), (base, "%2 mesh.fsdp=2")], envs)
+    assert two[:6] == ["bash", "launch/local.sh", "2", "--gpus-per-process", "1", "--config"]
+    assert one[:4] == [sys.executable, "-P", "-m", "mx_jax.train"]
+    strip = lambda cmd: [a for a in cmd if not a.startswith("run_dir=")]
+    assert strip(two)[5:] == strip(one)[4:] and "%2" not in two
+    assert envs[1]["PYTHON"] == sys.executable and envs[1]["MX_JAX_LOG_DIR"].endswith("_procs")
+    assert "MX_JAX_LOG_DIR" not in envs[0] or envs[0]["MX_JAX_LOG_DIR"] == os.environ.get("MX_JAX_LOG_DIR")
