@@ -92,19 +92,40 @@ def make_mesh(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> M
     return jax.make_mesh(dims, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES), devices=devices)
 
 
-def describe(mesh: Mesh) -> str:
-    """Which mesh axes cross process (host) boundaries: HSDP wants `data` across hosts and `fsdp` inside one."""
+def describe(mesh: Mesh, process_hosts: Sequence[object] | None = None) -> str:
+    """Which mesh axes cross process and host boundaries: HSDP wants `data` across hosts and `fsdp` inside one.
+    `process_hosts[i]` names process i's host (any comparable value); without it processes stand for hosts."""
     devs = mesh.devices
     parts = []
     for i, name in enumerate(mesh.axis_names):
         if mesh.shape[name] == 1:
             continue
-        # an axis crosses processes if moving along it changes the process of some device
+        # an axis crosses processes if moving along it changes the process of some device; hosts alike
         moved = np.moveaxis(devs, i, 0)
         procs = np.vectorize(lambda d: d.process_index)(moved)
-        crosses = bool(np.any(procs != procs[:1]))
-        parts.append(f"{name}={mesh.shape[name]} ({'across processes' if crosses else 'within a process'})")
+        where = "within a process"
+        if np.any(procs != procs[:1]):
+            where = "across processes"
+            if process_hosts is not None:
+                hosts = np.vectorize(lambda p: process_hosts[p], otypes=[object])(procs)
+                where = "across hosts" if np.any(hosts != hosts[:1]) else "across processes, within a host"
+        parts.append(f"{name}={mesh.shape[name]} ({where})")
     return ", ".join(parts) or "single device"
+
+
+def process_hosts() -> list[tuple[int, ...]] | None:
+    """Each process's host, by process index, as 62 bits of a digest of its host name (one small all-gather; int32
+    words, as jax without x64 moves them), or None in a one-process run."""
+    if jax.process_count() == 1:
+        return None
+    import hashlib
+    import socket
+
+    from jax.experimental import multihost_utils
+
+    digest = hashlib.sha256(socket.gethostname().encode()).digest()
+    mine = np.array([int.from_bytes(digest[i:i + 4], "little") >> 1 for i in (0, 4)], np.int32)
+    return [tuple(int(w) for w in row) for row in np.asarray(multihost_utils.process_allgather(mine))]
 
 
 def spec(logical: Sequence[str | None] | None) -> P:

@@ -518,7 +518,7 @@ def train(cfg: TrainConfig, devices: list[jax.Device] | None = None) -> TrainRes
                                       f"step {start}; raise steps to continue the run, or use a new run_dir")
                 log(f"mx_jax | {jax.device_count()} x {jax.devices()[0].device_kind} ({jax.process_count()} "
                     f"process(es)) | mesh {dict(mesh.shape)} | jax {jax.__version__}")
-                log(f"mesh   | {sharding.describe(mesh)}")
+                log(f"mesh   | {sharding.describe(mesh, sharding.process_hosts())}")
                 if note := process_layout_note(jax.default_backend(), jax.process_count(), jax.local_device_count()):
                     log(f"note   | {note}")
                 if cache := jax.config.jax_compilation_cache_dir:

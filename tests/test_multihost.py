@@ -33,7 +33,7 @@ def test_two_processes_match_one_and_share_checkpoints(tmp_path):
     two = tmp_path / "two"
     p = _local(2, 4, [*common, f"run_dir={two}"], tmp_path / "logs")
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
-    assert "data=2 (across processes), fsdp=4 (within a process)" in p.stdout  # HSDP layout
+    assert "data=2 (across processes, within a host), fsdp=4 (within a process)" in p.stdout  # HSDP layout
     # the same run in one process with 8 devices, uninterrupted to step 5
     straight = train.train(tiny_config(tmp_path / "one", "optim.decay_steps=5", "mesh.data=2", "mesh.fsdp=4",
                                        "steps=5", *NO_IO))
@@ -77,7 +77,7 @@ def test_two_processes_run_the_expert_axis_across_them(tmp_path):
     moe = ["--config", "configs/moe_debug.yaml"]
     p = _local(2, 1, [*moe, *common, f"run_dir={tmp_path / 'two'}"], tmp_path / "logs")
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
-    assert "expert=2 (across processes)" in p.stdout
+    assert "expert=2 (across processes, within a host)" in p.stdout
     train.train(load_config(str(ROOT / "configs" / "moe_debug.yaml"), [*common, f"run_dir={tmp_path / 'one'}"]),
                 devices=jax.devices()[:2])
     assert len(_losses(tmp_path / "two")) == 3
@@ -163,7 +163,7 @@ def test_gpu_two_processes_of_one_gpu_train_as_one_process_of_two(tmp_path, mode
     local = ["bash", "launch/local.sh", "2", "--gpus-per-process", "1", *args, f"run_dir={tmp_path / 'two'}"]
     out = launch(*local, "steps=4")
     assert "2 x NVIDIA" in out and "(2 process(es))" in out, out[-2000:]
-    assert "(across processes)" in out, out[-2000:]
+    assert "(across processes, within a host)" in out, out[-2000:]
     same_exchange = ["model.moe.all_to_all=xla"] if model == "moe_expert" else []
     launch(sys.executable, "-m", "mx_jax.train", *args, *same_exchange, "steps=6", f"run_dir={tmp_path / 'one'}")
     assert sorted(os.listdir(tmp_path / "two" / "checkpoints")) == ["2", "4"]
@@ -172,3 +172,16 @@ def test_gpu_two_processes_of_one_gpu_train_as_one_process_of_two(tmp_path, mode
     two, one = _losses(tmp_path / "two"), _losses(tmp_path / "one")
     assert len(two) == len(one) == 6
     assert two == one, f"two processes {two}, one process {one}"  # bit for bit (session 54, 2 x H200: both models)
+
+
+def test_mesh_description_tells_hosts_from_processes():
+    """With each process's host known, an axis that crosses processes says whether it crosses hosts too: one process
+    per GPU on two 4-GPU hosts keeps fsdp=4 inside a host and puts data=2 across them."""
+    from types import SimpleNamespace as NS
+
+    devs = np.array([NS(process_index=p) for p in range(8)], dtype=object).reshape(2, 4)
+    mesh = NS(devices=devs, axis_names=("data", "fsdp"), shape={"data": 2, "fsdp": 4})
+    hosts = ["a"] * 4 + ["b"] * 4
+    assert sharding.describe(mesh, hosts) == "data=2 (across hosts), fsdp=4 (across processes, within a host)"
+    assert sharding.describe(mesh) == "data=2 (across processes), fsdp=4 (across processes)"
+    assert sharding.process_hosts() is None  # one process
