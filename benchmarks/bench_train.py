@@ -83,8 +83,8 @@ def run_variant(name: str, base: list[str], overrides: str, steps: int, log_ever
         launcher = ["bash", "launch/local.sh", str(procs[-1]), "--gpus-per-process", "1"]
         env_vars = {"MX_JAX_LOG_DIR": str(out_dir / f"{name}_procs"), "PYTHON": sys.executable, **env_vars}
     cmd = [*launcher, *base, *source, *configured_schedule([*base, *source], keys), f"run_dir={run_dir}",
-           f"steps={steps}", "ckpt.every_steps=-1", "log.eval_every_steps=-1", f"log.every_steps={log_every}", "log.progress=false",
-           "log.tensorboard=false", *keys]
+           f"steps={steps}", "ckpt.every_steps=-1", "log.eval_every_steps=-1", f"log.every_steps={log_every}",
+           "log.progress=false", "log.tensorboard=false", *keys]
     # An empty compile cache of its own (the trainer's compile_cache=auto reads the variable; older trees' jax does
     # too), so that the first step is a whole compile in every run; removed after the run.
     cache = run_dir / "jax_cache"
