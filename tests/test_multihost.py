@@ -183,5 +183,7 @@ def test_mesh_description_tells_hosts_from_processes():
     mesh = NS(devices=devs, axis_names=("data", "fsdp"), shape={"data": 2, "fsdp": 4})
     hosts = ["a"] * 4 + ["b"] * 4
     assert sharding.describe(mesh, hosts) == "data=2 (across hosts), fsdp=4 (across processes, within a host)"
+    words = [(1, 2)] * 4 + [(1, 3)] * 4  # process_hosts' form: digest words per process
+    assert sharding.describe(mesh, words) == "data=2 (across hosts), fsdp=4 (across processes, within a host)"
     assert sharding.describe(mesh) == "data=2 (across processes), fsdp=4 (across processes)"
     assert sharding.process_hosts() is None  # one process
