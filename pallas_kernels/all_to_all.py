@@ -240,9 +240,9 @@ def pallas_cover(x: jax.Array, axis_name: str) -> str | None:
     return topology_cover(axis_name) or _shape_cover(x)
 
 
-def platform_cover() -> str | None:
-    """Why no NVLink collective kernel (XLA's collective-metadata path) can run in this process, or None: the
-    device, the jax version, and one process holding every GPU."""
+def topology_cover(axis_name: str) -> str | None:
+    """Why an NVLink collective kernel over `axis_name` (XLA's collective-metadata path) cannot run here, or None:
+    the device, the jax version, one process holding every GPU, and a shard_map axis spanning all of them."""
     if device.compute_capability() is None:
         return f"not an NVIDIA GPU (backend {jax.default_backend()!r})"
     if not device.on_hopper():
@@ -251,14 +251,6 @@ def platform_cover() -> str | None:
         return f"jax {jax.__version__}: the pre-launch multi-GPU barrier the kernel relies on is checked from 0.11 only"
     if not device.one_process_sees_all_devices():
         return f"{jax.process_count()} processes: XLA's collective metadata path needs one process holding all GPUs"
-    return None
-
-
-def topology_cover(axis_name: str) -> str | None:
-    """Why an NVLink collective kernel over `axis_name` cannot run here, or None: `platform_cover`, and a shard_map
-    axis spanning every GPU."""
-    if (why := platform_cover()) is not None:
-        return why
     mesh = jax.sharding.get_abstract_mesh()
     if dict(zip(mesh.axis_names, mesh.axis_types)).get(axis_name) != jax.sharding.AxisType.Manual:
         return f"axis {axis_name!r} is not a shard_map axis of the current mesh (the kernel is an SPMD collective)"
