@@ -17,7 +17,6 @@ MOE="--config configs/mixtral_8x7b.yaml model.n_layers=2 data.source=embedded da
 CTX8B="--config configs/llama3_8b.yaml model.n_layers=8 data.source=embedded data.batch_size=1 model.remat=save_matmuls model.scan_layers=false mesh.data=1 mesh.fsdp=1 mesh.expert=1"  # long sequences, 2 GPUs
 W64=tile_m=64,tile_n=256,wg_split=m,stages=4,epi_tile_m=64,epi_tile_n=32,delay_release=0,cluster=m,ring=static  # fp8 AUTO_DEFAULT
 DENSE8B="--config configs/llama3_8b.yaml model.n_layers=8 data.source=embedded data.seq_len=8192 data.batch_size=1 model.remat=none"
-LAYOUT_TRACE="--config configs/llama3_8b.yaml model.n_layers=4 data.source=embedded data.seq_len=8192 data.batch_size=2 mesh.data=1 mesh.fsdp=2 quant.recipe=fp8_rowwise steps=10 log.every_steps=4 log.eval_every_steps=-1 ckpt.every_steps=-1 log.progress=false log.tensorboard=false log.profile_from=8 log.profile_steps=2 compile_cache="
 LAYOUT8B="--config configs/llama3_8b.yaml model.n_layers=8 data.source=embedded data.seq_len=8192 data.batch_size=1 mesh.fsdp=1"  # the configs' scanned save_matmuls layout
 
 section() {  # name, seconds, command...
@@ -46,7 +45,6 @@ for s in "$@"; do
     bench_fp8_cublas) section bench_fp8_cublas 450 env CUDA_VISIBLE_DEVICES=0 XLA_FLAGS="--xla_gpu_enable_triton_gemm=false" $PY -m pallas_kernels.bench fp8 ;;
     fp8_cube) section fp8_cube 120 env CUDA_VISIBLE_DEVICES=0 XLA_FLAGS="--xla_gpu_enable_triton_gemm=false" $PY -m pallas_kernels.bench fp8 --shapes cube --config stages=4,epi_tile_m=64,epi_tile_n=64 --config stages=4,epi_tile_m=64,epi_tile_n=64,delay_release=0 --config stages=4,epi_tile_m=64,epi_tile_n=64,cluster=n --config tile_m=64,tile_n=256,wg_split=m,stages=4,epi_tile_m=64,epi_tile_n=64 --config tile_m=64,tile_n=256,wg_split=m,delay_release=0 --config delay_release=0,cluster=n --config stages=4,epi_tile_m=64,epi_tile_n=64,grid_tile_width=16 ;;
     layout) section layout 540 $PY benchmarks/bench_train.py --out "$LOGS" --steps 16 --log-every 4 --base "--config configs/llama3_8b.yaml model.n_layers=4 data.source=embedded data.seq_len=8192 data.batch_size=2 mesh.data=1 mesh.fsdp=2 quant.recipe=fp8_rowwise" --variant one_process: --variant two_processes:%2 --variant one_process_again: --variant two_processes_again:%2 ;;  # 2 GPUs: one process of both vs one per GPU
-    layout_trace) section layout_trace 300 bash -c "$PY -P -m mx_jax.train $LAYOUT_TRACE run_dir=/tmp/mx_jax_layout_1 && bash launch/local.sh 2 --gpus-per-process 1 $LAYOUT_TRACE run_dir=/tmp/mx_jax_layout_2" ;;  # 2 GPUs: where the one process's GPUs sit idle (the trace summary's idle lines, one run each)
     tests_multihost) section tests_multihost 400 $PY -P -m pytest -x -q -m gpu tests/test_multihost.py ;;  # >= 2 GPUs
     tests_cli) section tests_cli 600 $PY -P -m pytest -x -q -m gpu tests/test_cli.py ;;  # on 2 GPUs: the expert-parallel step from the compile cache
     tests_context) section tests_context 240 $PY -m pytest -q -m gpu tests/test_context_parallel.py ;;

@@ -1,6 +1,7 @@
 """Throughput, MFU and memory, written to the console, `<run_dir>/metrics.jsonl` and TensorBoard (`<run_dir>/tb/`).
 
-    tokens/s        = tokens per step / wall time per step (all devices)
+    tokens/s        = tokens per step / wall time per step (all devices), over the steps between two log lines
+                      (from one step's completion to another's; evaluation and checkpoint saves left out)
     TFLOP/s/device  = llama.flops_per_token * tokens/s / n_devices / 1e12
     MFU             = TFLOP/s/device / peak dense bf16 TFLOP/s of the device
 
@@ -135,31 +136,37 @@ class MetricsWriter:
 
 
 class Throughput:
-    """Wall-clock rate over the steps since the last report (device work is synchronized by reading the loss), and
-    the host time spent building batches in that span (`data_ms` per step: while it is a small part of the step,
-    the device never waits for data, as the next batch is built while the current step runs)."""
+    """Wall-clock rate over a window of steps, and the host time spent building their batches (`data_ms` per step:
+    while it is a small part of the step, the device never waits for data, as the next batch is built while the
+    current step runs).
+
+    A window runs from one step's completion to a later step's, as the loop sees them: it reads each step's loss
+    while the next step runs, and the read returns when the step is done. `start` opens a window at such a read,
+    `step` counts each later one, and `report` closes the window at a read and opens the next one there. So every
+    second between the two reads is counted, whatever the host does in between (a log line, an all-gather of the
+    data times across processes): opening the window anywhere later, after such a sync, would leave out device time
+    of steps still counted. The loop opens a new window after evaluation and checkpoint saves, which are not steps."""
 
     def __init__(self, tokens_per_step: int, flops_per_token: float, n_devices: int, peak_tflops: float | None):
         self.tokens_per_step, self.flops_per_token = tokens_per_step, flops_per_token
         self.n_devices, self.peak = n_devices, peak_tflops
-        self.reset()
+        self.start()
 
-    def reset(self) -> None:
+    def start(self) -> None:
         self._t0, self._steps, self._data = time.perf_counter(), 0, 0.0
 
-    def step(self) -> None:
+    def step(self, data_s: float = 0.0) -> None:
         self._steps += 1
-
-    def add_data_time(self, seconds: float) -> None:
-        self._data += seconds
+        self._data += data_s
 
     def report(self) -> dict[str, float]:
         dt = time.perf_counter() - self._t0
         if self._steps == 0 or dt <= 0:
+            self.start()
             return {}
         tps = self.tokens_per_step * self._steps / dt
         tflops = self.flops_per_token * tps / self.n_devices / 1e12
         out = {"tokens_per_sec": tps, "tflops_per_device": tflops, "step_time_s": dt / self._steps,
                "mfu": tflops / self.peak if self.peak else None, "data_ms": 1000 * self._data / self._steps}
-        self.reset()
+        self.start()
         return out

@@ -519,8 +519,6 @@ def train(cfg: TrainConfig, devices: list[jax.Device] | None = None) -> TrainRes
                 log(f"mx_jax | {jax.device_count()} x {jax.devices()[0].device_kind} ({jax.process_count()} "
                     f"process(es)) | mesh {dict(mesh.shape)} | jax {jax.__version__}")
                 log(f"mesh   | {sharding.describe(mesh, sharding.process_hosts())}")
-                if note := process_layout_note(jax.default_backend(), jax.process_count(), jax.local_device_count()):
-                    log(f"note   | {note}")
                 if cache := jax.config.jax_compilation_cache_dir:
                     log(f"cache  | compiled programs are kept in {cache} for later runs (config key compile_cache)")
                 if mesh.size > 1:
@@ -656,6 +654,7 @@ def _loop(cfg, setup, state, step, dataset, train_batches, ckpt, run_dir, resume
     hits_before = (_CACHE_HITS.hits, _CACHE_HITS.saved_s)
     compiled_at = None
     stopped_at = None
+    restart_window = False  # set after evaluation and saves: the rate's next window opens at the next read
     data_warned = False
 
     def check_data_time(m: dict) -> None:
@@ -677,7 +676,7 @@ def _loop(cfg, setup, state, step, dataset, train_batches, ckpt, run_dir, resume
 
     def finish(step_no: int, dev_metrics, data_s: float, with_eval: bool = False) -> None:
         """Read one step's metrics (blocks until it is done); log, and evaluate the *current* params if asked."""
-        nonlocal last, compiled_at
+        nonlocal last, compiled_at, restart_window
         m = {k: (float(v) if np.ndim(v) == 0 else [round(float(x), 5) for x in np.asarray(v)])
              for k, v in dev_metrics.items()}
         # A finite loss and gradient at step n, from finite parameters, with a finite learning rate (validated),
@@ -692,10 +691,12 @@ def _loop(cfg, setup, state, step, dataset, train_batches, ckpt, run_dir, resume
             hits, saved = _CACHE_HITS.hits - hits_before[0], _CACHE_HITS.saved_s - hits_before[1]
             cached = f" ({hits} program(s) from the compile cache: {saved:.1f} s of compiling saved)" if hits else ""
             log(f"step   | first step (compile included) took {compiled_at:.1f} s{cached}")
-            rate.reset()
+            rate.start()
+        elif restart_window:  # evaluation or a save ran since the last read: the window opens at this one
+            rate.start()
+            restart_window = False
         else:
-            rate.step()
-            rate.add_data_time(data_s)
+            rate.step(data_s)
         if bar is not None:
             bar.update(1)
         if step_no % cfg.log.every_steps == 0 or with_eval:
@@ -710,7 +711,7 @@ def _loop(cfg, setup, state, step, dataset, train_batches, ckpt, run_dir, resume
             if bar is not None:
                 bar.set_postfix(loss=f"{m['loss']:.3f}", tok_s=f"{m.get('tokens_per_sec', 0):,.0f}", refresh=False)
             last = {"step": step_no, **m}
-            rate.reset()
+        restart_window = restart_window or with_eval
 
     try:
         while step < cfg.steps:
@@ -736,6 +737,7 @@ def _loop(cfg, setup, state, step, dataset, train_batches, ckpt, run_dir, resume
                 waited = (f" ({1000 * ckpt.waited_s:.0f} ms of it waiting for the previous save to be written: saves "
                           f"are due faster than they are written)" if ckpt.waited_s > 0.05 else "")
                 log(f"ckpt   | step {step}: save started, blocked the loop {1000 * blocked:.0f} ms{waited}")
+                restart_window = True
             for s, blocked, background in ckpt.finished_saves():
                 log(f"ckpt   | step {s} committed: blocked {1000 * blocked:.0f} ms, background "
                     f"{1000 * background:.0f} ms")
@@ -854,21 +856,6 @@ def init_distributed() -> None:
     jax.distributed.initialize(coordinator_address=coordinator,
                                num_processes=int(os.environ["MX_JAX_NUM_PROCESSES"]),
                                process_id=int(os.environ["MX_JAX_PROCESS_ID"]))
-
-
-def process_layout_note(backend: str, n_processes: int, local_devices: int) -> str | None:
-    """The advice for a run where a process drives several GPUs, or None. On 2 x H200 (benchmarks/RESULTS.md,
-    session 54) two processes of one GPU each trained 1.19-1.34x the tokens/s of one process holding both GPUs, the
-    step otherwise the same: the 4-layer 8B shape at fsdp=2 in fp8 and in bf16, and the 2-layer Mixtral and 4-layer
-    DeepSeekMoE at expert=2, whose exchanges then run XLA's collectives instead of the NVLink kernels. (The debug
-    models train the same losses bit for bit in both layouts under `deterministic=true`, tests/test_multihost.py.)
-    In traced steps each GPU was busy as long per step in both layouts, so the one process loses its time between
-    kernels, not in them; why was not found (XLA's command buffers off changed neither layout's speed much)."""
-    if backend != "gpu" or local_devices < 2:
-        return None
-    each = "one process drives" if n_processes == 1 else "each process drives"
-    return (f"{each} {local_devices} GPUs; one process per GPU trained 1.19-1.34x faster on 2 x H200 "
-            f"(launch/local.sh N --gpus-per-process 1, or one SLURM task per GPU; README, Multi-host runs)")
 
 
 # XLA flags mx_jax sets unless the user already chose them (before any backend starts). Measured on an H200

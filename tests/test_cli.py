@@ -5,6 +5,7 @@ import os
 import pathlib
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -346,14 +347,36 @@ def test_gpu_expert_parallel_step_from_the_compile_cache(tmp_path):
     assert warm == cold, f"the step from the cache trains other losses: {warm} against {cold}"
 
 
-def test_the_log_advises_one_process_per_gpu():
-    """A run where a process drives several GPUs is told that one process per GPU trained faster; runs of one GPU
-    per process or on CPU devices are not."""
-    from mx_jax import train
+def test_tokens_per_second_counts_every_second_between_two_reads(tmp_path, monkeypatch):
+    """The rate's window runs from one step's read to a later one's: a pause in the loop after a log line (here a
+    slow memory query; in a run of several processes, the all-gather of data times, which waits for the step in
+    flight) is counted, while evaluation and the pause before it are not (the window opens anew at the next read).
+    Session 54 opened the window after such a pause and left out a whole step of device time per log line across
+    processes: its two-process runs looked 1.2-1.34x faster than they were."""
+    import jax
 
-    assert "one process drives 8 GPUs" in train.process_layout_note("gpu", 1, 8)
-    assert "--gpus-per-process 1" in train.process_layout_note("gpu", 1, 2)
-    assert train.process_layout_note("gpu", 1, 1) is None
-    assert train.process_layout_note("gpu", 2, 1) is None
-    assert "each process drives 4 GPUs" in train.process_layout_note("gpu", 2, 4)  # one process per node
-    assert train.process_layout_note("cpu", 1, 8) is None
+    from mx_jax import train
+    from tests.helpers import tiny_config
+
+    pause = 0.4
+
+    def slow_memory():
+        time.sleep(pause)
+        return {}
+
+    real_evaluate = train.evaluate
+
+    def slow_evaluate(*args):
+        time.sleep(pause)
+        return real_evaluate(*args)
+
+    monkeypatch.setattr(train.metrics, "memory_in_use", slow_memory)
+    monkeypatch.setattr(train, "evaluate", slow_evaluate)
+    train.train(tiny_config(tmp_path, "steps=6", "log.every_steps=2", "log.eval_every_steps=4", "ckpt.every_steps=-1"),
+                devices=jax.devices()[:1])
+    records = {r["step"]: r for r in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines())}
+    assert sorted(records) == [2, 4, 6] and "eval_loss" in records[4]
+    # steps 3 and 4 span the pause after step 2's line: at least half of it per step
+    assert records[4]["step_time_s"] >= pause / 2, records[4]
+    # step 6 alone: the pause and the evaluation after step 4's line are outside its window
+    assert records[6]["step_time_s"] < pause / 4, records[6]

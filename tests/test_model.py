@@ -471,7 +471,7 @@ def test_flops_per_token_llama3_8b_and_mfu(monkeypatch):
     np.testing.assert_allclose(r["tflops_per_device"], tflops, rtol=1e-12)
     np.testing.assert_allclose(r["mfu"], r["tflops_per_device"] / peak, rtol=1e-12)
     np.testing.assert_allclose(r["mfu"], 0.340930, atol=1e-6)  # 337.3 / 989.4 (H100 SXM dense bf16)
-    assert rate.report() == {}  # report() resets: no steps since
+    assert rate.report() == {}  # report() opens the next window: no steps since
     assert metrics.Throughput(tokens, want, 8, None).report() == {}  # no steps yet
     unknown = metrics.Throughput(tokens, want, 8, None)
     unknown.step()
