@@ -380,3 +380,23 @@ def test_tokens_per_second_counts_every_second_between_two_reads(tmp_path, monke
     assert records[4]["step_time_s"] >= pause / 2, records[4]
     # step 6 alone: the pause and the evaluation after step 4's line are outside its window
     assert records[6]["step_time_s"] < pause / 4, records[6]
+
+
+def test_the_log_notes_an_expert_axis_split_into_processes_on_one_host():
+    """Processes sharing a host at mesh.expert >= 2 on GPUs miss the NVLink exchange kernels: the log says so. Not on
+    CPU devices, not across hosts (no layout runs them there), not for dense models, and not under all_to_all=xla."""
+    from mx_jax import train
+    from tests.helpers import tiny_config
+
+    moe = tiny_config("/tmp/unused", "model.moe.n_experts=4", "model.moe.top_k=2")
+    host, other = (1, 2), (3, 4)
+    note = train.moe_layout_note(moe, {"expert": 2, "fsdp": 1}, [host, host], "gpu")
+    assert note and "expert=2 spans 2 processes on one host" in note and "NVLink" in note
+    assert train.moe_layout_note(moe, {"expert": 2}, [host, host], "cpu") is None
+    assert train.moe_layout_note(moe, {"expert": 2}, [host, other], "gpu") is None
+    assert train.moe_layout_note(moe, {"expert": 2}, None, "gpu") is None  # one process
+    assert train.moe_layout_note(moe, {"expert": 1, "data": 2}, [host, host], "gpu") is None
+    dense = tiny_config("/tmp/unused")
+    assert train.moe_layout_note(dense, {"expert": 2}, [host, host], "gpu") is None
+    xla = tiny_config("/tmp/unused", "model.moe.n_experts=4", "model.moe.top_k=2", "model.moe.all_to_all=xla")
+    assert train.moe_layout_note(xla, {"expert": 2}, [host, host], "gpu") is None
