@@ -164,6 +164,7 @@ def test_gpu_two_processes_of_one_gpu_train_as_one_process_of_two(tmp_path, mode
     out = launch(*local, "steps=4")
     assert "2 x NVIDIA" in out and "(2 process(es))" in out, out[-2000:]
     assert "(across processes, within a host)" in out, out[-2000:]
+    assert ("expert=2 spans 2 processes on one host" in out) == (model == "moe_expert"), out[-2000:]  # the note
     same_exchange = ["model.moe.all_to_all=xla"] if model == "moe_expert" else []
     launch(sys.executable, "-m", "mx_jax.train", *args, *same_exchange, "steps=6", f"run_dir={tmp_path / 'one'}")
     assert sorted(os.listdir(tmp_path / "two" / "checkpoints")) == ["2", "4"]
