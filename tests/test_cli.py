@@ -351,8 +351,8 @@ def test_tokens_per_second_counts_every_second_between_two_reads(tmp_path, monke
     """The rate's window runs from one step's read to a later one's: a pause in the loop after a log line (here a
     slow memory query; in a run of several processes, the all-gather of data times, which waits for the step in
     flight) is counted, while evaluation and the pause before it are not (the window opens anew at the next read).
-    Session 54 opened the window after such a pause and left out a whole step of device time per log line across
-    processes: its two-process runs looked 1.2-1.34x faster than they were."""
+    The loop used to open the window after such a pause, leaving out a whole step of device time per log line across
+    processes: session 54's two-process runs looked 1.2-1.34x faster than they were."""
     import jax
 
     from mx_jax import train
