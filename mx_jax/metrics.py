@@ -140,33 +140,38 @@ class Throughput:
     while it is a small part of the step, the device never waits for data, as the next batch is built while the
     current step runs).
 
-    A window runs from one step's completion to a later step's, as the loop sees them: it reads each step's loss
-    while the next step runs, and the read returns when the step is done. `start` opens a window at such a read,
-    `step` counts each later one, and `report` closes the window at a read and opens the next one there. So every
-    second between the two reads is counted, whatever the host does in between (a log line, an all-gather of the
-    data times across processes): opening the window anywhere later, after such a sync, would leave out device time
-    of steps still counted. The loop opens a new window after evaluation and checkpoint saves, which are not steps."""
+    A window runs from one step's completion to a later step's. The loop sees a step done when a read of its loss
+    returns; at a window's edge it waits for the step before dispatching the next one, so no device time of a later
+    step falls before the edge (a read after the next dispatch can return late, when the host is slow, e.g. while a
+    checkpoint is written in the background). `start` opens a window at an edge, `step` counts each step after it,
+    and `report` closes the window and opens the next one at the same instant, so every second between two edges is
+    counted, whatever the host does in between (a log line, an all-gather of the data times across processes).
+    The loop opens a new window after evaluation and checkpoint saves, which are not steps.
+    """
 
     def __init__(self, tokens_per_step: int, flops_per_token: float, n_devices: int, peak_tflops: float | None):
         self.tokens_per_step, self.flops_per_token = tokens_per_step, flops_per_token
         self.n_devices, self.peak = n_devices, peak_tflops
         self.start()
 
-    def start(self) -> None:
-        self._t0, self._steps, self._data = time.perf_counter(), 0, 0.0
+    def start(self, now: float | None = None) -> None:
+        """Open a window at `now` (a time.perf_counter() reading; default: this call)."""
+        self._t0, self._steps, self._data = time.perf_counter() if now is None else now, 0, 0.0
 
     def step(self, data_s: float = 0.0) -> None:
         self._steps += 1
         self._data += data_s
 
-    def report(self) -> dict[str, float]:
-        dt = time.perf_counter() - self._t0
+    def report(self, now: float | None = None) -> dict[str, float]:
+        """Close the window at `now` (default: this call) and open the next one there."""
+        now = time.perf_counter() if now is None else now
+        dt = now - self._t0
         if self._steps == 0 or dt <= 0:
-            self.start()
+            self.start(now)
             return {}
         tps = self.tokens_per_step * self._steps / dt
         tflops = self.flops_per_token * tps / self.n_devices / 1e12
         out = {"tokens_per_sec": tps, "tflops_per_device": tflops, "step_time_s": dt / self._steps,
                "mfu": tflops / self.peak if self.peak else None, "data_ms": 1000 * self._data / self._steps}
-        self.start()
+        self.start(now)
         return out

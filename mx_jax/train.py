@@ -677,8 +677,10 @@ def _loop(cfg, setup, state, step, dataset, train_batches, ckpt, run_dir, resume
 
     trace = _Trace(cfg, run_dir, step)
 
-    def finish(step_no: int, dev_metrics, data_s: float, with_eval: bool = False) -> None:
-        """Read one step's metrics (blocks until it is done); log, and evaluate the *current* params if asked."""
+    def finish(step_no: int, dev_metrics, data_s: float, with_eval: bool = False, done_at: float | None = None) -> None:
+        """Read one step's metrics (blocks until it is done); log, and evaluate the *current* params if asked.
+        done_at: when the step was seen done, if that was before now (the loop waits for a window's edge before it
+        dispatches the next step); else the read's return is that time."""
         nonlocal last, compiled_at, restart_window
         m = {k: (float(v) if np.ndim(v) == 0 else [round(float(x), 5) for x in np.asarray(v)])
              for k, v in dev_metrics.items()}
@@ -694,16 +696,16 @@ def _loop(cfg, setup, state, step, dataset, train_batches, ckpt, run_dir, resume
             hits, saved = _CACHE_HITS.hits - hits_before[0], _CACHE_HITS.saved_s - hits_before[1]
             cached = f" ({hits} program(s) from the compile cache: {saved:.1f} s of compiling saved)" if hits else ""
             log(f"step   | first step (compile included) took {compiled_at:.1f} s{cached}")
-            rate.start()
+            rate.start(done_at)
         elif restart_window:  # evaluation or a save ran since the last read: the window opens at this one
-            rate.start()
+            rate.start(done_at)
             restart_window = False
         else:
             rate.step(data_s)
         if bar is not None:
             bar.update(1)
         if step_no % cfg.log.every_steps == 0 or with_eval:
-            m.update(rate.report())
+            m.update(rate.report(done_at))
             if "data_ms" in m:
                 check_data_time(m)
             m.update(metrics.memory_in_use())
@@ -722,10 +724,17 @@ def _loop(cfg, setup, state, step, dataset, train_batches, ckpt, run_dir, resume
             t_data = time.perf_counter()
             batch = train_batches.next_global(setup.batch_shardings, cfg.data.grad_accum_steps)
             data_s = time.perf_counter() - t_data
+            done_at = None
+            if pending is not None and (restart_window or compiled_at is None
+                                        or pending[0] % cfg.log.every_steps == 0):
+                # An edge of the rate's window: wait for the step before the next one is dispatched, so that the edge
+                # is its completion and none of the next step's device time can fall before the edge.
+                jax.block_until_ready(pending[1])
+                done_at = time.perf_counter()
             state, dev_metrics = train_step(state, batch)
             step += 1
             if pending is not None:
-                finish(*pending)  # the previous step: the device is already busy with this one
+                finish(*pending, done_at=done_at)  # the previous step: the device is already busy with this one
             pending = (step, dev_metrics, data_s)
             # Every process asks at every step (the multi-process agreement needs it), before any save of the step.
             preempted = watch.reached(step) and step < cfg.steps
