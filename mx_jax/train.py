@@ -657,7 +657,7 @@ def _loop(cfg, setup, state, step, dataset, train_batches, ckpt, run_dir, resume
     hits_before = (_CACHE_HITS.hits, _CACHE_HITS.saved_s)
     compiled_at = None
     stopped_at = None
-    restart_window = False  # set after evaluation and saves: the rate's next window opens at the next read
+    restart_window = False  # set by evaluation and saves: the rate's next window opens when the next step is done
     data_warned = False
 
     def check_data_time(m: dict) -> None:
@@ -697,7 +697,7 @@ def _loop(cfg, setup, state, step, dataset, train_batches, ckpt, run_dir, resume
             cached = f" ({hits} program(s) from the compile cache: {saved:.1f} s of compiling saved)" if hits else ""
             log(f"step   | first step (compile included) took {compiled_at:.1f} s{cached}")
             rate.start(done_at)
-        elif restart_window:  # evaluation or a save ran since the last read: the window opens at this one
+        elif restart_window:  # evaluation or a save ran since the last step: the window opens at this one's end
             rate.start(done_at)
             restart_window = False
         else:
