@@ -7,7 +7,8 @@
 # MX_JAX_PROCESS_ID.
 # --cpu-devices K gives each process K fake CPU devices (testing multi-host logic on one machine).
 # --gpus-per-process G gives process i the i-th G of the machine's GPUs (of $CUDA_VISIBLE_DEVICES where set), through
-# CUDA_VISIBLE_DEVICES: a GPU machine stands in for N hosts of G GPUs, as launch/slurm.sbatch's one task per GPU does.
+# CUDA_VISIBLE_DEVICES: a GPU machine stands in for N hosts of G GPUs (launch/slurm.sbatch with --ntasks-per-node=8
+# splits a node the same way).
 # Without either, every process sees every GPU, which only suits one process (N = 1).
 # Process 0's output goes to the terminal, process i's to $MX_JAX_LOG_DIR/proc<i>.log (default: a fresh
 # /tmp/mx_jax_local.XXXX directory, named on failure). Any failure stops all (SIGKILL: after
