@@ -770,16 +770,18 @@ def _loop(cfg, setup, state, step, dataset, train_batches, ckpt, run_dir, resume
 def moe_layout_note(cfg: TrainConfig, mesh_shape: dict[str, int], hosts: list | None, backend: str) -> str | None:
     """The note for an expert-parallel GPU run split into processes on one host, or None. Its exchanges then run
     XLA's collectives: the NVLink kernels (pallas_kernels/all_to_all.py, row_exchange.py) need one process holding
-    every GPU of the run. On 2 x H200 at expert=2 one process trained the 4-layer DeepSeekMoE step 1.12x and the
-    2-layer Mixtral step 1.06x the tokens/s of two processes of one GPU each (benchmarks/RESULTS.md, session 55).
-    Across hosts the kernels cannot run in any layout, so no note."""
+    every GPU of the run. One process trained the reduced-layer DeepSeekMoE and Mixtral steps 1.06-1.12x the tokens/s
+    of one process per GPU at expert=2 (2 x H200) and 1.16-1.44x at expert=4 (4 x H200), but the whole 28-layer
+    DeepSeekMoE 16B at expert=4 0.92x (benchmarks/RESULTS.md, sessions 55-56). Across hosts the kernels cannot run in
+    any layout, so no note."""
     expert = mesh_shape.get("expert", 1)
     if (backend != "gpu" or not cfg.model.moe.n_experts or expert < 2 or cfg.model.moe.all_to_all == "xla"
             or hosts is None or len(set(hosts)) > 1):
         return None
     return (f"expert={expert} spans {len(hosts)} processes on one host, so the MoE exchanges run XLA's collectives "
             f"(the NVLink kernels need one process holding every GPU); one process of these GPUs trained "
-            f"1.06-1.12x the tokens/s at expert=2 on 2 x H200 (README, Process layout)")
+            f"1.06-1.44x the tokens/s on reduced-layer MoE steps at expert=2 and 4, 0.92x on the whole DeepSeekMoE "
+            f"16B at expert=4 (README, Process layout)")
 
 
 def dry_run_devices(cfg: TrainConfig) -> int:
