@@ -3,13 +3,14 @@
     python benchmarks/profile_step.py --steps 3 --config configs/llama3_8b.yaml model.n_layers=8 \\
         data.source=embedded data.seq_len=8192 data.batch_size=1
 
-Prints the step time, the device time per category (GEMMs, attention, fusions, copies, collectives, other) and
-the top ops, from the device plane of the trace (XLA op names on GPU). Then, per cuBLAS GEMM of the compiled step
-(matched through the kernels' `hlo_op` trace stat), its shapes, time and TFLOP/s: what to compare with the same
-GEMM run standalone (`python -m pallas_kernels.bench fp8`, "xla bf16" column). It also counts the kernel calls
-(Pallas kernels by name, cuBLAS GEMMs, cuDNN) in one iteration of each of the compiled step's loops: a scanned
-layer's forward body should hold one GEMM per linear. The raw trace stays under --trace-dir for TensorBoard's profile
-plugin.
+Prints the step time (steps of one batch dispatched back to back, then the same steps run the way the trainer's loop
+runs them, `trainer_loop_time`: what the host loop costs), the device time per category (GEMMs, attention, fusions,
+copies, collectives, other) and the top ops, from the device plane of the trace (XLA op names on GPU). Then, per
+cuBLAS GEMM of the compiled step (matched through the kernels' `hlo_op` trace stat), its shapes, time and TFLOP/s:
+what to compare with the same GEMM run standalone (`python -m pallas_kernels.bench fp8`, "xla bf16" column). It also
+counts the kernel calls (Pallas kernels by name, cuBLAS GEMMs, cuDNN) in one iteration of each of the compiled
+step's loops: a scanned layer's forward body should hold one GEMM per linear. The raw trace stays under --trace-dir
+for TensorBoard's profile plugin.
 
 --replay (which turns XLA's CUDA-graph command buffers off, so that each kernel in the trace names its HLO
 instruction) times every cuBLAS GEMM of the step again on its own: the same operand shapes, physical layouts,
@@ -325,6 +326,25 @@ def summarize(trace_dir: str, n_steps: int, top: int, hlo_text: str = "", dump: 
             replay_gemms(hlo_text, flops, in_step, top)
 
 
+def trainer_loop_time(step, state, batches: Batches, setup, cfg, n: int, *, read: bool = True, wait: bool = True):
+    """(state, seconds per step) of n steps run as train._loop runs them, less its logging and saves: the next
+    batch from the loader, the step dispatched, then (read) the previous step's metrics read (train.read_metrics,
+    which waits for that step); (wait) at a log.every_steps step the loop waits for the step before dispatching the
+    next. Against the one-batch loop, the difference is what the trainer's host loop costs the device."""
+    pending, every = None, cfg.log.every_steps
+    t0 = time.perf_counter()
+    for i in range(1, n + 1):
+        batch = batches.next_global(setup.batch_shardings, cfg.data.grad_accum_steps)
+        if wait and pending is not None and (i - 1) % every == 0:
+            jax.block_until_ready(pending)
+        state, m = step(state, batch)
+        if read and pending is not None:
+            train.read_metrics(pending)
+        pending = m
+    train.read_metrics(pending)
+    return state, (time.perf_counter() - t0) / n
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--config")
@@ -370,6 +390,13 @@ def main() -> None:
         wall = (time.perf_counter() - t0) / args.steps
         tokens = cfg.data.batch_size * cfg.data.seq_len
         print(f"wall time per step (untraced): {1000 * wall:.1f} ms = {tokens / wall:,.0f} tokens/s", flush=True)
+        print("  the trainer's loop, step by step (each adds to the one above):")
+        for what, kw in (("a fresh batch each step", dict(read=False, wait=False)),
+                         ("the previous step's metrics read once the next is dispatched", dict(wait=False)),
+                         (f"a wait for the step at each log line (log.every_steps={cfg.log.every_steps})", {})):
+            state, looped = trainer_loop_time(step, state, batches, setup, cfg, args.steps, **kw)
+            print(f"    {1000 * looped:7.1f} ms ({1000 * (looped - wall):+6.1f}) = {tokens / looped:,.0f} tokens/s: "
+                  f"{what}", flush=True)
         jax.profiler.start_trace(args.trace_dir)
         for _ in range(args.steps):
             state, m = step(state, batch)

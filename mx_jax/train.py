@@ -635,6 +635,12 @@ def _due(step: int, every: int, last: int) -> bool:
     return step == last or (every > 0 and step % every == 0)
 
 
+def read_metrics(dev_metrics: dict) -> dict:
+    """One step's metrics on the host (waits for the step): floats, and lists of floats for per-expert arrays."""
+    return {k: (float(v) if np.ndim(v) == 0 else [round(float(x), 5) for x in np.asarray(v)])
+            for k, v in dev_metrics.items()}
+
+
 def _loop(cfg, setup, state, step, dataset, train_batches, ckpt, run_dir, resumed_at,
           watch: preemption.PreemptionWatch) -> tuple[dict, dict, int | None]:
     """Train from `step` to cfg.steps; returns the state, the last logged metrics, and the step a SIGTERM stopped
@@ -682,8 +688,7 @@ def _loop(cfg, setup, state, step, dataset, train_batches, ckpt, run_dir, resume
         done_at: when the step was seen done, if that was before now (the loop waits for a window's edge before it
         dispatches the next step); else the read's return is that time."""
         nonlocal last, compiled_at, restart_window
-        m = {k: (float(v) if np.ndim(v) == 0 else [round(float(x), 5) for x in np.asarray(v)])
-             for k, v in dev_metrics.items()}
+        m = read_metrics(dev_metrics)
         # A finite loss and gradient at step n, from finite parameters, with a finite learning rate (validated),
         # give finite parameters after it: checking these two scalars keeps non-finite weights out of checkpoints.
         for k in ("loss", "grad_norm"):

@@ -510,3 +510,49 @@ def test_bench_train_runs_a_variant_as_processes_of_one_gpu(tmp_path, monkeypatc
     assert strip(two)[5:] == strip(one)[4:] and "%2" not in two
     assert envs[1]["PYTHON"] == sys.executable and envs[1]["MX_JAX_LOG_DIR"].endswith("_procs")
     assert "MX_JAX_LOG_DIR" not in envs[0] or envs[0]["MX_JAX_LOG_DIR"] == os.environ.get("MX_JAX_LOG_DIR")
+
+
+def test_trainer_loop_time_reads_each_step_after_the_next_is_dispatched():
+    """profile_step's second timing runs steps as train._loop does: a fresh batch each step, step i's metrics read
+    only once step i+1 is dispatched, every one of them read (the last after the loop), and at a log line's step a
+    wait for it before the next is dispatched."""
+    from types import SimpleNamespace as NS
+
+    events = []
+
+    class Metric:
+        def __init__(self, i):
+            self.i = i
+
+        def __float__(self):
+            events.append(("read", self.i))
+            return float(self.i)
+
+        def block_until_ready(self):
+            events.append(("wait", self.i))
+            return self
+
+    class Batches:
+        def next_global(self, shardings, accum):
+            events.append(("batch",))
+            return "batch"
+
+    def step(state, batch):
+        events.append(("dispatch", state + 1))
+        return state + 1, {"loss": Metric(state + 1)}
+
+    cfg = NS(log=NS(every_steps=100), data=NS(grad_accum_steps=1))
+    state, seconds = profile_step.trainer_loop_time(step, 0, Batches(), NS(batch_shardings=None), cfg, 3)
+    assert state == 3 and seconds > 0
+    assert events == [("batch",), ("dispatch", 1), ("batch",), ("dispatch", 2), ("read", 1),
+                      ("batch",), ("dispatch", 3), ("read", 2), ("read", 3)]
+    events.clear()  # a log line every 2 steps: the loop waits for step 2 (jax.block_until_ready) before step 3
+    profile_step.trainer_loop_time(step, 0, Batches(), NS(batch_shardings=None), NS(log=NS(every_steps=2),
+                                                                               data=cfg.data), 3)
+    assert [e for e in events if e[0] != "batch"] == [("dispatch", 1), ("dispatch", 2), ("read", 1), ("wait", 2),
+                                                       ("dispatch", 3), ("read", 2), ("read", 3)]
+    events.clear()  # neither: only the last step's metrics are read, after the loop
+    profile_step.trainer_loop_time(step, 0, Batches(), NS(batch_shardings=None), NS(log=NS(every_steps=2),
+                                                                               data=cfg.data), 3, read=False,
+                                   wait=False)
+    assert [e for e in events if e[0] != "batch"] == [("dispatch", 1), ("dispatch", 2), ("dispatch", 3), ("read", 3)]
