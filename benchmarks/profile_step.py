@@ -390,7 +390,7 @@ def main() -> None:
         wall = (time.perf_counter() - t0) / args.steps
         tokens = cfg.data.batch_size * cfg.data.seq_len
         print(f"wall time per step (untraced): {1000 * wall:.1f} ms = {tokens / wall:,.0f} tokens/s", flush=True)
-        print("  the trainer's loop, step by step (each adds to the one above):")
+        print("  the trainer's loop, one part added per line (in parentheses: against the one-batch loop):")
         for what, kw in (("a fresh batch each step", dict(read=False, wait=False)),
                          ("the previous step's metrics read once the next is dispatched", dict(wait=False)),
                          (f"a wait for the step at each log line (log.every_steps={cfg.log.every_steps})", {})):
