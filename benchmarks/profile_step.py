@@ -34,7 +34,7 @@ import jax
 from mx_jax import sharding, train
 from mx_jax.profiling import category, device_events, device_time, idle_gaps, latest_trace, summarize as summary_lines
 from mx_jax.config import load_config
-from mx_jax.data import Batches, open_dataset
+from mx_jax.data import Batches, Prefetch, open_dataset
 
 _SHAPE = r"([a-z0-9]+)\[([0-9,]*)\]"
 
@@ -326,23 +326,30 @@ def summarize(trace_dir: str, n_steps: int, top: int, hlo_text: str = "", dump: 
             replay_gemms(hlo_text, flops, in_step, top)
 
 
-def trainer_loop_time(step, state, batches: Batches, setup, cfg, n: int, *, read: bool = True, wait: bool = True):
+def trainer_loop_time(step, state, batches: Batches, setup, cfg, n: int, *, prefetch: int | None = None,
+                      read: bool = True, wait: bool = True):
     """(state, seconds per step) of n steps run as train._loop runs them, less its logging and saves: the next
-    batch from the loader, the step dispatched, then (read) the previous step's metrics read (train.read_metrics,
-    which waits for that step); (wait) at a log.every_steps step the loop waits for the step before dispatching the
-    next. Against the one-batch loop, the difference is what the trainer's host loop costs the device."""
+    batch from data.Prefetch (`prefetch` built ahead; default cfg.data.prefetch), the step dispatched, then (read)
+    the previous step's metrics read (train.read_metrics, which waits for that step); (wait) at a log.every_steps
+    step the loop waits for the step before dispatching the next. Against the one-batch loop, the difference is
+    what the trainer's host loop costs the device."""
     pending, every = None, cfg.log.every_steps
-    t0 = time.perf_counter()
-    for i in range(1, n + 1):
-        batch = batches.next_global(setup.batch_shardings, cfg.data.grad_accum_steps)
-        if wait and pending is not None and (i - 1) % every == 0:
-            jax.block_until_ready(pending)
-        state, m = step(state, batch)
-        if read and pending is not None:
-            train.read_metrics(pending)
-        pending = m
-    train.read_metrics(pending)
-    return state, (time.perf_counter() - t0) / n
+    depth = cfg.data.prefetch if prefetch is None else prefetch
+    feed = Prefetch(batches, setup.batch_shardings, cfg.data.grad_accum_steps, depth, n)
+    try:
+        t0 = time.perf_counter()
+        for i in range(1, n + 1):
+            batch, _ = feed.next()
+            if wait and pending is not None and (i - 1) % every == 0:
+                jax.block_until_ready(pending)
+            state, m = step(state, batch)
+            if read and pending is not None:
+                train.read_metrics(pending)
+            pending = m
+        train.read_metrics(pending)
+        return state, (time.perf_counter() - t0) / n
+    finally:
+        feed.close()
 
 
 def main() -> None:
@@ -354,6 +361,7 @@ def main() -> None:
     ap.add_argument("--dump", default="",
                     help="write step.hlo.txt, ops.csv (every op's time) and events.csv (device 0's timeline) here")
     ap.add_argument("--replay", action="store_true", help="time each cuBLAS GEMM of the step standalone too")
+    ap.add_argument("--no-trace", action="store_true", help="stop after the step times: no trace, no summary")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
     if args.replay:
@@ -391,12 +399,16 @@ def main() -> None:
         tokens = cfg.data.batch_size * cfg.data.seq_len
         print(f"wall time per step (untraced): {1000 * wall:.1f} ms = {tokens / wall:,.0f} tokens/s", flush=True)
         print("  the trainer's loop, one part added per line (in parentheses: against the one-batch loop):")
-        for what, kw in (("a fresh batch each step", dict(read=False, wait=False)),
+        for what, kw in (("a fresh batch each step, built in the loop (data.prefetch=0)",
+                          dict(prefetch=0, read=False, wait=False)),
+                         (f"built ahead instead (data.prefetch={cfg.data.prefetch})", dict(read=False, wait=False)),
                          ("the previous step's metrics read once the next is dispatched", dict(wait=False)),
                          (f"a wait for the step at each log line (log.every_steps={cfg.log.every_steps})", {})):
             state, looped = trainer_loop_time(step, state, batches, setup, cfg, args.steps, **kw)
             print(f"    {1000 * looped:7.1f} ms ({1000 * (looped - wall):+6.1f}) = {tokens / looped:,.0f} tokens/s: "
                   f"{what}", flush=True)
+        if args.no_trace:
+            return
         jax.profiler.start_trace(args.trace_dir)
         for _ in range(args.steps):
             state, m = step(state, batch)

@@ -122,6 +122,7 @@ class DataConfig:
     batch_size: int = 32  # global sequences per optimizer step (all hosts, all microbatches)
     grad_accum_steps: int = 1
     eval_batches: int = 8
+    prefetch: int = 2  # training batches built ahead of the loop in a background thread (data.Prefetch); 0 = none
 
 
 # A bf16 moment m decays by m (1 - b) a step. Round to nearest keeps m unless that exceeds half of bf16's spacing at
@@ -450,6 +451,7 @@ def validate(cfg: TrainConfig) -> None:
     _check(d.grad_accum_steps > 0 and d.batch_size % d.grad_accum_steps == 0, "data.grad_accum_steps",
            f"must divide data.batch_size ({d.batch_size}), got {d.grad_accum_steps}")
     _check(d.eval_batches >= 1, "data.eval_batches", f"must be >= 1, got {d.eval_batches}")
+    _check(d.prefetch >= 0, "data.prefetch", f"must be >= 0 (0 builds each batch in the loop), got {d.prefetch}")
     _check(d.source != "bin" or bool(d.path) or bool(d.mixture), "data.path",
            "must name a token-shard directory when data.source=bin (or set data.mixture)")
     if d.mixture:

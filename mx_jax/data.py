@@ -39,8 +39,11 @@ import functools
 import hashlib
 import json
 import pathlib
+import queue
 import sys
 import sysconfig
+import threading
+import time
 from typing import Callable, Sequence
 
 import jax
@@ -268,6 +271,74 @@ class Batches:
         }
         self.position += self.global_batch
         return out
+
+
+class Prefetch:
+    """The training loop's global batches (`Batches.next_global`), built `depth` ahead in a background thread.
+
+    Why a thread: a step whose program holds a `lax.cond` (the MoE compact expert buffer's per-layer check) returns
+    from its dispatch only when the devices have nearly run it, as XLA reads each predicate on the host. A batch built
+    after that return is still being copied to the devices when the next step is dispatched, and that step ran
+    170-250 ms slower: the trainer ran the whole DeepSeekMoE 16B on 4 x H200 at 39,808 tokens/s with its batches
+    built in the loop and at 58,184 with them built here, as fast as steps on one reused batch (benchmarks/RESULTS.md,
+    session 57). The thread builds while the loop waits in the dispatch, which releases the GIL.
+
+    `position` counts the sequences the loop has taken (what a checkpoint records), never what the thread has built
+    ahead. depth 0 builds each batch in the caller's thread. An error while building (a corrupt shard) is raised by
+    `next`, in the loop, as without prefetching. `limit` batches are built in all: the steps left in the run.
+    """
+
+    def __init__(self, batches: Batches, shardings: dict[str, NamedSharding], accum: int, depth: int, limit: int):
+        self.position = batches.position
+        self._build = lambda: (batches.next_global(shardings, accum), batches.position)
+        self._left = limit
+        self._thread = None
+        if depth > 0 and limit > 0:
+            self._queue: queue.Queue = queue.Queue(maxsize=depth)
+            self._stop = threading.Event()
+            self._thread = threading.Thread(target=self._run, args=(limit,), name="mx_jax-prefetch", daemon=True)
+            self._thread.start()
+
+    def _run(self, n: int) -> None:
+        try:
+            for _ in range(n):
+                if not self._put(self._build()):
+                    return
+        except BaseException as e:  # noqa: BLE001 -- handed to the loop, which raises it
+            self._put(e)
+
+    def _put(self, item) -> bool:
+        """Queue `item`, waiting for room; False once close() was called."""
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=0.05)
+                return True
+            except queue.Full:
+                pass
+        return False
+
+    def next(self) -> tuple[dict[str, jax.Array], float]:
+        """The next batch, and the seconds the caller waited for it (building included when depth is 0)."""
+        if self._left <= 0:
+            raise IndexError("Prefetch: all `limit` batches were taken")
+        t0 = time.perf_counter()
+        if self._thread is None:
+            batch, self.position = self._build()
+        else:
+            item = self._queue.get()
+            if isinstance(item, BaseException):
+                self._left = 0
+                raise item
+            batch, self.position = item
+        self._left -= 1
+        return batch, time.perf_counter() - t0
+
+    def close(self) -> None:
+        """Stop the thread (after the batch it may be building) and drop what it built ahead."""
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+            self._thread = None
 
 
 @dataclasses.dataclass

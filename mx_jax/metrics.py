@@ -136,9 +136,8 @@ class MetricsWriter:
 
 
 class Throughput:
-    """Wall-clock rate over a window of steps, and the host time spent building their batches (`data_ms` per step:
-    while it is a small part of the step, the device never waits for data, as the next batch is built while the
-    current step runs).
+    """Wall-clock rate over a window of steps, and the time the loop waited for their batches (`data_ms` per step:
+    near zero while the data.prefetch thread builds batches faster than the steps run).
 
     A window runs from one step's completion to a later step's. The loop sees a step done when a read of its loss
     returns; at a window's edge it waits for the step before dispatching the next one, so no device time of a later

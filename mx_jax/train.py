@@ -43,7 +43,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from mx_jax import checkpoint, compat, metrics, preemption, profiling, sharding
 from mx_jax.config import ConfigError, TrainConfig, load_config, mixture_entries, to_dict, to_yaml
-from mx_jax.data import MIXTURE_ROUND, Batches, Dataset, Mixture, Windows, mixture_quota, open_dataset
+from mx_jax.data import (MIXTURE_ROUND, Batches, Dataset, Mixture, Prefetch, Windows, mixture_quota,
+                         open_dataset)
 from mx_jax.llama import (LinearPlan, Llama, buffers_of, compute_axes, compute_copies, cross_entropy, flops_per_token,
                           head_vocab_axes, moe_loss, param_axes, params_of, plan_for_run, update_buffers, with_compute,
                           with_operands)
@@ -658,7 +659,7 @@ def _loop(cfg, setup, state, step, dataset, train_batches, ckpt, run_dir, resume
         bar = tqdm(total=cfg.steps, initial=step, unit="step", dynamic_ncols=True, file=sys.stdout,
                    mininterval=1.0)
     last: dict = {}
-    pending = None  # (step number, device metrics, seconds spent building its batch) of the step dispatched last
+    pending = None  # (step number, device metrics, seconds waited for its batch) of the step dispatched last
     t_start = time.perf_counter()
     hits_before = (_CACHE_HITS.hits, _CACHE_HITS.saved_s)
     compiled_at = None
@@ -667,7 +668,7 @@ def _loop(cfg, setup, state, step, dataset, train_batches, ckpt, run_dir, resume
     data_warned = False
 
     def check_data_time(m: dict) -> None:
-        """data_ms_max: the slowest process's batch building (every process calls this at the same steps); a
+        """data_ms_max: the slowest process's wait for its batches (every process calls this at the same steps); a
         one-time warning when it takes a tenth of the step or more."""
         nonlocal data_warned
         per_process = [m["data_ms"]]
@@ -678,10 +679,13 @@ def _loop(cfg, setup, state, step, dataset, train_batches, ckpt, run_dir, resume
         worst = int(np.argmax(per_process))
         if not data_warned and per_process[worst] >= 100 * m["step_time_s"]:  # ms vs s: a tenth of the step
             data_warned = True
-            log(f"warn   | building a batch took {per_process[worst]:.1f} ms of each {1000 * m['step_time_s']:.1f} ms "
-                f"step on process {worst}: the device may wait for data (slow storage under data.path?)")
+            log(f"warn   | the loop waited {per_process[worst]:.1f} ms for the batch of each "
+                f"{1000 * m['step_time_s']:.1f} ms step on process {worst} (data.prefetch={cfg.data.prefetch} "
+                f"built ahead): batches are built slower than the steps run (slow storage under data.path?)")
 
     trace = _Trace(cfg, run_dir, step)
+    feed = Prefetch(train_batches, setup.batch_shardings, cfg.data.grad_accum_steps, cfg.data.prefetch,
+                    cfg.steps - step)
 
     def finish(step_no: int, dev_metrics, data_s: float, with_eval: bool = False, done_at: float | None = None) -> None:
         """Read one step's metrics (blocks until it is done); log, and evaluate the *current* params if asked.
@@ -726,9 +730,7 @@ def _loop(cfg, setup, state, step, dataset, train_batches, ckpt, run_dir, resume
     try:
         while step < cfg.steps:
             trace.maybe_start(step + 1, state)
-            t_data = time.perf_counter()
-            batch = train_batches.next_global(setup.batch_shardings, cfg.data.grad_accum_steps)
-            data_s = time.perf_counter() - t_data
+            batch, data_s = feed.next()
             done_at = None
             if pending is not None and (restart_window or compiled_at is None
                                         or pending[0] % cfg.log.every_steps == 0):
@@ -750,7 +752,7 @@ def _loop(cfg, setup, state, step, dataset, train_batches, ckpt, run_dir, resume
                 pending = None
             if save_now:
                 blocked = ckpt.save(step, saved_part(state),
-                                    checkpoint_record(cfg, train_batches.position, dataset.train_windows))
+                                    checkpoint_record(cfg, feed.position, dataset.train_windows))
                 waited = (f" ({1000 * ckpt.waited_s:.0f} ms of it waiting for the previous save to be written: saves "
                           f"are due faster than they are written)" if ckpt.waited_s > 0.05 else "")
                 log(f"ckpt   | step {step}: save started, blocked the loop {1000 * blocked:.0f} ms{waited}")
@@ -765,6 +767,7 @@ def _loop(cfg, setup, state, step, dataset, train_batches, ckpt, run_dir, resume
         if pending is not None:
             finish(*pending)
     finally:
+        feed.close()
         trace.close()
         if bar is not None:
             bar.close()
@@ -776,8 +779,8 @@ def moe_layout_note(cfg: TrainConfig, mesh_shape: dict[str, int], hosts: list | 
     """The note for an expert-parallel GPU run split into processes on one host, or None. Its exchanges then run
     XLA's collectives: the NVLink kernels (pallas_kernels/all_to_all.py, row_exchange.py) need one process holding
     every GPU of the run. One process trained the reduced-layer DeepSeekMoE and Mixtral steps 1.06-1.12x the tokens/s
-    of one process per GPU at expert=2 (2 x H200) and 1.16-1.44x at expert=4 (4 x H200), but the whole 28-layer
-    DeepSeekMoE 16B at expert=4 0.92x (benchmarks/RESULTS.md, sessions 55-56). Across hosts the kernels cannot run in
+    of one process per GPU at expert=2 (2 x H200) and 1.16-1.44x at expert=4 (4 x H200), the whole 28-layer
+    DeepSeekMoE 16B at expert=4 1.43x (benchmarks/RESULTS.md, sessions 55-57). Across hosts the kernels cannot run in
     any layout, so no note."""
     expert = mesh_shape.get("expert", 1)
     if (backend != "gpu" or not cfg.model.moe.n_experts or expert < 2 or cfg.model.moe.all_to_all == "xla"
@@ -785,8 +788,8 @@ def moe_layout_note(cfg: TrainConfig, mesh_shape: dict[str, int], hosts: list | 
         return None
     return (f"expert={expert} spans {len(hosts)} processes on one host, so the MoE exchanges run XLA's collectives "
             f"(the NVLink kernels need one process holding every GPU); one process of these GPUs trained "
-            f"1.06-1.44x the tokens/s on reduced-layer MoE steps at expert=2 and 4, 0.92x on the whole DeepSeekMoE "
-            f"16B at expert=4 (README, Process layout)")
+            f"1.06-1.44x the tokens/s of one process per GPU on DeepSeekMoE and Mixtral steps at expert=2 and 4 "
+            f"(README, Process layout)")
 
 
 def dry_run_devices(cfg: TrainConfig) -> int:

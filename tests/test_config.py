@@ -52,6 +52,7 @@ def test_unknown_key_names_it_and_suggests(tmp_path):
     ("model.norm_eps=-1e-5", "model.norm_eps"),
     ("model.head_dim=-8", "model.head_dim"),
     ("data.eval_batches=0", "data.eval_batches"),  # the eval loss would be the mean of nothing
+    ("data.prefetch=-1", "data.prefetch"),
     ("model.moe.n_experts=-1", "model.moe.n_experts"),
     ("log.peak_tflops=-1", "log.peak_tflops"),
 ])

@@ -42,6 +42,69 @@ def test_batches_deterministic_resumable_and_shifted():
     assert not np.array_equal(np.asarray(c.next_global(_shardings(mesh), 1)["inputs"]), x)
 
 
+@pytest.mark.parametrize("depth", [0, 2])
+def test_prefetch_hands_out_the_same_batches_and_counts_only_what_the_loop_took(depth):
+    ds = data.open_dataset(DataConfig(seq_len=16, batch_size=8))
+    mesh = sharding.make_mesh(MeshConfig(data=2, fsdp=2, context=2))
+    plain = data.Batches(ds.train, 8, seed=3)
+    expected = [np.asarray(plain.next_global(_shardings(mesh), 2)["inputs"]) for _ in range(3)]
+    ahead = data.Batches(ds.train, 8, seed=3)
+    feed = data.Prefetch(ahead, _shardings(mesh), 2, depth, limit=3)
+    try:
+        batch, waited = feed.next()
+        np.testing.assert_array_equal(np.asarray(batch["inputs"]), expected[0])
+        assert waited >= 0 and batch["inputs"].sharding == _shardings(mesh)["inputs"]
+        assert feed.position == 8  # what a checkpoint records: the loop took one batch, whatever was built ahead
+        for want in expected[1:]:
+            np.testing.assert_array_equal(np.asarray(feed.next()[0]["inputs"]), want)
+        assert feed.position == 24 == ahead.position
+        with pytest.raises(IndexError, match="all `limit` batches"):
+            feed.next()  # the run's steps are all fed: nothing more was built
+    finally:
+        feed.close()
+
+
+class _CountingBatches:
+    """A stand-in for data.Batches: counts its builds, and fails at build `fail_at` (1-based) if given."""
+
+    def __init__(self, fail_at=None):
+        self.position, self.built, self.fail_at = 0, 0, fail_at
+
+    def next_global(self, shardings, accum):
+        self.built += 1
+        if self.built == self.fail_at:
+            raise ConfigError(f"data.path: shard train_00003.bin is corrupt (build {self.built})")
+        self.position += 8
+        return {"inputs": self.built}
+
+
+def test_prefetch_raises_a_build_error_in_the_loop_after_the_good_batches():
+    feed = data.Prefetch(_CountingBatches(fail_at=3), {}, 1, 2, limit=10)
+    try:
+        assert [feed.next()[0]["inputs"] for _ in range(2)] == [1, 2]
+        with pytest.raises(ConfigError, match="train_00003.bin is corrupt"):
+            feed.next()
+        assert feed.position == 16  # the failed batch was never taken
+    finally:
+        feed.close()
+
+
+def test_prefetch_close_stops_the_thread_with_its_queue_full():
+    import time
+
+    batches = _CountingBatches()
+    feed = data.Prefetch(batches, {}, 1, 2, limit=1000)
+    assert feed.next()[0]["inputs"] == 1
+    time.sleep(0.2)  # the thread fills its queue of 2 and waits for room
+    assert batches.built == 4  # the one taken, the queue's 2, and one waiting to be queued: never more
+    thread = feed._thread
+    t0 = time.perf_counter()
+    feed.close()
+    assert not thread.is_alive() and time.perf_counter() - t0 < 1.0
+    time.sleep(0.1)
+    assert batches.built == 4
+
+
 def test_each_shard_reads_only_its_rows(monkeypatch):
     ds = data.open_dataset(DataConfig(seq_len=16, batch_size=8))
     mesh = sharding.make_mesh(MeshConfig(data=1, fsdp=4, context=2))

@@ -513,9 +513,9 @@ def test_bench_train_runs_a_variant_as_processes_of_one_gpu(tmp_path, monkeypatc
 
 
 def test_trainer_loop_time_reads_each_step_after_the_next_is_dispatched():
-    """profile_step's second timing runs steps as train._loop does: a fresh batch each step, step i's metrics read
-    only once step i+1 is dispatched, every one of them read (the last after the loop), and at a log line's step a
-    wait for it before the next is dispatched."""
+    """profile_step's second timing runs steps as train._loop does: a fresh batch each step (from data.Prefetch,
+    built in the loop or ahead by its thread), step i's metrics read only once step i+1 is dispatched, every one of
+    them read (the last after the loop), and at a log line's step a wait for it before the next is dispatched."""
     from types import SimpleNamespace as NS
 
     events = []
@@ -533,19 +533,28 @@ def test_trainer_loop_time_reads_each_step_after_the_next_is_dispatched():
             return self
 
     class Batches:
+        position = 0
+
         def next_global(self, shardings, accum):
             events.append(("batch",))
-            return "batch"
+            self.position += 1
+            return f"batch {self.position}"
 
     def step(state, batch):
+        assert batch == f"batch {state + 1}"  # each step gets the next batch, in order
         events.append(("dispatch", state + 1))
         return state + 1, {"loss": Metric(state + 1)}
 
-    cfg = NS(log=NS(every_steps=100), data=NS(grad_accum_steps=1))
-    state, seconds = profile_step.trainer_loop_time(step, 0, Batches(), NS(batch_shardings=None), cfg, 3)
+    cfg = NS(log=NS(every_steps=100), data=NS(grad_accum_steps=1, prefetch=2))
+    state, seconds = profile_step.trainer_loop_time(step, 0, Batches(), NS(batch_shardings=None), cfg, 3, prefetch=0)
     assert state == 3 and seconds > 0
     assert events == [("batch",), ("dispatch", 1), ("batch",), ("dispatch", 2), ("read", 1),
                       ("batch",), ("dispatch", 3), ("read", 2), ("read", 3)]
+    events.clear()  # built ahead by the thread (cfg.data.prefetch): the same steps and reads, and 3 batches built
+    profile_step.trainer_loop_time(step, 0, Batches(), NS(batch_shardings=None), cfg, 3)
+    assert [e for e in events if e[0] != "batch"] == [("dispatch", 1), ("dispatch", 2), ("read", 1), ("dispatch", 3),
+                                                       ("read", 2), ("read", 3)]
+    assert events.count(("batch",)) == 3
     events.clear()  # a log line every 2 steps: the loop waits for step 2 (jax.block_until_ready) before step 3
     profile_step.trainer_loop_time(step, 0, Batches(), NS(batch_shardings=None), NS(log=NS(every_steps=2),
                                                                                data=cfg.data), 3)
