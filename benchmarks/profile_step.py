@@ -328,20 +328,20 @@ def summarize(trace_dir: str, n_steps: int, top: int, hlo_text: str = "", dump: 
 
 def trainer_loop_time(step, state, batches: Batches, setup, cfg, n: int, *, prefetch: int | None = None,
                       read: bool = True, wait: bool = True):
-    """(state, seconds per step) of n steps run as train._loop runs them, less its logging and saves: the next
-    batch from data.Prefetch (`prefetch` built ahead; default cfg.data.prefetch), the step dispatched, then (read)
-    the previous step's metrics read (train.read_metrics, which waits for that step); (wait) at a log.every_steps
-    step the loop waits for the step before dispatching the next. Against the one-batch loop, the difference is
-    what the trainer's host loop costs the device."""
+    """(state, seconds per step) of n steps run as train._loop runs them, less its logging and saves: (wait) after a
+    log.every_steps step the loop waits for it; then the next batch from data.Prefetch (`prefetch` built ahead;
+    default cfg.data.prefetch), the step dispatched, and (read) the previous step's metrics read
+    (train.read_metrics, which waits for that step). Against the one-batch loop, the difference is what the
+    trainer's host loop costs the device."""
     pending, every = None, cfg.log.every_steps
     depth = cfg.data.prefetch if prefetch is None else prefetch
     feed = Prefetch(batches, setup.batch_shardings, cfg.data.grad_accum_steps, depth, n)
     try:
         t0 = time.perf_counter()
         for i in range(1, n + 1):
-            batch, _ = feed.next()
             if wait and pending is not None and (i - 1) % every == 0:
                 jax.block_until_ready(pending)
+            batch, _ = feed.next()
             state, m = step(state, batch)
             if read and pending is not None:
                 train.read_metrics(pending)

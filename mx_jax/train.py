@@ -680,8 +680,8 @@ def _loop(cfg, setup, state, step, dataset, train_batches, ckpt, run_dir, resume
         if not data_warned and per_process[worst] >= 100 * m["step_time_s"]:  # ms vs s: a tenth of the step
             data_warned = True
             log(f"warn   | the loop waited {per_process[worst]:.1f} ms for the batch of each "
-                f"{1000 * m['step_time_s']:.1f} ms step on process {worst} (data.prefetch={cfg.data.prefetch} "
-                f"built ahead): batches are built slower than the steps run (slow storage under data.path?)")
+                f"{1000 * m['step_time_s']:.1f} ms step on process {worst} (data.prefetch={cfg.data.prefetch}): "
+                f"batches are built slower than the steps run (slow storage under data.path?)")
 
     trace = _Trace(cfg, run_dir, step)
     feed = Prefetch(train_batches, setup.batch_shardings, cfg.data.grad_accum_steps, cfg.data.prefetch,
@@ -730,14 +730,15 @@ def _loop(cfg, setup, state, step, dataset, train_batches, ckpt, run_dir, resume
     try:
         while step < cfg.steps:
             trace.maybe_start(step + 1, state)
-            batch, data_s = feed.next()
             done_at = None
             if pending is not None and (restart_window or compiled_at is None
                                         or pending[0] % cfg.log.every_steps == 0):
                 # An edge of the rate's window: wait for the step before the next one is dispatched, so that the edge
-                # is its completion and none of the next step's device time can fall before the edge.
+                # is its completion and none of the next step's device time can fall before the edge; and before the
+                # wait for the next batch, which belongs to the next window, as its `data_s` does.
                 jax.block_until_ready(pending[1])
                 done_at = time.perf_counter()
+            batch, data_s = feed.next()
             state, dev_metrics = train_step(state, batch)
             step += 1
             if pending is not None:
