@@ -288,10 +288,14 @@ def evaluate(eval_step, state, dataset: Dataset, setup: Setup) -> dict[str, floa
     cfg = setup.cfg
 
     def mean_loss(windows: Windows) -> float:
-        batches = Batches(windows, cfg.data.batch_size, cfg.seed, shuffle=False)
         n = min(cfg.data.eval_batches, max(1, windows.n // cfg.data.batch_size))
-        losses = [eval_step(state["params"], state["buffers"], batches.next_global(setup.batch_shardings, 1))
-                  for _ in range(n)]
+        # Built ahead as the training batches are (data.Prefetch says why).
+        feed = Prefetch(Batches(windows, cfg.data.batch_size, cfg.seed, shuffle=False), setup.batch_shardings, 1,
+                        cfg.data.prefetch, n)
+        try:
+            losses = [eval_step(state["params"], state["buffers"], feed.next()[0]) for _ in range(n)]
+        finally:
+            feed.close()
         return float(np.mean([float(x) for x in losses]))
 
     if not isinstance(dataset.val, Mixture):

@@ -64,6 +64,28 @@ def test_prefetch_hands_out_the_same_batches_and_counts_only_what_the_loop_took(
         feed.close()
 
 
+@pytest.mark.parametrize("depth", [0, 2])
+def test_evaluation_reads_the_first_held_out_batches_in_order(depth):
+    from types import SimpleNamespace as NS
+
+    from mx_jax import train
+
+    ds = data.open_dataset(DataConfig(seq_len=16, batch_size=8))
+    mesh = sharding.make_mesh(MeshConfig(data=2, fsdp=2, context=2))
+    setup = NS(cfg=NS(data=NS(batch_size=8, eval_batches=3, prefetch=depth), seed=0), batch_shardings=_shardings(mesh))
+    seen = []
+
+    def eval_step(params, buffers, batch):  # a stand-in "loss": the batch's mean token id
+        seen.append(np.asarray(batch["inputs"]))
+        return float(seen[-1].mean())
+
+    got = train.evaluate(eval_step, {"params": None, "buffers": None}, ds, setup)["eval_loss"]
+    plain = data.Batches(ds.val, 8, seed=0, shuffle=False)
+    want = [np.asarray(plain.next_global(_shardings(mesh), 1)["inputs"]) for _ in range(3)]
+    assert len(seen) == 3 and all(np.array_equal(a, b) for a, b in zip(seen, want))
+    assert got == pytest.approx(np.mean([w.mean() for w in want]))
+
+
 class _CountingBatches:
     """A stand-in for data.Batches: counts its builds, and fails at build `fail_at` (1-based) if given."""
 
