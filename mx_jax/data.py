@@ -18,7 +18,8 @@ Sampling: a split is cut into n = floor((len - 1) / T) windows of T+1 tokens. Gl
 the start of training) is window perm_e[i mod n] of epoch e = i // n, with perm_e a permutation seeded by
 (seed, e). The iterator's whole state is the number of sequences consumed, which the checkpoint stores, so a
 resumed run sees exactly the batches an uninterrupted run would. Each process materializes only the rows (and
-sequence slice) of the global batch that its addressable devices hold (jax.make_array_from_callback).
+sequence slice) of the global batch that its addressable devices hold (jax.make_array_from_callback). The trainer
+takes its batches through `Prefetch`, which builds them `data.prefetch` ahead in a background thread.
 
 Mixtures (`data.mixture`: "WEIGHT:DIR" entries, weights normalized to w_s): global sequence i comes from source
 s(i) in fixed proportions, still a pure function of i. The sequences are dealt in rounds of R = 2^16 slots; source s
