@@ -117,7 +117,10 @@ def test_prefetch_close_stops_the_thread_with_its_queue_full():
     batches = _CountingBatches()
     feed = data.Prefetch(batches, {}, 1, 2, limit=1000)
     assert feed.next()[0]["inputs"] == 1
-    time.sleep(0.2)  # the thread fills its queue of 2 and waits for room
+    deadline = time.perf_counter() + 5.0  # the thread fills its queue of 2 and waits for room (a loaded CI is slow)
+    while batches.built < 4 and time.perf_counter() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.1)
     assert batches.built == 4  # the one taken, the queue's 2, and one waiting to be queued: never more
     thread = feed._thread
     t0 = time.perf_counter()
