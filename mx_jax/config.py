@@ -109,7 +109,7 @@ class MeshConfig:
 
     data: int = 1  # replicated data parallel (across hosts in HSDP)
     fsdp: int = -1  # parameters, gradients and optimizer state sharded; batch split
-    expert: int = 1  # MoE experts sharded; dense layers treat it as more data parallelism
+    expert: int = 1  # MoE experts sharded; for the other weights one more fsdp axis (batch split, weights sharded)
     context: int = 1  # the sequence is split (2 zigzag chunks per shard); attention all-gathers K and V
 
 

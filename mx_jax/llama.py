@@ -35,13 +35,14 @@ the loss, the mean token cross-entropy in nats, upcasts inside its reductions:
 `cross_entropy` is a custom_vjp that writes exactly that gradient in the logits' dtype in one pass, where autodiff
 of the plain expression would materialize float32 softmax and one-hot scatter buffers of the logits' size.
 
-Where the batch is split over data or expert devices that hold the whole head, its gradient is a sum of the devices'
-partials: a ring all-reduce of the (D, V) head, in f32 by default. When a microbatch has fewer tokens than about two
-vocabularies (sharding.head_vocab_axes), the head runs vocab-parallel instead, split on V over those axes: the devices
-all-gather their rows, each computes its own vocabulary's logits, and no weight gradient moves. On 2 x H200 (session
-45, with the embedding's sparse gradient sum, sharding.embed_lookup) the 4-layer DeepSeekMoE step at expert=2 went
-from 120,805 to 131,585 tokens/s, the 4-layer 8B fp8 step at data=2 from 118,616 to 125,584, and the 2-layer Mixtral
-step at expert=2 from 117,775 to 118,428 (its all-reduce had been hidden behind compute).
+Where the batch is split over data devices, which hold the same shard of the head (fsdp, expert and context split its
+D), its gradient is a sum of the devices' partials: a ring all-reduce of the (D, V) head, in f32 by default. When a
+microbatch has fewer tokens than about two vocabularies (sharding.head_vocab_axes), the head runs vocab-parallel
+instead, split on V over data and expert: the devices all-gather their rows, each computes its own vocabulary's
+logits, and no weight gradient moves. On 2 x H200 (session 45, with the embedding's sparse gradient sum,
+sharding.embed_lookup; the dense weights were then replicated over expert) the 4-layer DeepSeekMoE step at expert=2
+went from 120,805 to 131,585 tokens/s, the 4-layer 8B fp8 step at data=2 from 118,616 to 125,584, and the 2-layer
+Mixtral step at expert=2 from 117,775 to 118,428 (its all-reduce had been hidden behind compute).
 """
 
 from __future__ import annotations
@@ -515,7 +516,7 @@ def param_axes(model: nnx.Module, variables=nnx.Param, plan: LinearPlan | None =
     state = jax.tree.map(axes, nnx.state(model, variables), is_leaf=lambda x: isinstance(x, nnx.Variable))
     out = nnx.to_pure_dict(state)
     if plan is not None and plan.vocab_parallel and "head" in out:
-        out["head"] = ("embed", "head_vocab")
+        out["head"] = ("head_embed", "head_vocab")
     return out
 
 

@@ -59,14 +59,14 @@ benchmarks).
 Multi-device meshes. A Mosaic kernel sees only local arrays, so under a mesh set outside shard_map (where XLA's
 partitioner splits the program) an fp8 linear of T rows runs per device: `_token_split` names the mesh axes that
 split the tokens (data, fsdp and expert on the batch, context on the sequence), and the forward and the backward
-each run in one shard_map over them, with the whole weight operands (XLA gathers them first under fsdp). With T_d a
-device's rows,
+each run in one shard_map over them, with the whole weight operands (XLA gathers them first under fsdp or expert).
+With T_d a device's rows,
 
     y_d = x_d @ w,   grad_x_d = g_d @ wᵀ,   grad_w = Σ_d x_dᵀ @ g_d
 
 Each device's grad_w partial is reduced in `reduce_dtype` (model.grad_reduce_dtype, f32 by default) inside the
 shard_map where `linear` is given w's logical axes (the model's linears are): reduce-scattered over the mesh axes
-that split w (fsdp, context) on w's split dim, then the shard all-reduced over the other token axes (data, expert),
+that split w (fsdp, expert, context) on w's split dim, then the shard all-reduced over the other token axes (data),
 as XLA's partitioner reduces bf16's. The grad_w GEMM writes that dim as its rows (where it is w's dim 1, with its
 operands swapped: grad_wᵀ = gᵀ x), so the reduce-scatter takes contiguous blocks and only the shard is transposed
 back; XLA otherwise transposed each whole partial first (session 41: 2.5 ms less copying per step on the whole 8B).
@@ -323,8 +323,8 @@ def prequantize(ws, *, recipe: str, impl: str = "auto", compute_dtype=jnp.bfloat
 def _whole_matrices_spec(shape, batched: bool) -> P | None:
     """Under the set mesh, the spec of a weight (*layers, K, N), or batched (*layers, E, K, N), over its leading
     axes when every device holds its matrices whole, as the train state shards it (sharding.param_spec); else
-    None. Dense weights are whole without fsdp and context; the routed experts also under fsdp or context when
-    those split their expert axis instead of their hidden dim."""
+    None. Dense weights are whole without fsdp, expert and context; the routed experts also under fsdp or context
+    when those split their expert axis instead of their hidden dim."""
     if not batched:
         return P() if sharding.matrices_whole() else None
     mesh = jax.sharding.get_abstract_mesh()

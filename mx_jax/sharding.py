@@ -3,18 +3,22 @@
 Mesh axes (outermost first):
     data     replicated data parallelism; in HSDP it spans hosts while fsdp stays inside a host
     fsdp     ZeRO-3: parameters, gradients and optimizer state sharded, batch split
-    expert   MoE experts sharded; for everything else it is one more batch axis
+    expert   MoE experts sharded; for everything else one more fsdp axis (batch split, dense weights sharded)
     context  the sequence is split in load-balanced zigzag chunks; attention all-gathers K and V over it
              (mx_jax/context_parallel.py)
 
 Parameters carry logical axis names (layers.py); activations are constrained at block boundaries only. `RULES` is
 the only place mesh axis names meet logical names: change the parallelism by changing this table or the mesh
-shape, never the model. Dense, attention and embedding weights are sharded over fsdp and context (a context axis
-never duplicates their memory) and replicated over expert; expert weights are sharded over expert as well, and
-their fsdp and context shards go on the expert axis too where they divide it (`param_spec`). The output head is
-also split on V over data and expert where a microbatch has few enough tokens that it runs vocab-parallel
-(`head_vocab_axes`; the run's plan names its V "head_vocab"), and the embedding table's gradient then sums the
-devices' sparse partials by all-gathering their rows (`embed_lookup`).
+shape, never the model. Dense, attention and embedding weights are sharded over fsdp, expert and context (a context
+axis never duplicates their memory) and replicated over data only; expert weights are sharded over expert, and
+their fsdp and context shards go on the expert axis too where they divide it (`param_spec`). Sharding the dense
+weights over expert as well (ZeRO-3 over every axis that splits the batch inside a data replica, as TorchTitan's
+FSDP spans the ranks its expert parallelism borrows) took the whole DeepSeekMoE 16B at expert=4 on 4 x H200 from
+95.4 to 84.2 GiB per GPU and from 58,337 to 59,876 tokens/s: their gradients are reduce-scattered instead of
+all-reduced in f32, and AdamW updates a quarter of them (benchmarks/RESULTS.md, session 58). Where a microbatch has
+few enough tokens, the output head runs vocab-parallel instead, split on V over data and expert and on D over fsdp
+and context ("head_embed"; `head_vocab_axes`; the run's plan names its V "head_vocab"). The embedding table's
+gradient sums the data replicas' sparse partials by all-gathering their rows (`embed_lookup`).
 Changing the mesh never changes the math: GSPMD inserts the collectives, and the manual regions (the embedding
 lookup, context attention, expert dispatch) are written to be exact.
 """
@@ -43,11 +47,12 @@ RULES: dict[str, str | tuple[str, ...] | None] = {
     "act_kv": None,
     "act_vocab": None,
     # parameters
-    "embed": ("fsdp", "context"),  # the d_model dimension of every weight
+    "embed": ("fsdp", "expert", "context"),  # the d_model dimension of every weight
     "vocab": None,
     # the output head's vocab dim, split where the batch is but D is not; `head_vocab_axes` says when the head then
     # runs vocab-parallel, whose rows and logits are split over "head_batch": the batch's other axes
     "head_vocab": ("data", "expert"),
+    "head_embed": ("fsdp", "context"),  # the vocab-parallel head's D: "embed" without the expert axis that splits V
     "head_batch": "fsdp",
     "q_heads": None,  # H*K of the query / output projections
     "kv_heads": None,  # G*K of the key / value projections
@@ -197,12 +202,12 @@ def constrain(x: jax.Array, logical: Sequence[str | None]) -> jax.Array:
 
 
 # the logical axes of a weight matrix's own two dimensions (the others are "layers" and "expert")
-MATRIX_AXES = ("embed", "vocab", "q_heads", "kv_heads", "mlp", "expert_mlp")
+MATRIX_AXES = ("embed", "head_embed", "vocab", "q_heads", "kv_heads", "mlp", "expert_mlp")
 
 
 def matrices_whole() -> bool:
     """True unless the set mesh has an axis of more than one device that RULES puts on a weight matrix's own
-    dimensions (MATRIX_AXES; fsdp and context today): every device then holds whole matrices, split at most over
+    dimensions (MATRIX_AXES; fsdp, expert and context today): every device then holds whole matrices, split at most over
     their layer and expert axes."""
     mesh = jax.sharding.get_abstract_mesh()
     axes = {a for name in MATRIX_AXES for a in rule_axes(name)}
@@ -214,9 +219,9 @@ def embed_lookup(table: jax.Array, tokens: jax.Array, dtype) -> jax.Array:
 
     Without a mesh, or where every device holds the whole table and all the tokens, this is `jnp.take`. Otherwise
     the lookup runs per device in one shard_map, with its collectives written out, and so does its gradient
-    (a custom_vjp). Let `split` be the mesh axes that split the table's D (RULES["embed"]: fsdp, context) and
-    `summed` the axes that split the tokens but not D (data, expert: the table is replicated there):
-    - each device all-gathers the tokens over the split axes that split them (fsdp: B, context: S): tiny int
+    (a custom_vjp). Let `split` be the mesh axes that split the table's D (RULES["embed"]: fsdp, expert, context)
+    and `summed` the axes that split the tokens but not D (data: the table is replicated there):
+    - each device all-gathers the tokens over the split axes that split them (fsdp, expert: B; context: S): tiny int
       arrays;
     - it looks up its own D columns for those tokens and casts them to `dtype`;
     - for each split axis, minor first, an all-to-all sends every device its own tokens' columns (split the token
@@ -231,8 +236,9 @@ def embed_lookup(table: jax.Array, tokens: jax.Array, dtype) -> jax.Array:
 
         sparse  iff  T (D_l c + 4) < 8 V D_l        (bf16: T < ~4 V; `sparse_table_grad`)
 
-    which holds on expert-parallel and small data-parallel meshes (Mixtral's V = 32,000 against 16,384 tokens per
-    microbatch at expert=4; Llama3's 128,256 against 16,384 at data=2), and not for large global batches. The sum
+    which holds on small data-parallel meshes (Llama3's V = 128,256 against 16,384 tokens per microbatch at data=2;
+    until session 58 also at expert=4, whose devices held the whole table: Mixtral's 32,000 against 16,384), and not
+    for large global batches. The sum
     is the same f32 sum of the same bf16 rows that one device forms (only its order differs).
 
     Left to the partitioner (a gather, then a sharding constraint), XLA replicated the whole (B, S, D) array on
@@ -318,7 +324,10 @@ def head_vocab_axes(n_tokens: int, vocab: int, d: int, reduce_itemsize: int,
     vocabulary entries for all of the group's T tokens, the loss reduces (T,) maxima and sums across them, and the
     backward sums dx across them. No weight moves: per device (P-1)/P T D 2 bytes each way, in bf16. A head
     replicated over the group instead all-reduces its gradient, a ring's 2 (P-1)/P V D_l r bytes with r the
-    reduce itemsize (model.grad_reduce_dtype) and D_l the head's D per device. So vocab-parallel iff
+    reduce itemsize (model.grad_reduce_dtype) and D_l the head's D per device. (Over expert, which splits the head's
+    D when it does not run vocab-parallel, the alternative is a reduce-scatter of the gradient and an all-gather of
+    the bf16 weight: (P-1)/P V D_l (r + 2) bytes, 3/4 of the all-reduce's in f32 and as many in bf16; the same
+    rule is kept.) So vocab-parallel iff
 
         4 T D < 2 V D_l r        (T < 2 V in f32, T < V in bf16, where D_l = D: fsdp splits T and D alike)
 
@@ -332,7 +341,7 @@ def head_vocab_axes(n_tokens: int, vocab: int, d: int, reduce_itemsize: int,
         mesh_shape = dict(mesh.shape)
     shape = {a: mesh_shape.get(a, 1) for a in MESH_AXES}
     abstract = AbstractMesh(tuple(shape.values()), tuple(shape), axis_types=(AxisType.Auto,) * len(shape))
-    w_spec = fit_spec(spec(("embed", "head_vocab")), (d, vocab), abstract)
+    w_spec = fit_spec(spec(("head_embed", "head_vocab")), (d, vocab), abstract)
     axes = tuple(a for a in entry_axes(w_spec[1]) if shape[a] > 1)
     tokens = [a for a in (*batch_axes(), *rule_axes("seq")) if shape[a] > 1]
     batch = [a for a in tokens if a in batch_axes()]

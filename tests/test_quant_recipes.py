@@ -231,8 +231,8 @@ MESHES = {"data2_expert4": (2, 1, 4, 1), "data8": (8, 1, 1, 1), "fsdp2_expert4":
 
 @pytest.mark.parametrize("layout", list(MESHES))
 def test_prequantize_under_a_mesh(layout):
-    """Under a multi-device mesh whose devices hold whole matrices (no fsdp or context split; for the experts also
-    fsdp on their expert axis), each device casts its own weights in shard_map (where impl="auto" may take the
+    """Under a multi-device mesh whose devices hold whole matrices (no fsdp, expert or context split of the dense
+    weights' D; for the experts also fsdp on their expert axis), each device casts its own weights in shard_map (where impl="auto" may take the
     Pallas casts); otherwise the partitioner splits XLA's casts. Either way the operands equal one device's bit for
     bit, and the experts' stay split over "expert"."""
     mesh = jax.make_mesh(MESHES[layout], ("data", "fsdp", "expert", "context"),
@@ -248,8 +248,8 @@ def test_prequantize_under_a_mesh(layout):
         with jax.set_mesh(mesh):
             spec = jax.sharding.PartitionSpec(None, "expert") if batched else jax.sharding.PartitionSpec()
             placed = [jax.device_put(w, jax.sharding.NamedSharding(mesh, spec)) for w in ws]
-            # under fsdp the dense weights' matrices are split; the experts' are whole (fsdp on their expert axis)
-            assert ("shard_map" in str(jax.make_jaxpr(f)(*placed))) == (batched or layout != "fsdp2_expert4")
+            # fsdp and expert split the dense weights' matrices; the experts' are whole (fsdp on their expert axis)
+            assert ("shard_map" in str(jax.make_jaxpr(f)(*placed))) == (batched or layout == "data8")
             got = jax.jit(f)(*placed)
         for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
             np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32)))
