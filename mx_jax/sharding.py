@@ -207,8 +207,8 @@ MATRIX_AXES = ("embed", "head_embed", "vocab", "q_heads", "kv_heads", "mlp", "ex
 
 def matrices_whole() -> bool:
     """True unless the set mesh has an axis of more than one device that RULES puts on a weight matrix's own
-    dimensions (MATRIX_AXES; fsdp, expert and context today): every device then holds whole matrices, split at most over
-    their layer and expert axes."""
+    dimensions (MATRIX_AXES; fsdp, expert and context today): every device then holds whole matrices, split at most
+    over their layer and expert axes."""
     mesh = jax.sharding.get_abstract_mesh()
     axes = {a for name in MATRIX_AXES for a in rule_axes(name)}
     return mesh.empty or all(mesh.shape.get(a, 1) == 1 for a in axes)
@@ -238,8 +238,8 @@ def embed_lookup(table: jax.Array, tokens: jax.Array, dtype) -> jax.Array:
 
     which holds on small data-parallel meshes (Llama3's V = 128,256 against 16,384 tokens per microbatch at data=2;
     until session 58 also at expert=4, whose devices held the whole table: Mixtral's 32,000 against 16,384), and not
-    for large global batches. The sum
-    is the same f32 sum of the same bf16 rows that one device forms (only its order differs).
+    for large global batches. The sum is the same f32 sum of the same bf16 rows that one device forms (only its order
+    differs).
 
     Left to the partitioner (a gather, then a sharding constraint), XLA replicated the whole (B, S, D) array on
     every device ("Involuntary full rematerialization") on fsdp x context, fsdp x expert and data x fsdp x expert

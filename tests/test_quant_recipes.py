@@ -232,9 +232,9 @@ MESHES = {"data2_expert4": (2, 1, 4, 1), "data8": (8, 1, 1, 1), "fsdp2_expert4":
 @pytest.mark.parametrize("layout", list(MESHES))
 def test_prequantize_under_a_mesh(layout):
     """Under a multi-device mesh whose devices hold whole matrices (no fsdp, expert or context split of the dense
-    weights' D; for the experts also fsdp on their expert axis), each device casts its own weights in shard_map (where impl="auto" may take the
-    Pallas casts); otherwise the partitioner splits XLA's casts. Either way the operands equal one device's bit for
-    bit, and the experts' stay split over "expert"."""
+    weights' D; for the experts also fsdp on their expert axis), each device casts its own weights in shard_map
+    (where impl="auto" may take the Pallas casts); otherwise the partitioner splits XLA's casts. Either way the
+    operands equal one device's bit for bit, and the experts' stay split over "expert"."""
     mesh = jax.make_mesh(MESHES[layout], ("data", "fsdp", "expert", "context"),
                          axis_types=(jax.sharding.AxisType.Auto,) * 4)
     experts = jax.random.normal(jax.random.key(0), (2, 8, 64, 128), jnp.float32)  # (L, E, K, N)
