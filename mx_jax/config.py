@@ -60,6 +60,10 @@ class MoEConfig:
     # average (tokens x top_k), where its rows fit; a device that receives more runs the worst-case buffer (slower;
     # no row is dropped; metric moe_ep_overflow_frac). 0 = always the worst case (dispatch.py: "Two expert buffers").
     ep_buffer_factor: float = 2.0
+    # With that compact buffer, keep the experts' gate and up outputs for the backward, 2 x 2F bytes per row of it
+    # and MoE layer (where model.remat keeps GEMM outputs: save_matmuls, none), instead of running those GEMMs again
+    # there (dispatch.py: "Two expert buffers"). Without expert parallelism they are kept under save_matmuls anyway.
+    ep_save_gate_up: bool = False
     # How a flat dispatch moves the rows (mx_jax/dispatch.py): "land" writes each row straight to its place in the
     # expert device's buffer sorted by expert and reads the outputs back from there (pallas_kernels/row_exchange.py);
     # "dense" pads each peer's chunk to the worst case; "ragged" is lax.ragged_all_to_all. "auto": land where its
@@ -446,6 +450,8 @@ def validate(cfg: TrainConfig) -> None:
                f"must be 0 (dropless) or >= 1, got {e.capacity_factor}")
         _check(e.ep_buffer_factor == 0 or e.ep_buffer_factor >= 1, "model.moe.ep_buffer_factor",
                f"must be 0 (always the worst-case buffer) or >= 1, got {e.ep_buffer_factor}")
+        _check(not e.ep_save_gate_up or e.ep_buffer_factor > 0, "model.moe.ep_save_gate_up",
+               "saves the compact expert buffer's outputs: it needs model.moe.ep_buffer_factor > 0")
     _check(d.seq_len > 0, "data.seq_len", f"must be positive, got {d.seq_len}")
     _check(d.batch_size > 0, "data.batch_size", f"must be positive, got {d.batch_size}")
     _check(d.grad_accum_steps > 0 and d.batch_size % d.grad_accum_steps == 0, "data.grad_accum_steps",

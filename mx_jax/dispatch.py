@@ -39,7 +39,7 @@ Exchanges move rows to peers inside a group of the expert axis (all of it, a rai
              device's buffer sorted by expert, and the padding there is zeroed in runs. `landing` plans it: one
              all_gather of every device's per-expert counts gives each group's start and each sender's offset in
              it, in the order ExpertFFN.run sorts a dense receive buffer into. The experts run on the buffer as it
-             landed (`run_landed`, `ExpertFFN.on_sorted`), and each output row is pulled home into its (token,
+             landed (`run_landed`), and each output row is pulled home into its (token,
              choice) slot. No send buffer, no sort or unsort gathers, no metadata exchange; the transposes swap
              push and pull. On 2 x H200 at expert=2, fp8_rowwise, two 4,096-token sequences per GPU (RESULTS.md,
              session 48): the 4-layer DeepSeekMoE step 190,229 -> 202,138 tokens/s (+6.3%; scatter/gather kernels
@@ -75,7 +75,8 @@ barrier) took the 2-layer Mixtral step from 54,450 to 62,230 tokens/s in bf16 (5
 the 4-layer DeepSeekMoE step from 106,678 to 112,893, for 1.0-1.3 GiB (benchmarks/RESULTS.md). With expert
 parallelism they stay unnamed: there the GEMMs run on the receive buffer, padded to the worst routing (P peers x
 min(k, E_l) rows per token: `peer_bound`), and keeping that per layer would cost up to P x the memory. The price is
-that the backward recomputes the experts there (next paragraph).
+that the backward recomputes the experts there (next paragraph), unless model.moe.ep_save_gate_up keeps the compact
+buffer's gate and up outputs (the paragraph after it).
 
 Two expert buffers (expert parallelism, model.moe.ep_buffer_factor = f > 0). A device receives n k rows on average
 (n tokens x top-k per device, for its E/P experts) but its sorted buffer is sized for the worst routing, W = P x
@@ -103,6 +104,18 @@ the 2-layer Mixtral step 215,800 -> 244,399 tokens/s (+13%, peak 21.06 -> 22.04 
 230,700 -> 233,767 (+1.3%: its experts run bf16 there, so no row casts are saved, and they take a smaller share of
 its step) (benchmarks/RESULTS.md, session 46). Under model.remat=none the experts' forward now runs twice where it
 ran once, for none of the (W, F) activations kept.
+
+Saving the gate and up outputs (model.moe.ep_save_gate_up; `_either`'s keep). The experts' forward that the backward
+runs again is the gate and up GEMMs and what feeds them (XLA drops the down GEMM, whose output nothing reads). With
+the option the compact branch's forward also returns g and u (C x 2F, the compact buffer's rows; zeros where a
+device runs the whole buffer), named "matmul" so that save_matmuls keeps them, and its backward transposes the
+SwiGLU and down GEMM at the saved g and u, and the gather or push and the gate and up GEMMs at their inputs: the
+gate and up GEMMs' outputs are unused there, so XLA drops them (the row casts and the push still run, for the
+grad-weight GEMMs). Per MoE layer and device that keeps 4 C F bytes more. On 4 x H200 at expert=4, fp8_rowwise,
+two 4,096-token sequences per GPU (RESULTS.md, session 59): the 2-layer Mixtral step 327,602 -> 349,193 tokens/s
+(+6.6%; peak 25.6 -> 31.2 GiB), the 4-layer DeepSeekMoE step 380,262 -> 386,880 (+1.7%; 18.0 -> 20.1 GiB), the
+whole 28-layer DeepSeekMoE 16B 60,471 -> 61,592 (+1.9%; 84.2 -> 98.8 GiB). Off by default: at the whole Mixtral's
+32 layers the saved outputs alone would be about 60 GB per GPU at that batch.
 
 When the experts run fp8. Per expert with r rows, an fp8 recipe saves GEMM time ~ r K N and pays for casting
 the rows ~ r (K + N) and the weights ~ K N (the experts' GEMMs have (K, N) = (D, F) and (F, D)). Per row, the row
@@ -177,31 +190,66 @@ def _room(rows: int, n_local: int, align: int) -> int:
     return n + -n % ROW_MULTIPLE
 
 
-def _either(small_fits: jax.Array, small: Callable, large: Callable, diff: tuple, rest: tuple) -> jax.Array:
+def _either(small_fits: jax.Array, small: Callable, large: Callable, diff: tuple, rest: tuple,
+            keep: tuple[Callable, Callable, bool] | None = None) -> jax.Array:
     """small(diff, rest) where small_fits, else large(diff, rest): two ways to the same function, differentiable in
     the floating arrays `diff`. Neither may close over a traced array (a custom_vjp must not): `rest` carries them.
 
     A plain lax.cond would have its backward union both branches' residuals: the compact branch then writes zeros
     of the large branch's saved (rows, F) activations, and both are kept (on 4 x H200, the DeepSeekMoE step ran 6%
     slower than without the compact buffer). Here nothing inside is saved: the backward is one cond whose branch
-    recomputes its forward and transposes it, as the rematerialized backward of expert parallelism did before."""
+    recomputes its forward and transposes it, as the rematerialized backward of expert parallelism did before.
+
+    keep = (head, tail, scanned), with small(d, r) = tail(d, head(d, r), r): the forward also saves head's output
+    where the small branch runs (zeros where the large one does), named like a GEMM output (`saved_output`), and
+    the backward's small branch transposes tail at it and head at its inputs, so that head's forward does not run
+    again (its output unused, XLA drops its GEMMs; module doc, "Two expert buffers")."""
 
     @jax.custom_vjp
     def f(diff, rest, small_fits):
         return jax.lax.cond(small_fits, small, large, diff, rest)
 
-    def fwd(diff, rest, small_fits):
-        return f(diff, rest, small_fits), (diff, rest, small_fits)
+    def transposed(fn):
+        return lambda diff, rest, ct: jax.vjp(lambda d: fn(d, rest), diff)[1](ct)[0]
 
-    def bwd(res, ct):
-        diff, rest, small_fits = res
+    if keep is None:
+        def fwd(diff, rest, small_fits):
+            return f(diff, rest, small_fits), (diff, rest, small_fits)
 
-        def transposed(fn):
-            return lambda diff, rest, ct: jax.vjp(lambda d: fn(d, rest), diff)[1](ct)[0]
+        def bwd(res, ct):
+            diff, rest, small_fits = res
+            return jax.lax.cond(small_fits, transposed(small), transposed(large), diff, rest, ct), None, None
 
-        return jax.lax.cond(small_fits, transposed(small), transposed(large), diff, rest, ct), None, None
+        f.defvjp(fwd, bwd)
+        return f(diff, rest, small_fits)
 
-    f.defvjp(fwd, bwd)
+    head, tail, scanned = keep
+    mid_like = jax.eval_shape(head, diff, rest)
+
+    def small_saving(diff, rest):
+        mid = head(diff, rest)
+        return tail(diff, mid, rest), mid
+
+    def large_saving(diff, rest):
+        return large(diff, rest), jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), mid_like)
+
+    def fwd_keep(diff, rest, small_fits):
+        y, mid = jax.lax.cond(small_fits, small_saving, large_saving, diff, rest)
+        return y, (diff, rest, small_fits, saved_output(mid, scanned))
+
+    def small_t(diff, rest, mid, ct):
+        d_tail, d_mid = jax.vjp(lambda d, m: tail(d, m, rest), diff, mid)[1](ct)
+        (d_head,) = jax.vjp(lambda d: head(d, rest), diff)[1](d_mid)
+        return jax.tree.map(jnp.add, d_tail, d_head)
+
+    def large_t(diff, rest, mid, ct):
+        return transposed(large)(diff, rest, ct)
+
+    def bwd_keep(res, ct):
+        diff, rest, small_fits, mid = res
+        return jax.lax.cond(small_fits, small_t, large_t, diff, rest, mid, ct), None, None
+
+    f.defvjp(fwd_keep, bwd_keep)
     return f(diff, rest, small_fits)
 
 
@@ -240,6 +288,8 @@ class ExpertFFN:
     group_align: int | None = None  # None: 64 for fp8_rowwise, 1 otherwise (see __call__)
     name_outputs: bool = False  # name the GEMM outputs for remat policies (module docstring: compact rows only)
     scanned: bool = False  # the layer runs inside lax.scan (`_saved`)
+    # Under expert parallelism with a compact buffer: save the gate and up outputs for the backward (`_either`'s keep)
+    keep_gate_up: bool = False
     # (gate, up, down) fp8 operands made at the update (quant.prequantize, batched); the weights are then slots
     operands: tuple | None = None
 
@@ -300,8 +350,14 @@ class ExpertFFN:
         if small >= r_pad:
             return self._sorted(r_pad, diff, rest), None
         fits = jnp.sum(sizes) < small  # (<: the compact buffer's last row is always padding, see _sorted)
-        y = _either(fits, functools.partial(self._sorted, small), functools.partial(self._sorted, r_pad), diff, rest)
+        keep = self._keep(functools.partial(self._sorted_head, small), functools.partial(self._sorted_tail, small))
+        y = _either(fits, functools.partial(self._sorted, small), functools.partial(self._sorted, r_pad), diff, rest,
+                    keep)
         return y, ~fits
+
+    def _keep(self, head: Callable, tail: Callable) -> tuple[Callable, Callable, bool] | None:
+        """`_either`'s keep for the compact buffer's experts, split as head (to the gate and up outputs) and tail."""
+        return (head, tail, self.scanned) if self.keep_gate_up else None
 
     @property
     def params(self) -> tuple[jax.Array, ...]:
@@ -311,40 +367,54 @@ class ExpertFFN:
     def with_params(self, params: tuple[jax.Array, ...], operands: tuple | None) -> ExpertFFN:
         return dataclasses.replace(self, w_gate=params[0], w_up=params[1], w_down=params[2], operands=operands)
 
-    def on_sorted(self, xs: jax.Array, sizes: jax.Array) -> jax.Array:
-        """The experts on rows that arrived sorted by expert (the "land" exchange): expert e's rows (padded to
-        `align` with zero rows) at [sum(sizes[:e]), sum(sizes[:e + 1])) of xs, zero past them."""
-        return self._swiglu(xs, sizes, self.align)
-
     def _sorted(self, n_rows: int, diff: tuple, rest: tuple) -> jax.Array:
         """The experts on a sorted buffer of n_rows rows (all of them, or the compact buffer when the data fits)."""
-        rows, w_gate, w_up, w_down = diff
+        return self._sorted_tail(n_rows, diff, self._sorted_head(n_rows, diff, rest), rest)
+
+    def _sorted_head(self, n_rows: int, diff: tuple, rest: tuple) -> tuple[jax.Array, jax.Array]:
+        """`_sorted` up to the gate and up GEMMs' outputs."""
+        rows, *params = diff
         (pos, src_row, src, real, sizes), operands = rest
-        ffn = dataclasses.replace(self, w_gate=w_gate, w_up=w_up, w_down=w_down, operands=operands)
-        s = rows.shape[0]
+        pos, src_row, src, real = self._clipped(n_rows, pos, src_row, src, real)
+        xs = take_rows(rows, src_row, pos.reshape(rows.shape[0], -1))
+        if self.align > 1:
+            xs = jnp.where(real[:, None], xs, jnp.zeros((), xs.dtype))  # padding rows inside a group must be zero
+        return self.with_params(tuple(params), operands)._gate_up(xs, sizes, self.align)
+
+    def _sorted_tail(self, n_rows: int, diff: tuple, gate_up: tuple, rest: tuple) -> jax.Array:
+        """`_sorted` from the gate and up GEMMs' outputs: SwiGLU, the down GEMM, and the rows back in order."""
+        params = diff[1:]
+        (pos, src_row, src, real, sizes), operands = rest
+        pos, src_row, src, real = self._clipped(n_rows, pos, src_row, src, real)
+        ys = self.with_params(tuple(params), operands)._down(*gate_up, sizes, self.align)
+        return take_rows(ys, pos, src[:, None])
+
+    @staticmethod
+    def _clipped(n_rows: int, pos, src_row, src, real) -> tuple[jax.Array, ...]:
+        """The layout's indices for a sorted buffer of n_rows rows."""
         if n_rows < src.shape[0]:
             # Assignments placed past the data (padding, dropped) read the compact buffer's last row instead, which
             # `fits` keeps padding: a zero output, and its cotangent dies in the grouped GEMMs' backward.
             pos = jnp.minimum(pos, n_rows - 1)
             src_row, src, real = src_row[:n_rows], src[:n_rows], real[:n_rows]
-        xs = take_rows(rows, src_row, pos.reshape(s, -1))
-        if self.align > 1:
-            xs = jnp.where(real[:, None], xs, jnp.zeros((), xs.dtype))  # padding rows inside a group must be zero
-        ys = ffn._swiglu(xs, sizes, self.align)
-        return take_rows(ys, pos, src[:, None])
+        return pos, src_row, src, real
 
     def _swiglu(self, xs: jax.Array, sizes: jax.Array, group_align: int = 1) -> jax.Array:
         """The experts on rows sorted by expert (group sizes `sizes`); zero past sum(sizes) (padding, dropped)."""
+        return self._down(*self._gate_up(xs, sizes, group_align), sizes, group_align)
 
-        ops = self.operands or (None, None, None)
+    def _gl(self, a: jax.Array, w, sizes: jax.Array, group_align: int, op) -> jax.Array:
+        return grouped_linear.grouped_linear(a, w, sizes, recipe=self.recipe, impl=self.impl,
+                                             group_align=group_align, operands=op)
 
-        def gl(a, w, op):
-            return grouped_linear.grouped_linear(a, w, sizes, recipe=self.recipe, impl=self.impl,
-                                                 group_align=group_align, operands=op)
-
+    def _gate_up(self, xs: jax.Array, sizes: jax.Array, group_align: int) -> tuple[jax.Array, jax.Array]:
         # gate and up in one call: under fp8 the rows are cast once for both (forward and grad-weight)
-        g, u = self._saved(*gl(xs, (self.w_gate, self.w_up), None if self.operands is None else ops[:2]))
-        (y,) = self._saved(gl(swiglu(g, u).astype(xs.dtype), self.w_down, ops[2]).astype(xs.dtype))
+        ops = None if self.operands is None else self.operands[:2]
+        return self._saved(*self._gl(xs, (self.w_gate, self.w_up), sizes, group_align, ops))
+
+    def _down(self, g: jax.Array, u: jax.Array, sizes: jax.Array, group_align: int) -> jax.Array:
+        op = None if self.operands is None else self.operands[2]
+        (y,) = self._saved(self._gl(swiglu(g, u).astype(g.dtype), self.w_down, sizes, group_align, op).astype(g.dtype))
         return y
 
     def _saved(self, *ys: jax.Array) -> tuple[jax.Array, ...]:
@@ -671,25 +741,31 @@ fetch.defvjp(lambda ys, plan, axis, impl: (fetch(ys, plan, axis, impl), plan), _
 def run_landed(x: jax.Array, plan: Landing, ffn: ExpertFFN, axis: str, impl: str = "auto", whole: int = 0
                ) -> tuple[jax.Array, jax.Array | None]:
     """The experts on the "land" exchange: x (n, D) pushed into the sorted buffers of `plan`, the experts run there
-    (`ExpertFFN.on_sorted`), and each (token, choice)'s output pulled home as (n k, D). With `whole` > plan.rows,
-    plan's buffers are the compact ones: every device uses them when every device's rows fit in them, and all use
-    buffers of `whole` rows otherwise (module doc, "Two expert buffers"). Returns the outputs and whether the
+    (`ExpertFFN._gate_up`, `_down`), and each (token, choice)'s output pulled home as (n k, D). With `whole` >
+    plan.rows, plan's buffers are the compact ones: every device uses them when every device's rows fit in them, and
+    all use buffers of `whole` rows otherwise (module doc, "Two expert buffers"). Returns the outputs and whether the
     whole buffers ran (None where there is one size)."""
 
+    def head(which: int, diff, rest):  # pushed, to the gate and up GEMMs' outputs
+        (x, *params), (plans, operands) = diff, rest
+        return ffn.with_params(tuple(params), operands)._gate_up(land(x, plans[which], axis, impl),
+                                                                 plans[which].sizes, ffn.align)
+
+    def tail(which: int, diff, gate_up, rest):  # SwiGLU, the down GEMM, pulled home
+        (_, *params), (plans, operands) = diff, rest
+        ys = ffn.with_params(tuple(params), operands)._down(*gate_up, plans[which].sizes, ffn.align)
+        return fetch(ys, plans[which], axis, impl)
+
     def branch(which: int):
-        def f(diff, rest):
-            (x, *params), (plans, operands) = diff, rest
-            plan = plans[which]
-            ys = ffn.with_params(tuple(params), operands).on_sorted(land(x, plan, axis, impl), plan.sizes)
-            return fetch(ys, plan, axis, impl)
-        return f
+        return lambda diff, rest: tail(which, diff, head(which, diff, rest), rest)
 
     if whole <= plan.rows:
         return branch(0)((x, *ffn.params), ((plan,), ffn.operands)), None
     fits = jnp.max(plan.totals) <= plan.rows  # the same on every device: the pushes and pulls stay matched
     # (both plans made here, not in the branches: a conditional's kernels launch one by one after a host sync)
     rest = ((plan, plan.resized(whole)), ffn.operands)
-    return _either(fits, branch(0), branch(1), (x, *ffn.params), rest), ~fits
+    keep = ffn._keep(functools.partial(head, 0), functools.partial(tail, 0))
+    return _either(fits, branch(0), branch(1), (x, *ffn.params), rest, keep), ~fits
 
 
 # ---------------------------------------------------------------------------------------------------------------

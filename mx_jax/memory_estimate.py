@@ -31,7 +31,7 @@ A routed-expert layer under save_matmuls keeps, without expert parallelism, its 
 every (token, expert) row, 2k (2F + D) bytes per token plus row padding; with expert parallelism only the experts'
 outputs once back home, 2kD bytes per token (with model.moe.ep_buffer_factor > 0, the default; with 0 nothing): the
 backward recomputes the experts, and the combine's exchange with them under 0 (mx_jax/dispatch.py, "Two expert
-buffers").
+buffers"); with model.moe.ep_save_gate_up also the compact buffer's gate and up outputs, 2 x 2F bytes per row of it.
 On top of what every layer keeps, the layer whose backward is running holds the rest of its intermediates (under
 remat, recomputed): the largest of (remat=none minus kept) over the stacks, counted once. With expert parallelism
 that includes the dispatch's receive buffers and the expert GEMMs run over them, sized for the worst routing
@@ -127,10 +127,16 @@ def layer_residuals(cfg: TrainConfig, abstract_model: Llama, mesh: AbstractMesh)
     # The layer's transient figure (remat=none) counts the routed experts run over the whole receive buffer, as a
     # device whose rows overflow the compact one runs them. With the compact buffer on they run inside a custom VJP
     # whose backward recomputes them, out of saved_residuals' sight, so that pass traces the model without it.
-    whole = abstract_model
+    # With model.moe.ep_save_gate_up that custom VJP also saves the compact buffer's gate and up outputs: counted
+    # in what each layer keeps, and on top of the whole buffer's intermediates (the layer whose backward runs reads
+    # its own saved ones), so the transient figure is taken against the layer that does not save them.
+    whole = plain = abstract_model
     if m.moe.n_experts and m.moe.ep_buffer_factor:
         no_compact = dataclasses.replace(m, moe=dataclasses.replace(m.moe, ep_buffer_factor=0.0))
         whole = nnx.eval_shape(lambda: Llama(no_compact, cfg.quant, rngs=nnx.Rngs(0)))
+        if m.moe.ep_save_gate_up:
+            no_save = dataclasses.replace(m, moe=dataclasses.replace(m.moe, ep_save_gate_up=False))
+            plain = nnx.eval_shape(lambda: Llama(no_save, cfg.quant, rngs=nnx.Rngs(0)))
     out = {}
     for name in ("dense_blocks", "blocks"):
         if not hasattr(abstract_model, name):
@@ -142,14 +148,19 @@ def layer_residuals(cfg: TrainConfig, abstract_model: Llama, mesh: AbstractMesh)
                              copies.get(name, {}))
         layer = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), fed)
         n_layers = jax.tree.leaves(state)[0].shape[0]
+        traces = [(graphdef, m.remat), (whole_graphdef, "none")]
+        if plain is not abstract_model:
+            traces.append((nnx.split(getattr(plain, name))[0], m.remat))
         kept = []
-        for g, remat in ((graphdef, m.remat), (whole_graphdef, "none")):
-            if kept and whole is abstract_model and remat == m.remat:
+        for g, remat in traces:
+            if len(kept) == 1 and whole is abstract_model and remat == m.remat:
                 kept.append(kept[0])  # remat=none and no compact buffer: the same trace
                 continue
             body = layer_body(g, positions, inv_freq, remat)
             with jax.sharding.use_abstract_mesh(mesh), compat.cudnn_shapes_only():
                 kept.append(per_device(compat.saved_residuals(body, x, layer)))
+        if len(kept) == 3:
+            kept = [kept[0], kept[1] + kept[0] - kept[2]]  # the saved gate and up outputs on top (above)
         out[name] = (n_layers, *kept)
     return out
 

@@ -145,7 +145,7 @@ class MoE(nnx.Module):
         recipe = self.recipe if ops is not None else dispatch.expert_recipe(
             self.recipe, n * m.top_k, w_gate.shape[0], self.min_rows, self.expert_dims)
         ffn = dispatch.ExpertFFN(w_gate, w_up, w_down, recipe, self.impl, name_outputs=not ep, scanned=self.scanned,
-                                 operands=ops)
+                                 keep_gate_up=m.ep_save_gate_up, operands=ops)
         y, traffic = dispatch.dispatch_combine(xt, idx, g, keep, ffn, axis="expert" if ep else None,
                                                method=m.dispatch, gpus_per_node=m.gpus_per_node,
                                                exchange_method=m.exchange, a2a_impl=m.all_to_all, capacity=capacity,

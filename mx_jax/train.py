@@ -373,7 +373,7 @@ _DATA_KEYS = ("seed", "data.seq_len", "data.source", "data.mixture_quota")
 _MODEL_KEYS_FREE_ON_RESUME = frozenset({
     "remat", "scan_layers", "attention", "compute_dtype", "param_dtype", "grad_reduce_dtype", "moe.impl",
     "moe.all_to_all", "moe.dispatch", "moe.gpus_per_node", "moe.capacity_factor", "moe.aux_loss_coef",
-    "moe.z_loss_coef", "moe.bias_update_rate", "moe.ep_buffer_factor"})
+    "moe.z_loss_coef", "moe.bias_update_rate", "moe.ep_buffer_factor", "moe.exchange", "moe.ep_save_gate_up"})
 
 
 def _flat(d: dict, prefix: str = "") -> dict:

@@ -71,6 +71,12 @@ def test_bad_moe_values_name_the_key(override, key):
         load_config(None, ["model.moe.n_experts=4", override])
 
 
+def test_saving_the_experts_gate_and_up_needs_the_compact_buffer():
+    with pytest.raises(ConfigError, match="'model.moe.ep_save_gate_up'.*ep_buffer_factor > 0"):
+        load_config(None, ["model.moe.n_experts=4", "model.moe.ep_save_gate_up=true", "model.moe.ep_buffer_factor=0"])
+    assert load_config(None, ["model.moe.n_experts=4", "model.moe.ep_save_gate_up=true"]).model.moe.ep_save_gate_up
+
+
 def test_integral_floats_are_ints():
     assert load_config(None, ["steps=1e3", "data.seq_len=64.0"]).steps == 1000
 

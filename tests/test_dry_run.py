@@ -94,8 +94,9 @@ def test_a_dense_layer_keeps_what_the_docstring_formula_says(context):
 def test_a_routed_expert_layer_keeps_its_rows_only_without_expert_parallelism():
     """Mixtral's block: without expert parallelism save_matmuls keeps the three grouped-GEMM outputs of its k rows
     per token; with it, only the experts' outputs once back home (k rows of D per token; with ep_buffer_factor=0
-    none): the backward recomputes the experts, and the worst-case receive buffers (every peer sends every row)
-    appear as the layer's intermediates instead."""
+    none; with ep_save_gate_up also the gate and up outputs of the compact buffer's rows): the backward recomputes
+    the experts, and the worst-case receive buffers (every peer sends every row) appear as the layer's
+    intermediates instead."""
     d, hk, gk, f, h, k = 4096, 4096, 1024, 14336, 32, 2
     attention = 2 * (2 * d + 2 * hk + 2 * gk) + 4 * h
     mixtral = ("configs/mixtral_8x7b.yaml", "model.n_layers=1", "data.seq_len=2048", "data.batch_size=8")
@@ -104,6 +105,12 @@ def test_a_routed_expert_layer_keeps_its_rows_only_without_expert_parallelism():
     kept_ep, everything_ep = _per_token((*mixtral, "mesh.fsdp=1", "mesh.expert=8"))
     assert kept_ep == attention + 2 * k * d
     assert _per_token((*mixtral, "mesh.fsdp=1", "mesh.expert=8", "model.moe.ep_buffer_factor=0"))[0] == attention
+    # ep_save_gate_up: also the gate and up outputs of the compact buffer's C rows (2 x 2,048 tokens x k = 8,192,
+    # bf16, one expert per device: no padding), on top of what the layer keeps and of its intermediates
+    kept_save, everything_save = _per_token((*mixtral, "mesh.fsdp=1", "mesh.expert=8",
+                                             "model.moe.ep_save_gate_up=true"))
+    assert kept_save - kept_ep == 2 * 2 * f * (2 * 2048 * k) / 2048
+    assert everything_save - everything_ep == kept_save - kept_ep
     # P = 8 peers' worst case, min(k, 1 expert) = 1 row per token from each: 8 rows per token of gate, up and h
     assert everything_ep > 8 * 2 * 3 * f
     assert everything < 2 * k * 2 * (3 * f + d) + 4 * attention

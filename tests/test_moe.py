@@ -488,6 +488,43 @@ def test_save_matmuls_keeps_the_expert_gemm_outputs_under_scan():
     assert backward_grouped_gemms("full") > saved
 
 
+@pytest.mark.parametrize("exchange", ["dense", "land"])
+def test_ep_save_gate_up_keeps_them_for_the_backward(exchange):
+    """model.moe.ep_save_gate_up at expert=8 (compact buffers of 256 rows against whole ones of 512; land on its XLA
+    reference), scanned layers under save_matmuls: the same loss and gradients as computing the gate and up outputs
+    again in the backward, and the compiled step has two GEMMs fewer (the backward's gate and up; XLA:CPU lowers each
+    grouped GEMM to one dot), so they are neither recomputed nor the forward run again for them."""
+    import re
+
+    base = MOE + ["model.remat=save_matmuls", "model.scan_layers=true", f"model.moe.exchange={exchange}",
+                  "model.moe.all_to_all=xla"]
+    cfg = load_config(None, base)
+    model = Llama(cfg.model, cfg.quant, rngs=nnx.Rngs(0))
+    params, buffers = params_of(model), buffers_of(model)
+    tokens = jax.random.randint(jax.random.key(2), (16, 33), 0, 256)  # 64 tokens per device
+    mesh = sharding.make_mesh(MeshConfig(fsdp=1, expert=8))
+
+    def step(save: bool):
+        extra = base + [f"model.moe.ep_save_gate_up={str(save).lower()}"]
+        c = load_config(None, extra)
+        graphdef = nnx.split(nnx.eval_shape(lambda: Llama(c.model, c.quant, rngs=nnx.Rngs(0))), nnx.Param, ...)[0]
+
+        def loss_fn(p, x, y):
+            logits, stats = nnx.merge(graphdef, p, buffers)(x)
+            return cross_entropy(logits, y) + moe_loss(c.model, stats)
+
+        with jax.set_mesh(mesh):
+            hlo = jax.jit(jax.grad(loss_fn)).lower(params, tokens[:, :-1], tokens[:, 1:]).compile().as_text()
+        return len(re.findall(r"= \S+ dot\(", hlo)), _loss_and_grads(cfg, params, buffers, tokens, mesh, extra)
+
+    (dots_again, (loss_again, _, grads_again)), (dots_saved, (loss_saved, _, grads_saved)) = step(False), step(True)
+    assert dots_saved == dots_again - 2
+    np.testing.assert_allclose(loss_saved, loss_again, rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(grads_saved), jax.tree.leaves(grads_again), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+    assert np.abs(grads_saved["blocks"]["moe"]["w_gate"]).max() > 0
+
+
 @pytest.mark.parametrize("method, gpus_per_node", [("flat", 8), ("hierarchical", 4), ("hierarchical", 2)])
 @pytest.mark.parametrize("capacity", [0, 3])
 def test_receive_buffers_hold_the_exact_bound_and_drop_nothing(method, gpus_per_node, capacity, monkeypatch):
@@ -809,7 +846,7 @@ def test_gpu_flat_dispatch_on_the_nvlink_kernel_equals_lax_and_one_device(routin
     assert np.all(np.isfinite(y_kernel)) and np.abs(grads_kernel[0]).sum() > 0
 
 
-def _gpu_dispatch_grads(mesh, idx, x, g, w, ffn_impl, **dispatch_kwargs) -> list[np.ndarray]:
+def _gpu_dispatch_grads(mesh, idx, x, g, w, ffn_impl, keep_gate_up=False, **dispatch_kwargs) -> list[np.ndarray]:
     """[y, dy/dx, dy/dg, dy/dw_gate, dy/dw_up, dy/dw_down] (float32) of sum(y^2) for dispatch_combine over the
     mesh's `expert` axis (tokens and experts split over it), with `dispatch_kwargs` passed through."""
     from jax.sharding import PartitionSpec as P
@@ -817,7 +854,7 @@ def _gpu_dispatch_grads(mesh, idx, x, g, w, ffn_impl, **dispatch_kwargs) -> list
     from mx_jax import dispatch
 
     def body(x, idx, g, w1, w2, w3):
-        ffn = dispatch.ExpertFFN(w1, w2, w3, "bf16", ffn_impl)
+        ffn = dispatch.ExpertFFN(w1, w2, w3, "bf16", ffn_impl, keep_gate_up=keep_gate_up)
         y, _ = dispatch.dispatch_combine(x, idx, g, jnp.ones(idx.shape, bool), ffn, axis="expert", **dispatch_kwargs)
         return jnp.sum(y.astype(jnp.float32) ** 2, keepdims=True)[None], y
 
@@ -839,7 +876,8 @@ def test_gpu_landed_dispatch_is_bit_exact_at_deepseek_scale():
     expert width 1,408) with Zipf-skewed routing (on 2 GPUs one expert gets 14,930 rows, the devices 53,436 and
     44,868): the "land" dispatch gives the dense exchange's outputs and gradients (lax.all_to_all) bit for bit, on
     two runs into the whole buffers and one into compact ones (1.25 x the rows a device receives on average), so
-    no row lands late or unzeroed at the scale the train step runs at."""
+    no row lands late or unzeroed at the scale the train step runs at; and with the experts' gate and up outputs
+    saved for the backward (model.moe.ep_save_gate_up) instead of computed again."""
     gpus = jax.devices("gpu")
     if len(gpus) < 2:
         pytest.skip("needs >= 2 GPUs in this process")
@@ -855,14 +893,14 @@ def test_gpu_landed_dispatch_is_bit_exact_at_deepseek_scale():
          ((n_experts, d, f), (n_experts, d, f), (n_experts, f, d))]
     mesh = jax.make_mesh((n_dev,), ("expert",), axis_types=(jax.sharding.AxisType.Auto,))
 
-    def run(a2a_impl, how, buffer_factor=2.0):
-        return _gpu_dispatch_grads(mesh, idx, x, g, w, "pallas", method="flat", exchange_method=how,
+    def run(a2a_impl, how, buffer_factor=2.0, keep=False):
+        return _gpu_dispatch_grads(mesh, idx, x, g, w, "pallas", keep, method="flat", exchange_method=how,
                                    a2a_impl=a2a_impl, buffer_factor=buffer_factor)
 
     want = run("xla", "dense")
     assert np.bincount(idx.reshape(-1)).max() > 10_000 and all(np.isfinite(v).all() for v in want)
-    for factor in (2.0, 2.0, 1.25):
-        for a, b in zip(run("pallas", "land", factor), want, strict=True):
+    for factor, keep in ((2.0, False), (2.0, False), (1.25, False), (1.25, True)):
+        for a, b in zip(run("pallas", "land", factor, keep), want, strict=True):
             np.testing.assert_array_equal(a, b)
 
 
