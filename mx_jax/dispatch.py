@@ -350,12 +350,13 @@ class ExpertFFN:
         if small >= r_pad:
             return self._sorted(r_pad, diff, rest), None
         fits = jnp.sum(sizes) < small  # (<: the compact buffer's last row is always padding, see _sorted)
-        keep = self._keep(functools.partial(self._sorted_head, small), functools.partial(self._sorted_tail, small))
+        keep = self.split_for_keep(functools.partial(self._sorted_head, small),
+                                   functools.partial(self._sorted_tail, small))
         y = _either(fits, functools.partial(self._sorted, small), functools.partial(self._sorted, r_pad), diff, rest,
                     keep)
         return y, ~fits
 
-    def _keep(self, head: Callable, tail: Callable) -> tuple[Callable, Callable, bool] | None:
+    def split_for_keep(self, head: Callable, tail: Callable) -> tuple[Callable, Callable, bool] | None:
         """`_either`'s keep for the compact buffer's experts, split as head (to the gate and up outputs) and tail."""
         return (head, tail, self.scanned) if self.keep_gate_up else None
 
@@ -379,14 +380,14 @@ class ExpertFFN:
         xs = take_rows(rows, src_row, pos.reshape(rows.shape[0], -1))
         if self.align > 1:
             xs = jnp.where(real[:, None], xs, jnp.zeros((), xs.dtype))  # padding rows inside a group must be zero
-        return self.with_params(tuple(params), operands)._gate_up(xs, sizes, self.align)
+        return self.with_params(tuple(params), operands).gate_up(xs, sizes, self.align)
 
     def _sorted_tail(self, n_rows: int, diff: tuple, gate_up: tuple, rest: tuple) -> jax.Array:
         """`_sorted` from the gate and up GEMMs' outputs: SwiGLU, the down GEMM, and the rows back in order."""
         params = diff[1:]
         (pos, src_row, src, real, sizes), operands = rest
         pos, src_row, src, real = self._clipped(n_rows, pos, src_row, src, real)
-        ys = self.with_params(tuple(params), operands)._down(*gate_up, sizes, self.align)
+        ys = self.with_params(tuple(params), operands).down(*gate_up, sizes, self.align)
         return take_rows(ys, pos, src[:, None])
 
     @staticmethod
@@ -401,18 +402,21 @@ class ExpertFFN:
 
     def _swiglu(self, xs: jax.Array, sizes: jax.Array, group_align: int = 1) -> jax.Array:
         """The experts on rows sorted by expert (group sizes `sizes`); zero past sum(sizes) (padding, dropped)."""
-        return self._down(*self._gate_up(xs, sizes, group_align), sizes, group_align)
+        return self.down(*self.gate_up(xs, sizes, group_align), sizes, group_align)
 
     def _gl(self, a: jax.Array, w, sizes: jax.Array, group_align: int, op) -> jax.Array:
         return grouped_linear.grouped_linear(a, w, sizes, recipe=self.recipe, impl=self.impl,
                                              group_align=group_align, operands=op)
 
-    def _gate_up(self, xs: jax.Array, sizes: jax.Array, group_align: int) -> tuple[jax.Array, jax.Array]:
+    def gate_up(self, xs: jax.Array, sizes: jax.Array, group_align: int) -> tuple[jax.Array, jax.Array]:
+        """The gate and up GEMMs' outputs (g, u) on rows sorted by expert, each expert's rows padded to group_align
+        (the "land" exchange's buffers arrive so; zero past sum(sizes)). `down` finishes the experts."""
         # gate and up in one call: under fp8 the rows are cast once for both (forward and grad-weight)
         ops = None if self.operands is None else self.operands[:2]
         return self._saved(*self._gl(xs, (self.w_gate, self.w_up), sizes, group_align, ops))
 
-    def _down(self, g: jax.Array, u: jax.Array, sizes: jax.Array, group_align: int) -> jax.Array:
+    def down(self, g: jax.Array, u: jax.Array, sizes: jax.Array, group_align: int) -> jax.Array:
+        """The experts' outputs from `gate_up`'s: SwiGLU and the down GEMM."""
         op = None if self.operands is None else self.operands[2]
         (y,) = self._saved(self._gl(swiglu(g, u).astype(g.dtype), self.w_down, sizes, group_align, op).astype(g.dtype))
         return y
@@ -741,19 +745,19 @@ fetch.defvjp(lambda ys, plan, axis, impl: (fetch(ys, plan, axis, impl), plan), _
 def run_landed(x: jax.Array, plan: Landing, ffn: ExpertFFN, axis: str, impl: str = "auto", whole: int = 0
                ) -> tuple[jax.Array, jax.Array | None]:
     """The experts on the "land" exchange: x (n, D) pushed into the sorted buffers of `plan`, the experts run there
-    (`ExpertFFN._gate_up`, `_down`), and each (token, choice)'s output pulled home as (n k, D). With `whole` >
+    (`ExpertFFN.gate_up`, `down`), and each (token, choice)'s output pulled home as (n k, D). With `whole` >
     plan.rows, plan's buffers are the compact ones: every device uses them when every device's rows fit in them, and
     all use buffers of `whole` rows otherwise (module doc, "Two expert buffers"). Returns the outputs and whether the
     whole buffers ran (None where there is one size)."""
 
     def head(which: int, diff, rest):  # pushed, to the gate and up GEMMs' outputs
         (x, *params), (plans, operands) = diff, rest
-        return ffn.with_params(tuple(params), operands)._gate_up(land(x, plans[which], axis, impl),
+        return ffn.with_params(tuple(params), operands).gate_up(land(x, plans[which], axis, impl),
                                                                  plans[which].sizes, ffn.align)
 
     def tail(which: int, diff, gate_up, rest):  # SwiGLU, the down GEMM, pulled home
         (_, *params), (plans, operands) = diff, rest
-        ys = ffn.with_params(tuple(params), operands)._down(*gate_up, plans[which].sizes, ffn.align)
+        ys = ffn.with_params(tuple(params), operands).down(*gate_up, plans[which].sizes, ffn.align)
         return fetch(ys, plans[which], axis, impl)
 
     def branch(which: int):
@@ -764,7 +768,7 @@ def run_landed(x: jax.Array, plan: Landing, ffn: ExpertFFN, axis: str, impl: str
     fits = jnp.max(plan.totals) <= plan.rows  # the same on every device: the pushes and pulls stay matched
     # (both plans made here, not in the branches: a conditional's kernels launch one by one after a host sync)
     rest = ((plan, plan.resized(whole)), ffn.operands)
-    keep = ffn._keep(functools.partial(head, 0), functools.partial(tail, 0))
+    keep = ffn.split_for_keep(functools.partial(head, 0), functools.partial(tail, 0))
     return _either(fits, branch(0), branch(1), (x, *ffn.params), rest, keep), ~fits
 
 
