@@ -36,6 +36,17 @@ On top of what every layer keeps, the layer whose backward is running holds the 
 remat, recomputed): the largest of (remat=none minus kept) over the stacks, counted once. With expert parallelism
 that includes the dispatch's receive buffers and the expert GEMMs run over them, sized for the worst routing
 (dispatch.peer_bound: P peers x min(k, experts per device) rows per token, dropless), which dominate at large P.
+The backward also holds gradients, which no residual list shows. The largest are the SwiGLU's: h = silu(g) u over
+R rows of width F is differentiated in one fused pass that reads g, u and dh and writes dg, du and the h the down
+GEMM's weight gradient reads, six (R, F) buffers at once, of which remat=none lists three. So the transient adds
+3 R F x 2 bytes for the widest SwiGLU of the stack (R: the tokens of a device for a dense FFN; the expert buffer's
+rows for routed experts, the worst-case W = P peer_bound rows under expert parallelism, whose branch XLA plans
+for even where the compact buffer runs). With model.moe.ep_save_gate_up the running layer's saved gate and up
+outputs count twice: the backward's loop copies its layer's slice out of the stack into a buffer of its own.
+XLA's buffer assignment for the 2-layer Mixtral step at expert=2 on 2 x H200 puts its peak in that fused pass of
+the whole-buffer branch, with the running layer's slice copies beside it. Against measured peaks and XLA's compiled
+figures of 8B, Mixtral and DeepSeekMoE steps on 1 to 4 H200s the total reads -6% to +7%
+(`benchmarks/estimate_check.py`; benchmarks/RESULTS.md, session 60).
 The logits add tokens x V x 2 bytes twice (values and gradient, in the compute dtype: bf16 unless compute is
 f32). XLA's own workspace and fragmentation are not counted, and XLA may fuse away a residual jax lists (remat=none
 unrolled, mostly); `train.py --dry-run` also compiles the step for the mesh and prints XLA's figure beside this one.
@@ -52,7 +63,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import AbstractMesh, AxisType
 
-from mx_jax import compat, sharding
+from mx_jax import compat, dispatch, sharding
 from mx_jax.config import TrainConfig
 from mx_jax.layers import attention_impl
 from mx_jax.llama import (COMPUTE_CAST, Llama, compute_axes, compute_copies, layer_body, param_axes, params_of,
@@ -85,15 +96,25 @@ def _mesh_shape(cfg: TrainConfig) -> dict[str, int]:
     return shape
 
 
-def _gpu_attention(cfg: TrainConfig) -> TrainConfig:
-    """The config as a GPU runs it: attention "auto" resolved for the GPU (cuDNN where it takes the shapes)."""
+def _gpu_config(cfg: TrainConfig) -> TrainConfig:
+    """The config as a GPU run with one process per node runs it (launch/slurm.sbatch's default): attention "auto"
+    resolved for the GPU (cuDNN where it takes the shapes), and the MoE exchange "auto" as `dispatch.pick_exchange`
+    resolves it where the NVLink kernels run: "land" on a flat dispatch over 2 to LAND_MAX_PEERS expert devices. The
+    trace then takes the land exchange's XLA reference (impl "xla"), whose outputs have the kernel's shapes; a CPU
+    trace of "auto" would take the dense exchange, whose worst-case chunks keep more."""
     m = cfg.model
     attention = attention_impl(m.attention, m.compute_dtype, m.d_head, platform="gpu")
-    return dataclasses.replace(cfg, model=dataclasses.replace(m, attention=attention))
+    moe = m.moe
+    if (moe.n_experts and moe.exchange == "auto" and moe.dispatch == "flat"
+            and 1 < _mesh_shape(cfg)["expert"] <= dispatch.LAND_MAX_PEERS):
+        moe = dataclasses.replace(moe, exchange="land", all_to_all="xla")
+    return dataclasses.replace(cfg, model=dataclasses.replace(m, attention=attention, moe=moe))
 
 
-def layer_residuals(cfg: TrainConfig, abstract_model: Llama, mesh: AbstractMesh) -> dict[str, tuple[int, float, float]]:
-    """{stack: (layers, bytes one layer keeps per device under cfg.model.remat, the same under remat=none)}.
+def layer_residuals(cfg: TrainConfig, abstract_model: Llama,
+                    mesh: AbstractMesh) -> dict[str, tuple[int, float, float, float]]:
+    """{stack: (layers, bytes one layer keeps per device under cfg.model.remat, what its backward holds at most: the
+    same under remat=none plus the SwiGLU's gradients, those gradients alone)}.
 
     Each stack's layer is traced as `llama._scan` runs it (`llama.layer_body`), at the global micro-batch."""
     m = cfg.model
@@ -108,28 +129,40 @@ def layer_residuals(cfg: TrainConfig, abstract_model: Llama, mesh: AbstractMesh)
     inv_freq = rope_inv_freq(m.d_head, m.rope_theta, m.rope_scaling)
     micro_batch, seq = x.shape[:2]
 
+    def one(aval, origin) -> tuple[float, bool]:
+        """(bytes of one residual per device, whether it is an activation); (0, False) where it is not counted."""
+        if origin.startswith(("from a constant", "from a literal")) or "layer_state" in origin:
+            return 0.0, False  # positions are shared by every layer; the weights are counted above
+        nbytes = aval.size * aval.dtype.itemsize
+        if "shard_map" in origin:
+            return nbytes / n_dev, True
+        if "quant.py" in origin and aval.shape[:1] == (act_shards,):
+            return nbytes / act_shards, True  # a linear's per-device residuals, stacked over the token shards
+        if micro_batch * seq in aval.shape or (aval.shape[:1] == (micro_batch,) and seq in aval.shape[1:]):
+            return nbytes / act_shards, True  # an activation, (B, T, ...), (B, H, T) or (tokens, ...) transposed
+        return nbytes, False  # weight-shaped (remat=none keeps each layer's concatenated and fp8 weights): whole
+
     def per_device(residuals) -> float:
-        total = 0.0
+        return sum(one(aval, origin)[0] for aval, origin in residuals)
+
+    # The widest SwiGLU's backward (see the module docstring): three more (rows, F) buffers in the compute dtype
+    # than the intermediates remat=none lists, with rows those of its largest (rows, F) or (rows, 2F) activation.
+    def swiglu_gradients(residuals, widths) -> float:
+        slab = 0.0
         for aval, origin in residuals:
-            if origin.startswith(("from a constant", "from a literal")) or "layer_state" in origin:
-                continue  # positions are shared by every layer; the weights are counted above
-            nbytes = aval.size * aval.dtype.itemsize
-            if "shard_map" in origin:
-                total += nbytes / n_dev
-            elif "quant.py" in origin and aval.shape[:1] == (act_shards,):
-                total += nbytes / act_shards  # a linear's per-device residuals, stacked over the token shards
-            elif micro_batch * seq in aval.shape or (aval.shape[:1] == (micro_batch,) and seq in aval.shape[1:]):
-                total += nbytes / act_shards  # an activation, (B, T, ...), (B, H, T) or (tokens, ...) transposed
-            else:
-                total += nbytes  # weight-shaped (remat=none keeps each layer's concatenated and fp8 weights): whole
-        return total
+            nbytes, activation = one(aval, origin)
+            for f in widths:
+                if activation and aval.shape[-1] in (f, 2 * f):
+                    slab = max(slab, nbytes / aval.dtype.itemsize * f / aval.shape[-1] * cdt.itemsize)
+        return 3 * slab
 
     # The layer's transient figure (remat=none) counts the routed experts run over the whole receive buffer, as a
     # device whose rows overflow the compact one runs them. With the compact buffer on they run inside a custom VJP
     # whose backward recomputes them, out of saved_residuals' sight, so that pass traces the model without it.
     # With model.moe.ep_save_gate_up that custom VJP also saves the compact buffer's gate and up outputs: counted
-    # in what each layer keeps, and on top of the whole buffer's intermediates (the layer whose backward runs reads
-    # its own saved ones), so the transient figure is taken against the layer that does not save them.
+    # in what each layer keeps, and twice on top of the whole buffer's intermediates (the layer whose backward runs
+    # holds its own slice of them beside the stack, also in the branch that runs the whole buffer), so the transient
+    # figure is taken against the layer that does not save them.
     whole = plain = abstract_model
     if m.moe.n_experts and m.moe.ep_buffer_factor:
         no_compact = dataclasses.replace(m, moe=dataclasses.replace(m.moe, ep_buffer_factor=0.0))
@@ -151,22 +184,30 @@ def layer_residuals(cfg: TrainConfig, abstract_model: Llama, mesh: AbstractMesh)
         traces = [(graphdef, m.remat), (whole_graphdef, "none")]
         if plain is not abstract_model:
             traces.append((nnx.split(getattr(plain, name))[0], m.remat))
-        kept = []
+        f_expert = m.moe.d_expert or m.d_ff
+        widths = {f_expert, m.moe.n_shared * f_expert} - {0} if name == "blocks" and m.moe.n_experts else {m.d_ff}
+        kept, gradients = [], 0.0
         for g, remat in traces:
             if len(kept) == 1 and whole is abstract_model and remat == m.remat:
                 kept.append(kept[0])  # remat=none and no compact buffer: the same trace
                 continue
             body = layer_body(g, positions, inv_freq, remat)
             with jax.sharding.use_abstract_mesh(mesh), compat.cudnn_shapes_only():
-                kept.append(per_device(compat.saved_residuals(body, x, layer)))
+                residuals = compat.saved_residuals(body, x, layer)
+            kept.append(per_device(residuals))
+            if len(kept) <= 2:
+                gradients = max(gradients, swiglu_gradients(residuals, widths))  # remat=none: the widest
+        everything = kept[1] + gradients
         if len(kept) == 3:
-            kept = [kept[0], kept[1] + kept[0] - kept[2]]  # the saved gate and up outputs on top (above)
-        out[name] = (n_layers, *kept)
+            # The saved gate and up outputs: every layer's in the stack, and the running layer's own once more,
+            # copied out of the stack by the backward's loop for the branch that reads them (above).
+            everything += 2 * (kept[0] - kept[2])
+        out[name] = (n_layers, kept[0], everything, gradients)
     return out
 
 
 def estimate(cfg: TrainConfig) -> dict:
-    cfg = _gpu_attention(cfg)
+    cfg = _gpu_config(cfg)
     shape = _mesh_shape(cfg)
     mesh = AbstractMesh(tuple(shape.values()), tuple(shape.keys()), axis_types=(AxisType.Auto,) * len(shape))
     abstract_model = nnx.eval_shape(lambda: Llama(cfg.model, cfg.quant, rngs=nnx.Rngs(0)))
@@ -203,9 +244,9 @@ def estimate(cfg: TrainConfig) -> dict:
     tokens_dev = micro_batch * cfg.data.seq_len / (batch_shards * shape["context"])
     stacks = layer_residuals(cfg, abstract_model, mesh)
     logit_bytes = 4 if m.compute_dtype == "float32" else 2
-    kept_all = sum(n * kept for n, kept, _ in stacks.values())
+    kept_all = sum(n * kept for n, kept, *_ in stacks.values())
     # The layer whose backward is running holds all of its intermediates at once (recomputed under remat).
-    transient = max(everything - kept for _, kept, everything in stacks.values())
+    transient = max(everything - kept for _, kept, everything, _ in stacks.values())
     act = kept_all + transient + tokens_dev * 2 * logit_bytes * m.vocab_size
     gb = 1e9
     report = {
@@ -219,7 +260,7 @@ def estimate(cfg: TrainConfig) -> dict:
         "optimizer_gb": moment_bytes_dev / gb,
         "activations_gb": act / gb,
         "tokens_per_device": tokens_dev,
-        "layer_gb": {name: (n, kept / gb) for name, (n, kept, _) in stacks.items()},
+        "layer_gb": {name: (n, kept / gb) for name, (n, kept, *_) in stacks.items()},
         "transient_gb": transient / gb,
     }
     parts = ("params_gb", "copies_gb", "grads_gb", "optimizer_gb", "activations_gb")
@@ -241,7 +282,8 @@ def format_report(r: dict) -> str:
         f"  activations   {r['activations_gb']:8.2f} GB ({r['tokens_per_device']:,.0f} tokens of each micro-batch)",
         *(f"    {name:<12}  {n} x {kept:.3f} GB kept per layer for the backward" for name, (n, kept) in
           r["layer_gb"].items()),
-        f"    transient     {r['transient_gb']:8.2f} GB (the rest of one layer's intermediates, while its backward runs)",
+        f"    transient     {r['transient_gb']:8.2f} GB (one layer's backward: the rest of its intermediates, "
+        "its SwiGLU's gradients)",
         f"  total         {r['total_gb']:8.2f} GB",
     ]
     for name, ok in r["fits"].items():

@@ -63,13 +63,13 @@ def _per_token(args, stack="blocks"):
 
     from mx_jax.llama import Llama
 
-    cfg = memory_estimate._gpu_attention(load_config(str(ROOT / args[0]), list(args[1:])))
+    cfg = memory_estimate._gpu_config(load_config(str(ROOT / args[0]), list(args[1:])))
     shape = memory_estimate._mesh_shape(cfg)
     mesh = AbstractMesh(tuple(shape.values()), tuple(shape.keys()), axis_types=(AxisType.Auto,) * len(shape))
     model = nnx.eval_shape(lambda: Llama(cfg.model, cfg.quant, rngs=nnx.Rngs(0)))
-    n, kept, everything = memory_estimate.layer_residuals(cfg, model, mesh)[stack]
+    n, kept, everything, gradients = memory_estimate.layer_residuals(cfg, model, mesh)[stack]
     tokens = cfg.data.seq_len * cfg.data.batch_size / (shape["data"] * shape["fsdp"] * shape["expert"] * shape["context"])
-    return kept / tokens, everything / tokens
+    return kept / tokens, everything / tokens, gradients / tokens
 
 
 SHAPE_8B = ("configs/llama3_8b.yaml", "model.n_layers=2", "data.seq_len=2048", "data.batch_size=2", "mesh.fsdp=1")
@@ -83,11 +83,12 @@ def test_a_dense_layer_keeps_what_the_docstring_formula_says(context):
     d, hk, gk, f, h = 4096, 4096, 1024, 14336, 32
     save = 2 * (2 * d + 2 * hk + 2 * gk + 2 * f) + 4 * h
     mesh = f"mesh.context={context}"
-    kept, everything = _per_token((*SHAPE_8B, mesh, "model.remat=save_matmuls"))
+    kept, everything, gradients = _per_token((*SHAPE_8B, mesh, "model.remat=save_matmuls"))
     assert kept == save and everything > 1.5 * save
-    kept, _ = _per_token((*SHAPE_8B, mesh, "model.remat=save_matmuls", "quant.recipe=fp8_rowwise"))
+    assert gradients == 3 * 2 * f  # the SwiGLU's backward writes dh, dg and du beside g, u and h: F each per token
+    kept, _, _ = _per_token((*SHAPE_8B, mesh, "model.remat=save_matmuls", "quant.recipe=fp8_rowwise"))
     assert save + (2 * d + hk + f) <= kept < save + (2 * d + hk + f) + 64  # + per-channel f32 scale vectors
-    kept, none = _per_token((*SHAPE_8B, mesh, "model.remat=full"))
+    kept, none, _ = _per_token((*SHAPE_8B, mesh, "model.remat=full"))
     assert kept == 2 * d and none == everything
 
 
@@ -100,17 +101,20 @@ def test_a_routed_expert_layer_keeps_its_rows_only_without_expert_parallelism():
     d, hk, gk, f, h, k = 4096, 4096, 1024, 14336, 32, 2
     attention = 2 * (2 * d + 2 * hk + 2 * gk) + 4 * h
     mixtral = ("configs/mixtral_8x7b.yaml", "model.n_layers=1", "data.seq_len=2048", "data.batch_size=8")
-    kept, everything = _per_token((*mixtral, "mesh.fsdp=8"))
+    kept, everything, gradients = _per_token((*mixtral, "mesh.fsdp=8"))
     assert kept == attention + 2 * k * (2 * f + d)
-    kept_ep, everything_ep = _per_token((*mixtral, "mesh.fsdp=1", "mesh.expert=8"))
+    assert gradients == 3 * 2 * k * f  # the SwiGLU's dh, dg and du over the k rows of each token
+    kept_ep, everything_ep, gradients_ep = _per_token((*mixtral, "mesh.fsdp=1", "mesh.expert=8"))
     assert kept_ep == attention + 2 * k * d
+    assert gradients_ep == 3 * 2 * 8 * f  # over the worst-case buffer (below), which XLA plans for
     assert _per_token((*mixtral, "mesh.fsdp=1", "mesh.expert=8", "model.moe.ep_buffer_factor=0"))[0] == attention
     # ep_save_gate_up: also the gate and up outputs of the compact buffer's C rows (2 x 2,048 tokens x k = 8,192,
-    # bf16, one expert per device: no padding), on top of what the layer keeps and of its intermediates
-    kept_save, everything_save = _per_token((*mixtral, "mesh.fsdp=1", "mesh.expert=8",
-                                             "model.moe.ep_save_gate_up=true"))
+    # bf16, one expert per device: no padding), on top of what the layer keeps and twice on top of its
+    # intermediates (the running layer's own slice is copied out of the stack)
+    kept_save, everything_save, _ = _per_token((*mixtral, "mesh.fsdp=1", "mesh.expert=8",
+                                                "model.moe.ep_save_gate_up=true"))
     assert kept_save - kept_ep == 2 * 2 * f * (2 * 2048 * k) / 2048
-    assert everything_save - everything_ep == kept_save - kept_ep
+    assert everything_save - everything_ep == 2 * (kept_save - kept_ep)
     # P = 8 peers' worst case, min(k, 1 expert) = 1 row per token from each: 8 rows per token of gate, up and h
     assert everything_ep > 8 * 2 * 3 * f
     assert everything < 2 * k * 2 * (3 * f + d) + 4 * attention
@@ -179,3 +183,14 @@ def test_the_dry_run_compiles_for_a_gpu_only_where_the_mesh_has_its_gpus(monkeyp
     assert train.dry_run_target(4, plugin=False, gpus=0) == ("4 fake CPU devices", True)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "-1")
     assert train.local_gpus() == 0
+
+
+@pytest.mark.parametrize("overrides, exchange", [
+    (("mesh.fsdp=1", "mesh.expert=4"), "land"),  # as a GPU run with one process per node picks it
+    (("mesh.fsdp=1", "mesh.expert=8"), "auto"),  # beyond dispatch.LAND_MAX_PEERS
+    (("mesh.fsdp=1", "mesh.expert=4", "model.moe.exchange=dense"), "dense"),  # chosen by the user
+    (("mesh.fsdp=4",), "auto"),  # no expert parallelism
+])
+def test_the_estimate_traces_the_exchange_a_gpu_run_picks(overrides, exchange):
+    cfg = load_config(str(ROOT / "configs/mixtral_8x7b.yaml"), ["data.batch_size=8", *overrides])
+    assert memory_estimate._gpu_config(cfg).model.moe.exchange == exchange
