@@ -75,12 +75,14 @@ def logical_axes(w: nnx.Param | jax.Array) -> tuple[str, ...] | None:
     return tuple(axes) if axes else None
 
 
-def linear(x: jax.Array, w: nnx.Param, recipe: str, impl: str, reduce_dtype: str = "float32") -> jax.Array:
+def linear(x: jax.Array, w: nnx.Param, recipe: str, impl: str, reduce_dtype: str = "float32",
+           fence: bool = False) -> jax.Array:
     """x (..., in) @ w (in, out) through the quantization recipe; the output is tagged for remat policies.
-    reduce_dtype: model.grad_reduce_dtype (quant.linear)."""
+    reduce_dtype: model.grad_reduce_dtype, fence (quant.linear)."""
     axes = logical_axes(w)
     w, ops = weight_and_operands(w)
-    y = quant.linear(x, w, recipe=recipe, impl=impl, operands=ops, w_axes=axes, reduce_dtype=reduce_dtype)
+    y = quant.linear(x, w, recipe=recipe, impl=impl, operands=ops, w_axes=axes, reduce_dtype=reduce_dtype,
+                     fence=fence)
     return checkpoint_name(y, "matmul")
 
 

@@ -43,6 +43,12 @@ logits, and no weight gradient moves. On 2 x H200 (session 45, with the embeddin
 sharding.embed_lookup; the dense weights were then replicated over expert) the 4-layer DeepSeekMoE step at expert=2
 went from 120,805 to 131,585 tokens/s, the 4-layer 8B fp8 step at data=2 from 118,616 to 125,584, and the 2-layer
 Mixtral step at expert=2 from 117,775 to 118,428 (its all-reduce had been hidden behind compute).
+
+The head's weight gradient is fenced with its input gradient (quant.linear's `fence`): nothing in the layers'
+backward needs it, and XLA had run its GEMM after them, keeping the (tokens, V) logits gradient alive through the
+whole backward. Fenced, the 8-layer 8B fp8 step on one H200 peaks at 46.8 GiB instead of 47.7, and the 4-layer
+DeepSeekMoE step at expert=2 on 2 x H200 at 21.2 instead of 22.4, at the same speed (benchmarks/RESULTS.md,
+session 60).
 """
 
 from __future__ import annotations
@@ -274,7 +280,7 @@ class Llama(nnx.Module):
         vocab_parallel = bool(head_vocab_axes(cfg, self.head_recipe, tokens.size))
         if vocab_parallel:  # the group's rows on every device of it; each computes its own vocabulary's logits
             x = sharding.constrain(x, ("head_batch", "seq", "act_embed"))
-        logits = linear(x, self.head, self.head_recipe, self.quant_impl, cfg.grad_reduce_dtype)
+        logits = linear(x, self.head, self.head_recipe, self.quant_impl, cfg.grad_reduce_dtype, fence=True)
         if vocab_parallel:
             logits = sharding.constrain(logits, ("head_batch", "seq", "head_vocab"))
         return logits.astype(logits_dtype), stats

@@ -387,7 +387,7 @@ def _token_split(recipe: str, lead: tuple[int, ...], w_shape: tuple[int, ...], w
 
 @functools.lru_cache(maxsize=None)
 def _make_linear2d(recipe_name: str, impl: str, x_dtype: jnp.dtype, w_dtype: jnp.dtype, reduce_dtype: jnp.dtype,
-                   split: tuple[P, tuple[str, ...]] | None = None):
+                   split: tuple[P, tuple[str, ...]] | None = None, fence: bool = False):
     """The custom_vjp linear: over x (T, K), or with `split` (_token_split) per device over x (..., K).
 
     Under bf16, x keeps its leading dims (..., K) too. Flattening (B, S, K) to rows, where S is split over a context
@@ -514,6 +514,8 @@ def _make_linear2d(recipe_name: str, impl: str, x_dtype: jnp.dtype, w_dtype: jnp
     def bwd(res, g):
         g, gw_dtype = g.astype(x_dtype), _grad_w_dtype(w_dtype, reduce_dtype)
         grad_x, grad_w = (backward if split is None else backward_per_device)(res, g, gw_dtype)
+        if fence:  # grad_w is done before anything downstream of grad_x runs (`linear`'s fence)
+            grad_x, grad_w = jax.lax.optimization_barrier((grad_x, grad_w))
         return grad_x.astype(x_dtype), grad_w.astype(w_dtype), None  # the operands are not differentiated
 
     linear2d.defvjp(fwd, bwd)
@@ -522,7 +524,7 @@ def _make_linear2d(recipe_name: str, impl: str, x_dtype: jnp.dtype, w_dtype: jnp
 
 def linear(x: jax.Array, w: jax.Array, *, recipe: str, impl: str = "auto",
            operands: Operands | None = None, w_axes: tuple[str | None, ...] | None = None,
-           reduce_dtype="float32") -> jax.Array:
+           reduce_dtype="float32", fence: bool = False) -> jax.Array:
     """y = x @ w under `recipe`, differentiable in x and w (grads in x's and w's dtypes).
 
     x (..., K) in the compute dtype (bf16); w (K, N) the parameter (f32 master or bf16; quantized from it directly).
@@ -538,6 +540,11 @@ def linear(x: jax.Array, w: jax.Array, *, recipe: str, impl: str = "auto",
 
     reduce_dtype: the dtype in which w's gradient is summed across the devices that split the tokens
     (`_grad_w_dtype`, model.grad_reduce_dtype).
+
+    fence: the backward passes (grad_x, grad_w) through one optimization barrier, so that grad_w's GEMM runs before
+    anything downstream of grad_x. For the output head (mx_jax/llama.py): nothing in the layers' backward needs its
+    grad_w, and XLA had scheduled that GEMM after them, holding the V-wide logits gradient it reads throughout.
+    The MX recipe's path (mx_linear) has no fence.
     """
     # MX (block-scaled, mx_jax/mx_format.py) recipes join RECIPES and branch off here, before the fp8 table.
     if recipe not in RECIPES:
@@ -553,7 +560,7 @@ def linear(x: jax.Array, w: jax.Array, *, recipe: str, impl: str = "auto",
     lead = x.shape[:-1]
     split = _token_split(recipe, lead, w.shape, w_axes)
     make = functools.partial(_make_linear2d, recipe, impl, jnp.dtype(x.dtype), jnp.dtype(w.dtype),
-                             jnp.dtype(reduce_dtype))
+                             jnp.dtype(reduce_dtype), fence=fence)
     if split is not None:  # per device: x keeps its leading dims, laid out as the model splits them
         return make(split)(x, w, operands)
     if recipe == "bf16":  # XLA's dot over x's own dims (_make_linear2d)

@@ -431,6 +431,19 @@ def test_grad_reduce_dtype_reaches_every_dense_linear_of_the_train_step(tmp_path
     assert set(bf16) == shapes and all(d == {"bf16"} for d in bf16.values()), bf16
 
 
+def test_the_output_heads_weight_gradient_is_fenced_with_its_input_gradient(tmp_path):
+    """The head's backward passes (grad_x, grad_w) through one optimization barrier, so grad_w's GEMM runs before the
+    layers' backward and the V-wide logits gradient it reads is freed there (XLA had run it after them)."""
+    import re
+
+    from tests.helpers import NO_IO, lowered_train_step, tiny_config
+
+    cfg = tiny_config(tmp_path, *NO_IO, "mesh.fsdp=1", "quant.recipe=bf16")
+    d, v = cfg.model.d_model, cfg.model.vocab_size
+    fences = [ln for ln in lowered_train_step(cfg, 1).as_text().splitlines() if "optimization_barrier" in ln]
+    assert any(f"tensor<{d}x{v}x" in ln and re.search(rf"tensor<\d+x\d+x{d}x", ln) for ln in fences), fences
+
+
 def test_flops_per_token_llama3_8b_and_mfu(monkeypatch):
     import pathlib
     import types
