@@ -45,8 +45,9 @@ for even where the compact buffer runs). With model.moe.ep_save_gate_up the runn
 outputs count twice: the backward's loop copies its layer's slice out of the stack into a buffer of its own.
 XLA's buffer assignment for the 2-layer Mixtral step at expert=2 on 2 x H200 puts its peak in that fused pass of
 the whole-buffer branch, with the running layer's slice copies beside it. Against measured peaks and XLA's compiled
-figures of 8B, Mixtral and DeepSeekMoE steps on 1 to 4 H200s the total reads -6% to +7%
-(`benchmarks/estimate_check.py`; benchmarks/RESULTS.md, session 60).
+figures of 8B, Mixtral and DeepSeekMoE steps on 1 to 4 H200s the total reads -6% to +7%, but +14-15% for two short
+steps measured after the head's weight gradient was fenced (mx_jax/llama.py), the 8-layer 8B (+11% before the
+fence) and the 4-layer DeepSeekMoE at expert=2 (`benchmarks/estimate_check.py`; benchmarks/RESULTS.md, session 60).
 The logits add tokens x V x 2 bytes twice (values and gradient, in the compute dtype: bf16 unless compute is
 f32). XLA's own workspace and fragmentation are not counted, and XLA may fuse away a residual jax lists (remat=none
 unrolled, mostly); `train.py --dry-run` also compiles the step for the mesh and prints XLA's figure beside this one.
