@@ -54,10 +54,10 @@ the inverse permutation): XLA transposes a gather into a scatter-add with atomic
 parallelism the rows are gathered straight from the n tokens (each read k times) instead of from a repeated copy.
 On an H200 that took the Mixtral layer's fwd+bwd from 30.9 to 29.9 ms and DeepSeekMoE's from 5.65 to 5.05 ms (bf16).
 Expert parallelism in bf16 (one row per assignment, no padding) once sorted by a gather and unsorted by a scatter,
-written when the gathers-only form segfaulted XLA's GPU compiler; the cause was an empty concatenation (see
-`ExpertFFN.__call__`). On the worst-case receive buffers that form spent 15.5 ms a step in scatter/gather kernels
-at DeepSeekMoE's shape, gathers only 11.4: they took the 4-layer DeepSeekMoE step at expert=4 (its experts bf16)
-from 193,100 to 208,000 tokens/s and the bf16 Mixtral step at expert=4 from 178,900 to 184,800 (4 x H200, session 44).
+written when the gathers-only form segfaulted jax 0.11.2's Shardy partitioner; the cause was an empty concatenation (see
+`ExpertFFN.run`). On the worst-case receive buffers that form spent 15.5 ms a step in scatter/gather kernels at
+DeepSeekMoE's shape, gathers only 11.4: they took the 4-layer DeepSeekMoE step at expert=4 (its experts bf16) from
+193,100 to 208,000 tokens/s and the bf16 Mixtral step at expert=4 from 178,900 to 184,800 (4 x H200, session 44).
 The exchanges fill their send buffers and bring the outputs home in row order the same way (`exchange`): each row's
 slot in the (peers, bound) send buffer and each slot's row are one map and its inverse, so packing is one gather
 from the tokens (a token is passed once, not repeated k times) and unpacking one gather, and their transposes are
@@ -285,7 +285,7 @@ class ExpertFFN:
     w_down: jax.Array
     recipe: str
     impl: str
-    group_align: int | None = None  # None: 64 for fp8_rowwise, 1 otherwise (see __call__)
+    group_align: int | None = None  # None: 64 for fp8_rowwise, 1 otherwise (see `align`)
     name_outputs: bool = False  # name the GEMM outputs for remat policies (module docstring: compact rows only)
     scanned: bool = False  # the layer runs inside lax.scan (`_saved`)
     # Under expert parallelism with a compact buffer: save the gate and up outputs for the backward (`_either`'s keep)

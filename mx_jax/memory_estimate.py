@@ -10,8 +10,8 @@
     activations  sum over the layer stacks of  layers x the bytes one layer keeps for the backward
                  + the rest of one layer's intermediates (below)  + the logits
 
-The bytes a layer keeps are not a formula kept beside the model: they are the residuals jax itself saves for one
-block's backward (`jax.ad_checkpoint.saved_residuals` of the block under the run's remat policy), traced on the
+The bytes a layer keeps are not a formula kept beside the model: they are the residuals jax itself saves for one block's
+backward (jax's `saved_residuals`, `compat.saved_residuals`, of the block under the run's remat policy), traced on the
 run's mesh at its micro-batch, with the GEMM weights in the compute dtype as the train step feeds them. The weights
 themselves are not counted again; the block's input is (the layer loop stacks it). A residual made outside any
 `shard_map` has the global activation's shape and is divided over the batch and context shards; one made inside

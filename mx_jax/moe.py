@@ -7,7 +7,7 @@ For N tokens x (N,D), E routed experts of hidden width F, top-k:
     g      = s[idx], divided by its row sum when normalize_top_k
     y      = sum_j g_j Expert_{idx_j}(x) + sum_shared Expert_shared(x)  (DeepSeekMoE shared experts)
     Expert(x) = (silu(x W_gate) * (x W_up)) W_down, run for all experts at once as a grouped GEMM over the tokens
-    sorted by expert (mx_jax.grouped_linear: Pallas on Hopper, jax.lax.ragged_dot elsewhere). Under fp8_rowwise
+    sorted by expert (mx_jax.grouped_linear: Pallas on Hopper, jax.lax.ragged_dot_general elsewhere). Under fp8_rowwise
     the experts run fp8 where they get enough rows each for their dims (quant.expert_min_rows), else bf16
     (dispatch.expert_recipe).
 

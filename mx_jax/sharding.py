@@ -91,8 +91,10 @@ def make_mesh(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> M
     total = math.prod(shape.values())
     if total != n:
         desc = " x ".join(f"{k}={v}" for k, v in shape.items())
+        cpu = (f"; on CPU, XLA_FLAGS=--xla_force_host_platform_device_count={total} gives {total} devices"
+               if devices[0].platform == "cpu" and total > n else "")
         raise ConfigError(f"config key 'mesh': {desc} = {total} devices, but {n} are available "
-                          f"(set one axis to -1 to fill)")
+                          f"(set one axis to -1 to fill{cpu})")
     dims = tuple(shape[k] for k in MESH_AXES)
     return jax.make_mesh(dims, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES), devices=devices)
 

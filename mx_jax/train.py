@@ -906,7 +906,8 @@ def init_distributed() -> None:
 DEFAULT_XLA_FLAGS = ("--xla_gpu_enable_triton_gemm=false",)
 # `deterministic=true`: without it two identical GPU runs drift apart from the first steps (the 2-layer Mixtral step
 # on an H200: step-10 losses 4.8466 and 5.0032); with it they matched at every logged step, at 0.87x the tokens/s
-# (benchmarks/RESULTS.md, session 33). The Pallas kernels need nothing: none of them uses atomics.
+# (benchmarks/RESULTS.md, session 33). The Pallas kernels need nothing: their one atomic (tile_queue) hands out tile
+# indices, and each output tile is computed whole by one CTA in a fixed order.
 DETERMINISTIC_XLA_FLAG = "--xla_gpu_deterministic_ops"
 # The GPU allocator, unless the environment chose one. XLA's default (BFC) gives each executable its temporaries as
 # one block: with half the pool in use a step can fail for want of a contiguous block although the free memory adds

@@ -115,6 +115,9 @@ def test_mesh_errors_name_the_problem():
         sharding.make_mesh(MeshConfig(data=3, fsdp=1))
     with pytest.raises(ConfigError, match="mesh.fsdp"):
         sharding.make_mesh(MeshConfig(data=3, fsdp=-1))
+    n = len(jax.devices())  # CPU: more devices than there are says how to get fake ones
+    with pytest.raises(ConfigError, match=f"xla_force_host_platform_device_count={2 * n} gives {2 * n} devices"):
+        sharding.make_mesh(MeshConfig(data=2 * n, fsdp=1))
 
 
 def _naive_cross_entropy(logits, targets):
