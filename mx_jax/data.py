@@ -11,7 +11,10 @@ optionally, `train_tokens`, `val_tokens`, `max_token_id`: when present they are 
 every window read is checked against vocab_size, so stale or mistyped shards are an error naming the file. Write
 them with
     python -m mx_jax.data convert --out DIR [--tokenizer byte|path/to/tokenizer.json] FILE_OR_DIR ...
-(a HF `tokenizer.json` needs the `tokenizers` package). Shards are memory-mapped: a host touches only the windows
+from text files (one document each), JSON lines (`.jsonl`, a document per line in `--text-key`, default "text") or
+Parquet (that column), any of them compressed (`.gz`, `.bz2`, `.xz`, `.zst`); each document ends with the
+tokenizer's end-of-text token (see "Converter" below). A HF `tokenizer.json` needs the `tokenizers` package, Parquet
+`pyarrow`, `.zst` `zstandard` (`pip install mx_jax[data]`). Shards are memory-mapped: a host touches only the windows
 its devices need.
 
 Sampling: a split is cut into n = floor((len - 1) / T) windows of T+1 tokens. Global sequence i (counting from
@@ -45,7 +48,7 @@ import sys
 import sysconfig
 import threading
 import time
-from typing import Callable, Sequence
+from typing import Sequence
 
 import jax
 import numpy as np
@@ -403,40 +406,203 @@ def _open_mixture(cfg: DataConfig) -> Dataset:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Converter: text files -> token shards
+# Converter: documents -> token shards
+#
+# A file is read by its name: `.jsonl` / `.ndjson` / `.json` hold one JSON object per line, the document in its
+# `text_key` field; `.parquet` holds a table with a `text_key` column (needs pyarrow); any other file is one document,
+# its raw bytes. A trailing `.gz`, `.bz2`, `.xz` (standard library) or `.zst` / `.zstd` (needs zstandard) is
+# decompressed first. Each document's tokens are followed by the end-of-text id (NUL for bytes), so documents never
+# run into each other unmarked. A document goes to the held-out split when sha1 of its key (the file's path from the
+# input argument's name, plus "#<record index>" for a record of a JSON-lines or Parquet file) mod round(1 /
+# val_fraction) is 0: the split does not depend on where the inputs are mounted or how they are listed.
+
+COMPRESSED = (".gz", ".bz2", ".xz", ".zst", ".zstd")
+JSON_LINES = (".jsonl", ".ndjson", ".json")
+EOS_CANDIDATES = ("<|end_of_text|>", "<|endoftext|>", "</s>", "<eos>")  # Llama 3, GPT-2/Qwen, Llama 2/Mistral, Gemma
+ENCODE_BATCH_BYTES = 8 << 20  # documents tokenized together (tokenizers' encode_batch runs them on all cores)
 
 
-def _tokenizer(spec: str) -> tuple[Callable[[bytes], list[int]], int, str]:
-    if spec == "byte":
-        return (lambda b: list(b)), 256, "byte"
-    path = pathlib.Path(spec)
-    if not path.is_file():
-        raise SystemExit(f"--tokenizer: {spec} is neither 'byte' nor an existing tokenizer.json")
-    try:
-        from tokenizers import Tokenizer
-    except ImportError:
-        raise SystemExit("--tokenizer: a tokenizer.json needs the `tokenizers` package (pip install tokenizers)")
-    tok = Tokenizer.from_file(str(path))
-    return (lambda b: tok.encode(b.decode("utf-8", errors="replace"), add_special_tokens=False).ids,
-            tok.get_vocab_size(), str(path.resolve()))
+class _Encoder:
+    """Bytes (ids 0-255, NUL after each document) or a HF tokenizer.json (its end-of-text token after each)."""
+
+    def __init__(self, spec: str, eos: str = "auto"):
+        if spec == "byte":
+            self.vocab, self.name, self.eos_id, self._tok = 256, "byte", SEPARATOR, None
+            if eos not in ("auto", "none"):
+                raise SystemExit(f"--eos {eos}: the byte tokenizer separates documents with NUL (id 0); "
+                                 f"use --eos auto or --eos none")
+            if eos == "none":
+                self.eos_id = None
+            return
+        path = pathlib.Path(spec)
+        if not path.is_file():
+            raise SystemExit(f"--tokenizer: {spec} is neither 'byte' nor an existing tokenizer.json")
+        try:
+            from tokenizers import Tokenizer
+        except ImportError:
+            raise SystemExit("--tokenizer: a tokenizer.json needs the `tokenizers` package (pip install tokenizers)")
+        self._tok = Tokenizer.from_file(str(path))
+        self.vocab, self.name = self._tok.get_vocab_size(), str(path.resolve())
+        if eos == "none":
+            self.eos_id = None
+        elif eos == "auto":
+            found = [t for t in EOS_CANDIDATES if self._tok.token_to_id(t) is not None]
+            if not found:
+                raise SystemExit(f"--eos auto: {spec} has none of the end-of-text tokens {', '.join(EOS_CANDIDATES)}; "
+                                 f"name its token with --eos TOKEN, or pass --eos none to join documents unmarked")
+            self.eos_id = self._tok.token_to_id(found[0])
+        else:
+            self.eos_id = self._tok.token_to_id(eos)
+            if self.eos_id is None:
+                raise SystemExit(f"--eos {eos}: not a token of {spec}")
+
+    def encode(self, docs: Sequence[str | bytes]) -> list[np.ndarray]:
+        if self._tok is None:
+            out = [np.frombuffer(d if isinstance(d, bytes) else d.encode("utf-8"), np.uint8) for d in docs]
+        else:
+            texts = [d.decode("utf-8", errors="replace") if isinstance(d, bytes) else d for d in docs]
+            out = [np.asarray(e.ids, np.uint32) for e in self._tok.encode_batch(texts, add_special_tokens=False)]
+        if self.eos_id is None:
+            return out
+        eos = np.asarray([self.eos_id], out[0].dtype if out else np.uint32)
+        return [np.concatenate([ids, eos]) for ids in out]
 
 
-def convert(inputs: Sequence[str], out: str, tokenizer: str = "byte", shard_tokens: int = 100_000_000,
-            val_fraction: float = 0.05, pattern: str = "*") -> dict:
-    """Tokenize text files into train/val shards; a file goes to val by the same path hash as the corpus."""
-    encode, vocab, tok_name = _tokenizer(tokenizer)
-    dtype = np.uint16 if vocab <= 65536 else np.uint32
-    files: list[pathlib.Path] = []
+def _input_files(inputs: Sequence[str], pattern: str) -> list[tuple[str, pathlib.Path]]:
+    """(key, path) of every input file; a directory contributes its non-hidden files matching `pattern`."""
+    files = []
     for item in inputs:
         p = pathlib.Path(item)
         if p.is_dir():
-            files.extend(sorted(f for f in p.rglob(pattern) if f.is_file()))
+            for f in sorted(p.rglob(pattern)):
+                rel = f.relative_to(p)
+                if f.is_file() and not any(part.startswith(".") for part in rel.parts):
+                    files.append(((pathlib.Path(p.resolve().name) / rel).as_posix(), f))
         elif p.is_file():
-            files.append(p)
+            files.append((p.name, p))
         else:
             raise SystemExit(f"input {item} does not exist")
     if not files:
-        raise SystemExit("no input files")
+        raise SystemExit(f"no input files in {' '.join(inputs)}" + (f" matching --pattern {pattern}"
+                                                                      if pattern != "*" else ""))
+    return files
+
+
+def _file_kind(path: pathlib.Path) -> tuple[str, str]:
+    """("jsonl" | "parquet" | "text", compression suffix or "")."""
+    name = path.name.lower()
+    comp = next((c for c in COMPRESSED if name.endswith(c)), "")
+    stem = name[: len(name) - len(comp)]
+    if stem.endswith(".parquet"):
+        if comp:
+            raise SystemExit(f"{path}: a compressed Parquet file; Parquet compresses inside, pass the .parquet itself")
+        return "parquet", ""
+    return ("jsonl" if stem.endswith(JSON_LINES) else "text"), comp
+
+
+def _open_stream(path: pathlib.Path, comp: str):
+    """(decompressed binary stream, the raw file whose tell() is the progress)."""
+    raw = open(path, "rb")
+    if comp == ".gz":
+        import gzip
+        return gzip.GzipFile(fileobj=raw), raw
+    if comp == ".bz2":
+        import bz2
+        return bz2.BZ2File(raw), raw
+    if comp == ".xz":
+        import lzma
+        return lzma.LZMAFile(raw), raw
+    if comp in (".zst", ".zstd"):
+        try:
+            import zstandard
+        except ImportError:
+            raw.close()
+            raise SystemExit(f"{path}: reading .zst files needs the `zstandard` package (pip install zstandard)")
+        import io
+        return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True)), raw
+    return raw, raw
+
+
+def _documents(path: pathlib.Path, text_key: str):
+    """Yields (record index or None for a whole-file document, document, bytes of the file read so far)."""
+    kind, comp = _file_kind(path)
+    if kind == "parquet":
+        try:
+            import pyarrow.parquet as pq
+        except ImportError:
+            raise SystemExit(f"{path}: reading Parquet files needs the `pyarrow` package (pip install pyarrow)")
+        pf = pq.ParquetFile(path)
+        if text_key not in pf.schema_arrow.names:
+            raise SystemExit(f"{path}: no column {text_key!r} (columns: {', '.join(pf.schema_arrow.names)}); "
+                             f"name the text column with --text-key")
+        size, groups, i = path.stat().st_size, max(pf.num_row_groups, 1), 0
+        for g in range(pf.num_row_groups):
+            for doc in pf.read_row_group(g, columns=[text_key]).column(0).to_pylist():
+                if doc is not None and not isinstance(doc, str):
+                    raise SystemExit(f"{path}: row {i}: column {text_key!r} holds {type(doc).__name__}, not text")
+                yield i, doc or "", size * (g + 1) // groups
+                i += 1
+        return
+    stream, raw = _open_stream(path, comp)
+    try:
+        if kind == "text":
+            yield None, stream.read(), raw.tell()
+            return
+        for i, line in enumerate(stream):
+            if not line.strip():
+                raise SystemExit(f"{path}:{i + 1}: an empty line in a JSON-lines file")
+            try:
+                obj = json.loads(line)
+            except ValueError as e:
+                raise SystemExit(f"{path}:{i + 1}: not a JSON object ({e}); a JSON-lines file holds one object per "
+                                 f"line")
+            if not isinstance(obj, dict) or text_key not in obj:
+                keys = ", ".join(map(str, obj)) if isinstance(obj, dict) else type(obj).__name__
+                raise SystemExit(f"{path}:{i + 1}: no {text_key!r} field (has: {keys}); name the text field with "
+                                 f"--text-key")
+            doc = obj[text_key]
+            if doc is not None and not isinstance(doc, str):
+                raise SystemExit(f"{path}:{i + 1}: field {text_key!r} holds {type(doc).__name__}, not text")
+            yield i, doc or "", raw.tell()
+    finally:
+        stream.close()
+        raw.close()
+
+
+class _Progress:
+    """A line on stderr every `every` seconds: files, documents, tokens and the input read so far."""
+
+    def __init__(self, total_bytes: int, n_files: int, enabled: bool, every: float = 10.0):
+        self.total, self.n_files, self.enabled, self.every = total_bytes, n_files, enabled, every
+        self.t0 = self.last = time.monotonic()
+
+    def update(self, read: int, files: int, docs: int, tokens: int, force: bool = False) -> None:
+        now = time.monotonic()
+        if not self.enabled or (now - self.last < self.every and not force):
+            return
+        self.last = now
+        rate = read / max(now - self.t0, 1e-9)
+        eta = f", ETA {(self.total - read) / rate:.0f} s" if rate > 0 and read < self.total else ""
+        print(f"convert: {files}/{self.n_files} files, {docs:,} documents, {tokens:,} tokens, "
+              f"{read / 1e6:,.1f} of {self.total / 1e6:,.1f} MB read ({rate / 1e6:.1f} MB/s{eta})",
+              file=sys.stderr, flush=True)
+
+
+def convert(inputs: Sequence[str], out: str, tokenizer: str = "byte", shard_tokens: int = 100_000_000,
+            val_fraction: float = 0.05, pattern: str = "*", text_key: str = "text", eos: str = "auto",
+            progress: bool = False) -> dict:
+    """Tokenize documents (text, JSON-lines or Parquet files) into train/val shards under `out`.
+
+    Writes each shard under a temporary name and renames it whole, and meta.json last; if the conversion stops on an
+    error, the shards it wrote are removed again, so `out` never holds a partial conversion.
+    """
+    if not 0 <= val_fraction < 1:
+        raise SystemExit(f"--val-fraction must be in [0, 1), got {val_fraction}")
+    if shard_tokens < 1:
+        raise SystemExit(f"--shard-tokens must be positive, got {shard_tokens}")
+    enc = _Encoder(tokenizer, eos)
+    dtype = np.uint16 if enc.vocab <= 65536 else np.uint32
+    files = _input_files(inputs, pattern)
     out_dir = pathlib.Path(out)
     if out_dir.exists() and not out_dir.is_dir():
         raise SystemExit(f"--out {out} exists and is not a directory")
@@ -446,64 +612,111 @@ def convert(inputs: Sequence[str], out: str, tokenizer: str = "byte", shard_toke
         listed = ", ".join(old[:4]) + (", ..." if len(old) > 4 else "")
         raise SystemExit(f"--out {out} already holds token shards ({listed}); write into a new directory, or remove "
                          f"them first")
+    made = [d for d in (out_dir, *out_dir.parents) if not d.exists()]
     out_dir.mkdir(parents=True, exist_ok=True)
     stride = max(1, round(1 / val_fraction)) if val_fraction > 0 else 0
     buffers: dict[str, list[np.ndarray]] = {"train": [], "val": []}
+    pending = {"train": 0, "val": 0}  # tokens in buffers[split]
     counts = {"train": 0, "val": 0}
-    max_id = -1
     shard_idx = {"train": 0, "val": 0}
-    eos = SEPARATOR if tok_name == "byte" else None
+    written: list[pathlib.Path] = []
+    stats = {"max_id": -1, "documents": 0, "empty": 0, "read": 0}
 
     def flush(split: str, force: bool = False) -> None:
-        total = sum(len(b) for b in buffers[split])
-        if total == 0 or (total < shard_tokens and not force):
+        if pending[split] == 0 or (pending[split] < shard_tokens and not force):
             return
         arr = np.concatenate(buffers[split]).astype(dtype)
         target = out_dir / f"{split}_{shard_idx[split]:05d}.bin"
         tmp = target.with_suffix(".bin.tmp")
+        written.extend([tmp, target])
         arr.tofile(tmp)
         tmp.replace(target)  # a shard is either whole or absent
         shard_idx[split] += 1
-        buffers[split] = []
+        buffers[split], pending[split] = [], 0
 
-    for f in files:
-        ids = encode(f.read_bytes())
-        if eos is not None:
-            ids = list(ids) + [eos]
-        digest = int(hashlib.sha1(str(f).encode()).hexdigest(), 16)
-        split = "val" if stride and digest % stride == 0 else "train"
-        buffers[split].append(np.asarray(ids, dtype=np.int64))
-        if len(ids):
-            max_id = max(max_id, int(buffers[split][-1].max()))
-        counts[split] += len(ids)
-        flush(split)
-    if counts["val"] == 0 and buffers["train"]:  # tiny inputs: make sure a held-out split exists
-        last = buffers["train"].pop()
-        counts["train"] -= len(last)
-        buffers["val"].append(last)
-        counts["val"] += len(last)
-    flush("train", force=True)
-    flush("val", force=True)
-    meta = {"dtype": np.dtype(dtype).name, "vocab_size": vocab, "tokenizer": tok_name,
-            "train_tokens": counts["train"], "val_tokens": counts["val"], "max_token_id": max_id, "files": len(files)}
-    tmp = out_dir / "meta.json.tmp"
-    tmp.write_text(json.dumps(meta, indent=2) + "\n")
-    tmp.replace(out_dir / "meta.json")  # written last: a directory with meta.json holds every shard
+    def add(batch: list[tuple[str, str | bytes]]) -> None:
+        for (key, _), ids in zip(batch, enc.encode([d for _, d in batch])):
+            split = "val" if stride and int(hashlib.sha1(key.encode()).hexdigest(), 16) % stride == 0 else "train"
+            if len(ids):
+                stats["max_id"] = max(stats["max_id"], int(ids.max()))
+            buffers[split].append(ids.astype(dtype, copy=False))
+            counts[split] += len(ids)
+            pending[split] += len(ids)
+            stats["documents"] += 1
+            flush(split)
+
+    total_bytes = sum(f.stat().st_size for _, f in files)
+    prog = _Progress(total_bytes, len(files), progress)
+    try:
+        for n_done, (key, f) in enumerate(files):
+            batch: list[tuple[str, str | bytes]] = []
+            batch_bytes = 0
+            for index, doc, read in _documents(f, text_key):
+                if not doc:
+                    stats["empty"] += 1
+                    continue
+                batch.append((key if index is None else f"{key}#{index}", doc))
+                batch_bytes += len(doc)
+                if batch_bytes >= ENCODE_BATCH_BYTES:
+                    add(batch)
+                    batch, batch_bytes = [], 0
+                    prog.update(stats["read"] + read, n_done, stats["documents"], sum(counts.values()))
+            add(batch)
+            stats["read"] += f.stat().st_size
+            prog.update(stats["read"], n_done + 1, stats["documents"], sum(counts.values()))
+        if stats["documents"] == 0:
+            raise SystemExit(f"no documents in {len(files)} input file(s): every one was empty")
+        if counts["val"] == 0:  # tiny inputs (or --val-fraction 0): hold out the last document
+            if not buffers["train"]:
+                raise SystemExit(f"no document was held out, and the training shards are already written; raise "
+                                 f"--val-fraction ({val_fraction}) or --shard-tokens ({shard_tokens})")
+            last = buffers["train"].pop()
+            counts["train"] -= len(last)
+            pending["train"] -= len(last)
+            buffers["val"].append(last)
+            counts["val"] += len(last)
+            pending["val"] += len(last)
+        flush("train", force=True)
+        flush("val", force=True)
+        meta = {"dtype": np.dtype(dtype).name, "vocab_size": enc.vocab, "tokenizer": enc.name, "eos_id": enc.eos_id,
+                "train_tokens": counts["train"], "val_tokens": counts["val"], "max_token_id": stats["max_id"],
+                "files": len(files), "documents": stats["documents"], "empty_documents": stats["empty"]}
+        tmp = out_dir / "meta.json.tmp"
+        written.append(tmp)
+        tmp.write_text(json.dumps(meta, indent=2) + "\n")
+        tmp.replace(out_dir / "meta.json")  # written last: a directory with meta.json holds every shard
+    except BaseException:
+        for p in written:
+            p.unlink(missing_ok=True)
+        for d in made:  # the directories this call created, deepest first, where nothing else was put in them
+            if d.is_dir() and not any(d.iterdir()):
+                d.rmdir()
+        raise
+    prog.update(stats["read"], len(files), stats["documents"], sum(counts.values()), force=True)
     return meta
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m mx_jax.data", description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
-    c = sub.add_parser("convert", help="tokenize text files into train/val token shards")
-    c.add_argument("inputs", nargs="+", help="files or directories")
-    c.add_argument("--out", required=True)
+    c = sub.add_parser("convert", help="tokenize documents into train/val token shards",
+                       description="Tokenize text files (one document each), JSON-lines files (.jsonl, .ndjson, "
+                                   ".json; one document per line, in --text-key) or Parquet files (the --text-key "
+                                   "column) into train/val token shards; .gz, .bz2, .xz and .zst inputs are "
+                                   "decompressed.")
+    c.add_argument("inputs", nargs="+", help="files or directories (searched recursively; hidden files skipped)")
+    c.add_argument("--out", required=True, help="a new directory (or one without shards)")
     c.add_argument("--tokenizer", default="byte", help="'byte' or a HF tokenizer.json")
-    c.add_argument("--pattern", default="*", help="glob for files inside input directories")
+    c.add_argument("--pattern", default="*", help="glob for files inside input directories, e.g. '*.parquet'")
+    c.add_argument("--text-key", default="text", help="the document's field (JSON lines) or column (Parquet)")
+    c.add_argument("--eos", default="auto", help="the token after each document: 'auto' (the tokenizer's "
+                   "end-of-text token; NUL for bytes), a token string, or 'none'")
     c.add_argument("--shard-tokens", type=int, default=100_000_000)
     c.add_argument("--val-fraction", type=float, default=0.05)
+    c.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     args = ap.parse_args(argv)
-    meta = convert(args.inputs, args.out, args.tokenizer, args.shard_tokens, args.val_fraction, args.pattern)
+    meta = convert(args.inputs, args.out, args.tokenizer, args.shard_tokens, args.val_fraction, args.pattern,
+                   args.text_key, args.eos, progress=not args.quiet)
     print(json.dumps(meta))
 
 

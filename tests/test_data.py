@@ -1,5 +1,6 @@
 """Data: the embedded corpus, token shards and the converter, deterministic and resumable batches."""
 
+import hashlib
 import json
 
 import numpy as np
@@ -247,23 +248,144 @@ def test_empty_shard_and_out_of_vocabulary_ids_name_the_file(tmp_path):
         ds.train.get(4)  # tokens 32..40
 
 
-def test_hf_tokenizer_json(tmp_path):
-    pytest.importorskip("tokenizers")
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+def _bpe(tmp_path, specials):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     corpus = ["def foo(x):\n    return x + 1\n", "import os\nprint(os.getcwd())\n"] * 50
     tok = Tokenizer(models.BPE(unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel()
-    tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=300, special_tokens=["[UNK]"]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=300, special_tokens=["[UNK]", *specials],
+                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     tok.save(str(tmp_path / "tokenizer.json"))
     src = tmp_path / "src"
-    src.mkdir()
+    src.mkdir(exist_ok=True)
     for i, text in enumerate(corpus[:40]):
         (src / f"f{i}.py").write_text(text)
+    return tok, corpus[:40], src
+
+
+def test_hf_tokenizer_json_ends_each_document_with_its_end_of_text_token(tmp_path):
+    pytest.importorskip("tokenizers")
+    tok, docs, src = _bpe(tmp_path, ["</s>"])
+    eos = tok.token_to_id("</s>")
     meta = data.convert([str(src)], str(tmp_path / "tok"), tokenizer=str(tmp_path / "tokenizer.json"))
-    assert meta["vocab_size"] == tok.get_vocab_size()
-    ids = np.fromfile(next((tmp_path / "tok").glob("train_*.bin")), dtype=np.uint16)
-    assert ids.max() < meta["vocab_size"] and len(ids) < sum(len(t) for t in corpus[:40])  # BPE compresses
+    assert meta["vocab_size"] == tok.get_vocab_size() and meta["eos_id"] == eos and meta["documents"] == 40
+    ids = np.concatenate([np.fromfile(f, dtype=np.uint16) for f in sorted((tmp_path / "tok").glob("*.bin"))])
+    assert ids.max() < meta["vocab_size"] and len(ids) < sum(len(t) for t in docs)  # BPE compresses
+    assert (ids == eos).sum() == 40 and ids[-1] == eos
+    pieces = np.split(ids, np.flatnonzero(ids == eos) + 1)[:-1]
+    assert sorted(tok.decode(p[:-1].tolist()) for p in pieces) == sorted(docs)
+
+
+def test_a_tokenizer_without_an_end_of_text_token_needs_eos_named(tmp_path):
+    pytest.importorskip("tokenizers")
+    _, docs, src = _bpe(tmp_path, ["<|sep|>"])
+    tj = str(tmp_path / "tokenizer.json")
+    with pytest.raises(SystemExit, match="none of the end-of-text tokens .*--eos TOKEN"):
+        data.convert([str(src)], str(tmp_path / "a"), tokenizer=tj)
+    assert not (tmp_path / "a").exists()
+    with pytest.raises(SystemExit, match="--eos <eot>: not a token of"):
+        data.convert([str(src)], str(tmp_path / "b"), tokenizer=tj, eos="<eot>")
+    sep = data.convert([str(src)], str(tmp_path / "c"), tokenizer=tj, eos="<|sep|>")
+    bare = data.convert([str(src)], str(tmp_path / "d"), tokenizer=tj, eos="none")
+    assert bare["eos_id"] is None and sep["eos_id"] is not None
+    assert sep["train_tokens"] + sep["val_tokens"] == bare["train_tokens"] + bare["val_tokens"] + len(docs)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The converter's input formats
+
+
+def _docs(n, seed):
+    rng = np.random.default_rng(seed)
+    return [f"doc {seed}.{i}: " + "".join(rng.choice(list("abcdefgh \n\u00e9\u4e2d"), size=rng.integers(1, 200)))
+            for i in range(n)]
+
+
+def _json_lines(docs, key="text"):
+    return "".join(json.dumps({"id": i, key: d}) + "\n" for i, d in enumerate(docs)).encode()
+
+
+def _split_documents(out, split):
+    """The documents of a byte-tokenized split, in order (the converter ends each with NUL)."""
+    ids = np.concatenate([np.fromfile(f, dtype=np.uint16) for f in sorted(out.glob(f"{split}_*.bin"))])
+    assert ids[-1] == data.SEPARATOR
+    return [bytes(p[:-1].astype(np.uint8)).decode() for p in np.split(ids, np.flatnonzero(ids == 0) + 1)[:-1]]
+
+
+def test_convert_reads_json_lines_parquet_and_compressed_inputs(tmp_path):
+    import bz2
+    import gzip
+    import lzma
+
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    zstd = pytest.importorskip("zstandard")
+    src = tmp_path / "corpus"
+    (src / "sub").mkdir(parents=True)
+    files = {"a.jsonl": (_docs(40, 1), lambda b: b), "sub/b.jsonl.gz": (_docs(30, 2), gzip.compress),
+             "c.ndjson.bz2": (_docs(20, 3), bz2.compress), "d.json.xz": (_docs(20, 4), lzma.compress),
+             "e.jsonl.zst": (_docs(30, 5), zstd.ZstdCompressor().compress)}
+    for name, (docs, pack) in files.items():
+        (src / name).write_bytes(pack(_json_lines(docs)))
+    files["f.parquet"] = (_docs(50, 6), None)
+    pq.write_table(pa.table({"id": list(range(50)), "text": files["f.parquet"][0]}), src / "f.parquet",
+                   row_group_size=16)
+    (src / "g.txt").write_text("a whole file is one document\n")
+    (src / ".cache").mkdir()
+    (src / ".cache" / "h.txt").write_text("hidden: not read")
+    meta = data.convert([str(src)], str(tmp_path / "tok"), shard_tokens=3000, val_fraction=0.25)
+    assert meta["files"] == 7 and meta["documents"] == 191 and meta["eos_id"] == data.SEPARATOR
+
+    val = [d for name, (docs, _) in files.items() for i, d in enumerate(docs)
+           if int(hashlib.sha1(f"corpus/{name}#{i}".encode()).hexdigest(), 16) % 4 == 0]
+    assert 20 < len(val) < 80  # records are split one by one, not file by file
+    everything = [d for docs, _ in files.values() for d in docs] + ["a whole file is one document\n"]
+    train, held = _split_documents(tmp_path / "tok", "train"), _split_documents(tmp_path / "tok", "val")
+    assert sorted(held) == sorted(val)
+    assert sorted(train + held) == sorted(everything)
+    assert len(list((tmp_path / "tok").glob("train_*.bin"))) >= 3
+
+    moved = tmp_path / "elsewhere" / "corpus"  # the same inputs under another mount: the same shards
+    moved.parent.mkdir()
+    src.rename(moved)
+    data.convert([str(moved)], str(tmp_path / "tok2"), shard_tokens=3000, val_fraction=0.25)
+    for f in (tmp_path / "tok").glob("*.bin"):
+        assert f.read_bytes() == (tmp_path / "tok2" / f.name).read_bytes()
+
+
+def test_converter_errors_name_the_file_and_line_and_leave_nothing_behind(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.jsonl").write_bytes(_json_lines(_docs(300, 1)))  # enough for shards before the error
+    out = tmp_path / "new" / "tok"
+
+    def fails(match, **kw):
+        with pytest.raises(SystemExit, match=match):
+            data.convert([str(src)], str(out), shard_tokens=2000, **kw)
+        assert not (tmp_path / "new").exists()
+
+    fails(r"a.jsonl:1: no 'body' field \(has: id, text\); name the text field with --text-key", text_key="body")
+    (src / "b.jsonl").write_bytes(_json_lines(_docs(3, 2)) + b'{"text": "cut off\n')
+    fails(r"b.jsonl:4: not a JSON object")
+    (src / "b.jsonl").write_bytes(_json_lines(_docs(3, 2)) + b'{"text": 7}\n')
+    fails(r"b.jsonl:4: field 'text' holds int, not text")
+    (src / "b.jsonl").write_bytes(b'{"text": "fine"}\n\n')
+    fails(r"b.jsonl:2: an empty line")
+    (src / "b.jsonl").unlink()
+    pq.write_table(pa.table({"content": ["x"]}), src / "c.parquet")
+    fails(r"c.parquet: no column 'text' \(columns: content\)")
+    (src / "c.parquet").unlink()
+    (src / "d.parquet.gz").write_bytes(b"")
+    fails(r"d.parquet.gz: a compressed Parquet file")
+    (src / "d.parquet.gz").unlink()
+    fails(r"no input files .* matching --pattern \*.txt", pattern="*.txt")
+    (src / "e.jsonl").write_bytes(b'{"text": ""}\n{"text": null}\n')
+    meta = data.convert([str(src / "e.jsonl"), str(src / "a.jsonl")], str(out), shard_tokens=2000)
+    assert meta["documents"] == 300 and meta["empty_documents"] == 2  # empty records are counted, not written
 
 
 # ---------------------------------------------------------------------------------------------------------------
