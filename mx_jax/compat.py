@@ -174,6 +174,43 @@ def cudnn_attention_bwd(q, k, v, out, lse, dout, *, causal: bool, scale: float, 
     return dq, dk, dv
 
 
+# cuDNN's packed layout: several documents per row, each attending causally within itself (model.attention_mask=
+# documents). Per row, `lengths` (B, M) are the documents' lengths and `starts` (B, M+1) their first positions, -1
+# where a row has fewer than M (the format of jax._src.cudnn.fused_attention_stablehlo.dot_product_attention's
+# q_seqlen and q_offsets; the wrapper primitives turn it into cuDNN's, the same in 0.10.2 and 0.11.2). The
+# statistics are (B M, N, T) float32. Checked on an H200 (jax 0.11.2, cuDNN 9.19) against XLA's masked scores with
+# grouped-query heads, through our path and through jax's function: PADDING_CAUSAL and CAUSAL gave the same results
+# (benchmarks/RESULTS.md, session 61).
+def _cudnn_packed_args(q, scale: float, lengths, starts):
+    from jax._src.cudnn import fused_attention_stablehlo as fa
+
+    unused = jax.numpy.zeros(0, q.dtype)
+    operands = (unused, lengths, lengths, starts, starts, unused, unused)
+    params = dict(scale=scale, seed=42, dropout_rate=0.0, variadic_args=(False, False),
+                  mask_type=fa.MaskType.PADDING_CAUSAL, layout=fa.AttentionLayout.BTNH.value,
+                  sliding_window_length=None)
+    return fa, operands, params
+
+
+def cudnn_packed_attention_fwd(q, k, v, lengths, starts, *, scale: float):
+    """q (B,T,N,H), k and v (B,T,G,H), each row's documents as (lengths, starts) -> (output like q, softmax
+    statistics (B M, N, T) float32)."""
+    fa, operands, params = _cudnn_packed_args(q, scale, lengths, starts)
+    if not _CUDNN_SHAPES_ONLY:
+        fa.check_layout(q, k, v, None, lengths, lengths, starts, starts, None, None, fa.AttentionLayout.BTNH)
+        fa.check_is_flash_attention(q, k, v, fa.AttentionLayout.BTNH.value, fa.check_cudnn_version(), False, True,
+                                    is_packed=True)
+    out, stats = fa._dot_product_attention_fwd_p_wrapper.bind(q, k, v, *operands, **params, is_training=True)
+    return out, stats
+
+
+def cudnn_packed_attention_bwd(q, k, v, out, stats, dout, lengths, starts, *, scale: float):
+    """(dq, dk, dv) of `cudnn_packed_attention_fwd`."""
+    fa, operands, params = _cudnn_packed_args(q, scale, lengths, starts)
+    dq, dk, dv = fa._dot_product_attention_bwd_p_wrapper.bind(q, k, v, *operands, stats, out, dout, **params)
+    return dq, dk, dv
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Shape-only traces (mx_jax/memory_estimate.py)
 # ---------------------------------------------------------------------------------------------------------------

@@ -100,6 +100,17 @@ class ModelConfig:
     remat: Literal["none", "full", "save_matmuls"] = "none"
     scan_layers: bool = True  # lax.scan over the stacked layers; false unrolls them (llama.py: when that wins)
     attention: Literal["auto", "cudnn", "xla"] = "auto"
+    # "documents": a token attends only to the earlier tokens of its own document, documents ending with the
+    # end-of-text token `eos_id` (Llama 3's training; TorchTitan's block_causal); "causal": to every earlier token of
+    # its sequence. RoPE positions count from the sequence's start either way (layers.document_segments).
+    attention_mask: Literal["causal", "documents"] = "causal"
+    eos_id: int = -1  # the end-of-text token; -1 = the data's (meta.json's eos_id; NUL, 0, for bytes)
+    # The documents of one sequence kept apart (M); from the M-th on they attend to each other (metric
+    # doc_overflow_frac). cuDNN's packed attention costs M: B M N T (8 K + 4) bytes of backward workspace (N heads,
+    # K head dim: 8.7 GB at M = 32 for one 8B sequence of 8192) and ~22 us per unit of M per 8B layer (fwd+bwd).
+    # 0 = from the data: the 99th percentile of documents per sequence over 1,024 training windows, rounded up to a
+    # multiple of 8; train.py logs it (benchmarks/RESULTS.md, session 61).
+    max_documents: int = 0
     moe: MoEConfig = MoEConfig()
 
     @property
@@ -430,6 +441,9 @@ def validate(cfg: TrainConfig) -> None:
     _check(m.head_dim >= 0, "model.head_dim", f"must be >= 0 (0 = d_model // n_heads), got {m.head_dim}")
     _check(m.norm_eps > 0, "model.norm_eps", f"must be positive, got {m.norm_eps}")
     _check(m.init_std > 0, "model.init_std", f"must be positive, got {m.init_std}")
+    _check(m.max_documents >= 0, "model.max_documents", f"must be >= 0 (0 = from the data), got {m.max_documents}")
+    _check(-1 <= m.eos_id < m.vocab_size, "model.eos_id",
+           f"must be a token id below model.vocab_size ({m.vocab_size}), or -1 (the data's), got {m.eos_id}")
     e = m.moe
     _check(e.n_experts >= 0, "model.moe.n_experts", f"must be >= 0 (0 = dense model), got {e.n_experts}")
     if e.n_experts:

@@ -169,6 +169,29 @@ def _cudnn_causal_bwd(res, do):
 cudnn_causal_attention.defvjp(_cudnn_causal_fwd, _cudnn_causal_bwd)
 
 
+@jax.custom_vjp
+def cudnn_document_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array,
+                             starts: jax.Array) -> jax.Array:
+    """Causal attention within each document of a row (model.attention_mask=documents), one device's rows, through
+    cuDNN's packed layout (`layers.packed_layout` describes the documents); residuals tagged as above."""
+    return _cudnn_document_fwd(q, k, v, lengths, starts)[0]
+
+
+def _cudnn_document_fwd(q, k, v, lengths, starts):
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    o, stats = _remat_tags(*compat.cudnn_packed_attention_fwd(q, k, v, lengths, starts, scale=scale))
+    return o, (q, k, v, o, stats, lengths, starts)
+
+
+def _cudnn_document_bwd(res, do):
+    q, k, v, o, stats, lengths, starts = res
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    return (*compat.cudnn_packed_attention_bwd(q, k, v, o, stats, do, lengths, starts, scale=scale), None, None)
+
+
+cudnn_document_attention.defvjp(_cudnn_document_fwd, _cudnn_document_bwd)
+
+
 def _remat_tags(o, lse):
     """Name a forward's residuals "attention", the name model.remat=save_matmuls saves. A custom_vjp's residuals are
     otherwise invisible to the policy, so the backward would run the forward kernels again to rebuild them. Unrolled,

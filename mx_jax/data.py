@@ -104,6 +104,9 @@ def read_meta(d: pathlib.Path) -> dict:
         raise ConfigError(f"{meta_file}: 'vocab_size' must be a positive integer, got {vocab!r}")
     if np.iinfo(meta["dtype"]).max < vocab - 1:
         raise ConfigError(f"{meta_file}: vocab_size {vocab} does not fit dtype {meta['dtype']}")
+    eos = meta.get("eos_id")
+    if eos is not None and (not isinstance(eos, int) or isinstance(eos, bool) or not 0 <= eos < vocab):
+        raise ConfigError(f"{meta_file}: 'eos_id' must be a token id below vocab_size {vocab} or null, got {eos!r}")
     return meta
 
 
@@ -351,6 +354,9 @@ class Dataset:
     val: Windows | Mixture  # a mixture's held-out loss is evaluated per source (val.sources)
     vocab_size: int
     description: str
+    # The token that ends each document (meta.json's eos_id; NUL for bytes), None where the shards do not say, or
+    # the sources of a mixture disagree (model.attention_mask=documents needs it).
+    eos_id: int | None = None
 
     @property
     def train_windows(self) -> int | list[int]:
@@ -364,7 +370,7 @@ def open_dataset(cfg: DataConfig) -> Dataset:
         desc = (f"embedded corpus: Python {sys.version_info.major}.{sys.version_info.minor} standard library, "
                 f"{len(splits['train']) / 1e6:.1f} M train / {len(splits['val']) / 1e6:.2f} M held-out bytes")
         return Dataset(Windows([splits["train"]], cfg.seq_len, "train"),
-                       Windows([splits["val"]], cfg.seq_len, "held-out"), 256, desc)
+                       Windows([splits["val"]], cfg.seq_len, "held-out"), 256, desc, SEPARATOR)
     if cfg.mixture:
         return _open_mixture(cfg)
     train, train_files, vocab = load_shards(cfg.path, "train")
@@ -372,7 +378,24 @@ def open_dataset(cfg: DataConfig) -> Dataset:
     n_train = sum(len(a) for a in train)
     desc = f"token shards {cfg.path}: {n_train / 1e6:.1f} M train tokens, vocab {vocab}"
     return Dataset(Windows(train, cfg.seq_len, "train", vocab, train_files),
-                   Windows(val, cfg.seq_len, "held-out", vocab, val_files), vocab, desc)
+                   Windows(val, cfg.seq_len, "held-out", vocab, val_files), vocab, desc,
+                   eos_of(read_meta(pathlib.Path(cfg.path))))
+
+
+def documents_per_window(windows: Windows | Mixture, eos_id: int, n: int = 1024, seed: int = 0) -> np.ndarray:
+    """Documents in the inputs (the first T tokens) of n windows drawn as the training batches are: 1 + the
+    end-of-text tokens among the first T - 1 (model.attention_mask=documents, train.with_data_documents)."""
+    total = windows.n if isinstance(windows, Windows) else sum(w.n for w in windows.sources)
+    picks = [windows.pick(i, (seed,)) for i in range(min(n, total))]
+    return np.asarray([1 + int(np.count_nonzero(windows.get(w)[:-2] == eos_id)) for w in picks])
+
+
+def eos_of(meta: dict) -> int | None:
+    """The end-of-text id a shard directory's documents end with: meta.json's eos_id (None: written with --eos none);
+    shards converted before it was recorded ended byte-tokenized documents with NUL and HF ones with nothing."""
+    if "eos_id" in meta:
+        return meta["eos_id"]
+    return SEPARATOR if meta.get("tokenizer") == "byte" else None
 
 
 def mixture_names(paths: Sequence[str]) -> list[str]:
@@ -394,15 +417,18 @@ def _open_mixture(cfg: DataConfig) -> Dataset:
         train.append(Windows(arrays, cfg.seq_len, f"train split of {path}", vocab, files))
         arrays, files, _ = load_shards(path, "val")
         val.append(Windows(arrays, cfg.seq_len, f"held-out split of {path}", vocab, files))
-        metas.append((path, vocab, read_meta(pathlib.Path(path)).get("tokenizer")))
-    if len({(v, t) for _, v, t in metas}) > 1:
+        meta = read_meta(pathlib.Path(path))
+        metas.append((path, vocab, meta.get("tokenizer"), eos_of(meta)))
+    if len({(v, t) for _, v, t, _ in metas}) > 1:
         raise ConfigError("config key 'data.mixture': the sources were tokenized differently (vocab_size, tokenizer in "
-                          "meta.json): " + "; ".join(f"{p}: {v}, {t}" for p, v, t in metas))
+                          "meta.json): " + "; ".join(f"{p}: {v}, {t}" for p, v, t, _ in metas))
     weights = [w for w, _ in entries]
     desc = "token-shard mixture: " + ", ".join(
         f"{name} {w:.1%} ({sum(len(a) for a in t.arrays) / 1e6:.1f} M tokens)"
         for name, w, t in zip(names, weights, train))
-    return Dataset(Mixture(train, weights, names), Mixture(val, weights, names), metas[0][1], desc)
+    eos = {e for *_, e in metas}
+    return Dataset(Mixture(train, weights, names), Mixture(val, weights, names), metas[0][1], desc,
+                   eos.pop() if len(eos) == 1 else None)
 
 
 # ---------------------------------------------------------------------------------------------------------------

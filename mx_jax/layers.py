@@ -25,6 +25,12 @@ Attention: softmax(q k^T / sqrt(K) + causal mask) v with G key/value heads share
            through context_parallel.cudnn_causal_attention, whose residuals remat policies can keep), XLA elsewhere.
            With a `context` mesh axis the sequence is split in load-balanced zigzag chunks; each shard all-gathers
            K and V and merges a causal diagonal block with a wholly visible prefix (mx_jax/context_parallel.py).
+           model.attention_mask=documents: token t of a row attends to key u only if u <= t and both lie in the same
+           document, d(t) = the number of end-of-text tokens before t (the token ending a document belongs to it),
+           capped at max_documents - 1 (`document_segments`). cuDNN runs each row's documents as separate causal
+           sequences (its packed layout, `compat.cudnn_packed_attention_fwd`), per device under shard_map; XLA
+           masks the T x T scores. RoPE keeps the row's positions: a score depends on u - t only, so a document
+           attends within itself as it would alone.
 SwiGLU:    y = (silu(x W_gate) * (x W_up)) W_down                     (Shazeer 2020).
            h = silu(g) u is a custom_vjp (`swiglu`) that keeps only g and u: with s = sigmoid(g),
            dg = dh u s (1 + g (1 - s)) and du = dh g s, in float32. Under autodiff each layer kept five (T, F)
@@ -46,6 +52,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -212,6 +219,53 @@ def attention_impl(requested: str, dtype, head_dim: int, platform: str | None = 
     return "cudnn" if ok else "xla"
 
 
+class Positions(NamedTuple):
+    """Where each token sits: RoPE positions (T,) and, under model.attention_mask=documents, the document of each
+    token within its row (B, T) int32 (`document_segments`; None: the row is one causal sequence)."""
+
+    rope: jax.Array
+    segments: jax.Array | None = None
+
+
+def document_segments(tokens: jax.Array, eos_id: int, max_documents: int) -> jax.Array:
+    """tokens (B,T) -> (B,T) int32: the number of `eos_id` tokens before each position (a document's end-of-text
+    token belongs to it), capped at max_documents - 1: the later documents of a row share the last segment."""
+    ends = (tokens == eos_id).astype(jnp.int32)
+    return jnp.minimum(jnp.cumsum(ends, axis=1) - ends, max_documents - 1)
+
+
+def packed_layout(segments: jax.Array, max_documents: int) -> tuple[jax.Array, jax.Array]:
+    """(B,T) segments -> cuDNN's packed description of each row: lengths (B, M) and starts (B, M+1), -1 where a row
+    has fewer than M documents (segments count up from 0 along a row, so the present ones come first)."""
+    m = jnp.arange(max_documents, dtype=segments.dtype)
+    lengths = jnp.sum(segments[:, :, None] == m, axis=1, dtype=jnp.int32)  # (B, M)
+    starts = jnp.sum(segments[:, :, None] < m, axis=1, dtype=jnp.int32)
+    present = lengths > 0
+    lengths, starts = jnp.where(present, lengths, -1), jnp.where(present, starts, -1)
+    return lengths, jnp.pad(starts, ((0, 0), (0, 1)), constant_values=-1)
+
+
+def document_attention(q: jax.Array, k: jax.Array, v: jax.Array, segments: jax.Array, impl: str,
+                       max_documents: int) -> jax.Array:
+    """Causal attention within each document of a row (q (B,T,H,K), k and v (B,T,G,K), segments (B,T))."""
+    if impl != "cudnn":
+        t = q.shape[1]
+        mask = (segments[:, :, None] == segments[:, None, :]) & jnp.tril(jnp.ones((t, t), bool))
+        o = jax.nn.dot_product_attention(q, k, v, mask=mask[:, None], implementation=impl)
+        return checkpoint_name(o, "attention")
+
+    def local(q, k, v, segments):
+        return context_parallel.cudnn_document_attention(q, k, v, *packed_layout(segments, max_documents))
+
+    mesh = jax.sharding.get_abstract_mesh()
+    batch = tuple(a for a in sharding.batch_axes() if not mesh.empty and mesh.shape.get(a, 1) > 1)
+    if not batch:
+        return local(q, k, v, segments)
+    spec = P(batch, None, None, None)  # each device describes and attends its own rows
+    return jax.shard_map(local, mesh=mesh, in_specs=(spec, spec, spec, P(batch, None)), out_specs=spec,
+                         check_vma=False)(q, k, v, segments)
+
+
 def context_shards() -> int:
     """Size of the current mesh's `context` axis (1 without one)."""
     mesh = jax.sharding.get_abstract_mesh()
@@ -251,8 +305,9 @@ class Attention(nnx.Module):
         self.n_heads, self.n_kv_heads, self.head_dim = h, g, k
         self.recipes, self.impl, self.scanned, self.reduce = recipes, impl, cfg.scan_layers, cfg.grad_reduce_dtype
         self.attention = attention_impl(cfg.attention, cfg.compute_dtype, k)
+        self.max_documents = cfg.max_documents
 
-    def __call__(self, x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, pos: Positions, inv_freq: jax.Array) -> jax.Array:
         b, t, _ = x.shape
         r = self.recipes
         q, k, v = fused_linear(x, (self.wq, self.wk, self.wv), (r["wq"], r["wk"], r["wv"]), self.impl, self.scanned,
@@ -260,8 +315,11 @@ class Attention(nnx.Module):
         q = q.reshape(b, t, self.n_heads, self.head_dim)
         k = k.reshape(b, t, self.n_kv_heads, self.head_dim)
         v = v.reshape(b, t, self.n_kv_heads, self.head_dim)
-        q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
-        o = causal_attention(q, k, v, self.attention)  # (B,T,H,K)
+        q, k = apply_rope(q, pos.rope, inv_freq), apply_rope(k, pos.rope, inv_freq)
+        if pos.segments is None or self.max_documents == 1:  # one segment: the row is one causal sequence
+            o = causal_attention(q, k, v, self.attention)  # (B,T,H,K)
+        else:
+            o = document_attention(q, k, v, pos.segments, self.attention, self.max_documents)
         return linear(o.reshape(b, t, self.n_heads * self.head_dim), self.wo, r["wo"], self.impl, self.reduce)
 
 

@@ -65,7 +65,8 @@ from jax.ad_checkpoint import checkpoint_name
 from mx_jax import compat, dispatch, grouped_linear, quant, sharding
 from mx_jax.config import ModelConfig, QuantConfig
 from mx_jax.context_parallel import from_zigzag, to_zigzag
-from mx_jax.layers import Attention, RMSNorm, SwiGLU, _param, context_shards, linear, rope_inv_freq
+from mx_jax.layers import (Attention, Positions, RMSNorm, SwiGLU, _param, context_shards, document_segments, linear,
+                           rope_inv_freq)
 from mx_jax.moe import MoE, RouterBias, update_bias
 
 compat.uninitialize_scan_outputs()  # the scanned layers' residual buffers are allocated, not zero-filled
@@ -137,8 +138,8 @@ class Block(nnx.Module):
         else:
             self.mlp = SwiGLU(cfg, cfg.d_ff, {n: r[n] for n in MLP_LINEARS}, impl, rngs=rngs)
 
-    def __call__(self, x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> tuple[jax.Array, dict]:
-        a = self.attn(self.attn_norm(x), positions, inv_freq)
+    def __call__(self, x: jax.Array, pos: Positions, inv_freq: jax.Array) -> tuple[jax.Array, dict]:
+        a = self.attn(self.attn_norm(x), pos, inv_freq)
         if self.scanned:  # keeps XLA from folding the add into a cuBLAS GEMM, whose saved output it would run twice
             a = jax.lax.optimization_barrier(a)
         x = checkpoint_name(x + a, "residual")  # module docstring
@@ -160,9 +161,9 @@ class MoEGroup(nnx.Module):
         self.scan = cfg.scan_layers
         self.moe_block = Block(cfg, plan, impl, moe=True, rngs=rngs)
 
-    def __call__(self, x, positions, inv_freq):
-        x, _ = _scan(self.dense, x, positions, inv_freq, "none", self.scan)
-        return self.moe_block(x, positions, inv_freq)
+    def __call__(self, x, pos, inv_freq):
+        x, _ = _scan(self.dense, x, pos, inv_freq, "none", self.scan)
+        return self.moe_block(x, pos, inv_freq)
 
 
 _REMAT_POLICIES = {
@@ -205,22 +206,22 @@ def unstack(tree, n: int) -> list:
     return [jax.tree.unflatten(treedef, layer) for layer in split(*leaves)]
 
 
-def layer_body(graphdef, positions, inv_freq, remat: str):
+def layer_body(graphdef, pos, inv_freq, remat: str):
     """body(x, layer_state) -> (x, stats): one layer of a stack under the remat policy, as `_scan` runs it (and
     memory_estimate traces it; its argument name `layer_state` is how the estimate tells weights from activations)."""
 
     def body(x, layer_state):
-        return nnx.merge(graphdef, layer_state)(x, positions, inv_freq)
+        return nnx.merge(graphdef, layer_state)(x, pos, inv_freq)
 
     if remat != "none":
         body = jax.checkpoint(body, policy=_REMAT_POLICIES[remat], prevent_cse=False)
     return body
 
 
-def _scan(stack: nnx.Module, x, positions, inv_freq, remat: str, scan: bool = True):
+def _scan(stack: nnx.Module, x, pos, inv_freq, remat: str, scan: bool = True):
     """Run a stacked module layer by layer, by lax.scan or unrolled; returns (x, per-layer stats stacked)."""
     graphdef, state = nnx.split(stack)
-    body = layer_body(graphdef, positions, inv_freq, remat)
+    body = layer_body(graphdef, pos, inv_freq, remat)
     if scan:
         return jax.lax.scan(body, x, state)
     n = jax.tree.leaves(state)[0].shape[0]
@@ -266,14 +267,23 @@ class Llama(nnx.Module):
         cfg = self.cfg
         cdt = jnp.dtype(cfg.compute_dtype)
         positions = jnp.arange(tokens.shape[1])
+        segments = None
+        if cfg.attention_mask == "documents":
+            if cfg.eos_id < 0 or cfg.max_documents < 1:
+                raise ValueError("model.attention_mask=documents needs model.eos_id and model.max_documents (train.py "
+                                 "sets them from the data)")
+            segments = document_segments(tokens, cfg.eos_id, cfg.max_documents)
         n_ctx = context_shards()
         if n_ctx > 1:  # load-balanced causal attention over the context axis (mx_jax/context_parallel.py)
+            if segments is not None:
+                raise NotImplementedError("model.attention_mask=documents with mesh.context > 1")
             tokens, positions = to_zigzag(tokens, n_ctx), to_zigzag(positions, n_ctx, axis=0)
         x = sharding.embed_lookup(self.embed[...], tokens, cdt)  # (B,T,D); gather first, cast B*T rows only
         inv_freq = rope_inv_freq(cfg.d_head, cfg.rope_theta, cfg.rope_scaling)
+        pos = Positions(positions, segments)
         if hasattr(self, "dense_blocks"):
-            x, _ = _scan(self.dense_blocks, x, positions, inv_freq, cfg.remat, cfg.scan_layers)
-        x, stats = _scan(self.blocks, x, positions, inv_freq, cfg.remat, cfg.scan_layers)  # leaves (n_groups, ...)
+            x, _ = _scan(self.dense_blocks, x, pos, inv_freq, cfg.remat, cfg.scan_layers)
+        x, stats = _scan(self.blocks, x, pos, inv_freq, cfg.remat, cfg.scan_layers)  # leaves (n_groups, ...)
         if n_ctx > 1:
             x = sharding.constrain(from_zigzag(x, n_ctx), ("batch", "seq", "act_embed"))
         x = self.final_norm(x)

@@ -66,10 +66,12 @@ from jax.sharding import AbstractMesh, AxisType
 
 from mx_jax import compat, dispatch, sharding
 from mx_jax.config import TrainConfig
-from mx_jax.layers import attention_impl
+from mx_jax.layers import Positions, attention_impl
 from mx_jax.llama import (COMPUTE_CAST, Llama, compute_axes, compute_copies, layer_body, param_axes, params_of,
                           plan_for_run, rope_inv_freq, with_compute, with_operands)
 
+# model.max_documents=0 is set from the data when training starts; the estimate, made without it, assumes this.
+DOCUMENTS_ASSUMED = 16
 GPUS_GB = {"H100 80GB": 80.0, "H200 141GB": 141.0, "B200 192GB": 192.0}
 # The share of each GPU's memory that JAX's allocator may take in a training run. JAX's own default is 0.75 (jax
 # 0.11.2 on an H200: a 104.9 GiB limit of 139.8 GiB), which left the full 8B model with float32 AdamW moments out of
@@ -126,9 +128,10 @@ def layer_residuals(cfg: TrainConfig, abstract_model: Llama,
     x = jax.ShapeDtypeStruct((cfg.data.batch_size // cfg.data.grad_accum_steps, cfg.data.seq_len, m.d_model), cdt)
     plan = plan_for_run(abstract_model.plan, m, x.shape[0], cfg.data.seq_len, shape)
     copies = jax.eval_shape(lambda p: compute_copies(m, p, plan), params_of(abstract_model))
-    positions = jnp.arange(cfg.data.seq_len)
     inv_freq = rope_inv_freq(m.d_head, m.rope_theta, m.rope_scaling)
     micro_batch, seq = x.shape[:2]
+    positions = Positions(jnp.arange(seq), jnp.zeros((micro_batch, seq), jnp.int32)
+                          if m.attention_mask == "documents" else None)
 
     def one(aval, origin) -> tuple[float, bool]:
         """(bytes of one residual per device, whether it is an activation); (0, False) where it is not counted."""
@@ -248,6 +251,13 @@ def estimate(cfg: TrainConfig) -> dict:
     kept_all = sum(n * kept for n, kept, *_ in stacks.values())
     # The layer whose backward is running holds all of its intermediates at once (recomputed under remat).
     transient = max(everything - kept for _, kept, everything, _ in stacks.values())
+    # cuDNN's packed attention (model.attention_mask=documents) takes a backward workspace of B M N T (8 K + 4)
+    # bytes for a device's B rows (XLA's compiled figure, benchmarks/bench_documents.py), M as the trainer sets it.
+    workspace = 0.0
+    if m.attention_mask == "documents" and attention_impl(m.attention, m.compute_dtype, m.d_head, "gpu") == "cudnn":
+        rows = micro_batch / (batch_shards * shape["context"])
+        workspace = rows * (m.max_documents or DOCUMENTS_ASSUMED) * m.n_heads * cfg.data.seq_len * (8 * m.d_head + 4)
+    transient += workspace
     act = kept_all + transient + tokens_dev * 2 * logit_bytes * m.vocab_size
     gb = 1e9
     report = {
@@ -263,6 +273,8 @@ def estimate(cfg: TrainConfig) -> dict:
         "tokens_per_device": tokens_dev,
         "layer_gb": {name: (n, kept / gb) for name, (n, kept, *_) in stacks.items()},
         "transient_gb": transient / gb,
+        "attention_workspace_gb": workspace / gb,
+        "max_documents": m.max_documents or DOCUMENTS_ASSUMED,
     }
     parts = ("params_gb", "copies_gb", "grads_gb", "optimizer_gb", "activations_gb")
     report["total_gb"] = sum(report[k] for k in parts)
@@ -284,7 +296,9 @@ def format_report(r: dict) -> str:
         *(f"    {name:<12}  {n} x {kept:.3f} GB kept per layer for the backward" for name, (n, kept) in
           r["layer_gb"].items()),
         f"    transient     {r['transient_gb']:8.2f} GB (one layer's backward: the rest of its intermediates, "
-        "its SwiGLU's gradients)",
+        "its SwiGLU's gradients" + (f", {r['attention_workspace_gb']:.2f} GB of cuDNN workspace for "
+                                    f"{r['max_documents']} documents per sequence" if r["attention_workspace_gb"]
+                                    else "") + ")",
         f"  total         {r['total_gb']:8.2f} GB",
     ]
     for name, ok in r["fits"].items():

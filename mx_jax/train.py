@@ -42,9 +42,9 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from mx_jax import checkpoint, compat, metrics, preemption, profiling, sharding
-from mx_jax.config import ConfigError, TrainConfig, load_config, mixture_entries, to_dict, to_yaml
-from mx_jax.data import (MIXTURE_ROUND, Batches, Dataset, Mixture, Prefetch, Windows, mixture_quota,
-                         open_dataset)
+from mx_jax.config import ConfigError, ModelConfig, TrainConfig, load_config, mixture_entries, to_dict, to_yaml
+from mx_jax.data import (MIXTURE_ROUND, Batches, Dataset, Mixture, Prefetch, Windows, documents_per_window,
+                         mixture_quota, open_dataset)
 from mx_jax.llama import (LinearPlan, Llama, buffers_of, compute_axes, compute_copies, cross_entropy, flops_per_token,
                           head_vocab_axes, moe_loss, param_axes, params_of, plan_for_run, update_buffers, with_compute,
                           with_operands)
@@ -222,6 +222,16 @@ def _moe_metrics(stats: dict, expert_devices: int = 1) -> dict:
     }
 
 
+def _document_metrics(m: ModelConfig, inputs: jax.Array) -> dict:
+    """model.attention_mask=documents: documents per sequence (counted by their starts), and the share of sequences
+    with more than model.max_documents, whose last documents attend to each other (layers.document_segments)."""
+    if m.attention_mask != "documents":
+        return {}
+    docs = 1 + jnp.sum(inputs[..., :-1] == m.eos_id, axis=-1)
+    return {"documents_per_seq": jnp.mean(docs.astype(jnp.float32)),
+            "doc_overflow_frac": jnp.mean((docs > m.max_documents).astype(jnp.float32))}
+
+
 def make_train_step(setup: Setup):
     cfg = setup.cfg
     loss_fn = make_loss_fn(setup)
@@ -265,7 +275,7 @@ def make_train_step(setup: Setup):
                      "compute": compute_copies(cfg.model, new_params, setup.plan),
                      "buffers": update_buffers(cfg.model, buffers, stats), "opt_state": opt_state}
         out = {"loss": ce, "grad_norm": global_norm(grads), "lr": lr_at(state["step"]),
-               **_moe_metrics(stats, setup.mesh.shape["expert"])}
+               **_moe_metrics(stats, setup.mesh.shape["expert"]), **_document_metrics(cfg.model, batch["inputs"])}
         return new_state, out
 
     return jax.jit(train_step, in_shardings=(setup.state_shardings, setup.batch_shardings),
@@ -316,6 +326,10 @@ def check_against_mesh(cfg: TrainConfig, mesh) -> None:
             f"config key 'data.batch_size': {cfg.data.batch_size} must be a multiple of the batch mesh axes "
             f"({sharding.batch_size_divisor(mesh)}) x data.grad_accum_steps ({cfg.data.grad_accum_steps})")
     n_ctx = mesh.shape["context"]
+    if n_ctx > 1 and cfg.model.attention_mask == "documents":
+        raise ConfigError(f"config key 'model.attention_mask': 'documents' does not run with mesh.context={n_ctx} yet "
+                          f"(context parallelism's chunks are causal over the whole sequence); use mesh.context=1 or "
+                          f"model.attention_mask=causal")
     if n_ctx > 1 and cfg.data.seq_len % (2 * n_ctx):
         raise ConfigError(f"config key 'data.seq_len': {cfg.data.seq_len} must be a multiple of 2 x mesh.context "
                           f"({2 * n_ctx}): each context shard holds two chunks of the sequence "
@@ -327,6 +341,33 @@ def check_against_mesh(cfg: TrainConfig, mesh) -> None:
     if moe.n_experts and n_ep % min(moe.gpus_per_node, n_ep):
         raise ConfigError(f"config key 'model.moe.gpus_per_node': mesh.expert ({n_ep}) must be a multiple of it "
                           f"(the expert axis is read as nodes x GPUs per node), got {moe.gpus_per_node}")
+
+
+def with_data_documents(cfg: TrainConfig, dataset: Dataset) -> tuple[TrainConfig, str]:
+    """model.attention_mask=documents: model.eos_id (-1: the data's end-of-text token) and model.max_documents (0:
+    the 99th percentile of documents per sequence over 1,024 training windows, rounded up to a multiple of 8: cuDNN's
+    cost grows with it, config.py), resolved from the data; and a line for the log ("" for causal attention)."""
+    m = cfg.model
+    if m.attention_mask != "documents":
+        return cfg, ""
+    eos = m.eos_id
+    if eos < 0:
+        if dataset.eos_id is None:
+            where = ", ".join(cfg.data.mixture) if cfg.data.mixture else f"{cfg.data.path}/meta.json"
+            raise ConfigError(f"config key 'model.eos_id': model.attention_mask=documents needs the token that ends "
+                              f"each document, and the data does not name one ({where}: converted with --eos none, "
+                              f"before eos_id was recorded, or a mixture whose sources differ); set model.eos_id, or "
+                              f"convert the text again with `python -m mx_jax.data convert --eos ...`")
+        eos = dataset.eos_id
+    counts = documents_per_window(dataset.train, eos, seed=cfg.seed)
+    p99 = int(np.ceil(np.percentile(counts, 99)))
+    docs = m.max_documents or -(-p99 // 8) * 8
+    note = (f"documents end with token {eos}{' (the data' + chr(39) + 's)' if m.eos_id < 0 else ''}: "
+            f"{counts.mean():.1f} per sequence "
+            f"over {len(counts)} training windows, 99% have <= {p99}, max {counts.max()}; kept apart up to "
+            f"model.max_documents={docs}{' (from the data)' if not m.max_documents else ''}, "
+            f"{np.mean(counts > docs):.1%} of them have more")
+    return dataclasses.replace(cfg, model=dataclasses.replace(m, eos_id=eos, max_documents=docs)), note
 
 
 def _write_atomic(path: pathlib.Path, text: str) -> None:
@@ -509,6 +550,7 @@ def train(cfg: TrainConfig, devices: list[jax.Device] | None = None) -> TrainRes
     if dataset.vocab_size > cfg.model.vocab_size:
         raise ConfigError(f"config key 'model.vocab_size': {cfg.model.vocab_size} is smaller than the data's "
                           f"vocabulary ({dataset.vocab_size})")
+    cfg, documents_note = with_data_documents(cfg, dataset)
     run_dir = prepare_run_dir(cfg)
     ckpt = None
     # From here until the last save is committed, a SIGTERM waits for the step in flight and its checkpoint.
@@ -540,6 +582,8 @@ def train(cfg: TrainConfig, devices: list[jax.Device] | None = None) -> TrainRes
                 if cfg.deterministic:
                     log(f"mx_jax | deterministic: XLA_FLAGS has {DETERMINISTIC_XLA_FLAG}=true (slower; see README)")
                 log(f"data   | {dataset.description}")
+                if documents_note:
+                    log(f"attn   | {documents_note}")
                 if isinstance(dataset.train, Mixture):
                     seqs = cfg.steps * cfg.data.batch_size
                     log(f"data   | in {cfg.steps} steps: " + ", ".join(

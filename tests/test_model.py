@@ -11,7 +11,7 @@ from jax.sharding import PartitionSpec as P
 
 from mx_jax import sharding
 from mx_jax.config import MeshConfig, ModelConfig, RopeScaling
-from mx_jax.layers import apply_rope, causal_attention, rope_inv_freq
+from mx_jax.layers import Positions, apply_rope, causal_attention, rope_inv_freq
 from mx_jax.llama import Llama, param_axes
 
 
@@ -228,7 +228,7 @@ def test_save_matmuls_keeps_the_residual_stream_not_the_output_projection(n_shar
     graphdef, state = nnx.split(model.blocks)
     layer = jax.tree.map(lambda a: a[0], nnx.to_pure_dict(state))
     x = jnp.ones((2, 16, 32), jnp.bfloat16)
-    positions, inv_freq = jnp.arange(16), rope_inv_freq(cfg.d_head, cfg.rope_theta, cfg.rope_scaling)
+    positions, inv_freq = Positions(jnp.arange(16)), rope_inv_freq(cfg.d_head, cfg.rope_theta, cfg.rope_scaling)
     named = [o for _, o in compat.saved_residuals(layer_body(graphdef, positions, inv_freq, "save_matmuls"), x, layer)
              if o.startswith("named")]
     assert sum("named 'residual'" in o and "Block.__call__" in o for o in named) == 1, named
@@ -247,7 +247,7 @@ def test_scanned_block_puts_a_barrier_between_attention_and_the_residual_add(sca
                       compute_dtype="bfloat16", scan_layers=scan)
     graphdef, state = nnx.split(Llama(cfg, rngs=nnx.Rngs(0)).blocks)
     block = nnx.merge(graphdef, jax.tree.map(lambda a: a[0], state))  # layer 0
-    positions, inv_freq = jnp.arange(16), rope_inv_freq(cfg.d_head, cfg.rope_theta, cfg.rope_scaling)
+    positions, inv_freq = Positions(jnp.arange(16)), rope_inv_freq(cfg.d_head, cfg.rope_theta, cfg.rope_scaling)
     jaxpr = jax.make_jaxpr(lambda x: block(x, positions, inv_freq))(jnp.ones((2, 16, 32), jnp.bfloat16))
     eqns, x = jaxpr.jaxpr.eqns, jaxpr.jaxpr.invars[0]
     barrier_outs = {v for e in eqns if e.primitive.name == "optimization_barrier" for v in e.outvars}
