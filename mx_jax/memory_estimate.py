@@ -70,7 +70,8 @@ from mx_jax.layers import Positions, attention_impl
 from mx_jax.llama import (COMPUTE_CAST, Llama, compute_axes, compute_copies, layer_body, param_axes, params_of,
                           plan_for_run, rope_inv_freq, with_compute, with_operands)
 
-# model.max_documents=0 is set from the data when training starts; the estimate, made without it, assumes this.
+# model.max_documents=0 is set from the data when training starts (and by --dry-run where the data opens); an
+# estimate made without it assumes this.
 DOCUMENTS_ASSUMED = 16
 GPUS_GB = {"H100 80GB": 80.0, "H200 141GB": 141.0, "B200 192GB": 192.0}
 # The share of each GPU's memory that JAX's allocator may take in a training run. JAX's own default is 0.75 (jax

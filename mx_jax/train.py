@@ -887,11 +887,30 @@ def prepare_dry_run_backend(n_devices: int) -> str:
     return target
 
 
+def dry_run_documents(cfg: TrainConfig) -> TrainConfig:
+    """model.attention_mask=documents in a dry run: eos_id and max_documents from the data where it opens (as a run
+    would set them), else the estimate's assumption (memory_estimate.DOCUMENTS_ASSUMED documents; any eos_id)."""
+    from mx_jax import memory_estimate
+
+    m = cfg.model
+    if m.attention_mask != "documents" or (m.eos_id >= 0 and m.max_documents):
+        return cfg
+    try:
+        cfg, note = with_data_documents(cfg, open_dataset(cfg.data))
+        print(f"attn   | {note}")
+        return cfg
+    except ConfigError as e:
+        docs = m.max_documents or memory_estimate.DOCUMENTS_ASSUMED
+        print(f"attn   | documents: the data did not open here ({e}); planned for model.max_documents={docs}")
+        return dataclasses.replace(cfg, model=dataclasses.replace(m, eos_id=max(m.eos_id, 0), max_documents=docs))
+
+
 def dry_run(cfg: TrainConfig, target: str) -> dict:
     """Parameter count and per-device memory, from shapes and from an AOT compile on the target mesh; allocates
     no model memory."""
     from mx_jax import memory_estimate
 
+    cfg = dry_run_documents(cfg)
     report = memory_estimate.estimate(cfg)
     print(memory_estimate.format_report(report), flush=True)
     n = report["devices"]

@@ -189,3 +189,14 @@ def test_cudnn_packed_document_attention_matches_the_masked_scores():
     for got, want in zip(jax.tree.leaves(ours), jax.tree.leaves(ref)):
         got, want = got.astype(jnp.float32), want.astype(jnp.float32)
         assert float(jnp.max(jnp.abs(got - want))) <= 2e-2 * float(jnp.max(jnp.abs(want)))
+
+
+def test_a_dry_run_plans_documents_from_the_data_or_says_what_it_assumed():
+    from tests.test_dry_run import ROOT, _dry_run
+
+    debug = str(ROOT / "configs/llama3_debug.yaml")
+    out = _dry_run("--config", debug, "model.attention_mask=documents")
+    assert "attn   | documents end with token 0 (the data's)" in out and "compiled train step" in out
+    out = _dry_run("--config", debug, "model.attention_mask=documents", "data.source=bin", "data.path=/nonexistent")
+    assert "the data did not open here" in out and "planned for model.max_documents=16" in out
+    assert "compiled train step" in out
