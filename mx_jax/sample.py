@@ -20,7 +20,9 @@ ones; dropless MoE, the default, is exact) and `quant.recipe=fp8_tensorwise` (pa
 scales; the default bf16 and the rowwise recipes scale each row alone).
 
 Sampling, per sequence: logits over the tokenizer's vocabulary (ids the model has beyond it are never drawn),
-divided by the temperature, restricted to the top k, then drawn; temperature 0 is greedy (argmax).
+divided by the temperature, restricted to the top k, then drawn; temperature 0 is greedy (argmax). A sample ends at
+the data's end-of-text token (meta.json's eos_id, NUL for the embedded corpus), shown as "[end of text]", and drawing
+stops once every sample has ended; `--no-stop` draws all `--tokens`.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from mx_jax import checkpoint, sharding, train
+from mx_jax import checkpoint, data, sharding, train
 from mx_jax.config import ConfigError, TrainConfig, load_config, mixture_entries
 from mx_jax.llama import compute_copies, with_compute
 
@@ -77,6 +79,17 @@ def tokenizer_of(cfg: TrainConfig) -> str:
         return json.loads(meta.read_text()).get("tokenizer", "byte")
     except (OSError, ValueError) as e:
         raise ConfigError(f"cannot read the tokenizer from {meta} ({e}); pass --tokenizer byte|tokenizer.json")
+
+
+def eos_of_run(cfg: TrainConfig) -> int | None:
+    """The token that ends the run's documents (None where its data does not say)."""
+    if cfg.data.source == "embedded":
+        return data.SEPARATOR
+    first = mixture_entries(cfg.data.mixture)[0][1] if cfg.data.mixture else cfg.data.path
+    try:
+        return data.eos_of(json.loads((pathlib.Path(first) / "meta.json").read_text()))
+    except (OSError, ValueError):
+        return None
 
 
 def load_model_state(cfg: TrainConfig, setup: train.Setup, path: pathlib.Path, step: int | None) -> tuple[dict, dict]:
@@ -129,9 +142,10 @@ def make_step(setup: train.Setup, vocab_limit: int, temperature: float, top_k: i
 
 def generate(setup: train.Setup, params: dict, buffers: dict, prompt: list[int], n_tokens: int, *, num: int = 1,
              temperature: float = 0.8, top_k: int = 0, seed: int = 0, vocab_limit: int | None = None,
-             window: int | None = None, times: list[float] | None = None) -> np.ndarray:
+             window: int | None = None, times: list[float] | None = None, stop_id: int | None = None) -> np.ndarray:
     """(num, len(prompt) + n_tokens) token ids: the prompt, then n_tokens drawn one at a time (the wall time of
-    each draw appended to `times`, the first one with the compile)."""
+    each draw appended to `times`, the first one with the compile); with `stop_id`, fewer once every row has drawn
+    it."""
     if not prompt:
         raise ConfigError("--prompt: an empty prompt has no last token to continue from")
     total = len(prompt) + n_tokens
@@ -141,12 +155,18 @@ def generate(setup: train.Setup, params: dict, buffers: dict, prompt: list[int],
     tokens[:, :len(prompt)] = prompt
     tokens = jnp.asarray(tokens)
     key = jax.random.key(seed)
+    ended = np.zeros(num, bool)
     for pos in range(len(prompt), total):
         t0 = time.perf_counter()
         tokens = step(params, buffers, tokens, pos, jax.random.fold_in(key, pos))
         if times is not None:
             tokens.block_until_ready()
             times.append(time.perf_counter() - t0)
+        if stop_id is not None:
+            ended |= np.asarray(tokens[:, pos]) == stop_id
+            if ended.all():
+                total = pos + 1
+                break
     return np.asarray(tokens)[:, :total]
 
 
@@ -162,6 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--top-k", type=int, default=0, help="draw from the k likeliest tokens only (0 = all)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--tokenizer", help="'byte' or a HF tokenizer.json (default: the run's data)")
+    ap.add_argument("--no-stop", action="store_true", help="draw all --tokens, past the data's end-of-text token")
     ap.add_argument("overrides", nargs="*", help="key=value changes to the run's config, e.g. quant.recipe=bf16")
     args = ap.parse_intermixed_args(argv)  # key=value overrides may follow the options
     train.apply_default_xla_flags()
@@ -197,19 +218,22 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"note: {total} positions exceed the run's data.seq_len={cfg.data.seq_len}; the model never "
                       f"trained on positions that far", file=sys.stderr)
             times: list[float] = []
+            stop_id = None if args.no_stop else eos_of_run(cfg)
             out = generate(setup, params, buffers, prompt, args.tokens, num=args.num,
                            temperature=args.temperature, top_k=args.top_k, seed=args.seed,
-                           vocab_limit=min(tok.vocab_size, cfg.model.vocab_size), times=times)
+                           vocab_limit=min(tok.vocab_size, cfg.model.vocab_size), times=times, stop_id=stop_id)
     except (ConfigError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     for i, ids in enumerate(out):
+        ids = [int(t) for t in ids]
+        end = next((j for j in range(len(prompt), len(ids)) if ids[j] == stop_id), None)
         print(f"----- sample {i}")
-        print(tok.decode([int(t) for t in ids]))
+        print(tok.decode(ids[:end]) + ("\n[end of text]" if end is not None else ""))
     window = -(-total // WINDOW_MULTIPLE) * WINDOW_MULTIPLE
     rest = f", then {(len(times) - 1) / sum(times[1:]):.1f} draws/s over a {window}-position window" \
         if len(times) > 1 else ""
-    print(f"----- {args.num} x {args.tokens} tokens, {tok.spec} tokenizer, quant.recipe={cfg.quant.recipe}: first draw "
+    print(f"----- {args.num} x {len(times)} tokens, {tok.spec} tokenizer, quant.recipe={cfg.quant.recipe}: first draw "
           f"{times[0]:.1f} s (compile included){rest}", file=sys.stderr)
     return 0
 

@@ -56,6 +56,19 @@ def test_sampling_draws_only_from_the_top_k_and_the_tokenizer_vocab(tmp_path):
     np.testing.assert_array_equal(hot, again)  # a seed fixes the draw
 
 
+def test_drawing_stops_once_every_sample_has_ended(tmp_path):
+    train.train(tiny_config(tmp_path, "steps=2", "mesh.data=1", "mesh.fsdp=1", NO_EVAL), devices=jax.devices()[:1])
+    mesh, setup, params, buffers = _setup_and_state(tmp_path)
+    prompt = list(b"import ")
+    with jax.set_mesh(mesh):
+        full = sample.generate(setup, params, buffers, prompt, 16, temperature=0)
+        stop = int(full[0, len(prompt) + 5])  # the sixth greedy token as the end-of-text token
+        first = len(prompt) + list(full[0, len(prompt):]).index(stop)
+        cut = sample.generate(setup, params, buffers, prompt, 16, temperature=0, stop_id=stop)
+    np.testing.assert_array_equal(cut, full[:, :first + 1])
+    assert sample.eos_of_run(setup.cfg) == 0  # the embedded corpus ends each file with NUL
+
+
 def test_cli_prints_samples_and_names_bad_flags(tmp_path, capsys):
     tmp_path = tmp_path / "checkpoints" / "run"  # a run stored under a folder that happens to be named so
     train.train(tiny_config(tmp_path, "steps=2", "mesh.data=1", "mesh.fsdp=1", NO_EVAL), devices=jax.devices()[:1])
