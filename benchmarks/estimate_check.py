@@ -26,6 +26,7 @@ SAVE = "model.moe.ep_save_gate_up=true"
 E2 = f"{EMB} data.seq_len=4096 data.batch_size=4 {FP8} mesh.fsdp=1 mesh.expert=2"  # two sequences per GPU on 2
 EP2 = f"{E2} model.moe.ep_buffer_factor=1.5"  # so that the compact buffer runs at P = 2
 B8 = f"{EMB} data.seq_len=8192"
+DOCS = "model.attention_mask=documents model.eos_id=0"  # measured on byte-token shards of ~1 KB documents
 
 # (what, config, overrides, measured, unit, session)
 RUNS = [
@@ -39,6 +40,10 @@ RUNS = [
     ("8B 32 layers, data=2 x fsdp=2", "llama3_8b", f"{B8} data.batch_size=4 mesh.data=2 mesh.fsdp=2 {FP8}", 88.37,
      "GiB", 38),
     ("8B 8 layers, 1 GPU", "llama3_8b", f"{B8} data.batch_size=1 mesh.fsdp=1 model.n_layers=8 {FP8}", 46.8, "GiB", 60),
+    ("8B 8 layers, 1 GPU, documents, M=24", "llama3_8b", f"{B8} data.batch_size=1 mesh.fsdp=1 model.n_layers=8 {FP8} "
+     f"{DOCS} model.max_documents=24", 52.8, "GiB", 61),
+    ("8B 8 layers, 1 GPU, documents, M=32", "llama3_8b", f"{B8} data.batch_size=1 mesh.fsdp=1 model.n_layers=8 {FP8} "
+     f"{DOCS} model.max_documents=32", 54.9, "GiB", 61),
     ("Mixtral 2 layers, fsdp=4", "mixtral_8x7b", f"model.n_layers=2 {B4K} {F4}", 18.3, "GiB", 58),
     ("Mixtral 2 layers, expert=4", "mixtral_8x7b", f"model.n_layers=2 {B4K} {EP4}", 25.6, "GiB", 59),
     ("Mixtral 2 layers, expert=4, saved gate/up", "mixtral_8x7b", f"model.n_layers=2 {B4K} {EP4} {SAVE}", 31.2, "GiB",
