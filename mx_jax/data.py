@@ -495,15 +495,26 @@ class _Encoder:
 
 
 def _input_files(inputs: Sequence[str], pattern: str) -> list[tuple[str, pathlib.Path]]:
-    """(key, path) of every input file; a directory contributes its non-hidden files matching `pattern`."""
+    """(key, path) of every input file; a directory contributes its non-hidden files matching `pattern`. Under the
+    default pattern, a directory that holds JSON-lines or Parquet files contributes only those (a downloaded
+    dataset's README.md or LICENSE is not a document), and the skipped files are named on stderr."""
     files = []
     for item in inputs:
         p = pathlib.Path(item)
         if p.is_dir():
+            found = []
             for f in sorted(p.rglob(pattern)):
                 rel = f.relative_to(p)
                 if f.is_file() and not any(part.startswith(".") for part in rel.parts):
-                    files.append(((pathlib.Path(p.resolve().name) / rel).as_posix(), f))
+                    found.append(((pathlib.Path(p.resolve().name) / rel).as_posix(), f))
+            records = [(k, f) for k, f in found if _file_kind(f)[0] != "text"]
+            if pattern == "*" and records and len(records) < len(found):
+                other = [f.name for _, f in found if _file_kind(f)[0] == "text"]
+                print(f"convert: {p} holds JSON-lines or Parquet files; its {len(other)} other file(s) are not read "
+                      f"({', '.join(other[:3])}{', ...' if len(other) > 3 else ''}; --pattern chooses files)",
+                      file=sys.stderr)
+                found = records
+            files.extend(found)
         elif p.is_file():
             files.append((p.name, p))
         else:
@@ -733,7 +744,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     c.add_argument("inputs", nargs="+", help="files or directories (searched recursively; hidden files skipped)")
     c.add_argument("--out", required=True, help="a new directory (or one without shards)")
     c.add_argument("--tokenizer", default="byte", help="'byte' or a HF tokenizer.json")
-    c.add_argument("--pattern", default="*", help="glob for files inside input directories, e.g. '*.parquet'")
+    c.add_argument("--pattern", default="*", help="glob for files inside input directories, e.g. '*.parquet' (default: "
+                   "all, or only the JSON-lines and Parquet files of a directory that has some)")
     c.add_argument("--text-key", default="text", help="the document's field (JSON lines) or column (Parquet)")
     c.add_argument("--eos", default="auto", help="the token after each document: 'auto' (the tokenizer's "
                    "end-of-text token; NUL for bytes), a token string, or 'none'")

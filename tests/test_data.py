@@ -314,7 +314,7 @@ def _split_documents(out, split):
     return [bytes(p[:-1].astype(np.uint8)).decode() for p in np.split(ids, np.flatnonzero(ids == 0) + 1)[:-1]]
 
 
-def test_convert_reads_json_lines_parquet_and_compressed_inputs(tmp_path):
+def test_convert_reads_json_lines_parquet_and_compressed_inputs(tmp_path, capsys):
     import bz2
     import gzip
     import lzma
@@ -332,16 +332,17 @@ def test_convert_reads_json_lines_parquet_and_compressed_inputs(tmp_path):
     files["f.parquet"] = (_docs(50, 6), None)
     pq.write_table(pa.table({"id": list(range(50)), "text": files["f.parquet"][0]}), src / "f.parquet",
                    row_group_size=16)
-    (src / "g.txt").write_text("a whole file is one document\n")
     (src / ".cache").mkdir()
     (src / ".cache" / "h.txt").write_text("hidden: not read")
+    (src / "README.md").write_text("a dataset card: not a document")
     meta = data.convert([str(src)], str(tmp_path / "tok"), shard_tokens=3000, val_fraction=0.25)
-    assert meta["files"] == 7 and meta["documents"] == 191 and meta["eos_id"] == data.SEPARATOR
+    assert "its 1 other file(s) are not read (README.md" in capsys.readouterr().err
+    assert meta["files"] == 6 and meta["documents"] == 190 and meta["eos_id"] == data.SEPARATOR
 
     val = [d for name, (docs, _) in files.items() for i, d in enumerate(docs)
            if int(hashlib.sha1(f"corpus/{name}#{i}".encode()).hexdigest(), 16) % 4 == 0]
     assert 20 < len(val) < 80  # records are split one by one, not file by file
-    everything = [d for docs, _ in files.values() for d in docs] + ["a whole file is one document\n"]
+    everything = [d for docs, _ in files.values() for d in docs]
     train, held = _split_documents(tmp_path / "tok", "train"), _split_documents(tmp_path / "tok", "val")
     assert sorted(held) == sorted(val)
     assert sorted(train + held) == sorted(everything)
@@ -353,6 +354,9 @@ def test_convert_reads_json_lines_parquet_and_compressed_inputs(tmp_path):
     data.convert([str(moved)], str(tmp_path / "tok2"), shard_tokens=3000, val_fraction=0.25)
     for f in (tmp_path / "tok").glob("*.bin"):
         assert f.read_bytes() == (tmp_path / "tok2" / f.name).read_bytes()
+    (moved / "g.txt").write_text("a whole file is one document\n")  # chosen by --pattern, text files are read
+    meta = data.convert([str(moved)], str(tmp_path / "tok3"), pattern="*.txt")
+    assert meta["files"] == 1 and meta["documents"] == 1
 
 
 def test_converter_errors_name_the_file_and_line_and_leave_nothing_behind(tmp_path):
