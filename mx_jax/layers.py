@@ -30,7 +30,7 @@ Attention: softmax(q k^T / sqrt(K) + causal mask) v with G key/value heads share
            capped at max_documents - 1 (`document_segments`). cuDNN runs each row's documents as separate causal
            sequences (its packed layout, `compat.cudnn_packed_attention_fwd`), per device under shard_map; XLA
            masks the T x T scores. RoPE keeps the row's positions: a score depends on u - t only, so a document
-           attends within itself as it would alone.
+           attends within itself as it would alone. Under a `context` axis, context_parallel.py ("Documents").
 SwiGLU:    y = (silu(x W_gate) * (x W_up)) W_down                     (Shazeer 2020).
            h = silu(g) u is a custom_vjp (`swiglu`) that keeps only g and u: with s = sigmoid(g),
            dg = dh u s (1 + g (1 - s)) and du = dh g s, in float32. Under autodiff each layer kept five (T, F)
@@ -61,6 +61,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from mx_jax import context_parallel, quant, sharding
+from mx_jax.context_parallel import packed_layout  # noqa: F401  (cuDNN's description of a row's documents)
 from mx_jax.config import ModelConfig, RopeScaling
 
 
@@ -234,20 +235,12 @@ def document_segments(tokens: jax.Array, eos_id: int, max_documents: int) -> jax
     return jnp.minimum(jnp.cumsum(ends, axis=1) - ends, max_documents - 1)
 
 
-def packed_layout(segments: jax.Array, max_documents: int) -> tuple[jax.Array, jax.Array]:
-    """(B,T) segments -> cuDNN's packed description of each row: lengths (B, M) and starts (B, M+1), -1 where a row
-    has fewer than M documents (segments count up from 0 along a row, so the present ones come first)."""
-    m = jnp.arange(max_documents, dtype=segments.dtype)
-    lengths = jnp.sum(segments[:, :, None] == m, axis=1, dtype=jnp.int32)  # (B, M)
-    starts = jnp.sum(segments[:, :, None] < m, axis=1, dtype=jnp.int32)
-    present = lengths > 0
-    lengths, starts = jnp.where(present, lengths, -1), jnp.where(present, starts, -1)
-    return lengths, jnp.pad(starts, ((0, 0), (0, 1)), constant_values=-1)
-
-
 def document_attention(q: jax.Array, k: jax.Array, v: jax.Array, segments: jax.Array, impl: str,
                        max_documents: int) -> jax.Array:
-    """Causal attention within each document of a row (q (B,T,H,K), k and v (B,T,G,K), segments (B,T))."""
+    """Causal attention within each document of a row (q (B,T,H,K), k and v (B,T,G,K), segments (B,T)); under a
+    `context` mesh axis in zigzag order, as `causal_attention`."""
+    if context_shards() > 1:
+        return causal_attention(q, k, v, impl, segments, max_documents)
     if impl != "cudnn":
         t = q.shape[1]
         mask = (segments[:, :, None] == segments[:, None, :]) & jnp.tril(jnp.ones((t, t), bool))
@@ -272,7 +265,8 @@ def context_shards() -> int:
     return 1 if mesh.empty else mesh.shape.get("context", 1)
 
 
-def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, impl: str) -> jax.Array:
+def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, impl: str, segments: jax.Array | None = None,
+                     max_documents: int = 0) -> jax.Array:
     """q (B,T,H,K), k and v (B,T,G,K) -> (B,T,H,K). Under a `context` mesh axis the sequence must be in
     `context_parallel.to_zigzag` order (Llama.__call__ puts it there); exact either way.
 
@@ -289,8 +283,13 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, impl: str) -> jax
     mesh = jax.sharding.get_abstract_mesh()
     batch = tuple(a for a in sharding.batch_axes() if mesh.shape.get(a, 1) > 1) or None
     spec = P(batch, "context", None, None)
-    local = functools.partial(context_parallel.context_attention, impl=impl, axis="context")
-    return jax.shard_map(local, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec, check_vma=False)(q, k, v)
+    local = functools.partial(context_parallel.context_attention, impl=impl, axis="context",
+                              max_documents=max_documents)
+    if segments is None:
+        return jax.shard_map(lambda q, k, v: local(q, k, v, None), mesh=mesh, in_specs=(spec,) * 3, out_specs=spec,
+                             check_vma=False)(q, k, v)
+    return jax.shard_map(local, mesh=mesh, in_specs=(spec,) * 3 + (P(batch, "context"),), out_specs=spec,
+                         check_vma=False)(q, k, v, segments)
 
 
 class Attention(nnx.Module):

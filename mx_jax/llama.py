@@ -275,9 +275,8 @@ class Llama(nnx.Module):
             segments = document_segments(tokens, cfg.eos_id, cfg.max_documents)
         n_ctx = context_shards()
         if n_ctx > 1:  # load-balanced causal attention over the context axis (mx_jax/context_parallel.py)
-            if segments is not None:
-                raise NotImplementedError("model.attention_mask=documents with mesh.context > 1")
             tokens, positions = to_zigzag(tokens, n_ctx), to_zigzag(positions, n_ctx, axis=0)
+            segments = None if segments is None else to_zigzag(segments, n_ctx)
         x = sharding.embed_lookup(self.embed[...], tokens, cdt)  # (B,T,D); gather first, cast B*T rows only
         inv_freq = rope_inv_freq(cfg.d_head, cfg.rope_theta, cfg.rope_scaling)
         pos = Positions(positions, segments)

@@ -326,10 +326,6 @@ def check_against_mesh(cfg: TrainConfig, mesh) -> None:
             f"config key 'data.batch_size': {cfg.data.batch_size} must be a multiple of the batch mesh axes "
             f"({sharding.batch_size_divisor(mesh)}) x data.grad_accum_steps ({cfg.data.grad_accum_steps})")
     n_ctx = mesh.shape["context"]
-    if n_ctx > 1 and cfg.model.attention_mask == "documents":
-        raise ConfigError(f"config key 'model.attention_mask': 'documents' does not run with mesh.context={n_ctx} yet "
-                          f"(context parallelism's chunks are causal over the whole sequence); use mesh.context=1 or "
-                          f"model.attention_mask=causal")
     if n_ctx > 1 and cfg.data.seq_len % (2 * n_ctx):
         raise ConfigError(f"config key 'data.seq_len': {cfg.data.seq_len} must be a multiple of 2 x mesh.context "
                           f"({2 * n_ctx}): each context shard holds two chunks of the sequence "

@@ -11,7 +11,7 @@ import pytest
 from mx_jax import context_parallel as cp
 from mx_jax import sharding
 from mx_jax.config import MeshConfig
-from mx_jax.layers import causal_attention
+from mx_jax.layers import causal_attention, document_attention, document_segments
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4])
@@ -44,16 +44,17 @@ def _reference(q, k, v, w):
     return o, jax.grad(loss, argnums=(0, 1, 2))(f32(q), f32(k), f32(v))
 
 
-@functools.partial(jax.jit, static_argnums=(4, 5))
-def _simulate_shards(q, k, v, w, n, impl):
+@functools.partial(jax.jit, static_argnums=(4, 5, 7))
+def _simulate_shards(q, k, v, w, n, impl, segments=None, max_documents=0):
     """Every shard's forward and backward on one device, assembled in natural order: (o, (dq, dk, dv))."""
     zq, zk, zv, zw = (cp.to_zigzag(a, n) for a in (q, k, v, w))
     split = lambda a: jnp.split(a, n, axis=1)
     outs, dqs, dks, dvs = [], [], [], []
     dkg = dvg = 0.0
     for c, (qc, kc, vc, wc) in enumerate(zip(*(split(a) for a in (zq, zk, zv, zw)))):
-        o, lse = cp.shard_fwd(c, n, impl, qc, kc, vc, k, v)
-        dq, dk, dv, dkg_c, dvg_c = cp.shard_bwd(c, n, impl, qc, kc, vc, k, v, o, lse, wc.astype(o.dtype))
+        o, lse = cp.shard_fwd(c, n, impl, qc, kc, vc, k, v, segments, max_documents)
+        dq, dk, dv, dkg_c, dvg_c = cp.shard_bwd(c, n, impl, qc, kc, vc, k, v, o, lse, wc.astype(o.dtype), segments,
+                                                max_documents)
         outs.append(o), dqs.append(dq), dks.append(dk), dvs.append(dv)
         dkg, dvg = dkg + dkg_c.astype(jnp.float32), dvg + dvg_c.astype(jnp.float32)
     back = lambda parts: cp.from_zigzag(jnp.concatenate(parts, axis=1), n).astype(jnp.float32)
@@ -65,6 +66,58 @@ def test_each_shard_merges_prefix_and_diagonal_exactly(n):
     q, k, v, w = _inputs(2, 8 * n, 4, 2, 8, jnp.float32, seed=n)
     ref_o, ref_grads = _reference(q, k, v, w)
     o, grads = _simulate_shards(q, k, v, w, n, "xla")
+    np.testing.assert_allclose(o, ref_o, rtol=1e-5, atol=1e-5)
+    for name, got, want in zip("qkv", grads, ref_grads):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4, err_msg=f"d{name}")
+
+
+def _document_tokens(b, t, seed):
+    """(b, t) tokens with documents of random lengths (EOS = 1), one row holding a single document."""
+    rng = np.random.default_rng(seed)
+    tokens = np.full((b, t), 7)
+    for row in range(b - 1):
+        tokens[row, np.sort(rng.choice(t - 1, size=t // 6, replace=False))] = 1
+    return jnp.asarray(tokens)
+
+
+def _document_reference(q, k, v, w, segments):
+    f32 = lambda a: a.astype(jnp.float32)
+    attend = lambda q, k, v: document_attention(q, k, v, segments, "xla", 10 ** 6)
+    o = attend(f32(q), f32(k), f32(v))
+    return o, jax.grad(lambda q, k, v: jnp.sum(attend(q, k, v) * w), argnums=(0, 1, 2))(f32(q), f32(k), f32(v))
+
+
+@pytest.mark.parametrize("n", [1, 2, 4])
+def test_each_shard_keeps_documents_apart(n):
+    """model.attention_mask=documents: each shard's diagonal within the chunk's documents and the first document's
+    prefix from its start, merged, against one device's masked attention; a cap of 4 documents merges the rest."""
+    q, k, v, w = _inputs(3, 12 * n, 4, 2, 8, jnp.float32, seed=n)
+    for cap in (10 ** 6, 4):
+        segments = document_segments(_document_tokens(3, 12 * n, n), 1, cap)
+        ref_o, ref_grads = _document_reference(q, k, v, w, segments)
+        o, grads = _simulate_shards(q, k, v, w, n, "xla", segments, cap)
+        np.testing.assert_allclose(o, ref_o, rtol=1e-5, atol=1e-5)
+        for name, got, want in zip("qkv", grads, ref_grads):
+            np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4, err_msg=f"d{name} cap {cap}")
+    causal_o, _ = _reference(q, k, v, w)
+    assert float(jnp.max(jnp.abs(causal_o - ref_o))) > 1e-2  # the documents change the result
+
+
+def test_context_mesh_documents_match_one_device():
+    """context=4 x fsdp=2 on 8 fake devices, through layers.document_attention's shard_map."""
+    n = 4
+    q, k, v, w = _inputs(2, 32, 4, 2, 8, jnp.float32, seed=8)
+    segments = document_segments(_document_tokens(2, 32, 3), 1, 16)
+    ref_o, ref_grads = _document_reference(q, k, v, w, segments)
+    mesh = sharding.make_mesh(MeshConfig(data=1, fsdp=2, context=n))
+
+    def loss(q, k, v):
+        zz = lambda a: cp.to_zigzag(a, n)
+        o = cp.from_zigzag(document_attention(zz(q), zz(k), zz(v), zz(segments), "xla", 16), n)
+        return jnp.sum(o * w), o
+
+    with jax.set_mesh(mesh):
+        (_, o), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
     np.testing.assert_allclose(o, ref_o, rtol=1e-5, atol=1e-5)
     for name, got, want in zip("qkv", grads, ref_grads):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4, err_msg=f"d{name}")
@@ -181,6 +234,28 @@ def test_cudnn_shards_match_the_jnp_formulas(n):
         err, plain_err = scale(g - wnt), scale(p.astype(jnp.float32) - wnt)
         assert err < 2e-2 * scale(wnt), f"d{name}: {err} vs {scale(wnt)}"
         assert err < 2 * plain_err + 1e-3, f"d{name}: merged {err}, cuDNN's own causal call {plain_err}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [2, 4])
+def test_cudnn_document_shards_match_the_jnp_formulas(n):
+    """The documents' shards through cuDNN (the packed diagonal with its statistics read per row, the windowed
+    prefix) against the jnp formulas, and the per-row statistics against jnp's log-sum-exp."""
+    q, k, v, w = _inputs(2, 512 * n, 8, 2, 128, jnp.bfloat16, seed=n)
+    tokens = np.full((2, 512 * n), 7)
+    tokens[0, np.arange(300, 512 * n, 397)] = 1  # documents crossing the chunks
+    segments = document_segments(jnp.asarray(tokens), 1, 16)
+    local = segments[:, :256] - segments[:, :1]
+    o_x, lse_x = cp.block_fwd(q[:, :256], k[:, :256], v[:, :256], causal=True, impl="xla", segments=local)
+    o_c, lse_c = cp.block_fwd(q[:, :256], k[:, :256], v[:, :256], causal=True, impl="cudnn", segments=local,
+                              max_documents=16)
+    np.testing.assert_allclose(lse_c, lse_x, atol=2e-2)
+    got_o, got = _simulate_shards(q, k, v, w, n, "cudnn", segments, 16)
+    want_o, want = _simulate_shards(q, k, v, w, n, "xla", segments, 16)
+    scale = lambda a: float(jnp.max(jnp.abs(a)))
+    assert scale(got_o - want_o) < 2e-2 * scale(want_o)
+    for name, g, wnt in zip("qkv", got, want):
+        assert scale(g - wnt) < 2e-2 * scale(wnt), f"d{name}: {scale(g - wnt)} vs {scale(wnt)}"
 
 
 def _dot_count(jaxpr) -> int:
