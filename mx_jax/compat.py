@@ -135,18 +135,18 @@ MGPU_REMOTE_LOAD = JAX_VERSION >= (0, 11, 1)
 # (jax/_src/cudnn/fused_attention_stablehlo.py: 10 array operands for the forward, 13 for the backward; BTNH layout
 # = 0; the statistics are (B, N, T) float32, natural-log log-sum-exp of the scaled logits, checked against
 # jnp by tests/test_context_parallel.py on a GPU).
-def _cudnn_attention_args(q, k, causal: bool, scale: float, kv_len):
+def _cudnn_attention_args(q, k, causal: bool, scale: float, kv_len, q_len=None):
     """The primitives' 7 optional operands (bias, q/kv sequence lengths, offsets, page tables) and parameters."""
     from jax._src.cudnn import fused_attention_stablehlo as fa
 
     unused = jax.numpy.zeros(0, q.dtype)
     if kv_len is None:
         lengths, mask = (unused, unused), fa.MaskType.CAUSAL if causal else fa.MaskType.NO_MASK
-    else:  # keys [kv_len, S) are padding
+    else:  # keys [kv_len, S) are padding, and queries [q_len, T) where given
         assert not causal, "a padded block is never the causal diagonal"
         b = q.shape[0]
-        lengths = (jax.numpy.full((b,), q.shape[1], jax.numpy.int32),
-                   jax.numpy.broadcast_to(jax.numpy.asarray(kv_len, jax.numpy.int32), (b,)))
+        per_row = lambda n: jax.numpy.broadcast_to(jax.numpy.asarray(n, jax.numpy.int32), (b,))
+        lengths = (per_row(q.shape[1] if q_len is None else q_len), per_row(kv_len))
         mask = fa.MaskType.PADDING
     operands = (unused, *lengths, *(unused,) * 4)
     params = dict(scale=scale, seed=42, dropout_rate=0.0, variadic_args=(False, False), mask_type=mask,
@@ -154,10 +154,11 @@ def _cudnn_attention_args(q, k, causal: bool, scale: float, kv_len):
     return fa, operands, params
 
 
-def cudnn_attention_fwd(q, k, v, *, causal: bool, scale: float, kv_len=None):
+def cudnn_attention_fwd(q, k, v, *, causal: bool, scale: float, kv_len=None, q_len=None):
     """q (B,T,N,H), k and v (B,S,G,H) -> (output like q, log-sum-exp (B,N,T) float32). Causal: top-left, T == S.
-    kv_len: only keys [0, kv_len) are attended to (an int32 scalar, may be traced)."""
-    fa, operands, params = _cudnn_attention_args(q, k, causal, scale, kv_len)
+    kv_len: only keys [0, kv_len) are attended to (an int32 scalar or one per row, may be traced); q_len (with it):
+    only queries [0, q_len) are computed, the other rows' outputs and statistics are not defined."""
+    fa, operands, params = _cudnn_attention_args(q, k, causal, scale, kv_len, q_len)
     # The checks jax.nn.dot_product_attention runs, so that a dtype, layout or head dim cuDNN cannot take fails here
     # with jax's message instead of inside XLA.
     if not _CUDNN_SHAPES_ONLY:
@@ -167,9 +168,10 @@ def cudnn_attention_fwd(q, k, v, *, causal: bool, scale: float, kv_len=None):
     return out, lse
 
 
-def cudnn_attention_bwd(q, k, v, out, lse, dout, *, causal: bool, scale: float, kv_len=None):
-    """(dq, dk, dv) of these keys given the output and log-sum-exp of the rows over all the keys they attend to."""
-    fa, operands, params = _cudnn_attention_args(q, k, causal, scale, kv_len)
+def cudnn_attention_bwd(q, k, v, out, lse, dout, *, causal: bool, scale: float, kv_len=None, q_len=None):
+    """(dq, dk, dv) of these keys given the output and log-sum-exp of the rows over all the keys they attend to
+    (with q_len, of the rows [0, q_len) only)."""
+    fa, operands, params = _cudnn_attention_args(q, k, causal, scale, kv_len, q_len)
     dq, dk, dv = fa._dot_product_attention_bwd_p_wrapper.bind(q, k, v, *operands, lse, out, dout, **params)
     return dq, dk, dv
 

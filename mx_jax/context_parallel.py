@@ -140,20 +140,22 @@ def _block_bwd_xla(q, k, v, o, lse, do, causal, kv_len, scale, segments=None):
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 
-def block_fwd(q, k, v, *, causal: bool, impl: str, kv_len=None, segments=None, max_documents: int = 0):
+def block_fwd(q, k, v, *, causal: bool, impl: str, kv_len=None, segments=None, max_documents: int = 0, q_len=None):
     """-> (o like q, lse (B, H, t) float32): softmax(q k^T / sqrt(K)) v over keys [0, kv_len), causal if asked
-    (square blocks only), within each segment if given (at most max_documents per row)."""
+    (square blocks only), within each segment if given (at most max_documents per row). q_len (with kv_len, one per
+    row): only the rows [0, q_len) are needed; cuDNN skips the others, whose results are then not defined."""
     scale = 1.0 / math.sqrt(q.shape[-1])
     if impl == "cudnn" and segments is not None:
         lengths, starts = packed_layout(segments, max_documents)
         o, stats = compat.cudnn_packed_attention_fwd(q, k, v, lengths, starts, scale=scale)
         return o, _row_stats(stats, lengths, starts, segments)
     if impl == "cudnn":
-        return compat.cudnn_attention_fwd(q, k, v, causal=causal, scale=scale, kv_len=kv_len)
+        return compat.cudnn_attention_fwd(q, k, v, causal=causal, scale=scale, kv_len=kv_len, q_len=q_len)
     return _block_fwd_xla(q, k, v, causal, kv_len, scale, segments)
 
 
-def block_bwd(q, k, v, o, lse, do, *, causal: bool, impl: str, kv_len=None, segments=None, max_documents: int = 0):
+def block_bwd(q, k, v, o, lse, do, *, causal: bool, impl: str, kv_len=None, segments=None, max_documents: int = 0,
+              q_len=None):
     """-> (dq, dk, dv) of this block's keys, given the output and log-sum-exp over all the keys q attends to. The
     padding keys' dk and dv are zero."""
     scale = 1.0 / math.sqrt(q.shape[-1])
@@ -162,7 +164,8 @@ def block_bwd(q, k, v, o, lse, do, *, causal: bool, impl: str, kv_len=None, segm
         stats = _packed_stats(lse, lengths, starts, segments)
         dq, dk, dv = compat.cudnn_packed_attention_bwd(q, k, v, o, stats, do, lengths, starts, scale=scale)
     elif impl == "cudnn":
-        dq, dk, dv = compat.cudnn_attention_bwd(q, k, v, o, lse, do, causal=causal, scale=scale, kv_len=kv_len)
+        dq, dk, dv = compat.cudnn_attention_bwd(q, k, v, o, lse, do, causal=causal, scale=scale, kv_len=kv_len,
+                                                q_len=q_len)
     else:
         dq, dk, dv = _block_bwd_xla(q, k, v, o, lse, do, causal, kv_len, scale, segments)
     if kv_len is not None:
@@ -292,8 +295,9 @@ def _prefixes(c, n, s):
 # (keys from j s on), only the rows of its first document can see keys before the chunk: those in [a, j s), a the
 # start of the document holding position j s. So the diagonal block runs the chunk's documents as a packed causal
 # block (its segments counted from the chunk's first), and the prefix block takes the key window starting at a
-# (kv_len = j s - a, one per row) for the first document's rows only; the other rows' prefix is dropped in the
-# merge, and their cotangent zeroed (with a log-sum-exp that makes their probabilities 0) in its backward.
+# (kv_len = j s - a, one per row) for the first document's rows only: they are the chunk's first q_len rows, and
+# cuDNN computes no others (a padding mask on both sides); the other rows' prefix is dropped in the merge, and their
+# cotangent zeroed (with a log-sum-exp that makes their probabilities 0) in its backward.
 
 def _local_segments(segments, c, n, s):
     """Shard c's two chunks' segments, each counted from its first token's: (B, 2s) in the local order."""
@@ -335,15 +339,19 @@ def shard_fwd(c, n: int, impl: str, q, k, v, kg, vg, segments=None, max_document
     o_d, l_d = _unpair(o_d, b), _unpair(l_d, b, axis=2)
     o, lse = o_d, l_d
     for rows, window, kv_len, present, j0 in _prefixes(c, n, s):
+        q_len = None
         if segments is None:
             kw, vw = kg[:, :window], vg[:, :window]
         else:
             a, kv_len, in_first = _document_prefix(segments, j0, s)
             kw, vw = _window(kg, a, window), _window(vg, a, window)
             kv_len, present = jnp.maximum(kv_len, 1), in_first[:, None, :]
-        o_p, l_p = block_fwd(q[:, rows], kw, vw, causal=False, impl=impl, kv_len=kv_len)
+            q_len = jnp.maximum(jnp.sum(in_first, axis=1), 1)
+        o_p, l_p = block_fwd(q[:, rows], kw, vw, causal=False, impl=impl, kv_len=kv_len, q_len=q_len)
         if present is not None:
             l_p = jnp.where(present, l_p, -jnp.inf)
+            if q_len is not None:  # the skipped rows' outputs are not defined: never 0 x NaN in the merge
+                o_p = jnp.where(present[:, 0, :, None, None], o_p, 0)
         o_r, l_r = _merge(o_p, l_p, o_d[:, rows], l_d[:, :, rows])
         o, lse = o.at[:, rows].set(o_r), lse.at[:, :, rows].set(l_r)
     return o, lse
@@ -373,7 +381,8 @@ def shard_bwd(c, n: int, impl: str, q, k, v, kg, vg, o, lse, do, segments=None, 
             l_p = jnp.where(present[:, None, :], lse[:, :, rows], 1e30)
             do_p = jnp.where(present[:, :, None, None], do[:, rows], 0).astype(do.dtype)
             dq_p, dk_p, dv_p = block_bwd(q[:, rows], _window(kg, a, window), _window(vg, a, window), o[:, rows], l_p,
-                                         do_p, causal=False, impl=impl, kv_len=jnp.maximum(kv_len, 1))
+                                         do_p, causal=False, impl=impl, kv_len=jnp.maximum(kv_len, 1),
+                                         q_len=jnp.maximum(jnp.sum(present, axis=1), 1))
             dq_p = jnp.where(present[:, :, None, None], dq_p, 0)
             dkg, dvg = dkg + _unwindow(dk_p, a, kg.shape[1]), dvg + _unwindow(dv_p, a, vg.shape[1])
         dq = dq.at[:, rows].add(dq_p.astype(jnp.float32))
