@@ -232,7 +232,7 @@ cudnn_causal_attention.defvjp(_cudnn_causal_fwd, _cudnn_causal_bwd)
 def cudnn_document_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array,
                              starts: jax.Array) -> jax.Array:
     """Causal attention within each document of a row (model.attention_mask=documents), one device's rows, through
-    cuDNN's packed layout (`layers.packed_layout` describes the documents); residuals tagged as above."""
+    cuDNN's packed layout (`packed_layout` describes the documents); residuals tagged as above."""
     return _cudnn_document_fwd(q, k, v, lengths, starts)[0]
 
 
