@@ -257,6 +257,8 @@ def config_to_hf(cfg: ModelConfig, dtype: str, base: dict | None = None) -> dict
         "torch_dtype": dtype,
     })
     out.setdefault("max_position_embeddings", int(sc.original_max_len * (sc.factor if scaled else 1)))
+    if cfg.eos_id >= 0:  # the token the training data ended documents with (model.attention_mask=documents)
+        out.setdefault("eos_token_id", cfg.eos_id)
     if "dtype" in out:  # transformers 5 writes `dtype` instead of `torch_dtype`
         out["dtype"] = dtype
     if cfg.moe.n_experts:

@@ -111,6 +111,10 @@ def test_config_maps_both_ways():
     assert (cfg.rope_theta, cfg.norm_eps) == (10000.0, 1e-5)
     back = hf.config_to_hf(cfg, "float32", HF_CONFIG)
     assert back == HF_CONFIG  # the base's other keys (token ids, max positions) survive
+    documents = dataclasses.replace(cfg, eos_id=0)  # trained on data whose documents end with token 0
+    assert hf.config_to_hf(documents, "float32")["eos_token_id"] == 0
+    assert hf.config_to_hf(documents, "float32", {**HF_CONFIG, "eos_token_id": 2})["eos_token_id"] == 2
+    assert "eos_token_id" not in hf.config_to_hf(cfg, "float32")
     # transformers 5 spelling: rope_parameters with rope_theta inside, no head_dim (= hidden / heads).
     v5 = {k: v for k, v in HF_CONFIG.items() if k not in ("rope_scaling", "rope_theta", "head_dim")}
     v5["rope_parameters"] = {"rope_type": "default", "rope_theta": 500000.0}
