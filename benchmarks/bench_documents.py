@@ -10,7 +10,7 @@ v) of:
 - "mask, cuDNN": the same call with the (T, T) document mask (`mask=`, which jax turns into an additive bias that
   cuDNN reads for every head): the best path without our code;
 - "ours, M = ...": layers.document_attention, each document a separate causal sequence of cuDNN's packed layout
-  (compat.cudnn_packed_attention_fwd), at model.max_documents = M (a row with more documents than M is skipped).
+  (compat.cudnn_attention_fwd with documents), at model.max_documents = M (skipped where M < the documents).
   The last column is XLA's temporary memory of that fwd+bwd: cuDNN's packed backward takes a workspace of
   B M N T (8 H + 4) bytes (M times the causal one).
 "useful TFLOP/s" counts only the work inside the documents, sum over documents of their causal attention, so a

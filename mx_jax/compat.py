@@ -135,12 +135,25 @@ MGPU_REMOTE_LOAD = JAX_VERSION >= (0, 11, 1)
 # (jax/_src/cudnn/fused_attention_stablehlo.py: 10 array operands for the forward, 13 for the backward; BTNH layout
 # = 0; the statistics are (B, N, T) float32, natural-log log-sum-exp of the scaled logits, checked against
 # jnp by tests/test_context_parallel.py on a GPU).
-def _cudnn_attention_args(q, k, causal: bool, scale: float, kv_len, q_len=None):
+#
+# Documents (model.attention_mask=documents): cuDNN's packed layout runs several documents per row, each attending
+# causally within itself. `documents` = (lengths (B, M), starts (B, M+1)): per row the documents' lengths and first
+# positions, -1 where a row has fewer than M (the format of jax._src.cudnn.fused_attention_stablehlo's
+# dot_product_attention q_seqlen and q_offsets; the wrapper primitives turn it into cuDNN's, the same in 0.10.2 and
+# 0.11.2). The statistics are then (B M, N, T) float32 (context_parallel._packed_index says where each row's is).
+# Checked on an H200 (jax 0.11.2, cuDNN 9.19) against XLA's masked scores with grouped-query heads, through our path
+# and through jax's function: PADDING_CAUSAL and CAUSAL gave the same results (benchmarks/RESULTS.md, session 61).
+def _cudnn_attention_args(q, k, causal: bool, scale: float, kv_len, q_len=None, documents=None):
     """The primitives' 7 optional operands (bias, q/kv sequence lengths, offsets, page tables) and parameters."""
     from jax._src.cudnn import fused_attention_stablehlo as fa
 
     unused = jax.numpy.zeros(0, q.dtype)
-    if kv_len is None:
+    offsets = (unused, unused)
+    if documents is not None:
+        assert causal and kv_len is None, "documents are causal square blocks"
+        lengths, starts = documents
+        lengths, offsets, mask = (lengths, lengths), (starts, starts), fa.MaskType.PADDING_CAUSAL
+    elif kv_len is None:
         lengths, mask = (unused, unused), fa.MaskType.CAUSAL if causal else fa.MaskType.NO_MASK
     else:  # keys [kv_len, S) are padding, and queries [q_len, T) where given
         assert not causal, "a padded block is never the causal diagonal"
@@ -148,68 +161,35 @@ def _cudnn_attention_args(q, k, causal: bool, scale: float, kv_len, q_len=None):
         per_row = lambda n: jax.numpy.broadcast_to(jax.numpy.asarray(n, jax.numpy.int32), (b,))
         lengths = (per_row(q.shape[1] if q_len is None else q_len), per_row(kv_len))
         mask = fa.MaskType.PADDING
-    operands = (unused, *lengths, *(unused,) * 4)
+    operands = (unused, *lengths, *offsets, unused, unused)
     params = dict(scale=scale, seed=42, dropout_rate=0.0, variadic_args=(False, False), mask_type=mask,
                   layout=fa.AttentionLayout.BTNH.value, sliding_window_length=None)
     return fa, operands, params
 
 
-def cudnn_attention_fwd(q, k, v, *, causal: bool, scale: float, kv_len=None, q_len=None):
+def cudnn_attention_fwd(q, k, v, *, causal: bool, scale: float, kv_len=None, q_len=None, documents=None):
     """q (B,T,N,H), k and v (B,S,G,H) -> (output like q, log-sum-exp (B,N,T) float32). Causal: top-left, T == S.
     kv_len: only keys [0, kv_len) are attended to (an int32 scalar or one per row, may be traced); q_len (with it):
-    only queries [0, q_len) are computed, the other rows' outputs and statistics are not defined."""
-    fa, operands, params = _cudnn_attention_args(q, k, causal, scale, kv_len, q_len)
+    only queries [0, q_len) are computed, the other rows' outputs and statistics are not defined. documents: causal
+    within each document of a row (above); the statistics are then (B M, N, T)."""
+    fa, operands, params = _cudnn_attention_args(q, k, causal, scale, kv_len, q_len, documents)
     # The checks jax.nn.dot_product_attention runs, so that a dtype, layout or head dim cuDNN cannot take fails here
     # with jax's message instead of inside XLA.
     if not _CUDNN_SHAPES_ONLY:
-        fa.check_layout(q, k, v, None, None, None, None, None, None, None, fa.AttentionLayout.BTNH)
-        fa.check_is_flash_attention(q, k, v, fa.AttentionLayout.BTNH.value, fa.check_cudnn_version(), False, True)
+        lengths, starts = documents if documents is not None else (None, None)
+        fa.check_layout(q, k, v, None, lengths, lengths, starts, starts, None, None, fa.AttentionLayout.BTNH)
+        fa.check_is_flash_attention(q, k, v, fa.AttentionLayout.BTNH.value, fa.check_cudnn_version(), False, True,
+                                    is_packed=documents is not None)
     out, lse = fa._dot_product_attention_fwd_p_wrapper.bind(q, k, v, *operands, **params, is_training=True)
     return out, lse
 
 
-def cudnn_attention_bwd(q, k, v, out, lse, dout, *, causal: bool, scale: float, kv_len=None, q_len=None):
+def cudnn_attention_bwd(q, k, v, out, lse, dout, *, causal: bool, scale: float, kv_len=None, q_len=None,
+                        documents=None):
     """(dq, dk, dv) of these keys given the output and log-sum-exp of the rows over all the keys they attend to
-    (with q_len, of the rows [0, q_len) only)."""
-    fa, operands, params = _cudnn_attention_args(q, k, causal, scale, kv_len, q_len)
+    (with q_len, of the rows [0, q_len) only; with documents, the statistics as the forward gave them)."""
+    fa, operands, params = _cudnn_attention_args(q, k, causal, scale, kv_len, q_len, documents)
     dq, dk, dv = fa._dot_product_attention_bwd_p_wrapper.bind(q, k, v, *operands, lse, out, dout, **params)
-    return dq, dk, dv
-
-
-# cuDNN's packed layout: several documents per row, each attending causally within itself (model.attention_mask=
-# documents). Per row, `lengths` (B, M) are the documents' lengths and `starts` (B, M+1) their first positions, -1
-# where a row has fewer than M (the format of jax._src.cudnn.fused_attention_stablehlo.dot_product_attention's
-# q_seqlen and q_offsets; the wrapper primitives turn it into cuDNN's, the same in 0.10.2 and 0.11.2). The
-# statistics are (B M, N, T) float32. Checked on an H200 (jax 0.11.2, cuDNN 9.19) against XLA's masked scores with
-# grouped-query heads, through our path and through jax's function: PADDING_CAUSAL and CAUSAL gave the same results
-# (benchmarks/RESULTS.md, session 61).
-def _cudnn_packed_args(q, scale: float, lengths, starts):
-    from jax._src.cudnn import fused_attention_stablehlo as fa
-
-    unused = jax.numpy.zeros(0, q.dtype)
-    operands = (unused, lengths, lengths, starts, starts, unused, unused)
-    params = dict(scale=scale, seed=42, dropout_rate=0.0, variadic_args=(False, False),
-                  mask_type=fa.MaskType.PADDING_CAUSAL, layout=fa.AttentionLayout.BTNH.value,
-                  sliding_window_length=None)
-    return fa, operands, params
-
-
-def cudnn_packed_attention_fwd(q, k, v, lengths, starts, *, scale: float):
-    """q (B,T,N,H), k and v (B,T,G,H), each row's documents as (lengths, starts) -> (output like q, softmax
-    statistics (B M, N, T) float32)."""
-    fa, operands, params = _cudnn_packed_args(q, scale, lengths, starts)
-    if not _CUDNN_SHAPES_ONLY:
-        fa.check_layout(q, k, v, None, lengths, lengths, starts, starts, None, None, fa.AttentionLayout.BTNH)
-        fa.check_is_flash_attention(q, k, v, fa.AttentionLayout.BTNH.value, fa.check_cudnn_version(), False, True,
-                                    is_packed=True)
-    out, stats = fa._dot_product_attention_fwd_p_wrapper.bind(q, k, v, *operands, **params, is_training=True)
-    return out, stats
-
-
-def cudnn_packed_attention_bwd(q, k, v, out, stats, dout, lengths, starts, *, scale: float):
-    """(dq, dk, dv) of `cudnn_packed_attention_fwd`."""
-    fa, operands, params = _cudnn_packed_args(q, scale, lengths, starts)
-    dq, dk, dv = fa._dot_product_attention_bwd_p_wrapper.bind(q, k, v, *operands, stats, out, dout, **params)
     return dq, dk, dv
 
 

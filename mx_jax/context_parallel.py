@@ -147,7 +147,7 @@ def block_fwd(q, k, v, *, causal: bool, impl: str, kv_len=None, segments=None, m
     scale = 1.0 / math.sqrt(q.shape[-1])
     if impl == "cudnn" and segments is not None:
         lengths, starts = packed_layout(segments, max_documents)
-        o, stats = compat.cudnn_packed_attention_fwd(q, k, v, lengths, starts, scale=scale)
+        o, stats = compat.cudnn_attention_fwd(q, k, v, causal=True, scale=scale, documents=(lengths, starts))
         return o, _row_stats(stats, lengths, starts, segments)
     if impl == "cudnn":
         return compat.cudnn_attention_fwd(q, k, v, causal=causal, scale=scale, kv_len=kv_len, q_len=q_len)
@@ -162,7 +162,8 @@ def block_bwd(q, k, v, o, lse, do, *, causal: bool, impl: str, kv_len=None, segm
     if impl == "cudnn" and segments is not None:
         lengths, starts = packed_layout(segments, max_documents)
         stats = _packed_stats(lse, lengths, starts, segments)
-        dq, dk, dv = compat.cudnn_packed_attention_bwd(q, k, v, o, stats, do, lengths, starts, scale=scale)
+        dq, dk, dv = compat.cudnn_attention_bwd(q, k, v, o, stats, do, causal=True, scale=scale,
+                                                documents=(lengths, starts))
     elif impl == "cudnn":
         dq, dk, dv = compat.cudnn_attention_bwd(q, k, v, o, lse, do, causal=causal, scale=scale, kv_len=kv_len,
                                                 q_len=q_len)
@@ -238,14 +239,16 @@ def cudnn_document_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: 
 
 def _cudnn_document_fwd(q, k, v, lengths, starts):
     scale = 1.0 / math.sqrt(q.shape[-1])
-    o, stats = _remat_tags(*compat.cudnn_packed_attention_fwd(q, k, v, lengths, starts, scale=scale))
+    o, stats = _remat_tags(*compat.cudnn_attention_fwd(q, k, v, causal=True, scale=scale,
+                                                        documents=(lengths, starts)))
     return o, (q, k, v, o, stats, lengths, starts)
 
 
 def _cudnn_document_bwd(res, do):
     q, k, v, o, stats, lengths, starts = res
     scale = 1.0 / math.sqrt(q.shape[-1])
-    return (*compat.cudnn_packed_attention_bwd(q, k, v, o, stats, do, lengths, starts, scale=scale), None, None)
+    return (*compat.cudnn_attention_bwd(q, k, v, o, stats, do, causal=True, scale=scale,
+                                        documents=(lengths, starts)), None, None)
 
 
 cudnn_document_attention.defvjp(_cudnn_document_fwd, _cudnn_document_bwd)

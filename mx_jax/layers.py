@@ -28,7 +28,7 @@ Attention: softmax(q k^T / sqrt(K) + causal mask) v with G key/value heads share
            model.attention_mask=documents: token t of a row attends to key u only if u <= t and both lie in the same
            document, d(t) = the number of end-of-text tokens before t (the token ending a document belongs to it),
            capped at max_documents - 1 (`document_segments`). cuDNN runs each row's documents as separate causal
-           sequences (its packed layout, `compat.cudnn_packed_attention_fwd`), per device under shard_map; XLA
+           sequences (its packed layout, `compat.cudnn_attention_fwd`), per device under shard_map; XLA
            masks the T x T scores. RoPE keeps the row's positions: a score depends on u - t only, so a document
            attends within itself as it would alone. Under a `context` axis, context_parallel.py ("Documents").
 SwiGLU:    y = (silu(x W_gate) * (x W_up)) W_down                     (Shazeer 2020).

@@ -40,9 +40,16 @@ def test_greedy_tokens_are_the_full_sequence_argmax(tmp_path, moe):
     np.testing.assert_array_equal(out[:, len(prompt):], np.argmax(np.asarray(logits), -1)[:, len(prompt) - 1:-1])
 
 
-def test_sampling_draws_only_from_the_top_k_and_the_tokenizer_vocab(tmp_path):
-    train.train(tiny_config(tmp_path, "steps=2", "mesh.data=1", "mesh.fsdp=1", NO_EVAL), devices=jax.devices()[:1])
-    mesh, setup, params, buffers = _setup_and_state(tmp_path)
+@pytest.fixture(scope="module")
+def two_steps(tmp_path_factory):
+    """A run of the tiny model trained two steps on one device, shared by the tests that only sample from it."""
+    run_dir = tmp_path_factory.mktemp("two_steps")
+    train.train(tiny_config(run_dir, "steps=2", "mesh.data=1", "mesh.fsdp=1", NO_EVAL), devices=jax.devices()[:1])
+    return run_dir
+
+
+def test_sampling_draws_only_from_the_top_k_and_the_tokenizer_vocab(two_steps):
+    mesh, setup, params, buffers = _setup_and_state(two_steps)
     prompt = list(b"import ")
     with jax.set_mesh(mesh):
         greedy = sample.generate(setup, params, buffers, prompt, 12, temperature=0)
@@ -56,9 +63,8 @@ def test_sampling_draws_only_from_the_top_k_and_the_tokenizer_vocab(tmp_path):
     np.testing.assert_array_equal(hot, again)  # a seed fixes the draw
 
 
-def test_drawing_stops_once_every_sample_has_ended(tmp_path):
-    train.train(tiny_config(tmp_path, "steps=2", "mesh.data=1", "mesh.fsdp=1", NO_EVAL), devices=jax.devices()[:1])
-    mesh, setup, params, buffers = _setup_and_state(tmp_path)
+def test_drawing_stops_once_every_sample_has_ended(two_steps):
+    mesh, setup, params, buffers = _setup_and_state(two_steps)
     prompt = list(b"import ")
     with jax.set_mesh(mesh):
         full = sample.generate(setup, params, buffers, prompt, 16, temperature=0)
