@@ -17,6 +17,20 @@ tokenizer's end-of-text token (see "Converter" below). A HF `tokenizer.json` nee
 `pyarrow`, `.zst` `zstandard` (`pip install mx_jax[data]`). Shards are memory-mapped: a host touches only the windows
 its devices need.
 
+Fine-tuning examples: a JSON-lines record (or Parquet row) with "prompt" and "completion", or with chat
+"messages" ([{"role", "content"}], TRL's and OpenAI's formats), is an example whose loss counts only the completion
+or the assistant's replies. A conversation is rendered by a Jinja chat template (the tokenizer's own, found beside
+its tokenizer.json, or `--chat-template`); reply k is the text from the end of render(messages[:k],
+add_generation_prompt=True) to the end of render(messages[:k+1]), its end-of-turn marker included. Each segment
+(prompt, reply, ...) is tokenized on its own, as it will be at inference. The converter then writes beside each
+shard `<shard>.mask`: bit i (np.packbits, little-endian bit order) says whether token i is a target the loss counts,
+and meta.json gets "loss_mask": true with the target counts. A batch's target whose bit is 0 is -1 (IGNORED), which
+llama.cross_entropy leaves out: the loss is the sum over counted targets divided by their number in the whole step
+(every microbatch), so every counted target weighs the same however they fall in microbatches. Plain documents mixed
+in are trained whole. Examples are packed like documents (each ends with the end-of-text token, trained after a
+reply); a window may begin inside one, whose reply is then trained without the start of its prompt; with
+model.attention_mask=documents no example sees another.
+
 Sampling: a split is cut into n = floor((len - 1) / T) windows of T+1 tokens. Global sequence i (counting from
 the start of training) is window perm_e[i mod n] of epoch e = i // n, with perm_e a permutation seeded by
 (seed, e). The iterator's whole state is the number of sequences consumed, which the checkpoint stores, so a
@@ -57,6 +71,7 @@ from jax.sharding import NamedSharding
 from mx_jax.config import ConfigError, DataConfig, mixture_entries, read_json_object
 
 SEPARATOR = 0  # NUL byte between documents of the embedded corpus
+IGNORED = -1  # the target of a position the loss leaves out (llama.cross_entropy)
 _EXCLUDED_PARTS = {"test", "tests", "site-packages", "dist-packages", "idle_test"}
 
 
@@ -146,6 +161,26 @@ def load_shards(path: str, split: str) -> tuple[list[np.ndarray], list[pathlib.P
     return arrays, files, vocab
 
 
+def load_masks(path: str, files: Sequence[pathlib.Path], arrays: Sequence[np.ndarray]) -> list[np.ndarray] | None:
+    """The loss masks of shards `files` (meta.json "loss_mask": true): each `<shard>.mask` beside its `.bin`, one
+    bit per token, little-endian bit order (np.packbits(..., bitorder="little")); None for shards without."""
+    meta = read_meta(pathlib.Path(path))
+    if not meta.get("loss_mask"):
+        return None
+    masks = []
+    for f, a in zip(files, arrays):
+        m = f.with_suffix(".mask")
+        want = (len(a) + 7) // 8
+        if not m.is_file():
+            raise ConfigError(f"{pathlib.Path(path) / 'meta.json'} says the shards have loss masks, but {m} is "
+                              f"missing")
+        if m.stat().st_size != want:
+            raise ConfigError(f"loss mask {m} has {m.stat().st_size} bytes; its shard's {len(a)} tokens need {want} "
+                              f"(one bit each): a stale or truncated file")
+        masks.append(np.memmap(m, dtype=np.uint8, mode="r"))
+    return masks
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Windows and batches
 
@@ -154,9 +189,10 @@ class Windows:
     """Non-overlapping windows of T+1 tokens over a list of token arrays; window w -> (array, offset)."""
 
     def __init__(self, arrays: Sequence[np.ndarray], seq_len: int, name: str, vocab_size: int | None = None,
-                 files: Sequence[pathlib.Path] | None = None):
+                 files: Sequence[pathlib.Path] | None = None, masks: Sequence[np.ndarray] | None = None):
         self.arrays, self.seq_len = list(arrays), seq_len
         self.vocab_size, self.files = vocab_size, files
+        self.masks = None if masks is None else list(masks)  # packed loss-mask bits per array (load_masks)
         counts = np.array([max(0, (len(a) - 1) // seq_len) for a in self.arrays], dtype=np.int64)
         self.starts = np.concatenate([[0], np.cumsum(counts)])
         self.n = int(self.starts[-1])
@@ -177,10 +213,24 @@ class Windows:
             self._perm_key = key
         return int(self._perm[j])
 
+    def _locate(self, w: int) -> tuple[int, int]:
+        """(array, offset of the window's first token in it)."""
+        a = int(np.searchsorted(self.starts, w, side="right") - 1)
+        return a, int(w - self.starts[a]) * self.seq_len
+
+    def get_mask(self, w: int, t0: int = 0, t1: int | None = None) -> np.ndarray | None:
+        """Whether tokens [t0, t1) of window w count as targets in the loss (bool), or None without loss masks."""
+        if self.masks is None:
+            return None
+        a, off = self._locate(w)
+        t1 = self.seq_len + 1 if t1 is None else t1
+        lo, hi = off + t0, off + t1
+        bits = np.unpackbits(np.asarray(self.masks[a][lo // 8: (hi + 7) // 8]), bitorder="little")
+        return bits[lo % 8: lo % 8 + hi - lo].astype(bool)
+
     def get(self, w: int, t0: int = 0, t1: int | None = None) -> np.ndarray:
         """Tokens [t0, t1) of window w's T+1 tokens."""
-        a = int(np.searchsorted(self.starts, w, side="right") - 1)
-        off = int(w - self.starts[a]) * self.seq_len
+        a, off = self._locate(w)
         t1 = self.seq_len + 1 if t1 is None else t1
         win = np.asarray(self.arrays[a][off + t0: off + t1])
         if self.vocab_size is not None and win.size and win.max() >= self.vocab_size:
@@ -230,6 +280,9 @@ class Mixture:
     def get(self, w: tuple[int, int], t0: int = 0, t1: int | None = None) -> np.ndarray:
         return self.sources[w[0]].get(w[1], t0, t1)
 
+    def get_mask(self, w: tuple[int, int], t0: int = 0, t1: int | None = None) -> np.ndarray | None:
+        return self.sources[w[0]].get_mask(w[1], t0, t1)
+
 
 class Batches:
     """Deterministic, resumable batches of the global batch; `position` (sequences consumed) is the whole state."""
@@ -243,13 +296,18 @@ class Batches:
         return self.windows.pick(i, (self.seed,), self.shuffle)
 
     def rows(self, first_seq: int, r0: int, r1: int, t0: int, t1: int) -> tuple[np.ndarray, np.ndarray]:
-        """inputs, targets (r1-r0, t1-t0) int32 for rows [r0,r1) of the batch starting at global sequence first_seq."""
+        """inputs, targets (r1-r0, t1-t0) int32 for rows [r0,r1) of the batch starting at global sequence first_seq;
+        a target the loss mask leaves out (a prompt token of a fine-tuning example) is -1 (llama.cross_entropy)."""
         inputs = np.empty((r1 - r0, t1 - t0), np.int32)
         targets = np.empty_like(inputs)
         for r in range(r0, r1):
-            win = self.windows.get(self._window(first_seq + r), t0, t1 + 1)
+            w = self._window(first_seq + r)
+            win = self.windows.get(w, t0, t1 + 1)
             inputs[r - r0] = win[:-1]
             targets[r - r0] = win[1:]
+            mask = self.windows.get_mask(w, t0 + 1, t1 + 1)
+            if mask is not None:
+                targets[r - r0, ~mask] = IGNORED
         return inputs, targets
 
     def next_global(self, shardings: dict[str, NamedSharding], accum: int) -> dict[str, jax.Array]:
@@ -375,11 +433,20 @@ def open_dataset(cfg: DataConfig) -> Dataset:
         return _open_mixture(cfg)
     train, train_files, vocab = load_shards(cfg.path, "train")
     val, val_files, _ = load_shards(cfg.path, "val")
+    meta = read_meta(pathlib.Path(cfg.path))
     n_train = sum(len(a) for a in train)
-    desc = f"token shards {cfg.path}: {n_train / 1e6:.1f} M train tokens, vocab {vocab}"
-    return Dataset(Windows(train, cfg.seq_len, "train", vocab, train_files),
-                   Windows(val, cfg.seq_len, "held-out", vocab, val_files), vocab, desc,
-                   eos_of(read_meta(pathlib.Path(cfg.path))))
+    desc = f"token shards {cfg.path}: {n_train / 1e6:.1f} M train tokens, vocab {vocab}" + _mask_note(meta)
+    return Dataset(Windows(train, cfg.seq_len, "train", vocab, train_files, load_masks(cfg.path, train_files, train)),
+                   Windows(val, cfg.seq_len, "held-out", vocab, val_files, load_masks(cfg.path, val_files, val)),
+                   vocab, desc, eos_of(meta))
+
+
+def _mask_note(meta: dict) -> str:
+    """What the description adds for shards with loss masks: the share of training tokens the loss counts."""
+    if not meta.get("loss_mask"):
+        return ""
+    share = meta.get("train_target_tokens", 0) / max(meta.get("train_tokens", 0), 1)
+    return f", loss masks ({share:.0%} of train tokens are targets)"
 
 
 def documents_per_window(windows: Windows | Mixture, eos_id: int, n: int = 1024, seed: int = 0) -> np.ndarray:
@@ -414,9 +481,11 @@ def _open_mixture(cfg: DataConfig) -> Dataset:
     train, val, metas = [], [], []
     for (_, path), name in zip(entries, names):
         arrays, files, vocab = load_shards(path, "train")
-        train.append(Windows(arrays, cfg.seq_len, f"train split of {path}", vocab, files))
+        train.append(Windows(arrays, cfg.seq_len, f"train split of {path}", vocab, files,
+                             load_masks(path, files, arrays)))
         arrays, files, _ = load_shards(path, "val")
-        val.append(Windows(arrays, cfg.seq_len, f"held-out split of {path}", vocab, files))
+        val.append(Windows(arrays, cfg.seq_len, f"held-out split of {path}", vocab, files,
+                           load_masks(path, files, arrays)))
         meta = read_meta(pathlib.Path(path))
         metas.append((path, vocab, meta.get("tokenizer"), eos_of(meta)))
     if len({(v, t) for _, v, t, _ in metas}) > 1:
@@ -424,7 +493,7 @@ def _open_mixture(cfg: DataConfig) -> Dataset:
                           "meta.json): " + "; ".join(f"{p}: {v}, {t}" for p, v, t, _ in metas))
     weights = [w for w, _ in entries]
     desc = "token-shard mixture: " + ", ".join(
-        f"{name} {w:.1%} ({sum(len(a) for a in t.arrays) / 1e6:.1f} M tokens)"
+        f"{name} {w:.1%} ({sum(len(a) for a in t.arrays) / 1e6:.1f} M tokens{', loss masks' if t.masks else ''})"
         for name, w, t in zip(names, weights, train))
     eos = {e for *_, e in metas}
     return Dataset(Mixture(train, weights, names), Mixture(val, weights, names), metas[0][1], desc,
@@ -482,16 +551,135 @@ class _Encoder:
             if self.eos_id is None:
                 raise SystemExit(f"--eos {eos}: not a token of {spec}")
 
-    def encode(self, docs: Sequence[str | bytes]) -> list[np.ndarray]:
+    def _ids(self, texts: Sequence[str | bytes]) -> list[np.ndarray]:
         if self._tok is None:
-            out = [np.frombuffer(d if isinstance(d, bytes) else d.encode("utf-8"), np.uint8) for d in docs]
-        else:
-            texts = [d.decode("utf-8", errors="replace") if isinstance(d, bytes) else d for d in docs]
-            out = [np.asarray(e.ids, np.uint32) for e in self._tok.encode_batch(texts, add_special_tokens=False)]
-        if self.eos_id is None:
-            return out
-        eos = np.asarray([self.eos_id], out[0].dtype if out else np.uint32)
-        return [np.concatenate([ids, eos]) for ids in out]
+            return [np.frombuffer(d if isinstance(d, bytes) else d.encode("utf-8"), np.uint8) for d in texts]
+        texts = [d.decode("utf-8", errors="replace") if isinstance(d, bytes) else d for d in texts]
+        return [np.asarray(e.ids, np.uint32) for e in self._tok.encode_batch(texts, add_special_tokens=False)]
+
+    def encode(self, examples: Sequence[Sequence[tuple[str | bytes, bool]]]) -> list[tuple[np.ndarray, np.ndarray | None]]:
+        """(ids, loss mask or None where every token is a target) of each example, given as (text, trained)
+        segments: each segment is tokenized on its own (a prompt as the model will see it when asked to continue it),
+        then the end-of-text id, trained when the example's last segment is (a reply learns to end)."""
+        ids = iter(self._ids([t for ex in examples for t, _ in ex]))
+        out = []
+        for ex in examples:
+            parts = [next(ids) for _ in ex]
+            if self.eos_id is not None:
+                parts.append(np.asarray([self.eos_id], parts[0].dtype if parts else np.uint32))
+            toks = parts[0] if len(parts) == 1 else np.concatenate(parts)
+            if all(trained for _, trained in ex):
+                out.append((toks, None))
+                continue
+            mask = [np.full(len(a), trained) for a, (_, trained) in zip(parts, ex)]
+            if self.eos_id is not None:
+                mask.append(np.asarray([ex[-1][1]]))
+            out.append((toks, np.concatenate(mask)))
+        return out
+
+
+CHATML = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+          "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+class ChatTemplate:
+    """A Jinja chat template (HF's convention: `messages`, `add_generation_prompt`, `bos_token`, `eos_token`) and the
+    replies' places in what it renders.
+
+    spec: "chatml" (built in), a template file, or a tokenizer_config.json holding "chat_template"; None looks beside
+    the tokenizer.json for chat_template.jinja, then tokenizer_config.json. Rendered in jinja2's sandbox, as
+    transformers does, since a template comes with a downloaded model.
+    """
+
+    def __init__(self, spec: str | None, tokenizer: str, where: str):
+        try:
+            import jinja2
+            import jinja2.ext
+            import jinja2.sandbox
+        except ImportError:
+            raise SystemExit(f"{where}: chat messages need the `jinja2` package for the chat template (pip install "
+                             f"jinja2, or mx_jax[data])")
+        self.variables: dict[str, str] = {}
+        source, self.name = self._find(spec, tokenizer, where)
+        env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                          extensions=[jinja2.ext.loopcontrols])
+
+        def raise_exception(message):
+            raise jinja2.exceptions.TemplateError(message)
+
+        env.globals.update(raise_exception=raise_exception,
+                           strftime_now=lambda fmt: time.strftime(fmt))
+        try:
+            self._template = env.from_string(source)
+        except jinja2.TemplateError as e:
+            raise SystemExit(f"--chat-template {self.name}: not a Jinja template ({e})")
+        self._error = jinja2.TemplateError
+
+    def _find(self, spec: str | None, tokenizer: str, where: str) -> tuple[str, str]:
+        if spec == "chatml":
+            return CHATML, "chatml"
+        beside = pathlib.Path(tokenizer).parent if tokenizer != "byte" else None
+        config = None
+        if spec is None:
+            if beside is not None and (beside / "chat_template.jinja").is_file():
+                spec = str(beside / "chat_template.jinja")
+            elif beside is not None and (beside / "tokenizer_config.json").is_file():
+                config = beside / "tokenizer_config.json"
+            else:
+                raise SystemExit(f"{where}: chat messages, but no chat template: "
+                                 + (f"no chat_template.jinja or tokenizer_config.json beside {tokenizer}"
+                                    if beside is not None else "the byte tokenizer has none")
+                                 + "; pass --chat-template FILE (a template or a tokenizer_config.json) or "
+                                   "--chat-template chatml")
+        if config is None:
+            path = pathlib.Path(spec)
+            if not path.is_file():
+                raise SystemExit(f"--chat-template {spec}: neither 'chatml' nor an existing file")
+            if path.suffix != ".json":
+                return path.read_text(encoding="utf-8"), str(path)
+            config = path
+        if (config.parent / "tokenizer_config.json").is_file():
+            cfg = read_json_object(config.parent / "tokenizer_config.json")
+            for k in ("bos_token", "eos_token"):
+                v = cfg.get(k)
+                v = v.get("content") if isinstance(v, dict) else v
+                if isinstance(v, str):
+                    self.variables[k] = v
+        cfg = read_json_object(config)
+        tpl = cfg.get("chat_template")
+        if isinstance(tpl, list):  # named templates: [{"name": ..., "template": ...}]
+            tpl = next((t.get("template") for t in tpl if isinstance(t, dict) and t.get("name") == "default"), None)
+        if not isinstance(tpl, str):
+            raise SystemExit(f"{where}: chat messages, but {config} has no \"chat_template\" string; pass "
+                             f"--chat-template FILE or --chat-template chatml")
+        return tpl, str(config)
+
+    def render(self, messages: list, add_generation_prompt: bool, where: str) -> str:
+        try:
+            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                         **self.variables)
+        except self._error as e:
+            raise SystemExit(f"{where}: the chat template ({self.name}) refused the conversation: {e}")
+
+    def segments(self, messages: list, where: str) -> list[tuple[str, bool]]:
+        """The rendered conversation as (text, trained) segments: each assistant message's text, from the end of
+        the generation prompt before it (render(messages[:k], add_generation_prompt=True)) to the end of
+        render(messages[:k+1]) -- its end-of-turn marker included -- is trained; everything else is context."""
+        full = self.render(messages, False, where)
+        out, pos = [], 0
+        for k, m in enumerate(messages):
+            if m["role"] != "assistant":
+                continue
+            pre = self.render(messages[:k], True, where)
+            upto = self.render(messages[:k + 1], False, where)
+            if not (upto.startswith(pre) and full.startswith(upto) and len(pre) >= pos):
+                raise SystemExit(f"{where}: the chat template ({self.name}) does not render this conversation prefix "
+                                 f"by prefix (what comes before assistant message {k} changes once later messages "
+                                 f"follow), so the replies cannot be told from the prompts")
+            out += [(full[pos:len(pre)], False), (full[len(pre):len(upto)], True)]
+            pos = len(upto)
+        out.append((full[pos:], False))
+        return [(t, trained) for t, trained in out if t]
 
 
 def _input_files(inputs: Sequence[str], pattern: str) -> list[tuple[str, pathlib.Path]]:
@@ -560,8 +748,40 @@ def _open_stream(path: pathlib.Path, comp: str):
     return raw, raw
 
 
+def _record_fields(names: Sequence[str], text_key: str) -> tuple[str, ...] | None:
+    """Which fields make a record: ("messages",) for a chat, ("prompt", "completion"), or (text_key,)."""
+    if "messages" in names:
+        return ("messages",)
+    if "prompt" in names and "completion" in names:
+        return ("prompt", "completion")
+    return (text_key,) if text_key in names else None
+
+
+def _record(values: Sequence, fields: tuple[str, ...], where: str):
+    """A record's document (str) or fine-tuning example: (prompt, completion) or a list of chat messages."""
+    for k, v in zip(fields, values):
+        if k != "messages" and v is not None and not isinstance(v, str):
+            raise SystemExit(f"{where}: field {k!r} holds {type(v).__name__}, not text")
+    if fields == ("messages",):
+        msgs = values[0]
+        if not isinstance(msgs, list) or not all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                for m in msgs):
+            raise SystemExit(f"{where}: 'messages' must be a list of {{\"role\": text, \"content\": text}} objects")
+        return [{"role": m["role"], "content": m["content"]} for m in msgs]
+    if len(fields) == 2:
+        return values[0] or "", values[1] or ""
+    return values[0] or ""
+
+
+def _no_fields(where: str, names: Sequence[str], text_key: str, noun: str = "field") -> SystemExit:
+    return SystemExit(f"{where}: no {text_key!r} {noun}, nor 'prompt' and 'completion', nor 'messages' (has: "
+                      f"{', '.join(map(str, names))}); name the text {noun} with --text-key")
+
+
 def _documents(path: pathlib.Path, text_key: str):
-    """Yields (record index or None for a whole-file document, document, bytes of the file read so far)."""
+    """Yields (record index or None for a whole-file document, document or example (`_record`), bytes of the file
+    read so far)."""
     kind, comp = _file_kind(path)
     if kind == "parquet":
         try:
@@ -569,15 +789,14 @@ def _documents(path: pathlib.Path, text_key: str):
         except ImportError:
             raise SystemExit(f"{path}: reading Parquet files needs the `pyarrow` package (pip install pyarrow)")
         pf = pq.ParquetFile(path)
-        if text_key not in pf.schema_arrow.names:
-            raise SystemExit(f"{path}: no column {text_key!r} (columns: {', '.join(pf.schema_arrow.names)}); "
-                             f"name the text column with --text-key")
+        fields = _record_fields(pf.schema_arrow.names, text_key)
+        if fields is None:
+            raise _no_fields(str(path), pf.schema_arrow.names, text_key, "column")
         size, groups, i = path.stat().st_size, max(pf.num_row_groups, 1), 0
         for g in range(pf.num_row_groups):
-            for doc in pf.read_row_group(g, columns=[text_key]).column(0).to_pylist():
-                if doc is not None and not isinstance(doc, str):
-                    raise SystemExit(f"{path}: row {i}: column {text_key!r} holds {type(doc).__name__}, not text")
-                yield i, doc or "", size * (g + 1) // groups
+            table = pf.read_row_group(g, columns=list(fields))
+            for values in zip(*(table.column(k).to_pylist() for k in fields)):
+                yield i, _record(values, fields, f"{path}: row {i}"), size * (g + 1) // groups
                 i += 1
         return
     stream, raw = _open_stream(path, comp)
@@ -593,14 +812,12 @@ def _documents(path: pathlib.Path, text_key: str):
             except ValueError as e:
                 raise SystemExit(f"{path}:{i + 1}: not a JSON object ({e}); a JSON-lines file holds one object per "
                                  f"line")
-            if not isinstance(obj, dict) or text_key not in obj:
-                keys = ", ".join(map(str, obj)) if isinstance(obj, dict) else type(obj).__name__
-                raise SystemExit(f"{path}:{i + 1}: no {text_key!r} field (has: {keys}); name the text field with "
-                                 f"--text-key")
-            doc = obj[text_key]
-            if doc is not None and not isinstance(doc, str):
-                raise SystemExit(f"{path}:{i + 1}: field {text_key!r} holds {type(doc).__name__}, not text")
-            yield i, doc or "", raw.tell()
+            if not isinstance(obj, dict):
+                raise SystemExit(f"{path}:{i + 1}: a JSON {type(obj).__name__}, not an object")
+            fields = _record_fields(list(obj), text_key)
+            if fields is None:
+                raise _no_fields(f"{path}:{i + 1}", list(obj), text_key)
+            yield i, _record([obj[k] for k in fields], fields, f"{path}:{i + 1}"), raw.tell()
     finally:
         stream.close()
         raw.close()
@@ -627,11 +844,12 @@ class _Progress:
 
 def convert(inputs: Sequence[str], out: str, tokenizer: str = "byte", shard_tokens: int = 100_000_000,
             val_fraction: float = 0.05, pattern: str = "*", text_key: str = "text", eos: str = "auto",
-            progress: bool = False) -> dict:
+            progress: bool = False, chat_template: str | None = None) -> dict:
     """Tokenize documents (text, JSON-lines or Parquet files) into train/val shards under `out`.
 
     Writes each shard under a temporary name and renames it whole, and meta.json last; if the conversion stops on an
-    error, the shards it wrote are removed again, so `out` never holds a partial conversion.
+    error, the shards it wrote are removed again, so `out` never holds a partial conversion. Where some records are
+    fine-tuning examples, each shard gets its loss mask (`<shard>.mask`, load_masks) and meta.json "loss_mask".
     """
     if not 0 <= val_fraction < 1:
         raise SystemExit(f"--val-fraction must be in [0, 1), got {val_fraction}")
@@ -643,7 +861,8 @@ def convert(inputs: Sequence[str], out: str, tokenizer: str = "byte", shard_toke
     out_dir = pathlib.Path(out)
     if out_dir.exists() and not out_dir.is_dir():
         raise SystemExit(f"--out {out} exists and is not a directory")
-    old = sorted(p.name for p in [*out_dir.glob("train_*.bin*"), *out_dir.glob("val_*.bin*"), out_dir / "meta.json"]
+    old = sorted(p.name for p in [*out_dir.glob("train_*.bin*"), *out_dir.glob("val_*.bin*"),
+                                  *out_dir.glob("train_*.mask*"), *out_dir.glob("val_*.mask*"), out_dir / "meta.json"]
                  if p.exists()) if out_dir.is_dir() else []
     if old:
         listed = ", ".join(old[:4]) + (", ..." if len(old) > 4 else "")
@@ -652,32 +871,54 @@ def convert(inputs: Sequence[str], out: str, tokenizer: str = "byte", shard_toke
     made = [d for d in (out_dir, *out_dir.parents) if not d.exists()]
     out_dir.mkdir(parents=True, exist_ok=True)
     stride = max(1, round(1 / val_fraction)) if val_fraction > 0 else 0
-    buffers: dict[str, list[np.ndarray]] = {"train": [], "val": []}
+    buffers: dict[str, list[tuple[np.ndarray, np.ndarray | None]]] = {"train": [], "val": []}  # (ids, loss mask)
     pending = {"train": 0, "val": 0}  # tokens in buffers[split]
     counts = {"train": 0, "val": 0}
+    targets = {"train": 0, "val": 0}  # tokens the loss counts
     shard_idx = {"train": 0, "val": 0}
     written: list[pathlib.Path] = []
-    stats = {"max_id": -1, "documents": 0, "empty": 0, "read": 0}
+    shards: list[tuple[pathlib.Path, int, bool]] = []  # (shard, tokens, whether a mask was written beside it)
+    stats = {"max_id": -1, "documents": 0, "empty": 0, "read": 0, "examples": 0, "untrained": 0}
+    template: list[ChatTemplate] = []  # made at the first chat record
+
+    def write(target: pathlib.Path, arr: np.ndarray) -> None:
+        tmp = target.with_name(target.name + ".tmp")
+        written.extend([tmp, target])
+        arr.tofile(tmp)
+        tmp.replace(target)  # a file is either whole or absent
 
     def flush(split: str, force: bool = False) -> None:
         if pending[split] == 0 or (pending[split] < shard_tokens and not force):
             return
-        arr = np.concatenate(buffers[split]).astype(dtype)
         target = out_dir / f"{split}_{shard_idx[split]:05d}.bin"
-        tmp = target.with_suffix(".bin.tmp")
-        written.extend([tmp, target])
-        arr.tofile(tmp)
-        tmp.replace(target)  # a shard is either whole or absent
+        write(target, np.concatenate([ids for ids, _ in buffers[split]]).astype(dtype))
+        masked = any(m is not None for _, m in buffers[split])
+        if masked:  # the shards of plain documents only get theirs at the end, if examples came
+            write(target.with_suffix(".mask"), np.packbits(np.concatenate(
+                [np.ones(len(ids), bool) if m is None else m for ids, m in buffers[split]]), bitorder="little"))
+        shards.append((target, pending[split], masked))
         shard_idx[split] += 1
         buffers[split], pending[split] = [], 0
 
-    def add(batch: list[tuple[str, str | bytes]]) -> None:
-        for (key, _), ids in zip(batch, enc.encode([d for _, d in batch])):
+    def segments(item, f: pathlib.Path, index: int | None) -> list[tuple[str | bytes, bool]]:
+        if isinstance(item, (str, bytes)):
+            return [(item, True)] if item else []
+        stats["examples"] += 1
+        if isinstance(item, tuple):
+            return [(t, trained) for t, trained in zip(item, (False, True)) if t]
+        where = f"{f}:{index + 1}" if _file_kind(f)[0] == "jsonl" else f"{f}: row {index}"
+        if not template:
+            template.append(ChatTemplate(chat_template, tokenizer, where))
+        return template[0].segments(item, where)
+
+    def add(batch: list[tuple[str, list[tuple[str | bytes, bool]]]]) -> None:
+        for (key, _), (ids, mask) in zip(batch, enc.encode([ex for _, ex in batch])):
             split = "val" if stride and int(hashlib.sha1(key.encode()).hexdigest(), 16) % stride == 0 else "train"
             if len(ids):
                 stats["max_id"] = max(stats["max_id"], int(ids.max()))
-            buffers[split].append(ids.astype(dtype, copy=False))
+            buffers[split].append((ids.astype(dtype, copy=False), mask))
             counts[split] += len(ids)
+            targets[split] += len(ids) if mask is None else int(np.count_nonzero(mask))
             pending[split] += len(ids)
             stats["documents"] += 1
             flush(split)
@@ -686,14 +927,15 @@ def convert(inputs: Sequence[str], out: str, tokenizer: str = "byte", shard_toke
     prog = _Progress(total_bytes, len(files), progress)
     try:
         for n_done, (key, f) in enumerate(files):
-            batch: list[tuple[str, str | bytes]] = []
+            batch: list[tuple[str, list[tuple[str | bytes, bool]]]] = []
             batch_bytes = 0
-            for index, doc, read in _documents(f, text_key):
-                if not doc:
-                    stats["empty"] += 1
+            for index, item, read in _documents(f, text_key):
+                ex = segments(item, f, index)
+                if not any(trained for _, trained in ex):  # empty, or an example without a reply
+                    stats["untrained" if ex else "empty"] += 1
                     continue
-                batch.append((key if index is None else f"{key}#{index}", doc))
-                batch_bytes += len(doc)
+                batch.append((key if index is None else f"{key}#{index}", ex))
+                batch_bytes += sum(len(t) for t, _ in ex)
                 if batch_bytes >= ENCODE_BATCH_BYTES:
                     add(batch)
                     batch, batch_bytes = [], 0
@@ -702,22 +944,30 @@ def convert(inputs: Sequence[str], out: str, tokenizer: str = "byte", shard_toke
             stats["read"] += f.stat().st_size
             prog.update(stats["read"], n_done + 1, stats["documents"], sum(counts.values()))
         if stats["documents"] == 0:
-            raise SystemExit(f"no documents in {len(files)} input file(s): every one was empty")
+            raise SystemExit(f"no documents in {len(files)} input file(s): every one was empty"
+                             + (f" or an example without a reply ({stats['untrained']})" if stats["untrained"] else ""))
         if counts["val"] == 0:  # tiny inputs (or --val-fraction 0): hold out the last document
             if not buffers["train"]:
                 raise SystemExit(f"no document was held out, and the training shards are already written; raise "
                                  f"--val-fraction ({val_fraction}) or --shard-tokens ({shard_tokens})")
             last = buffers["train"].pop()
-            counts["train"] -= len(last)
-            pending["train"] -= len(last)
+            for split, sign in (("train", -1), ("val", 1)):
+                counts[split] += sign * len(last[0])
+                pending[split] += sign * len(last[0])
+                targets[split] += sign * (len(last[0]) if last[1] is None else int(np.count_nonzero(last[1])))
             buffers["val"].append(last)
-            counts["val"] += len(last)
-            pending["val"] += len(last)
         flush("train", force=True)
         flush("val", force=True)
         meta = {"dtype": np.dtype(dtype).name, "vocab_size": enc.vocab, "tokenizer": enc.name, "eos_id": enc.eos_id,
                 "train_tokens": counts["train"], "val_tokens": counts["val"], "max_token_id": stats["max_id"],
                 "files": len(files), "documents": stats["documents"], "empty_documents": stats["empty"]}
+        if any(masked for *_, masked in shards):
+            for shard, n, masked in shards:
+                if not masked:
+                    write(shard.with_suffix(".mask"), np.packbits(np.ones(n, bool), bitorder="little"))
+            meta.update(loss_mask=True, train_target_tokens=targets["train"], val_target_tokens=targets["val"],
+                        examples=stats["examples"], examples_without_reply=stats["untrained"],
+                        **({"chat_template": template[0].name} if template else {}))
         tmp = out_dir / "meta.json.tmp"
         written.append(tmp)
         tmp.write_text(json.dumps(meta, indent=2) + "\n")
@@ -740,7 +990,9 @@ def main(argv: Sequence[str] | None = None) -> None:
                        description="Tokenize text files (one document each), JSON-lines files (.jsonl, .ndjson, "
                                    ".json; one document per line, in --text-key) or Parquet files (the --text-key "
                                    "column) into train/val token shards; .gz, .bz2, .xz and .zst inputs are "
-                                   "decompressed.")
+                                   "decompressed. Records with 'prompt' and 'completion', or chat 'messages', are "
+                                   "fine-tuning examples: only the completion or the assistant's replies are "
+                                   "trained (a loss mask beside each shard).")
     c.add_argument("inputs", nargs="+", help="files or directories (searched recursively; hidden files skipped)")
     c.add_argument("--out", required=True, help="a new directory (or one without shards)")
     c.add_argument("--tokenizer", default="byte", help="'byte' or a HF tokenizer.json")
@@ -749,12 +1001,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     c.add_argument("--text-key", default="text", help="the document's field (JSON lines) or column (Parquet)")
     c.add_argument("--eos", default="auto", help="the token after each document: 'auto' (the tokenizer's "
                    "end-of-text token; NUL for bytes), a token string, or 'none'")
+    c.add_argument("--chat-template", default=None, help="for records with 'messages': 'chatml', a Jinja template "
+                   "file, or a tokenizer_config.json (default: chat_template.jinja or tokenizer_config.json beside "
+                   "--tokenizer)")
     c.add_argument("--shard-tokens", type=int, default=100_000_000)
     c.add_argument("--val-fraction", type=float, default=0.05)
     c.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     args = ap.parse_args(argv)
     meta = convert(args.inputs, args.out, args.tokenizer, args.shard_tokens, args.val_fraction, args.pattern,
-                   args.text_key, args.eos, progress=not args.quiet)
+                   args.text_key, args.eos, progress=not args.quiet, chat_template=args.chat_template)
     print(json.dumps(meta))
 
 

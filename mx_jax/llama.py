@@ -28,9 +28,10 @@ session 43; fp8 kernel counts unchanged).
 
 The output head is untied from the embedding, as in Llama 3. Training keeps the logits in the compute dtype
 (bf16: 2 bytes per vocabulary entry per token instead of 4; the head GEMM accumulates in float32 either way) and
-the loss, the mean token cross-entropy in nats, upcasts inside its reductions:
+the loss, the mean token cross-entropy in nats, upcasts inside its reductions. Over the targets that count, c_t = 1
+unless y_t = -1 (a prompt token of a fine-tuning example, data.IGNORED), with N = sum_t c_t over the whole step:
 
-    loss = mean_t [ logsumexp_v z_tv - z_t,y_t ],      dloss/dz_tv = (softmax(z_t)_v - [v = y_t]) / N
+    loss = sum_t c_t [ logsumexp_v z_tv - z_t,y_t ] / N,      dloss/dz_tv = c_t (softmax(z_t)_v - [v = y_t]) / N
 
 `cross_entropy` is a custom_vjp that writes exactly that gradient in the logits' dtype in one pass, where autodiff
 of the plain expression would materialize float32 softmax and one-hot scatter buffers of the logits' size.
@@ -332,36 +333,42 @@ def head_vocab_axes(cfg: ModelConfig, head_recipe: str, n_tokens: int, mesh_shap
                                     mesh_shape)
 
 
-def cross_entropy(logits: jax.Array, targets: jax.Array, vocab_parallel: bool = False) -> jax.Array:
-    """Mean next-token cross-entropy in nats, float32. logits (B,T,V) any float dtype, targets (B,T) int.
+def cross_entropy(logits: jax.Array, targets: jax.Array, vocab_parallel: bool = False,
+                  count: jax.Array | None = None) -> jax.Array:
+    """Next-token cross-entropy in nats, float32: summed over the targets that count (id >= 0; -1 leaves a position
+    out) and divided by `count`, by default targets.size (the mean, when every target counts). The train step passes
+    the counted targets of the whole step, so microbatches add up to the step's mean. logits (B,T,V) any float
+    dtype, targets (B,T) int.
 
     vocab_parallel: the logits are split on V (the head ran vocab-parallel, `head_vocab_axes`): each token's logit
     of its target is then picked by a masked sum, which the partitioner reduces across the split like logsumexp,
     where a gather would have it gather the logits."""
-    return _cross_entropy(vocab_parallel, logits, targets)
+    count = jnp.asarray(targets.size if count is None else count, jnp.float32)
+    return _cross_entropy(vocab_parallel, logits, targets, count)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _cross_entropy(vocab_parallel, logits, targets):
-    return _cross_entropy_fwd(vocab_parallel, logits, targets)[0]
+def _cross_entropy(vocab_parallel, logits, targets, count):
+    return _cross_entropy_fwd(vocab_parallel, logits, targets, count)[0]
 
 
-def _cross_entropy_fwd(vocab_parallel, logits, targets):
+def _cross_entropy_fwd(vocab_parallel, logits, targets, count):
     z = logits.astype(jnp.float32)
     logz = jax.nn.logsumexp(z, axis=-1)  # (B,T)
     if vocab_parallel:
         targets = sharding.constrain(targets, ("head_batch", "seq"))
         picked = jnp.sum(jnp.where(jnp.arange(z.shape[-1]) == targets[..., None], z, 0.0), axis=-1)
     else:
-        picked = jnp.take_along_axis(z, targets[..., None], axis=-1)[..., 0]
-    return jnp.mean(logz - picked), (logits, targets, logz)
+        picked = jnp.take_along_axis(z, jnp.maximum(targets, 0)[..., None], axis=-1)[..., 0]
+    return jnp.sum(jnp.where(targets >= 0, logz - picked, 0.0)) / count, (logits, targets, logz, count)
 
 
 def _cross_entropy_bwd(vocab_parallel, res, g):
-    logits, targets, logz = res
+    logits, targets, logz, count = res
     p = jnp.exp(logits.astype(jnp.float32) - logz[..., None])  # softmax, recomputed from the saved logits
-    onehot = jnp.arange(logits.shape[-1]) == targets[..., None]
-    return ((p - onehot) * (g / targets.size)).astype(logits.dtype), None
+    onehot = jnp.arange(logits.shape[-1]) == targets[..., None]  # all False where the target is -1
+    scale = jnp.where(targets >= 0, g / count, 0.0)[..., None]
+    return ((p - onehot) * scale).astype(logits.dtype), None, None
 
 
 _cross_entropy.defvjp(_cross_entropy_fwd, _cross_entropy_bwd)

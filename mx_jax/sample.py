@@ -23,6 +23,10 @@ Sampling, per sequence: logits over the tokenizer's vocabulary (ids the model ha
 divided by the temperature, restricted to the top k, then drawn; temperature 0 is greedy (argmax). A sample ends at
 the data's end-of-text token (meta.json's eos_id, NUL for the embedded corpus), shown as "[end of text]", and drawing
 stops once every sample has ended; `--no-stop` draws all `--tokens`.
+
+`--chat` asks a model fine-tuned on chat examples: the prompt is one user message, rendered with the chat template
+the data was converted with (meta.json's chat_template; `--chat-template` overrides it) and its generation prompt,
+and the sample is the reply the model writes after it.
 """
 
 from __future__ import annotations
@@ -90,6 +94,21 @@ def eos_of_run(cfg: TrainConfig) -> int | None:
         return data.eos_of(json.loads((pathlib.Path(first) / "meta.json").read_text()))
     except (OSError, ValueError):
         return None
+
+
+def chat_template_of(cfg: TrainConfig) -> str | None:
+    """The chat template the run's fine-tuning examples were rendered with (meta.json's chat_template), if any."""
+    if cfg.data.source == "embedded":
+        return None
+    paths = [p for _, p in mixture_entries(cfg.data.mixture)] if cfg.data.mixture else [cfg.data.path]
+    for p in paths:
+        try:
+            spec = json.loads((pathlib.Path(p) / "meta.json").read_text()).get("chat_template")
+        except (OSError, ValueError):
+            continue
+        if spec:
+            return spec
+    return None
 
 
 def load_model_state(cfg: TrainConfig, setup: train.Setup, path: pathlib.Path, step: int | None) -> tuple[dict, dict]:
@@ -183,6 +202,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--tokenizer", help="'byte' or a HF tokenizer.json (default: the run's data)")
     ap.add_argument("--no-stop", action="store_true", help="draw all --tokens, past the data's end-of-text token")
+    ap.add_argument("--chat", action="store_true", help="--prompt is a user message, rendered with the data's chat "
+                    "template; the sample is the model's reply")
+    ap.add_argument("--chat-template", help="with --chat: 'chatml', a template file or a tokenizer_config.json "
+                    "(default: the one the data was converted with)")
     ap.add_argument("overrides", nargs="*", help="key=value changes to the run's config, e.g. quant.recipe=bf16")
     args = ap.parse_intermixed_args(argv)  # key=value overrides may follow the options
     train.apply_default_xla_flags()
@@ -205,7 +228,15 @@ def main(argv: list[str] | None = None) -> int:
         one_device = ["mesh.data=1", "mesh.fsdp=1", "mesh.expert=1", "mesh.context=1"]
         cfg = load_config(str(cfg_file), ["quant.recipe=bf16", *args.overrides, *one_device])
         tok = Tokenizer(args.tokenizer or tokenizer_of(cfg))
-        prompt = tok.encode(args.prompt)
+        text = args.prompt
+        if args.chat:
+            spec = args.chat_template or chat_template_of(cfg)
+            if spec is None:
+                raise ConfigError("--chat: the run's data has no chat template (meta.json chat_template: it was not "
+                                  "converted from chat messages); pass --chat-template")
+            template = data.ChatTemplate(spec, tok.spec, "--chat")
+            text = template.render([{"role": "user", "content": args.prompt}], True, "--chat")
+        prompt = tok.encode(text)
         if max(prompt, default=0) >= cfg.model.vocab_size:
             raise ConfigError(f"--prompt: token id {max(prompt)} is outside the model's vocabulary "
                               f"(model.vocab_size={cfg.model.vocab_size}); is --tokenizer the run's?")

@@ -184,13 +184,16 @@ def init_state(setup: Setup) -> dict:
 
 
 def make_loss_fn(setup: Setup):
-    """loss_fn(params, buffers, inputs, targets) -> (cross-entropy + MoE balancing terms, (cross-entropy, stats))."""
+    """loss_fn(params, buffers, inputs, targets, count, micro=1) -> (cross-entropy + MoE balancing terms / micro,
+    (cross-entropy, stats)): the cross-entropy is summed over the counted targets (not -1) and divided by `count`
+    (llama.cross_entropy); with `micro` microbatches the step adds their losses."""
     graphdef, model_cfg = setup.graphdef, setup.cfg.model
 
-    def loss_fn(params, buffers, inputs, targets):
+    def loss_fn(params, buffers, inputs, targets, count, micro=1):
         logits, stats = nnx.merge(graphdef, params, buffers)(inputs, logits_dtype=model_cfg.compute_dtype)
-        ce = cross_entropy(logits, targets, bool(head_vocab_axes(model_cfg, setup.plan.recipes["head"], targets.size)))
-        return ce + moe_loss(model_cfg, stats), (ce, stats)
+        ce = cross_entropy(logits, targets, bool(head_vocab_axes(model_cfg, setup.plan.recipes["head"], targets.size)),
+                           count)
+        return ce + moe_loss(model_cfg, stats) / micro, (ce, stats)
 
     return loss_fn
 
@@ -244,14 +247,18 @@ def make_train_step(setup: Setup):
         # read (llama.with_operands); the operands are not differentiated.
         compute = with_compute(params, state["compute"], cfg.model.compute_dtype)
 
-        def loss_of(compute, buffers, inputs, targets):
-            return loss_fn(with_operands(compute, state["compute"]), buffers, inputs, targets)
+        def loss_of(compute, buffers, inputs, targets, count):
+            return loss_fn(with_operands(compute, state["compute"]), buffers, inputs, targets, count, accum)
 
         grad_fn = jax.value_and_grad(loss_of, has_aux=True)
+        # The targets the loss counts in the whole step (all but the -1 of loss-masked data): each microbatch's
+        # cross-entropy is its sum over them divided by this, so the microbatches add up to the step's mean.
+        targets_counted = jnp.sum(batch["targets"] >= 0)
+        count = jnp.maximum(targets_counted, 1).astype(jnp.float32)
 
         def one(inputs, targets):
             # Differentiated in the compute dtype (llama.with_compute); summed and clipped in float32.
-            (_, (ce, stats)), grads = grad_fn(compute, buffers, inputs, targets)
+            (_, (ce, stats)), grads = grad_fn(compute, buffers, inputs, targets, count)
             return ce, stats, jax.tree.map(lambda g: g.astype(jnp.float32), grads)
 
         if accum == 1:
@@ -263,10 +270,11 @@ def make_train_step(setup: Setup):
 
             zeros = jax.tree.map(jnp.zeros_like, jax.eval_shape(one, batch["inputs"][0], batch["targets"][0]))
             (ce, stats, grads), _ = jax.lax.scan(micro, zeros, (batch["inputs"], batch["targets"]))
-            # Means over microbatches; the counts (expert loads, dispatched rows) stay summed. The MoE balancing
-            # losses are built from per-microbatch averages, so with accumulation they (and capacity, when
-            # model.moe.capacity_factor > 0) are per microbatch: close to, not equal to, the whole-batch value.
-            ce, grads = ce / accum, jax.tree.map(lambda g: g / accum, grads)
+            # The cross-entropy and gradients are sums already (see count; the balancing terms enter each
+            # microbatch's loss divided by accum). The stats become means over microbatches, but the counts (expert
+            # loads, dispatched rows) stay summed. The MoE balancing losses are built from per-microbatch averages,
+            # so with accumulation they (and capacity, when model.moe.capacity_factor > 0) are per microbatch: close
+            # to, not equal to, the whole-batch value.
             counts = ("load", "rows_cross_node", "rows_intra_node")
             stats = {k: (v if k in counts else v / accum) for k, v in stats.items()}
         updates, opt_state = setup.optimizer.update(grads, state["opt_state"], params)
@@ -275,7 +283,8 @@ def make_train_step(setup: Setup):
                      "compute": compute_copies(cfg.model, new_params, setup.plan),
                      "buffers": update_buffers(cfg.model, buffers, stats), "opt_state": opt_state}
         out = {"loss": ce, "grad_norm": global_norm(grads), "lr": lr_at(state["step"]),
-               **_moe_metrics(stats, setup.mesh.shape["expert"]), **_document_metrics(cfg.model, batch["inputs"])}
+               **_moe_metrics(stats, setup.mesh.shape["expert"]), **_document_metrics(cfg.model, batch["inputs"]),
+               "target_frac": targets_counted / batch["targets"].size}
         return new_state, out
 
     return jax.jit(train_step, in_shardings=(setup.state_shardings, setup.batch_shardings),
@@ -286,15 +295,19 @@ def make_eval_step(setup: Setup):
     loss_fn = make_loss_fn(setup)
 
     def eval_step(params, buffers, batch):
-        return loss_fn(params, buffers, batch["inputs"][0], batch["targets"][0])[1][0]
+        """(mean cross-entropy over the batch's counted targets, their number)."""
+        targets = batch["targets"][0]
+        n = jnp.sum(targets >= 0)
+        return loss_fn(params, buffers, batch["inputs"][0], targets, jnp.maximum(n, 1))[1][0], n
 
     return jax.jit(eval_step, in_shardings=(setup.param_shardings, setup.state_shardings["buffers"],
                                             setup.batch_shardings))
 
 
 def evaluate(eval_step, state, dataset: Dataset, setup: Setup) -> dict[str, float]:
-    """{"eval_loss": mean held-out cross-entropy over the first data.eval_batches batches of the held-out split
-    (fixed order)}; for a mixture, that per source ("eval_loss/<source>") and their mean weighted as the mixture."""
+    """{"eval_loss": mean held-out cross-entropy over the counted targets of the first data.eval_batches batches of
+    the held-out split (fixed order)}; for a mixture, that per source ("eval_loss/<source>") and their mean weighted
+    as the mixture."""
     cfg = setup.cfg
 
     def mean_loss(windows: Windows) -> float:
@@ -306,7 +319,8 @@ def evaluate(eval_step, state, dataset: Dataset, setup: Setup) -> dict[str, floa
             losses = [eval_step(state["params"], state["buffers"], feed.next()[0]) for _ in range(n)]
         finally:
             feed.close()
-        return float(np.mean([float(x) for x in losses]))
+        loss, count = (np.asarray([float(x[i]) for x in losses]) for i in (0, 1))
+        return float(np.dot(loss, count) / count.sum()) if count.sum() else float("nan")  # nan: all masked out
 
     if not isinstance(dataset.val, Mixture):
         return {"eval_loss": mean_loss(dataset.val)}
@@ -378,6 +392,8 @@ def _fmt_log(step: int, m: dict) -> str:
         per = [f"{k.split('/', 1)[1]} {v:.4f}" for k, v in m.items() if k.startswith("eval_loss/")]
         parts.append(f"eval {m['eval_loss']:.4f}" + (f" ({', '.join(per)})" if per else ""))
     parts += [f"gnorm {m['grad_norm']:.3f}", f"lr {m['lr']:.2e}"]
+    if m.get("target_frac", 1) < 1:  # loss-masked data: the share of the step's tokens the loss counted
+        parts.append(f"targets {100 * m['target_frac']:.0f}%")
     if "moe_max_over_mean_load" in m:  # the busiest expert's load over the mean, averaged over the MoE layers
         parts.append(f"moe load max/mean {m['moe_max_over_mean_load']:.2f}")
         if m.get("moe_dropped_frac"):

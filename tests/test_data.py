@@ -76,9 +76,9 @@ def test_evaluation_reads_the_first_held_out_batches_in_order(depth):
     setup = NS(cfg=NS(data=NS(batch_size=8, eval_batches=3, prefetch=depth), seed=0), batch_shardings=_shardings(mesh))
     seen = []
 
-    def eval_step(params, buffers, batch):  # a stand-in "loss": the batch's mean token id
+    def eval_step(params, buffers, batch):  # a stand-in "loss": the batch's mean token id, over its targets
         seen.append(np.asarray(batch["inputs"]))
-        return float(seen[-1].mean())
+        return float(seen[-1].mean()), int((np.asarray(batch["targets"]) >= 0).sum())
 
     got = train.evaluate(eval_step, {"params": None, "buffers": None}, ds, setup)["eval_loss"]
     plain = data.Batches(ds.val, 8, seed=0, shuffle=False)
@@ -372,7 +372,8 @@ def test_converter_errors_name_the_file_and_line_and_leave_nothing_behind(tmp_pa
             data.convert([str(src)], str(out), shard_tokens=2000, **kw)
         assert not (tmp_path / "new").exists()
 
-    fails(r"a.jsonl:1: no 'body' field \(has: id, text\); name the text field with --text-key", text_key="body")
+    fails(r"a.jsonl:1: no 'body' field, nor 'prompt' and 'completion', nor 'messages' \(has: id, text\); name the "
+          r"text field with --text-key", text_key="body")
     (src / "b.jsonl").write_bytes(_json_lines(_docs(3, 2)) + b'{"text": "cut off\n')
     fails(r"b.jsonl:4: not a JSON object")
     (src / "b.jsonl").write_bytes(_json_lines(_docs(3, 2)) + b'{"text": 7}\n')
@@ -381,7 +382,8 @@ def test_converter_errors_name_the_file_and_line_and_leave_nothing_behind(tmp_pa
     fails(r"b.jsonl:2: an empty line")
     (src / "b.jsonl").unlink()
     pq.write_table(pa.table({"content": ["x"]}), src / "c.parquet")
-    fails(r"c.parquet: no column 'text' \(columns: content\)")
+    fails(r"c.parquet: no 'text' column, nor 'prompt' and 'completion', nor 'messages' \(has: content\); name the "
+          r"text column with --text-key")
     (src / "c.parquet").unlink()
     (src / "d.parquet.gz").write_bytes(b"")
     fails(r"d.parquet.gz: a compressed Parquet file")

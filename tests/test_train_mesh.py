@@ -166,9 +166,10 @@ def test_fp8_operands_are_sharded_like_their_weights(tmp_path):
     np.testing.assert_allclose(result.metrics["loss"], one.metrics["loss"], rtol=1e-4)
 
 
-def _step_with_accum(tmp_path, tokens: np.ndarray, extra: tuple[str, ...]) -> dict:
+def _step_with_accum(tmp_path, tokens: np.ndarray, extra: tuple[str, ...], keep: np.ndarray | None = None) -> dict:
     """One train step from the same initial state on the global batch `tokens` (B, T+1), for
-    data.grad_accum_steps 1 and 2 (microbatches of consecutive rows, Batches.next_global's layout).
+    data.grad_accum_steps 1 and 2 (microbatches of consecutive rows, Batches.next_global's layout); `keep` (B, T):
+    which targets the loss counts (the others are -1, as loss-masked data gives them).
     Returns {accum: (new state, step metrics)} and, under "init" and "load", the initial params and, for a MoE
     model, the whole batch's expert assignment counts per layer from one plain forward pass."""
     from flax import nnx
@@ -191,12 +192,34 @@ def _step_with_accum(tmp_path, tokens: np.ndarray, extra: tuple[str, ...]) -> di
                 if cfg.model.moe.n_experts:
                     model = nnx.merge(setup.graphdef, results["init"], buffers)
                     results["load"] = np.asarray(jax.jit(lambda x: model(x)[1]["load"])(jnp.asarray(tokens[:, :-1])))
+            targets = tokens[:, 1:] if keep is None else np.where(keep, tokens[:, 1:], -1)
             batch = {k: jax.device_put(v.reshape(accum, b // accum, t), setup.batch_shardings[k])
-                     for k, v in (("inputs", tokens[:, :-1]), ("targets", tokens[:, 1:]))}
+                     for k, v in (("inputs", tokens[:, :-1]), ("targets", targets))}
             fresh = jax.tree.map(jnp.copy, state)  # the step donates its input state
             new, out = train.make_train_step(setup)(fresh, batch)
         results[accum] = (jax.tree.map(np.asarray, new), {k: np.asarray(v) for k, v in out.items()})
     return results
+
+
+def test_grad_accumulation_with_loss_masks_weighs_every_counted_target_alike(tmp_path):
+    # The first microbatch keeps 10% of its targets, the second 90%: a mean per microbatch, then over microbatches,
+    # would weigh a target of the first 9 times as much as one of the second. The step divides by the whole step's
+    # count, so accumulation changes nothing (the optimizer settings as in the test below).
+    extra = ("optim.eps=1.0", "optim.grad_clip_norm=0", "optim.weight_decay=0", "optim.lr_peak=1.0",
+             "optim.warmup_steps=0")
+    rng = np.random.default_rng(1)
+    tokens = rng.integers(0, 256, (16, 33)).astype(np.int32)
+    keep = rng.random((16, 32)) < np.where(np.arange(16) < 8, 0.1, 0.9)[:, None]
+    r = _step_with_accum(tmp_path, tokens, extra, keep)
+    (new1, out1), (new2, out2) = r[1], r[2]
+    np.testing.assert_allclose(out1["target_frac"], keep.mean(), rtol=1e-6)
+    np.testing.assert_allclose(out2["loss"], out1["loss"], rtol=1e-6)
+    np.testing.assert_allclose(out2["grad_norm"], out1["grad_norm"], rtol=1e-5)
+    for p1, p2, p0 in zip(jax.tree.leaves(new1["params"]), jax.tree.leaves(new2["params"]), jax.tree.leaves(r["init"])):
+        np.testing.assert_allclose(p2 - p0, p1 - p0, rtol=1e-4, atol=1e-4 * np.abs(p1 - p0).max())
+    # the masks matter: every target counted gives another update
+    full = _step_with_accum(tmp_path / "full", tokens, extra)[1]
+    assert full[1]["target_frac"] == 1 and abs(full[1]["grad_norm"] - out1["grad_norm"]) > 1e-3 * out1["grad_norm"]
 
 
 @pytest.mark.parametrize("extra", [

@@ -1,0 +1,295 @@
+"""Fine-tuning data: prompt/completion and chat examples, their loss masks, and the loss that leaves prompts out."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from mx_jax import data
+from mx_jax.config import ConfigError, DataConfig
+
+
+def _write_jsonl(path, records):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def _tokens_and_masks(d, split):
+    """Each split's tokens and loss-mask bits, the shards concatenated (read back as the trainer's loader does)."""
+    arrays, files, _ = data.load_shards(str(d), split)
+    masks = data.load_masks(str(d), files, arrays)
+    bits = [np.unpackbits(m, bitorder="little")[:len(a)].astype(bool) for a, m in zip(arrays, masks)]
+    return np.concatenate(arrays), np.concatenate(bits)
+
+
+def _examples(ids, mask, eos):
+    """(tokens, mask) per example, cut after each end-of-text token."""
+    cuts = np.flatnonzero(ids == eos) + 1
+    return list(zip(np.split(ids, cuts)[:-1], np.split(mask, cuts)[:-1]))
+
+
+def _text(ids):
+    return bytes(np.asarray(ids, np.uint8)).decode()
+
+
+def _arithmetic(n, seed=0):
+    rng = np.random.default_rng(seed)
+    return [{"prompt": f"What is {a} + {b}? ", "completion": f"{a + b}."} for a, b in rng.integers(0, 999, (n, 2))]
+
+
+def test_prompt_completion_trains_only_the_completion_and_the_end_of_text(tmp_path):
+    records = _arithmetic(200)
+    meta = data.convert([str(_write_jsonl(tmp_path / "qa.jsonl", records))], str(tmp_path / "tok"),
+                        shard_tokens=1500, val_fraction=0.1)
+    assert meta["loss_mask"] and meta["examples"] == 200 and meta["documents"] == 200
+    assert len(list((tmp_path / "tok").glob("train_*.mask"))) > 1  # one mask per shard, several shards
+    seen = []
+    for split in ("train", "val"):
+        ids, mask = _tokens_and_masks(tmp_path / "tok", split)
+        assert meta[f"{split}_target_tokens"] == mask.sum() and meta[f"{split}_tokens"] == len(ids)
+        for toks, m in _examples(ids, mask, 0):
+            prompt, completion = _text(toks[~m]), _text(toks[m][:-1])
+            assert m[-1] and toks[-1] == 0  # the end-of-text token after a completion is trained
+            assert np.all(np.diff(m.astype(int)) >= 0)  # prompt first, then completion: one switch
+            seen.append({"prompt": prompt, "completion": completion})
+    assert sorted(map(str, seen)) == sorted(map(str, records))
+
+
+def test_batches_mark_prompt_targets_minus_one_in_any_slice_of_the_window(tmp_path):
+    data.convert([str(_write_jsonl(tmp_path / "qa.jsonl", _arithmetic(300)))], str(tmp_path / "tok"))
+    ds = data.open_dataset(DataConfig(source="bin", path=str(tmp_path / "tok"), seq_len=37))
+    assert "loss masks (" in ds.description
+    batches = data.Batches(ds.train, 4, seed=3)
+    inputs, targets = batches.rows(0, 0, 4, 0, 37)
+    for r in range(4):
+        win = ds.train.get(batches._window(r))
+        mask = ds.train.get_mask(batches._window(r))
+        np.testing.assert_array_equal(inputs[r], win[:-1])
+        np.testing.assert_array_equal(targets[r], np.where(mask[1:], win[1:].astype(np.int32), -1))
+    assert 0 < (targets >= 0).mean() < 0.5
+    # a context-parallel process reads a slice of the sequence: bits at odd offsets within the packed bytes
+    for t0, t1 in ((5, 18), (13, 37), (1, 2)):
+        _, part = batches.rows(0, 0, 4, t0, t1)
+        np.testing.assert_array_equal(part, targets[:, t0:t1])
+
+
+def test_chat_trains_the_assistant_replies_with_their_end_of_turn(tmp_path):
+    convo = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "Capital of France?"},
+             {"role": "assistant", "content": "Paris."}, {"role": "user", "content": "And of Italy?"},
+             {"role": "assistant", "content": "Rome."}]
+    records = [{"messages": convo}] * 3 + [{"messages": convo[:2]}]  # the last has no reply: nothing to train
+    meta = data.convert([str(_write_jsonl(tmp_path / "chat.jsonl", records))], str(tmp_path / "tok"),
+                        chat_template="chatml", val_fraction=0)
+    assert meta["examples"] == 4 and meta["examples_without_reply"] == 1 and meta["chat_template"] == "chatml"
+    parts = [_tokens_and_masks(tmp_path / "tok", split) for split in ("train", "val")]
+    examples = [ex for ids, mask in parts for ex in _examples(ids, mask, 0)]
+    assert len(examples) == 3
+    for toks, m in examples:
+        assert _text(toks[:-1]) == ("<|im_start|>system\nAnswer briefly.<|im_end|>\n<|im_start|>user\nCapital of "
+                                    "France?<|im_end|>\n<|im_start|>assistant\nParis.<|im_end|>\n<|im_start|>user\n"
+                                    "And of Italy?<|im_end|>\n<|im_start|>assistant\nRome.<|im_end|>\n")
+        starts = np.concatenate([[0], np.flatnonzero(np.diff(m.astype(int))) + 1])
+        pieces = [(_text(toks[a:b]).replace("\0", "<eos>"), bool(m[a]))
+                  for a, b in zip(starts, [*starts[1:], len(toks)])]
+        assert [p for p, t in pieces if t] == ["Paris.<|im_end|>\n", "Rome.<|im_end|>\n<eos>"]
+
+
+def _llama3_like(tmp_path):
+    """A small BPE with Llama 3's special tokens, and a tokenizer_config.json holding Llama 3's chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    specials = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
+    tok = Tokenizer(models.BPE(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    corpus = ["What is the capital of France? Paris is the capital.", "user assistant system"] * 30
+    tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=320, special_tokens=["[UNK]", *specials],
+                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    d = tmp_path / "model"
+    d.mkdir()
+    tok.save(str(d / "tokenizer.json"))
+    template = ("{{ bos_token }}{% for message in messages %}<|start_header_id|>{{ message['role'] }}"
+                "<|end_header_id|>\n\n{{ message['content'] | trim }}<|eot_id|>{% endfor %}"
+                "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}")
+    (d / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": "<|begin_of_text|>", "eos_token": {"content": "<|eot_id|>"}, "chat_template": template}))
+    return tok, d
+
+
+def test_a_hf_tokenizer_uses_the_chat_template_beside_it(tmp_path):
+    pytest.importorskip("tokenizers")
+    tok, d = _llama3_like(tmp_path)
+    convo = [{"role": "user", "content": "What is the capital of France?"},
+             {"role": "assistant", "content": "Paris is the capital."}]
+    meta = data.convert([str(_write_jsonl(tmp_path / "chat.jsonl", [{"messages": convo}] * 4))],
+                        str(tmp_path / "tok"), tokenizer=str(d / "tokenizer.json"), val_fraction=0)
+    assert meta["chat_template"].endswith("tokenizer_config.json") and meta["eos_id"] == tok.token_to_id(
+        "<|end_of_text|>")
+    ids, mask = _tokens_and_masks(tmp_path / "tok", "train")
+    examples = _examples(ids, mask, meta["eos_id"])
+    assert len(examples) >= 3
+    toks, m = examples[0]
+    assert toks[0] == tok.token_to_id("<|begin_of_text|>")  # the template's bos_token, from tokenizer_config.json
+    # the prompt up to the generation prompt, tokenized on its own; then the reply, its <|eot_id|>, the end of text
+    prompt = tok.encode("<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\nWhat is the capital of "
+                        "France?<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n",
+                        add_special_tokens=False).ids
+    reply = tok.encode("Paris is the capital.<|eot_id|>", add_special_tokens=False).ids
+    np.testing.assert_array_equal(toks, [*prompt, *reply, meta["eos_id"]])
+    np.testing.assert_array_equal(m, [False] * len(prompt) + [True] * (len(reply) + 1))
+
+
+def test_fine_tuning_records_errors_name_the_record_and_leave_nothing(tmp_path):
+    out = tmp_path / "new" / "tok"
+
+    def fails(match, records, **kw):
+        with pytest.raises(SystemExit, match=match):
+            data.convert([str(_write_jsonl(tmp_path / "in.jsonl", records))], str(out), **kw)
+        assert not (tmp_path / "new").exists()
+
+    chat = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
+    fails(r"in.jsonl:2: chat messages, but no chat template: the byte tokenizer has none; pass --chat-template",
+          [{"text": "a plain document first"}, chat])
+    fails(r"in.jsonl:1: 'messages' must be a list of", [{"messages": [{"role": "user"}]}], chat_template="chatml")
+    fails(r"in.jsonl:1: field 'completion' holds int", [{"prompt": "2+2=", "completion": 4}])
+    # a template that numbers the turns from the end renders a prefix differently from the whole conversation
+    (tmp_path / "bad.jinja").write_text("{% for m in messages %}{{ messages | length - loop.index }}:{{ m['content'] }}"
+                                        "\n{% endfor %}")
+    fails(r"in.jsonl:1: the chat template \(.*bad.jinja\) does not render this conversation prefix by prefix",
+          [chat], chat_template=str(tmp_path / "bad.jinja"))
+    (tmp_path / "raises.jinja").write_text("{{ raise_exception('roles must alternate') }}")
+    fails(r"in.jsonl:1: the chat template .* refused the conversation: roles must alternate", [chat],
+          chat_template=str(tmp_path / "raises.jinja"))
+    fails(r"--chat-template nowhere.jinja: neither 'chatml' nor an existing file", [chat],
+          chat_template="nowhere.jinja")
+    fails(r"no documents in 1 input file\(s\): every one was empty or an example without a reply \(2\)",
+          [{"messages": [{"role": "user", "content": "hi"}]}, {"prompt": "only a prompt", "completion": ""}],
+          chat_template="chatml")
+
+
+def test_plain_documents_beside_examples_are_trained_whole_and_alone_need_no_masks(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    _write_jsonl(src / "docs.jsonl", [{"text": f"document number {i}\n"} for i in range(40)])
+    plain = data.convert([str(src)], str(tmp_path / "plain"))
+    assert "loss_mask" not in plain and not list((tmp_path / "plain").glob("*.mask"))
+    _write_jsonl(src / "qa.jsonl", _arithmetic(40))
+    # small shards: those of the documents (read first) are written before the first example comes; they get their
+    # masks (all ones) at the end
+    mixed = data.convert([str(src)], str(tmp_path / "mixed"), val_fraction=0, shard_tokens=300)
+    assert len(list((tmp_path / "mixed").glob("train_*.mask"))) == len(list((tmp_path / "mixed").glob("train_*.bin")))
+    ids, mask = _tokens_and_masks(tmp_path / "mixed", "train")
+    for toks, m in _examples(ids, mask, 0):
+        assert m.all() == _text(toks).startswith("document number")
+    assert mixed["examples"] == 40 and mixed["documents"] == 80
+
+
+def test_loss_masks_that_do_not_match_their_shards_are_an_error(tmp_path):
+    data.convert([str(_write_jsonl(tmp_path / "qa.jsonl", _arithmetic(100)))], str(tmp_path / "tok"))
+    cfg = DataConfig(source="bin", path=str(tmp_path / "tok"), seq_len=16)
+    mask = tmp_path / "tok" / "train_00000.mask"
+    mask.write_bytes(mask.read_bytes()[:-1])
+    with pytest.raises(ConfigError, match=r"loss mask .*train_00000.mask has \d+ bytes; its shard's \d+ tokens need"):
+        data.open_dataset(cfg)
+    mask.unlink()
+    with pytest.raises(ConfigError, match=r"meta.json says the shards have loss masks, but .*train_00000.mask is "
+                                          r"missing"):
+        data.open_dataset(cfg)
+
+
+@pytest.mark.parametrize("dtype, tol", [(jnp.float32, 1e-6), (jnp.bfloat16, 1e-2)])
+@pytest.mark.parametrize("vocab_parallel", [False, True])
+def test_cross_entropy_leaves_minus_one_targets_out(dtype, tol, vocab_parallel):
+    from mx_jax.llama import cross_entropy
+
+    rng = np.random.default_rng(5)
+    logits = jnp.asarray(rng.standard_normal((3, 9, 40)) * 3, dtype)
+    targets = rng.integers(0, 40, (3, 9))
+    keep = rng.random((3, 9)) < 0.4
+    keep[1] = False  # a whole row of prompt
+    masked = jnp.asarray(np.where(keep, targets, -1), jnp.int32)
+
+    def naive(z):
+        z = z.astype(jnp.float32)
+        nll = jax.nn.logsumexp(z, -1) - jnp.take_along_axis(z, jnp.asarray(targets)[..., None], -1)[..., 0]
+        return jnp.sum(jnp.where(keep, nll, 0.0)) / keep.sum()
+
+    loss, grad = jax.value_and_grad(lambda z: cross_entropy(z, masked, vocab_parallel, keep.sum()))(logits)
+    ref_loss, ref_grad = jax.value_and_grad(naive)(logits)
+    np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-6)
+    grad = np.asarray(grad, np.float32)
+    np.testing.assert_allclose(grad, np.asarray(ref_grad, np.float32), rtol=tol, atol=tol / 50)
+    assert np.all(grad[~keep] == 0) and np.abs(grad[keep]).max() > 0
+    # every target counted and no count given: the plain mean, as before loss masks
+    full = cross_entropy(logits, jnp.asarray(targets, jnp.int32), vocab_parallel)
+    want = cross_entropy(logits, jnp.asarray(targets, jnp.int32), vocab_parallel, targets.size)
+    assert float(full) == float(want)
+
+
+def test_fine_tuning_run_evaluates_the_replies_and_samples_a_chat(tmp_path, capsys):
+    """Train the tiny model on chat examples; its held-out loss is the mean over the replies' tokens alone (checked
+    against a forward pass and the mask bits read from the files), and `sample --chat` renders the prompt with the
+    data's template."""
+    from flax import nnx
+
+    from mx_jax import sample, sharding, train
+    from tests.helpers import tiny_config
+
+    rng = np.random.default_rng(0)
+    records = [{"messages": [{"role": "user", "content": f"Say {w} twice."},
+                             {"role": "assistant", "content": f"{w} {w}"}]}
+               for w in rng.choice(["apple", "pear", "fig", "plum", "lime", "kiwi"], 400)]
+    data.convert([str(_write_jsonl(tmp_path / "chat.jsonl", records))], str(tmp_path / "tok"), chat_template="chatml")
+    run = tmp_path / "run"
+    result = train.train(tiny_config(run, "steps=3", "mesh.data=1", "mesh.fsdp=1", "data.source=bin",
+                                     f"data.path={tmp_path / 'tok'}", "log.eval_every_steps=3"),
+                         devices=jax.devices()[:1])
+    m = result.metrics
+    assert 0.1 < m["target_frac"] < 0.5 and np.isfinite(m["eval_loss"])
+
+    cfg = sample.load_config(str(run / "config.yaml"), [])
+    mesh = sharding.make_mesh(cfg.mesh, jax.devices()[:1])
+    with jax.set_mesh(mesh):
+        setup = train.build(cfg, mesh)
+        params, buffers = sample.load_model_state(cfg, setup, run, None)
+        ds = data.open_dataset(cfg.data)
+        nll, counted = [], []
+        for w in range(min(cfg.data.eval_batches * cfg.data.batch_size, ds.val.n)):  # the held-out windows in order
+            win, bits = ds.val.get(w).astype(np.int32), ds.val.get_mask(w)
+            logits, _ = nnx.merge(setup.graphdef, params, buffers)(jnp.asarray(win[None, :-1]),
+                                                                   logits_dtype=jnp.float32)
+            z = np.asarray(logits[0], np.float64)
+            lse = np.log(np.exp(z - z.max(-1, keepdims=True)).sum(-1)) + z.max(-1)
+            nll.append((lse - z[np.arange(len(win) - 1), win[1:]])[bits[1:]])
+            counted.append(bits[1:].sum())
+    want = np.concatenate(nll).mean()
+    assert sum(counted) < 0.5 * len(counted) * cfg.data.seq_len  # the prompts were left out
+    np.testing.assert_allclose(m["eval_loss"], want, rtol=2e-5)
+
+    assert sample.main([str(run), "--chat", "--prompt", "Say fig twice.", "--tokens", "4", "--temperature", "0"]) == 0
+    out = capsys.readouterr().out
+    assert "<|im_start|>user\nSay fig twice.<|im_end|>\n<|im_start|>assistant\n" in out
+
+
+def test_parquet_examples_read_like_json_lines(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    qa = _arithmetic(30)
+    chats = [[{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}] for i in range(30)]
+    for name, records in (("qa", qa), ("chat", [{"messages": c} for c in chats])):
+        pq.write_table(pa.Table.from_pylist(records), tmp_path / f"{name}.parquet")
+        _write_jsonl(tmp_path / f"{name}.jsonl", records)
+        kw = {"chat_template": "chatml"} if name == "chat" else {}
+        a = data.convert([str(tmp_path / f"{name}.parquet")], str(tmp_path / f"{name}_pq"), **kw)
+        b = data.convert([str(tmp_path / f"{name}.jsonl")], str(tmp_path / f"{name}_js"), **kw)
+        assert a["loss_mask"] and a["train_target_tokens"] + a["val_target_tokens"] == \
+            b["train_target_tokens"] + b["val_target_tokens"]
+        got = {}
+        for d in (f"{name}_pq", f"{name}_js"):  # the files' names differ, and so do their splits: compare both
+            got[d] = sorted(str((_text(t), m.tolist())) for split in ("train", "val")
+                            for t, m in _examples(*_tokens_and_masks(tmp_path / d, split), 0))
+        assert len(got[f"{name}_pq"]) == 30 and got[f"{name}_pq"] == got[f"{name}_js"]
