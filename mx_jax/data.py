@@ -27,9 +27,12 @@ shard `<shard>.mask`: bit i (np.packbits, little-endian bit order) says whether 
 and meta.json gets "loss_mask": true with the target counts. A batch's target whose bit is 0 is -1 (IGNORED), which
 llama.cross_entropy leaves out: the loss is the sum over counted targets divided by their number in the whole step
 (every microbatch), so every counted target weighs the same however they fall in microbatches. Plain documents mixed
-in are trained whole. Examples are packed like documents (each ends with the end-of-text token, trained after a
-reply); a window may begin inside one, whose reply is then trained without the start of its prompt; with
-model.attention_mask=documents no example sees another.
+in are trained whole. Each example ends with the end-of-text token (trained after a reply). By default examples
+follow each other like documents, and a window may begin inside one, whose reply is then trained without the start
+of its prompt. `--pack T` places whole examples into rows of T tokens instead (first fit over 64 open rows; the rest
+of a row is padding, never a target, after every example so nothing attends to it), each shard k rows and one pad
+token, so that with data.seq_len = T (checked at start) each window is one row: no example is cut. One longer than T
+is cut to T tokens, or dropped if its prompt fills them. With model.attention_mask=documents no example sees another.
 
 Sampling: a split is cut into n = floor((len - 1) / T) windows of T+1 tokens. Global sequence i (counting from
 the start of training) is window perm_e[i mod n] of epoch e = i // n, with perm_e a permutation seeded by
@@ -159,6 +162,15 @@ def load_shards(path: str, split: str) -> tuple[list[np.ndarray], list[pathlib.P
     if meta.get("max_token_id", -1) >= vocab:
         raise ConfigError(f"{d / 'meta.json'}: max_token_id {meta['max_token_id']} is not below vocab_size {vocab}")
     return arrays, files, vocab
+
+
+def check_packed(path: str, seq_len: int) -> None:
+    """Shards packed into rows of T tokens (convert --pack T) are read with data.seq_len = T, one row per window."""
+    packed = read_meta(pathlib.Path(path)).get("packed")
+    if packed and packed != seq_len:
+        raise ConfigError(f"config key 'data.seq_len': {seq_len}, but the examples in {path} were packed into rows of "
+                          f"{packed} tokens (convert --pack {packed}); set data.seq_len={packed}, or convert again "
+                          f"with --pack {seq_len}")
 
 
 def load_masks(path: str, files: Sequence[pathlib.Path], arrays: Sequence[np.ndarray]) -> list[np.ndarray] | None:
@@ -431,6 +443,7 @@ def open_dataset(cfg: DataConfig) -> Dataset:
                        Windows([splits["val"]], cfg.seq_len, "held-out"), 256, desc, SEPARATOR)
     if cfg.mixture:
         return _open_mixture(cfg)
+    check_packed(cfg.path, cfg.seq_len)
     train, train_files, vocab = load_shards(cfg.path, "train")
     val, val_files, _ = load_shards(cfg.path, "val")
     meta = read_meta(pathlib.Path(cfg.path))
@@ -480,6 +493,7 @@ def _open_mixture(cfg: DataConfig) -> Dataset:
     names = mixture_names([p for _, p in entries])
     train, val, metas = [], [], []
     for (_, path), name in zip(entries, names):
+        check_packed(path, cfg.seq_len)
         arrays, files, vocab = load_shards(path, "train")
         train.append(Windows(arrays, cfg.seq_len, f"train split of {path}", vocab, files,
                              load_masks(path, files, arrays)))
@@ -842,10 +856,53 @@ class _Progress:
               file=sys.stderr, flush=True)
 
 
+class _Packer:
+    """First-fit packing of whole examples into rows of T tokens (convert --pack T): an example goes into the first
+    of the open rows with room for it, else opens one; with OPEN rows open, the oldest is closed. A closed row is
+    filled up with the pad id, never a target."""
+
+    OPEN = 64
+
+    def __init__(self, seq_len: int, pad_id: int):
+        self.seq_len, self.pad_id = seq_len, pad_id
+        self.rows: list[list] = []  # [ids pieces, mask pieces, tokens used]
+        self.padding = 0  # pad tokens in the closed rows
+
+    def add(self, ids: np.ndarray, mask: np.ndarray | None) -> list[tuple[np.ndarray, np.ndarray]]:
+        mask = np.ones(len(ids), bool) if mask is None else mask
+        row = next((r for r in self.rows if r[2] + len(ids) <= self.seq_len), None)
+        done = []
+        if row is None:
+            if len(self.rows) == self.OPEN:
+                done.append(self._close(self.rows.pop(0)))
+            row = [[], [], 0]
+            self.rows.append(row)
+        row[0].append(ids)
+        row[1].append(mask)
+        row[2] += len(ids)
+        if row[2] == self.seq_len:
+            self.rows = [r for r in self.rows if r is not row]
+            done.append(self._close(row))
+        return done
+
+    def _close(self, row: list) -> tuple[np.ndarray, np.ndarray]:
+        pad = self.seq_len - row[2]
+        self.padding += pad
+        return (np.concatenate([*row[0], np.full(pad, self.pad_id, row[0][0].dtype)]),
+                np.concatenate([*row[1], np.zeros(pad, bool)]))
+
+    def close(self) -> list[tuple[np.ndarray, np.ndarray]]:
+        done, self.rows = [self._close(r) for r in self.rows], []
+        return done
+
+
 def convert(inputs: Sequence[str], out: str, tokenizer: str = "byte", shard_tokens: int = 100_000_000,
             val_fraction: float = 0.05, pattern: str = "*", text_key: str = "text", eos: str = "auto",
-            progress: bool = False, chat_template: str | None = None) -> dict:
+            progress: bool = False, chat_template: str | None = None, pack: int = 0) -> dict:
     """Tokenize documents (text, JSON-lines or Parquet files) into train/val shards under `out`.
+
+    pack > 0: whole examples packed into rows of `pack` tokens (_Packer; one longer is cut to `pack` tokens), each
+    shard a whole number of rows and one pad token, so that a run's windows (data.seq_len = pack) are the rows.
 
     Writes each shard under a temporary name and renames it whole, and meta.json last; if the conversion stops on an
     error, the shards it wrote are removed again, so `out` never holds a partial conversion. Where some records are
@@ -855,6 +912,8 @@ def convert(inputs: Sequence[str], out: str, tokenizer: str = "byte", shard_toke
         raise SystemExit(f"--val-fraction must be in [0, 1), got {val_fraction}")
     if shard_tokens < 1:
         raise SystemExit(f"--shard-tokens must be positive, got {shard_tokens}")
+    if pack < 0:
+        raise SystemExit(f"--pack must be positive (or 0: no packing), got {pack}")
     enc = _Encoder(tokenizer, eos)
     dtype = np.uint16 if enc.vocab <= 65536 else np.uint32
     files = _input_files(inputs, pattern)
@@ -878,7 +937,10 @@ def convert(inputs: Sequence[str], out: str, tokenizer: str = "byte", shard_toke
     shard_idx = {"train": 0, "val": 0}
     written: list[pathlib.Path] = []
     shards: list[tuple[pathlib.Path, int, bool]] = []  # (shard, tokens, whether a mask was written beside it)
-    stats = {"max_id": -1, "documents": 0, "empty": 0, "read": 0, "examples": 0, "untrained": 0}
+    stats = {"max_id": -1, "documents": 0, "empty": 0, "read": 0, "examples": 0, "untrained": 0, "cut": 0,
+             "cut_dropped": 0}
+    pad_id = 1 if enc.eos_id == 0 else 0  # any id but the end of text: padding must not count as a document
+    packers = {split: _Packer(pack, pad_id) for split in ("train", "val")} if pack else {}
     template: list[ChatTemplate] = []  # made at the first chat record
 
     def write(target: pathlib.Path, arr: np.ndarray) -> None:
@@ -890,6 +952,10 @@ def convert(inputs: Sequence[str], out: str, tokenizer: str = "byte", shard_toke
     def flush(split: str, force: bool = False) -> None:
         if pending[split] == 0 or (pending[split] < shard_tokens and not force):
             return
+        if pack:  # one pad token after the rows: the last row's window reads one token past it
+            buffers[split].append((np.asarray([pad_id], dtype), np.zeros(1, bool)))
+            counts[split] += 1
+            pending[split] += 1
         target = out_dir / f"{split}_{shard_idx[split]:05d}.bin"
         write(target, np.concatenate([ids for ids, _ in buffers[split]]).astype(dtype))
         masked = any(m is not None for _, m in buffers[split])
@@ -914,14 +980,27 @@ def convert(inputs: Sequence[str], out: str, tokenizer: str = "byte", shard_toke
     def add(batch: list[tuple[str, list[tuple[str | bytes, bool]]]]) -> None:
         for (key, _), (ids, mask) in zip(batch, enc.encode([ex for _, ex in batch])):
             split = "val" if stride and int(hashlib.sha1(key.encode()).hexdigest(), 16) % stride == 0 else "train"
+            if pack and len(ids) > pack:
+                ids, mask = ids[:pack], None if mask is None else mask[:pack]
+                stats["cut"] += 1
+                if mask is not None and not mask.any():  # its prompt fills the row: nothing left to train
+                    stats["cut_dropped"] += 1
+                    continue
             if len(ids):
                 stats["max_id"] = max(stats["max_id"], int(ids.max()))
-            buffers[split].append((ids.astype(dtype, copy=False), mask))
-            counts[split] += len(ids)
-            targets[split] += len(ids) if mask is None else int(np.count_nonzero(mask))
-            pending[split] += len(ids)
             stats["documents"] += 1
+            for row in packers[split].add(ids, mask) if pack else [(ids, mask)]:
+                append(split, *row)
+
+    def append(split: str, ids: np.ndarray, mask: np.ndarray | None) -> None:
+        buffers[split].append((ids.astype(dtype, copy=False), mask))
+        counts[split] += len(ids)
+        targets[split] += len(ids) if mask is None else int(np.count_nonzero(mask))
+        pending[split] += len(ids)
+        if not pack:
             flush(split)
+        elif pending[split] + pack > shard_tokens:  # a packed shard holds whole rows: the next would not fit
+            flush(split, force=True)
 
     total_bytes = sum(f.stat().st_size for _, f in files)
     prog = _Progress(total_bytes, len(files), progress)
@@ -946,6 +1025,9 @@ def convert(inputs: Sequence[str], out: str, tokenizer: str = "byte", shard_toke
         if stats["documents"] == 0:
             raise SystemExit(f"no documents in {len(files)} input file(s): every one was empty"
                              + (f" or an example without a reply ({stats['untrained']})" if stats["untrained"] else ""))
+        for split, packer in packers.items():
+            for row in packer.close():
+                append(split, *row)
         if counts["val"] == 0:  # tiny inputs (or --val-fraction 0): hold out the last document
             if not buffers["train"]:
                 raise SystemExit(f"no document was held out, and the training shards are already written; raise "
@@ -968,6 +1050,9 @@ def convert(inputs: Sequence[str], out: str, tokenizer: str = "byte", shard_toke
             meta.update(loss_mask=True, train_target_tokens=targets["train"], val_target_tokens=targets["val"],
                         examples=stats["examples"], examples_without_reply=stats["untrained"],
                         **({"chat_template": template[0].name} if template else {}))
+        if pack:
+            meta.update(packed=pack, pad_id=pad_id, cut_examples=stats["cut"], cut_to_no_target=stats["cut_dropped"],
+                        pad_tokens=sum(k.padding for k in packers.values()) + shard_idx["train"] + shard_idx["val"])
         tmp = out_dir / "meta.json.tmp"
         written.append(tmp)
         tmp.write_text(json.dumps(meta, indent=2) + "\n")
@@ -1004,12 +1089,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     c.add_argument("--chat-template", default=None, help="for records with 'messages': 'chatml', a Jinja template "
                    "file, or a tokenizer_config.json (default: chat_template.jinja or tokenizer_config.json beside "
                    "--tokenizer)")
+    c.add_argument("--pack", type=int, default=0, metavar="T", help="pack whole examples into rows of T tokens, "
+                   "the run's data.seq_len, so none is cut across sequences (an example longer than T is cut to T)")
     c.add_argument("--shard-tokens", type=int, default=100_000_000)
     c.add_argument("--val-fraction", type=float, default=0.05)
     c.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     args = ap.parse_args(argv)
     meta = convert(args.inputs, args.out, args.tokenizer, args.shard_tokens, args.val_fraction, args.pattern,
-                   args.text_key, args.eos, progress=not args.quiet, chat_template=args.chat_template)
+                   args.text_key, args.eos, progress=not args.quiet, chat_template=args.chat_template,
+                   pack=args.pack)
     print(json.dumps(meta))
 
 

@@ -243,13 +243,14 @@ def test_fine_tuning_run_evaluates_the_replies_and_samples_a_chat(tmp_path, caps
     records = [{"messages": [{"role": "user", "content": f"Say {w} twice."},
                              {"role": "assistant", "content": f"{w} {w}"}]}
                for w in rng.choice(["apple", "pear", "fig", "plum", "lime", "kiwi"], 400)]
-    data.convert([str(_write_jsonl(tmp_path / "chat.jsonl", records))], str(tmp_path / "tok"), chat_template="chatml")
+    data.convert([str(_write_jsonl(tmp_path / "chat.jsonl", records))], str(tmp_path / "tok"), chat_template="chatml",
+                 pack=128)  # one chat per row (~75 bytes), then padding
     run = tmp_path / "run"
     result = train.train(tiny_config(run, "steps=3", "mesh.data=1", "mesh.fsdp=1", "data.source=bin",
-                                     f"data.path={tmp_path / 'tok'}", "log.eval_every_steps=3"),
-                         devices=jax.devices()[:1])
+                                     f"data.path={tmp_path / 'tok'}", "data.seq_len=128", "log.eval_every_steps=3",
+                                     "model.attention_mask=documents"), devices=jax.devices()[:1])
     m = result.metrics
-    assert 0.1 < m["target_frac"] < 0.5 and np.isfinite(m["eval_loss"])
+    assert 0.05 < m["target_frac"] < 0.5 and np.isfinite(m["eval_loss"]) and m["documents_per_seq"] == 2
 
     cfg = sample.load_config(str(run / "config.yaml"), [])
     mesh = sharding.make_mesh(cfg.mesh, jax.devices()[:1])
@@ -293,3 +294,35 @@ def test_parquet_examples_read_like_json_lines(tmp_path):
             got[d] = sorted(str((_text(t), m.tolist())) for split in ("train", "val")
                             for t, m in _examples(*_tokens_and_masks(tmp_path / d, split), 0))
         assert len(got[f"{name}_pq"]) == 30 and got[f"{name}_pq"] == got[f"{name}_js"]
+
+
+def test_packed_examples_fill_rows_whole_and_the_run_must_read_them_as_rows(tmp_path):
+    records = _arithmetic(300) + [{"prompt": "Spell it out: ", "completion": " y" * 40},  # longer than a row
+                                  {"prompt": "Too long: " + "x" * 90, "completion": "z"}]  # its prompt fills one
+    meta = data.convert([str(_write_jsonl(tmp_path / "qa.jsonl", records))], str(tmp_path / "tok"), pack=64,
+                        shard_tokens=1000, val_fraction=0.1)
+    assert meta["packed"] == 64 and meta["pad_id"] == 1 and meta["documents"] == 301
+    assert meta["cut_examples"] == 2 and meta["cut_to_no_target"] == 1
+    arrays, files, _ = data.load_shards(str(tmp_path / "tok"), "train")
+    assert len(arrays) > 1 and all(len(a) % 64 == 1 and len(a) <= 1000 + 1 for a in arrays)  # rows and one pad
+    ds = data.open_dataset(DataConfig(source="bin", path=str(tmp_path / "tok"), seq_len=64))
+    seen, pads = [], 0
+    for windows in (ds.train, ds.val):
+        for w in range(windows.n):
+            toks, mask = windows.get(w), windows.get_mask(w)
+            assert not mask[0] and not mask[-1]  # a row starts with a prompt; the token after it is not a target
+            cuts = np.flatnonzero(toks[:64] == 0) + 1
+            *whole, rest = np.split(np.arange(64), cuts)
+            if _text(toks[rest]).startswith("Spell it out"):  # the long example: cut to a row, its end dropped
+                assert len(rest) == 64 and mask[rest].sum() == 64 - len("Spell it out: ")
+                continue
+            assert np.all(toks[rest] == 1) and not mask[rest].any()  # after the last example: padding alone
+            pads += len(rest)
+            for idx in whole:
+                prompt, completion = _text(toks[idx][~mask[idx]]), _text(toks[idx][mask[idx]][:-1])
+                seen.append(str({"prompt": prompt, "completion": completion}))
+    assert sorted(seen) == sorted(map(str, records[:-2]))  # every example once, none split across rows
+    assert meta["pad_tokens"] == pads + len(arrays) + len(data.load_shards(str(tmp_path / "tok"), "val")[0])
+    with pytest.raises(ConfigError, match=r"data.seq_len': 128, but the examples in .* were packed into rows of 64 "
+                                          r"tokens \(convert --pack 64\); set data.seq_len=64"):
+        data.open_dataset(DataConfig(source="bin", path=str(tmp_path / "tok"), seq_len=128))
