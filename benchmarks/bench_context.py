@@ -12,7 +12,8 @@ sequence of T tokens over C context shards, times forward + backward (the gradie
   (T/C, T) boolean mask, through jax.nn.dot_product_attention with the same implementation. Skipped where the
   mask's bias would pass 4 GB.
 - "documents, slowest shard" (with --doc-len L): the same shards under model.attention_mask=documents, the sequence
-  cut into documents of L tokens (model.max_documents = 2 T / (C L) + 2 per chunk row, enough for every chunk).
+  cut into documents of L tokens (model.max_documents = T / (2 C L) + 2, per chunk as the trainer counts it under
+  context parallelism: enough for every chunk of T / 2C tokens; until session 62 it was per sequence, 2 T / (C L) + 2).
 """
 
 from __future__ import annotations
@@ -75,7 +76,7 @@ def main() -> None:
             per = t // n
             shard_ms, doc_ms = [], []
             segments = jnp.arange(t)[None] // max(args.doc_len, 1)
-            m = 2 * t // (n * max(args.doc_len, 1)) + 2
+            m = t // (2 * n * max(args.doc_len, 1)) + 2
             for c in range(n):
                 sl = slice(c * per, (c + 1) * per)
                 f = jax.jit(functools.partial(_shard, segments=None, c=c, n=n, m=0))

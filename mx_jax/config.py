@@ -106,10 +106,11 @@ class ModelConfig:
     attention_mask: Literal["causal", "documents"] = "causal"
     eos_id: int = -1  # the end-of-text token; -1 = the data's (meta.json's eos_id; NUL, 0, for bytes)
     # The documents of one sequence kept apart (M); from the M-th on they attend to each other (metric
-    # doc_overflow_frac). cuDNN's packed attention costs M: B M N T (8 K + 4) bytes of backward workspace (N heads,
+    # doc_overflow_frac). Under context parallelism, of each chunk of T / (2 mesh.context) tokens, the block a
+    # packed call runs. cuDNN's packed attention costs M: B M N T (8 K + 4) bytes of backward workspace (N heads,
     # K head dim: 8.7 GB at M = 32 for one 8B sequence of 8192) and ~22 us per unit of M per 8B layer (fwd+bwd).
-    # 0 = from the data: the 99th percentile of documents per sequence over 1,024 training windows, rounded up to a
-    # multiple of 8; train.py logs it (benchmarks/RESULTS.md, session 61).
+    # 0 = from the data: the 99th percentile of documents per sequence (or chunk) over 1,024 training windows,
+    # rounded up to a multiple of 8; train.py logs it (benchmarks/RESULTS.md, sessions 61-62).
     max_documents: int = 0
     moe: MoEConfig = MoEConfig()
 

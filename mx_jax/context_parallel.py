@@ -294,19 +294,22 @@ def _prefixes(c, n, s):
 
 
 # Documents (model.attention_mask=documents; `segments`, (B, T) in natural order, as layers.document_segments
-# counts them over the whole sequence). A query at t attends to the keys [start of its document, t]. In chunk j
-# (keys from j s on), only the rows of its first document can see keys before the chunk: those in [a, j s), a the
-# start of the document holding position j s. So the diagonal block runs the chunk's documents as a packed causal
-# block (its segments counted from the chunk's first), and the prefix block takes the key window starting at a
-# (kv_len = j s - a, one per row) for the first document's rows only: they are the chunk's first q_len rows, and
-# cuDNN computes no others (a padding mask on both sides); the other rows' prefix is dropped in the merge, and their
-# cotangent zeroed (with a log-sum-exp that makes their probabilities 0) in its backward.
+# counts them over the whole sequence, uncapped). A query at t attends to the keys [start of its document, t]. In
+# chunk j (keys from j s on), only the rows of its first document can see keys before the chunk: those in [a, j s),
+# a the start of the document holding position j s. So the diagonal block runs the chunk's documents as a packed
+# causal block (its segments counted from the chunk's first and capped at max_documents - 1: M is per chunk, the
+# block a packed call runs, as cuDNN's time and workspace grow with it), and the prefix block takes the key window
+# starting at a (kv_len = j s - a, one per row) for the first document's rows only: they are the chunk's first q_len
+# rows, and cuDNN computes no others (a padding mask on both sides); the other rows' prefix is dropped in the merge,
+# and their cotangent zeroed (with a log-sum-exp that makes their probabilities 0) in its backward.
 
-def _local_segments(segments, c, n, s):
-    """Shard c's two chunks' segments, each counted from its first token's: (B, 2s) in the local order."""
+def _local_segments(segments, c, n, s, max_documents: int = 0):
+    """Shard c's two chunks' segments, each counted from its first token's and capped at max_documents - 1 (if
+    given): (B, 2s) in the local order."""
     chunk = lambda j0: jax.lax.dynamic_slice_in_dim(segments, j0, s, axis=1)
     parts = [chunk(c * s), chunk((2 * n - 1 - c) * s)]
-    return jnp.concatenate([p - p[:, :1] for p in parts], axis=1)
+    local = jnp.concatenate([p - p[:, :1] for p in parts], axis=1)
+    return jnp.minimum(local, max_documents - 1) if max_documents else local
 
 
 def _document_prefix(segments, j0, s):
@@ -336,7 +339,7 @@ def shard_fwd(c, n: int, impl: str, q, k, v, kg, vg, segments=None, max_document
     """Shard c's (traced or static) forward: q, k, v (B, 2s, ., K) its zigzag chunks, kg and vg (B, 2ns, G, K) the
     whole sequence in natural order (and its segments, (B, 2ns)) -> (o (B, 2s, H, K), lse (B, H, 2s))."""
     b, s = q.shape[0], q.shape[1] // 2
-    local = None if segments is None else _pair(_local_segments(segments, c, n, s), s)
+    local = None if segments is None else _pair(_local_segments(segments, c, n, s, max_documents), s)
     o_d, l_d = block_fwd(_pair(q, s), _pair(k, s), _pair(v, s), causal=True, impl=impl, segments=local,
                          max_documents=max_documents)
     o_d, l_d = _unpair(o_d, b), _unpair(l_d, b, axis=2)
@@ -364,7 +367,7 @@ def shard_bwd(c, n: int, impl: str, q, k, v, kg, vg, o, lse, do, segments=None, 
     """-> (dq, then in float32: dk, dv of the local chunks' diagonal blocks, dkg, dvg of the whole sequence's
     keys)."""
     b, s = q.shape[0], q.shape[1] // 2
-    local = None if segments is None else _pair(_local_segments(segments, c, n, s), s)
+    local = None if segments is None else _pair(_local_segments(segments, c, n, s, max_documents), s)
     dq, dk, dv = block_bwd(_pair(q, s), _pair(k, s), _pair(v, s), _pair(o, s), _pair(lse, s, axis=2),
                            _pair(do, s), causal=True, impl=impl, segments=local, max_documents=max_documents)
     dq, dk, dv = (_unpair(g, b).astype(jnp.float32) for g in (dq, dk, dv))

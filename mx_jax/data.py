@@ -462,12 +462,16 @@ def _mask_note(meta: dict) -> str:
     return f", loss masks ({share:.0%} of train tokens are targets)"
 
 
-def documents_per_window(windows: Windows | Mixture, eos_id: int, n: int = 1024, seed: int = 0) -> np.ndarray:
+def documents_per_window(windows: Windows | Mixture, eos_id: int, n: int = 1024, seed: int = 0,
+                         chunks: int = 1) -> np.ndarray:
     """Documents in the inputs (the first T tokens) of n windows drawn as the training batches are: 1 + the
-    end-of-text tokens among the first T - 1 (model.attention_mask=documents, train.with_data_documents)."""
+    end-of-text tokens among the first T - 1 (model.attention_mask=documents, train.with_data_documents); with
+    `chunks`, the same for each of the inputs' `chunks` equal parts (context parallelism's), n * chunks counts."""
     total = windows.n if isinstance(windows, Windows) else sum(w.n for w in windows.sources)
     picks = [windows.pick(i, (seed,)) for i in range(min(n, total))]
-    return np.asarray([1 + int(np.count_nonzero(windows.get(w)[:-2] == eos_id)) for w in picks])
+    t = windows.seq_len
+    ends = np.stack([windows.get(w)[:t] == eos_id for w in picks]).reshape(len(picks), chunks, t // chunks)
+    return 1 + np.count_nonzero(ends[:, :, :-1], axis=2).reshape(-1)
 
 
 def eos_of(meta: dict) -> int | None:

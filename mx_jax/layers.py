@@ -27,7 +27,8 @@ Attention: softmax(q k^T / sqrt(K) + causal mask) v with G key/value heads share
            K and V and merges a causal diagonal block with a wholly visible prefix (mx_jax/context_parallel.py).
            model.attention_mask=documents: token t of a row attends to key u only if u <= t and both lie in the same
            document, d(t) = the number of end-of-text tokens before t (the token ending a document belongs to it),
-           capped at max_documents - 1 (`document_segments`). cuDNN runs each row's documents as separate causal
+           capped at max_documents - 1 (`document_segments`; under context parallelism per chunk, where each
+           packed call runs one, context_parallel.py). cuDNN runs each row's documents as separate causal
            sequences (its packed layout, `compat.cudnn_attention_fwd`), per device under shard_map; XLA
            masks the T x T scores. RoPE keeps the row's positions: a score depends on u - t only, so a document
            attends within itself as it would alone. Under a `context` axis, context_parallel.py ("Documents").

@@ -269,12 +269,13 @@ class Llama(nnx.Module):
         cdt = jnp.dtype(cfg.compute_dtype)
         positions = jnp.arange(tokens.shape[1])
         segments = None
+        n_ctx = context_shards()
         if cfg.attention_mask == "documents":
             if cfg.eos_id < 0 or cfg.max_documents < 1:
                 raise ValueError("model.attention_mask=documents needs model.eos_id and model.max_documents (train.py "
                                  "sets them from the data)")
-            segments = document_segments(tokens, cfg.eos_id, cfg.max_documents)
-        n_ctx = context_shards()
+            # under context parallelism max_documents caps each chunk's documents (context_parallel._local_segments)
+            segments = document_segments(tokens, cfg.eos_id, cfg.max_documents if n_ctx == 1 else tokens.shape[1])
         if n_ctx > 1:  # load-balanced causal attention over the context axis (mx_jax/context_parallel.py)
             tokens, positions = to_zigzag(tokens, n_ctx), to_zigzag(positions, n_ctx, axis=0)
             segments = None if segments is None else to_zigzag(segments, n_ctx)

@@ -225,14 +225,23 @@ def _moe_metrics(stats: dict, expert_devices: int = 1) -> dict:
     }
 
 
-def _document_metrics(m: ModelConfig, inputs: jax.Array) -> dict:
+def _document_metrics(m: ModelConfig, inputs: jax.Array, chunks: int = 1) -> dict:
     """model.attention_mask=documents: documents per sequence (counted by their starts), and the share of sequences
-    with more than model.max_documents, whose last documents attend to each other (layers.document_segments)."""
+    (of the sequences' `chunks` equal parts under context parallelism) with more than model.max_documents, whose
+    last documents attend to each other (layers.document_segments, context_parallel._local_segments)."""
     if m.attention_mask != "documents":
         return {}
     docs = 1 + jnp.sum(inputs[..., :-1] == m.eos_id, axis=-1)
+    parts = inputs.reshape(*inputs.shape[:-1], chunks, inputs.shape[-1] // chunks)
+    per_part = 1 + jnp.sum(parts[..., :-1] == m.eos_id, axis=-1)
     return {"documents_per_seq": jnp.mean(docs.astype(jnp.float32)),
-            "doc_overflow_frac": jnp.mean((docs > m.max_documents).astype(jnp.float32))}
+            "doc_overflow_frac": jnp.mean((per_part > m.max_documents).astype(jnp.float32))}
+
+
+def document_chunks(context: int) -> int:
+    """The parts of a sequence whose documents model.max_documents counts: the whole sequence, or under context
+    parallelism each of its 2 x mesh.context chunks (context_parallel.py), which one packed call runs."""
+    return 2 * context if context > 1 else 1
 
 
 def make_train_step(setup: Setup):
@@ -283,7 +292,8 @@ def make_train_step(setup: Setup):
                      "compute": compute_copies(cfg.model, new_params, setup.plan),
                      "buffers": update_buffers(cfg.model, buffers, stats), "opt_state": opt_state}
         out = {"loss": ce, "grad_norm": global_norm(grads), "lr": lr_at(state["step"]),
-               **_moe_metrics(stats, setup.mesh.shape["expert"]), **_document_metrics(cfg.model, batch["inputs"]),
+               **_moe_metrics(stats, setup.mesh.shape["expert"]),
+               **_document_metrics(cfg.model, batch["inputs"], document_chunks(setup.mesh.shape["context"])),
                "target_frac": targets_counted / batch["targets"].size}
         return new_state, out
 
@@ -353,10 +363,11 @@ def check_against_mesh(cfg: TrainConfig, mesh) -> None:
                           f"(the expert axis is read as nodes x GPUs per node), got {moe.gpus_per_node}")
 
 
-def with_data_documents(cfg: TrainConfig, dataset: Dataset) -> tuple[TrainConfig, str]:
+def with_data_documents(cfg: TrainConfig, dataset: Dataset, context: int = 1) -> tuple[TrainConfig, str]:
     """model.attention_mask=documents: model.eos_id (-1: the data's end-of-text token) and model.max_documents (0:
-    the 99th percentile of documents per sequence over 1,024 training windows, rounded up to a multiple of 8: cuDNN's
-    cost grows with it, config.py), resolved from the data; and a line for the log ("" for causal attention)."""
+    the 99th percentile of documents per sequence, or per chunk under context parallelism over `context` devices,
+    over 1,024 training windows, rounded up to a multiple of 8: cuDNN's cost grows with it, config.py), resolved
+    from the data; and a line for the log ("" for causal attention)."""
     m = cfg.model
     if m.attention_mask != "documents":
         return cfg, ""
@@ -369,12 +380,14 @@ def with_data_documents(cfg: TrainConfig, dataset: Dataset) -> tuple[TrainConfig
                               f"before eos_id was recorded, or a mixture whose sources differ); set model.eos_id, or "
                               f"convert the text again with `python -m mx_jax.data convert --eos ...`")
         eos = dataset.eos_id
-    counts = documents_per_window(dataset.train, eos, seed=cfg.seed)
+    chunks = document_chunks(context)
+    counts = documents_per_window(dataset.train, eos, seed=cfg.seed, chunks=chunks)
     p99 = int(np.ceil(np.percentile(counts, 99)))
     docs = m.max_documents or -(-p99 // 8) * 8
+    unit = "sequence" if chunks == 1 else f"chunk of {dataset.train.seq_len // chunks} tokens (mesh.context={context})"
     note = (f"documents end with token {eos}{' (the data' + chr(39) + 's)' if m.eos_id < 0 else ''}: "
-            f"{counts.mean():.1f} per sequence "
-            f"over {len(counts)} training windows, 99% have <= {p99}, max {counts.max()}; kept apart up to "
+            f"{counts.mean():.1f} per {unit} "
+            f"over {len(counts) // chunks} training windows, 99% have <= {p99}, max {counts.max()}; kept apart up to "
             f"model.max_documents={docs}{' (from the data)' if not m.max_documents else ''}, "
             f"{np.mean(counts > docs):.1%} of them have more")
     return dataclasses.replace(cfg, model=dataclasses.replace(m, eos_id=eos, max_documents=docs)), note
@@ -562,7 +575,7 @@ def train(cfg: TrainConfig, devices: list[jax.Device] | None = None) -> TrainRes
     if dataset.vocab_size > cfg.model.vocab_size:
         raise ConfigError(f"config key 'model.vocab_size': {cfg.model.vocab_size} is smaller than the data's "
                           f"vocabulary ({dataset.vocab_size})")
-    cfg, documents_note = with_data_documents(cfg, dataset)
+    cfg, documents_note = with_data_documents(cfg, dataset, mesh.shape["context"])
     run_dir = prepare_run_dir(cfg)
     ckpt = None
     # From here until the last save is committed, a SIGTERM waits for the step in flight and its checkpoint.
@@ -908,7 +921,7 @@ def dry_run_documents(cfg: TrainConfig) -> TrainConfig:
     if m.attention_mask != "documents" or (m.eos_id >= 0 and m.max_documents):
         return cfg
     try:
-        cfg, note = with_data_documents(cfg, open_dataset(cfg.data))
+        cfg, note = with_data_documents(cfg, open_dataset(cfg.data), max(cfg.mesh.context, 1))
         print(f"attn   | {note}")
         return cfg
     except ConfigError as e:

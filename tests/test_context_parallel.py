@@ -103,6 +103,27 @@ def test_each_shard_keeps_documents_apart(n):
     assert float(jnp.max(jnp.abs(causal_o - ref_o))) > 1e-2  # the documents change the result
 
 
+@pytest.mark.parametrize("n", [2, 4])
+def test_max_documents_counts_each_chunk_under_context_parallelism(n):
+    """The model passes the sequence's segments uncapped under a context axis; each shard caps its chunks' own at
+    max_documents - 1. M as large as the fullest chunk's count is exact though the sequence holds many more; one
+    smaller merges a chunk's last documents."""
+    t = 12 * n
+    q, k, v, w = _inputs(3, t, 4, 2, 8, jnp.float32, seed=n)
+    tokens = _document_tokens(3, t, n)
+    segments = document_segments(tokens, 1, 10 ** 6)
+    chunks = np.asarray(segments).reshape(3, 2 * n, t // (2 * n))
+    per_chunk = int((chunks[:, :, -1] - chunks[:, :, 0] + 1).max())
+    assert per_chunk < int(segments.max()) + 1  # the chunks hold fewer than the sequence
+    ref_o, ref_grads = _document_reference(q, k, v, w, segments)
+    o, grads = _simulate_shards(q, k, v, w, n, "xla", segments, per_chunk)
+    np.testing.assert_allclose(o, ref_o, rtol=1e-5, atol=1e-5)
+    for name, got, want in zip("qkv", grads, ref_grads):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4, err_msg=f"d{name}")
+    merged, _ = _simulate_shards(q, k, v, w, n, "xla", segments, per_chunk - 1)
+    assert float(jnp.max(jnp.abs(merged - ref_o))) > 1e-2
+
+
 def test_context_mesh_documents_match_one_device():
     """context=4 x fsdp=2 on 8 fake devices, through layers.document_attention's shard_map."""
     n = 4

@@ -117,6 +117,23 @@ def test_max_documents_comes_from_the_datas_documents_per_sequence():
                                                               "model.max_documents=4"]), dataset)
     assert cfg.model.max_documents == 4 and "model.max_documents=4, 100.0% of them have more" in note
     assert train.with_data_documents(load_config(None, []), dataset)[1] == ""
+    # context=2: M counts each of the 4 chunks of 4 tokens, whose first 3 hold one end-of-text token: 2 documents
+    assert set(data.documents_per_window(windows, EOS, chunks=4).tolist()) == {2}
+    cfg, note = train.with_data_documents(load_config(None, ["model.attention_mask=documents"]), dataset, context=2)
+    assert cfg.model.max_documents == 8 and "2.0 per chunk of 4 tokens (mesh.context=2)" in note
+
+
+def test_document_metrics_count_overflow_per_chunk_under_context_parallelism():
+    from mx_jax import train
+    from mx_jax.config import load_config
+
+    m = load_config(None, ["model.attention_mask=documents", "model.eos_id=1", "model.max_documents=2"]).model
+    inputs = jnp.asarray([[1, 1, 7, 7, 7, 7, 7, 7], [7, 7, 7, 7, 7, 7, 7, 7]])  # 3 and 1 documents
+    whole = train._document_metrics(m, inputs)
+    assert float(whole["documents_per_seq"]) == 2.0 and float(whole["doc_overflow_frac"]) == 0.5
+    halves = train._document_metrics(m, inputs, chunks=2)  # row 0: 3 documents in its first half, 1 in its second
+    assert float(halves["documents_per_seq"]) == 2.0 and float(halves["doc_overflow_frac"]) == 0.25
+    assert train.document_chunks(1) == 1 and train.document_chunks(4) == 8
 
 
 def test_the_estimate_counts_cudnns_packed_workspace():
