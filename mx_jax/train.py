@@ -437,7 +437,8 @@ class TrainResult:
 _DATA_KEYS = ("seed", "data.seq_len", "data.source", "data.mixture_quota")
 # ModelConfig keys that may change across a resume: how the same function is computed, not which function.
 _MODEL_KEYS_FREE_ON_RESUME = frozenset({
-    "remat", "scan_layers", "attention", "compute_dtype", "param_dtype", "grad_reduce_dtype", "moe.impl",
+    "remat", "scan_layers", "attention", "compute_dtype", "param_dtype", "grad_reduce_dtype", "max_documents",
+    "moe.impl",
     "moe.all_to_all", "moe.dispatch", "moe.gpus_per_node", "moe.capacity_factor", "moe.aux_loss_coef",
     "moe.z_loss_coef", "moe.bias_update_rate", "moe.ep_buffer_factor", "moe.exchange", "moe.ep_save_gate_up"})
 

@@ -151,8 +151,10 @@ def test_resume_refuses_a_different_run_and_touches_nothing(tmp_path, capsys):
     # The run is complete at steps=2: a rerun (a requeued job) trains nothing and succeeds.
     assert train.main([*base, "steps=2"]) == 0
     assert "nothing to train" in capsys.readouterr().out
-    # How the same function is computed may change: remat, scan, compute dtype.
-    assert train.main([*base, "steps=4", "model.remat=full", "model.scan_layers=false"]) == 0
+    # How the same function is computed may change: remat, scan, compute dtype, and the documents kept apart per
+    # attention block (model.max_documents: from the data, per chunk under context parallelism, so a resume on
+    # another mesh.context sets another).
+    assert train.main([*base, "steps=4", "model.remat=full", "model.scan_layers=false", "model.max_documents=4"]) == 0
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["2", "4"]
 
 
