@@ -575,7 +575,8 @@ class _Encoder:
         texts = [d.decode("utf-8", errors="replace") if isinstance(d, bytes) else d for d in texts]
         return [np.asarray(e.ids, np.uint32) for e in self._tok.encode_batch(texts, add_special_tokens=False)]
 
-    def encode(self, examples: Sequence[Sequence[tuple[str | bytes, bool]]]) -> list[tuple[np.ndarray, np.ndarray | None]]:
+    def encode(self, examples: Sequence[Sequence[tuple[str | bytes, bool]]]
+               ) -> list[tuple[np.ndarray, np.ndarray | None]]:
         """(ids, loss mask or None where every token is a target) of each example, given as (text, trained)
         segments: each segment is tokenized on its own (a prompt as the model will see it when asked to continue it),
         then the end-of-text id, trained when the example's last segment is (a reply learns to end)."""
@@ -1069,6 +1070,10 @@ def convert(inputs: Sequence[str], out: str, tokenizer: str = "byte", shard_toke
                 d.rmdir()
         raise
     prog.update(stats["read"], len(files), stats["documents"], sum(counts.values()), force=True)
+    if stats["cut"]:
+        dropped = stats["cut_dropped"]
+        print(f"convert: warning: {stats['cut']} record(s) longer than --pack {pack} tokens were cut to it"
+              + (f", {dropped} of them dropped (the prompt filled the row)" if dropped else ""), file=sys.stderr)
     return meta
 
 

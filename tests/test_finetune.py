@@ -296,13 +296,15 @@ def test_parquet_examples_read_like_json_lines(tmp_path):
         assert len(got[f"{name}_pq"]) == 30 and got[f"{name}_pq"] == got[f"{name}_js"]
 
 
-def test_packed_examples_fill_rows_whole_and_the_run_must_read_them_as_rows(tmp_path):
+def test_packed_examples_fill_rows_whole_and_the_run_must_read_them_as_rows(tmp_path, capsys):
     records = _arithmetic(300) + [{"prompt": "Spell it out: ", "completion": " y" * 40},  # longer than a row
                                   {"prompt": "Too long: " + "x" * 90, "completion": "z"}]  # its prompt fills one
     meta = data.convert([str(_write_jsonl(tmp_path / "qa.jsonl", records))], str(tmp_path / "tok"), pack=64,
                         shard_tokens=1000, val_fraction=0.1)
     assert meta["packed"] == 64 and meta["pad_id"] == 1 and meta["documents"] == 301
     assert meta["cut_examples"] == 2 and meta["cut_to_no_target"] == 1
+    assert "warning: 2 record(s) longer than --pack 64 tokens were cut to it, 1 of them dropped" in \
+        capsys.readouterr().err
     arrays, files, _ = data.load_shards(str(tmp_path / "tok"), "train")
     assert len(arrays) > 1 and all(len(a) % 64 == 1 and len(a) <= 1000 + 1 for a in arrays)  # rows and one pad
     ds = data.open_dataset(DataConfig(source="bin", path=str(tmp_path / "tok"), seq_len=64))
