@@ -328,3 +328,20 @@ def test_packed_examples_fill_rows_whole_and_the_run_must_read_them_as_rows(tmp_
     with pytest.raises(ConfigError, match=r"data.seq_len': 128, but the examples in .* were packed into rows of 64 "
                                           r"tokens \(convert --pack 64\); set data.seq_len=64"):
         data.open_dataset(DataConfig(source="bin", path=str(tmp_path / "tok"), seq_len=128))
+
+
+def test_loss_masked_training_on_a_vocab_parallel_mesh_matches_one_device(tmp_path):
+    """data=8 with 256 tokens per step runs the head vocab-parallel (test_train_mesh.py): the -1 targets are picked by
+    the masked sum over the split vocabulary; 3 steps give one device's losses and held-out loss (float32)."""
+    from mx_jax import train
+    from tests.helpers import NO_IO, tiny_config
+
+    data.convert([str(_write_jsonl(tmp_path / "qa.jsonl", _arithmetic(600)))], str(tmp_path / "tok"))
+    over = ("steps=3", "data.batch_size=8", "data.source=bin", f"data.path={tmp_path / 'tok'}", "mesh.fsdp=1",
+            NO_IO[0], "log.eval_every_steps=3")
+    one = train.train(tiny_config(tmp_path / "one", *over), devices=jax.devices()[:1])
+    mesh = train.train(tiny_config(tmp_path / "mesh", *over, "mesh.data=8"))
+    assert mesh.state["params"]["head"].addressable_shards[0].data.shape == (64, 256 // 8)
+    assert 0 < one.metrics["target_frac"] < 0.5
+    for key in ("loss", "eval_loss", "target_frac", "grad_norm"):
+        np.testing.assert_allclose(mesh.metrics[key], one.metrics[key], rtol=1e-5, err_msg=key)
