@@ -24,9 +24,9 @@ divided by the temperature, restricted to the top k, then drawn; temperature 0 i
 the data's end-of-text token (meta.json's eos_id, NUL for the embedded corpus), shown as "[end of text]", and drawing
 stops once every sample has ended; `--no-stop` draws all `--tokens`.
 
-`--chat` asks a model fine-tuned on chat examples: the prompt is one user message, rendered with the chat template
-the data was converted with (meta.json's chat_template; `--chat-template` overrides it) and its generation prompt,
-and the sample is the reply the model writes after it.
+`--chat` asks a model fine-tuned on chat examples: the prompt is one user message (after `--system`, if given),
+rendered with the chat template the data was converted with (meta.json's chat_template; `--chat-template` overrides
+it) and its generation prompt, and the sample is the reply the model writes after it.
 """
 
 from __future__ import annotations
@@ -206,6 +206,7 @@ def main(argv: list[str] | None = None) -> int:
                     "template; the sample is the model's reply")
     ap.add_argument("--chat-template", help="with --chat: 'chatml', a template file or a tokenizer_config.json "
                     "(default: the one the data was converted with)")
+    ap.add_argument("--system", help="with --chat: a system message before the prompt")
     ap.add_argument("overrides", nargs="*", help="key=value changes to the run's config, e.g. quant.recipe=bf16")
     args = ap.parse_intermixed_args(argv)  # key=value overrides may follow the options
     train.apply_default_xla_flags()
@@ -235,7 +236,10 @@ def main(argv: list[str] | None = None) -> int:
                 raise ConfigError("--chat: the run's data has no chat template (meta.json chat_template: it was not "
                                   "converted from chat messages); pass --chat-template")
             template = data.ChatTemplate(spec, tok.spec, "--chat")
-            text = template.render([{"role": "user", "content": args.prompt}], True, "--chat")
+            system = [{"role": "system", "content": args.system}] if args.system else []
+            text = template.render([*system, {"role": "user", "content": args.prompt}], True, "--chat")
+        elif args.system or args.chat_template:
+            raise ConfigError("--system and --chat-template go with --chat")
         prompt = tok.encode(text)
         if max(prompt, default=0) >= cfg.model.vocab_size:
             raise ConfigError(f"--prompt: token id {max(prompt)} is outside the model's vocabulary "

@@ -271,9 +271,13 @@ def test_fine_tuning_run_evaluates_the_replies_and_samples_a_chat(tmp_path, caps
     assert sum(counted) < 0.5 * len(counted) * cfg.data.seq_len  # the prompts were left out
     np.testing.assert_allclose(m["eval_loss"], want, rtol=2e-5)
 
-    assert sample.main([str(run), "--chat", "--prompt", "Say fig twice.", "--tokens", "4", "--temperature", "0"]) == 0
+    assert sample.main([str(run), "--chat", "--system", "Be brief.", "--prompt", "Say fig twice.", "--tokens", "4",
+                        "--temperature", "0"]) == 0
     out = capsys.readouterr().out
-    assert "<|im_start|>user\nSay fig twice.<|im_end|>\n<|im_start|>assistant\n" in out
+    assert ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nSay fig twice.<|im_end|>\n"
+            "<|im_start|>assistant\n") in out
+    assert sample.main([str(run), "--system", "Be brief."]) == 2
+    assert "--system and --chat-template go with --chat" in capsys.readouterr().err
 
 
 def test_parquet_examples_read_like_json_lines(tmp_path):
