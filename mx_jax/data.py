@@ -629,7 +629,7 @@ class ChatTemplate:
         env.globals.update(raise_exception=raise_exception,
                            strftime_now=lambda fmt: time.strftime(fmt))
         try:
-            self._template = env.from_string(source)
+            self._template, self.source = env.from_string(source), source
         except jinja2.TemplateError as e:
             raise SystemExit(f"--chat-template {self.name}: not a Jinja template ({e})")
         self._error = jinja2.TemplateError

@@ -1,7 +1,8 @@
 """Hugging Face Llama and Mixtral checkpoints in and out: safetensors + config.json <-> the mx_jax parameter tree.
 
     python -m mx_jax.hf import HF_DIR OUT_DIR              # -> OUT_DIR/checkpoints/0/state + OUT_DIR/config.yaml
-    python -m mx_jax.hf export RUN_DIR HF_OUT [--step N]   # a trainer checkpoint -> config.json + safetensors
+    python -m mx_jax.hf export RUN_DIR HF_OUT [--step N]   # a trainer checkpoint -> config.json + safetensors,
+                                                           # and the data's tokenizer files (export_tokenizer)
 
 Layout. HF stores every linear as a torch `nn.Linear` weight (out, in) and computes y = x W^T; mx_jax stores
 (in, out) and computes y = x W, so each linear is transposed once on the way in and once on the way out. The
@@ -650,6 +651,43 @@ def _model_config_of(run_dir: pathlib.Path, override: str | None) -> ModelConfig
     return load_config(str(cfg_file)).model
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+
+
+def export_tokenizer(cfg_file: pathlib.Path, out: pathlib.Path) -> str:
+    """Put the run's tokenizer beside exported weights, so that transformers or an inference engine can load the
+    directory as it is: the tokenizer.json the run's data was converted with (its meta.json names it) and the
+    tokenizer_config.json, special_tokens_map.json and chat_template.jinja beside it, and the chat template the
+    fine-tuning examples were rendered with (meta.json's chat_template) as tokenizer_config.json's. Returns what was
+    done, for the log."""
+    from mx_jax import data, sample
+
+    try:
+        cfg = load_config(str(cfg_file))
+        spec = sample.tokenizer_of(cfg)
+        template = sample.chat_template_of(cfg)
+    except ConfigError as e:
+        return f"tokenizer: not copied ({e})"
+    if spec == "byte":
+        return "tokenizer: bytes (ids 0-255), no files to copy"
+    src = pathlib.Path(spec)
+    if not src.is_file():
+        return f"tokenizer: {src}, which the data's meta.json names, is gone; copy the tokenizer files by hand"
+    copied = []
+    for name in TOKENIZER_FILES:
+        if (src.parent / name).is_file():
+            shutil.copyfile(src.parent / name, out / name)
+            copied.append(name)
+    if template and pathlib.Path(template).resolve() not in {(src.parent / n).resolve() for n in TOKENIZER_FILES}:
+        tokenizer_config = out / "tokenizer_config.json"
+        tc = read_json_object(tokenizer_config) if tokenizer_config.is_file() else {}
+        tc["chat_template"] = data.ChatTemplate(template, spec, "export").source
+        tokenizer_config.write_text(json.dumps(tc, indent=2, ensure_ascii=False) + "\n")
+        (out / "chat_template.jinja").unlink(missing_ok=True)  # it would take precedence over tokenizer_config's
+        copied.append(f"the chat template {template} into tokenizer_config.json")
+    return f"tokenizer: {', '.join(copied)} from {src.parent}"
+
+
 def _run_dir_of(path: pathlib.Path) -> pathlib.Path:
     """The run dir above a step / state / checkpoints dir, where config.yaml lives."""
     for p in (path, *path.parents):
@@ -705,6 +743,8 @@ def main(argv: list[str] | None = None) -> int:
                                     max_shard_bytes=int(args.max_shard_bytes), hf_config=base,
                                     overwrite=args.overwrite)
             print(f"exported {state_dir(ckpt, args.step)} -> {', '.join(f.name for f in files)} in {args.hf_dir}")
+            print(export_tokenizer(pathlib.Path(args.config) if args.config else run_dir / "config.yaml",
+                                   pathlib.Path(args.hf_dir)))
     except (ConfigError, HFFormatError, FileExistsError, FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -349,3 +349,31 @@ def test_loss_masked_training_on_a_vocab_parallel_mesh_matches_one_device(tmp_pa
     assert 0 < one.metrics["target_frac"] < 0.5
     for key in ("loss", "eval_loss", "target_frac", "grad_norm"):
         np.testing.assert_allclose(mesh.metrics[key], one.metrics[key], rtol=1e-5, err_msg=key)
+
+
+def test_export_puts_the_datas_tokenizer_and_chat_template_beside_the_weights(tmp_path, capsys):
+    pytest.importorskip("tokenizers")
+    pytest.importorskip("safetensors")
+    from mx_jax import hf, train
+    from tests.helpers import NO_EVAL, tiny_config
+
+    tok, d = _llama3_like(tmp_path)
+    convo = [{"role": "user", "content": "What is the capital of France?"},
+             {"role": "assistant", "content": "Paris is the capital."}]
+    chats = str(_write_jsonl(tmp_path / "chat.jsonl", [{"messages": convo}] * 60))
+    for name, template in (("own", None), ("chatml", "chatml")):
+        data.convert([chats], str(tmp_path / f"tok_{name}"), tokenizer=str(d / "tokenizer.json"),
+                     chat_template=template)
+        run = tmp_path / f"run_{name}"
+        train.train(tiny_config(run, "steps=1", "mesh.data=1", "mesh.fsdp=1", "model.vocab_size=384", NO_EVAL,
+                                "data.source=bin", f"data.path={tmp_path / f'tok_{name}'}", "data.seq_len=16"),
+                    devices=jax.devices()[:1])
+        out = tmp_path / f"hf_{name}"
+        assert hf.main(["export", str(run), str(out)]) == 0
+        assert "tokenizer: tokenizer.json, tokenizer_config.json" in capsys.readouterr().out
+        assert (out / "tokenizer.json").read_bytes() == (d / "tokenizer.json").read_bytes()
+        exported = json.loads((out / "tokenizer_config.json").read_text())
+        assert exported["bos_token"] == "<|begin_of_text|>"
+        want = json.loads((d / "tokenizer_config.json").read_text())["chat_template"] if template is None \
+            else data.CHATML
+        assert exported["chat_template"] == want
