@@ -197,6 +197,10 @@ class LogConfig:
     eval_every_steps: int = 100  # 0 = only at the end; -1 = never (benchmarks)
     peak_tflops: float = 0.0  # per device, for MFU; 0 = known value for the device kind (none on CPU)
     tensorboard: bool = True
+    # A Weights & Biases project to log the same scalars to ("" = off; process 0, needs the wandb package). W&B reads
+    # its own environment: WANDB_API_KEY, WANDB_ENTITY, WANDB_MODE=offline (the run under run_dir/wandb, for `wandb
+    # sync` later). A resumed run continues the same W&B run (its id is kept in run_dir/wandb_id).
+    wandb: str = ""
     progress: bool = True
     profile_steps: int = 0  # > 0: trace this many steps with jax.profiler into run_dir/profile (mx_jax/profiling.py)
     profile_from: int = 10  # the first traced step (step 1 compiles)

@@ -1,4 +1,5 @@
-"""Throughput, MFU and memory, written to the console, `<run_dir>/metrics.jsonl` and TensorBoard (`<run_dir>/tb/`).
+"""Throughput, MFU and memory, written to the console, `<run_dir>/metrics.jsonl`, TensorBoard (`<run_dir>/tb/`) and,
+with `log.wandb`, Weights & Biases.
 
     tokens/s        = tokens per step / wall time per step (all devices), over the steps between two log lines
                       (from one step's completion to another's; evaluation and checkpoint saves left out)
@@ -22,6 +23,8 @@ import time
 from typing import Any
 
 import jax
+
+from mx_jax.config import ConfigError
 
 # Dense bf16 tensor-core peaks in TFLOP/s from NVIDIA datasheets; the first key found in device_kind wins.
 PEAK_BF16_TFLOPS = (
@@ -79,6 +82,45 @@ class TensorBoard:
         self._writer.close()
 
 
+def require_wandb():
+    """The wandb module, or a ConfigError naming log.wandb (checked before a run writes anything)."""
+    try:
+        import wandb
+    except ImportError:
+        raise ConfigError("config key 'log.wandb': logging to Weights & Biases needs the `wandb` package (pip install "
+                          "wandb, or mx_jax[wandb])")
+    return wandb
+
+
+class WandB:
+    """Scalars to a Weights & Biases run of `project`, named after the run directory. Its id is kept in
+    run_dir/wandb_id, so a resumed run logs on into the same W&B run (W&B keeps the first record of a step logged
+    twice: the steps an interrupted run took after its last checkpoint)."""
+
+    def __init__(self, run_dir: pathlib.Path, project: str, config: dict):
+        wandb = require_wandb()
+        id_file = run_dir / "wandb_id"
+        run_id = id_file.read_text().strip() if id_file.is_file() else None  # None: W&B makes one
+        try:
+            self._run = wandb.init(project=project, name=run_dir.name, id=run_id, resume="allow",
+                                   dir=str(run_dir), config=config)
+        except Exception as e:  # wandb's UsageError, CommError, AuthenticationError
+            raise ConfigError(f"config key 'log.wandb': W&B did not start the run ({type(e).__name__}: {e}); log in "
+                              f"with `wandb login` or set WANDB_API_KEY, or set WANDB_MODE=offline to keep the run "
+                              f"under {run_dir / 'wandb'} and `wandb sync` it later") from e
+        if run_id is None:
+            tmp = id_file.with_suffix(".tmp")
+            tmp.write_text(self._run.id + "\n")
+            tmp.replace(id_file)
+
+    def scalars(self, step: int, values: dict[str, float]) -> None:
+        self._run.log({k: v for k, v in values.items() if not (isinstance(v, float) and not math.isfinite(v))},
+                      step=step)
+
+    def close(self) -> None:
+        self._run.finish()
+
+
 def _drop_after(path: pathlib.Path, step: int) -> None:
     """Rewrite a metrics.jsonl without the records of steps after `step` (and a torn last line), atomically."""
     keep = []
@@ -94,16 +136,21 @@ def _drop_after(path: pathlib.Path, step: int) -> None:
 
 
 class MetricsWriter:
-    """One JSON object per logged step in metrics.jsonl, the same scalars to TensorBoard. Only process 0 writes."""
+    """One JSON object per logged step in metrics.jsonl, the same scalars to TensorBoard and W&B (`wandb`: the
+    project, "" = off; `config`: the run's, for W&B). Only process 0 writes."""
 
-    def __init__(self, run_dir: pathlib.Path, tensorboard: bool, resumed_at: int | None = None):
+    def __init__(self, run_dir: pathlib.Path, tensorboard: bool, resumed_at: int | None = None, wandb: str = "",
+                 config: dict | None = None):
         """resumed_at: the step a resumed run restarts from; records of later steps (written by the interrupted run
         after its last checkpoint, and about to be written again) are dropped from metrics.jsonl first."""
         self.enabled = jax.process_index() == 0
         self._jsonl = None
         self._tb = None
+        self._wandb = None
         if not self.enabled:
             return
+        if wandb:
+            self._wandb = WandB(run_dir, wandb, config or {})
         path = run_dir / "metrics.jsonl"
         if resumed_at is not None and path.is_file():
             _drop_after(path, resumed_at)
@@ -118,21 +165,25 @@ class MetricsWriter:
         record = {"step": step, **{k: (None if isinstance(v, float) and not math.isfinite(v) else v)
                                    for k, v in values.items()}}
         self._jsonl.write(json.dumps(record) + "\n")
+        flat = {}
+        for k, v in values.items():
+            if isinstance(v, list):  # a vector (per-expert load): one scalar per entry
+                flat.update({f"{k}/{i}": x for i, x in enumerate(v)})
+            elif v is not None:
+                flat[k] = v
         if self._tb is not None:
-            flat = {}
-            for k, v in values.items():
-                if isinstance(v, list):  # a vector (per-expert load): one scalar per entry
-                    flat.update({f"{k}/{i}": x for i, x in enumerate(v)})
-                elif v is not None:
-                    flat[k] = v
             self._tb.scalars(step, flat)
             self._tb.flush()
+        if self._wandb is not None:
+            self._wandb.scalars(step, flat)
 
     def close(self) -> None:
         if self._jsonl:
             self._jsonl.close()
         if self._tb:
             self._tb.close()
+        if self._wandb:
+            self._wandb.close()
 
 
 class Throughput:

@@ -572,6 +572,8 @@ def train(cfg: TrainConfig, devices: list[jax.Device] | None = None) -> TrainRes
         logger.propagate = False
     mesh = sharding.make_mesh(cfg.mesh, devices)
     check_against_mesh(cfg, mesh)
+    if cfg.log.wandb and jax.process_index() == 0:
+        metrics.require_wandb()  # before anything is written
     dataset = open_dataset(cfg.data)
     if dataset.vocab_size > cfg.model.vocab_size:
         raise ConfigError(f"config key 'model.vocab_size': {cfg.model.vocab_size} is smaller than the data's "
@@ -726,7 +728,8 @@ def _loop(cfg, setup, state, step, dataset, train_batches, ckpt, run_dir, resume
     peak, peak_src = metrics.device_peak_tflops(cfg.log.peak_tflops)
     log(f"mfu    | {peak_src}")
     rate = metrics.Throughput(tokens_per_step, flops_per_token(cfg.model, cfg.data.seq_len), jax.device_count(), peak)
-    writer = metrics.MetricsWriter(run_dir, cfg.log.tensorboard, resumed_at=resumed_at)
+    writer = metrics.MetricsWriter(run_dir, cfg.log.tensorboard, resumed_at=resumed_at, wandb=cfg.log.wandb,
+                                   config=to_dict(cfg))
     bar = None
     if cfg.log.progress and jax.process_index() == 0:
         from tqdm import tqdm

@@ -66,6 +66,69 @@ def test_metrics_jsonl_stays_json_and_drops_replayed_steps(tmp_path):
     assert [json.loads(l)["step"] for l in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]
 
 
+class _FakeWandb:
+    """Stands in for the wandb module: records init's arguments and every log call."""
+
+    def __init__(self, fail: Exception | None = None):
+        self.inits, self.logs, self.finished, self.fail = [], [], 0, fail
+
+    def init(self, **kw):
+        if self.fail:
+            raise self.fail
+        self.inits.append(kw)
+        fake = self
+
+        class Run:
+            id = kw["id"] or "abc123"  # W&B makes an id where none is given
+
+            def log(self, values, step):
+                fake.logs.append((step, values))
+
+            def finish(self):
+                fake.finished += 1
+
+        return Run()
+
+
+def test_wandb_gets_the_scalars_and_a_resume_continues_its_run(tmp_path, monkeypatch):
+    from mx_jax import metrics
+    from mx_jax.config import ConfigError
+
+    fake = _FakeWandb()
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    w = metrics.MetricsWriter(tmp_path, tensorboard=False, wandb="proj", config={"steps": 3})
+    w.write(1, {"loss": 2.5, "mfu": None, "grad_norm": float("inf"), "expert_load": [0.75, 0.25]})
+    w.close()
+    assert fake.inits == [{"project": "proj", "name": tmp_path.name, "id": None, "resume": "allow",
+                           "dir": str(tmp_path), "config": {"steps": 3}}]
+    assert fake.logs == [(1, {"loss": 2.5, "expert_load/0": 0.75, "expert_load/1": 0.25})] and fake.finished == 1
+    assert (tmp_path / "wandb_id").read_text() == "abc123\n"
+    metrics.MetricsWriter(tmp_path, tensorboard=False, resumed_at=1, wandb="proj").close()  # a resumed run
+    assert fake.inits[-1]["id"] == "abc123"
+    monkeypatch.setitem(sys.modules, "wandb", _FakeWandb(fail=RuntimeError("api_key not configured")))
+    with pytest.raises(ConfigError, match=r"log.wandb': W&B did not start the run \(RuntimeError: api_key not "
+                                          r"configured\); log in with `wandb login`.*WANDB_MODE=offline"):
+        metrics.MetricsWriter(tmp_path / "new", tensorboard=False, wandb="proj")
+
+
+def test_wandb_offline_run_and_a_missing_package(tmp_path, monkeypatch, capsys):
+    import jax
+
+    from mx_jax import train
+    from tests.helpers import NO_EVAL, tiny_config
+
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    train.train(tiny_config(tmp_path / "run", "steps=2", "mesh.data=1", "mesh.fsdp=1", NO_EVAL, "ckpt.every_steps=-1",
+                            "log.wandb=mx-jax-test"), devices=jax.devices()[:1])
+    run_id = (tmp_path / "run" / "wandb_id").read_text().strip()
+    assert list((tmp_path / "run" / "wandb").glob(f"offline-run-*-{run_id}/run-{run_id}.wandb"))
+    monkeypatch.setitem(sys.modules, "wandb", None)  # not installed: an error before anything is written
+    assert train.main([*TINY, f"run_dir={tmp_path / 'none'}", "log.wandb=proj"]) == 2
+    assert "needs the `wandb` package" in capsys.readouterr().err and not (tmp_path / "none").exists()
+
+
 def test_batch_wait_is_measured_and_a_slow_loader_warned(tmp_path, monkeypatch, capsys):
     import time
 
