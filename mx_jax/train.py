@@ -25,6 +25,7 @@ import argparse
 import dataclasses
 import functools
 import hashlib
+import json
 import logging
 import math
 import os
@@ -44,7 +45,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from mx_jax import checkpoint, compat, metrics, preemption, profiling, sharding
 from mx_jax.config import ConfigError, ModelConfig, TrainConfig, load_config, mixture_entries, to_dict, to_yaml
 from mx_jax.data import (MIXTURE_ROUND, Batches, Dataset, Mixture, Prefetch, Windows, documents_per_window,
-                         mixture_quota, open_dataset)
+                         mixture_quota, open_dataset, read_meta)
 from mx_jax.llama import (LinearPlan, Llama, buffers_of, compute_axes, compute_copies, cross_entropy, flops_per_token,
                           head_vocab_axes, moe_loss, param_axes, params_of, plan_for_run, update_buffers, with_compute,
                           with_operands)
@@ -393,6 +394,37 @@ def with_data_documents(cfg: TrainConfig, dataset: Dataset, context: int = 1) ->
     return dataclasses.replace(cfg, model=dataclasses.replace(m, eos_id=eos, max_documents=docs)), note
 
 
+def _vocabulary(tokenizer_json: pathlib.Path) -> tuple | None:
+    """A tokenizer.json's token -> id table and added tokens (what decides the ids), or None if it cannot be read."""
+    try:
+        tj = json.loads(tokenizer_json.read_text())
+        added = sorted((t["id"], t["content"]) for t in tj.get("added_tokens", []))
+        return tj["model"].get("vocab"), added
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
+def tokenizer_mismatch(cfg: TrainConfig) -> str | None:
+    """A warning when init_from is an HF directory whose tokenizer.json assigns other ids than the one the data was
+    converted with (meta.json's tokenizer): a fine-tune would then read every token as another. None if they agree or
+    either is not there to compare."""
+    if not cfg.init_from or cfg.data.source != "bin":
+        return None
+    theirs = pathlib.Path(cfg.init_from) / "tokenizer.json"
+    first = mixture_entries(cfg.data.mixture)[0][1] if cfg.data.mixture else cfg.data.path
+    try:
+        ours = read_meta(pathlib.Path(first)).get("tokenizer")
+    except ConfigError:
+        return None
+    if not theirs.is_file() or not ours or ours == "byte" or not pathlib.Path(ours).is_file():
+        return None
+    a, b = _vocabulary(pathlib.Path(ours)), _vocabulary(theirs)
+    if a is None or b is None or a == b:
+        return None
+    return (f"the data ({first}) was tokenized with {ours}, whose ids differ from those of {theirs}, the tokenizer "
+            f"of the model in init_from: convert the data again with --tokenizer {theirs}")
+
+
 def _write_atomic(path: pathlib.Path, text: str) -> None:
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text(text)
@@ -634,6 +666,8 @@ def train(cfg: TrainConfig, devices: list[jax.Device] | None = None) -> TrainRes
                         state["params"] = _init_params(cfg, setup)
                         state = with_fresh_compute(setup, state)
                         log(f"init   | parameters from {cfg.init_from}")
+                        if warning := tokenizer_mismatch(cfg):
+                            log(f"init   | WARNING: {warning}")
                 else:
                     state, train_batches.position = _restore(cfg, setup, ckpt, start, dataset.train_windows)
                     step = start

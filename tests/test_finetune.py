@@ -377,3 +377,28 @@ def test_export_puts_the_datas_tokenizer_and_chat_template_beside_the_weights(tm
         want = json.loads((d / "tokenizer_config.json").read_text())["chat_template"] if template is None \
             else data.CHATML
         assert exported["chat_template"] == want
+
+
+def test_a_model_from_init_from_with_another_tokenizer_is_warned_about(tmp_path):
+    pytest.importorskip("tokenizers")
+    import shutil
+
+    from mx_jax import train
+    from tests.helpers import tiny_config
+
+    tok, d = _llama3_like(tmp_path)
+    data.convert([str(_write_jsonl(tmp_path / "qa.jsonl", _arithmetic(50)))], str(tmp_path / "tok"),
+                 tokenizer=str(d / "tokenizer.json"))
+    same, other = tmp_path / "same_model", tmp_path / "other_model"
+    same.mkdir()
+    shutil.copyfile(d / "tokenizer.json", same / "tokenizer.json")  # a copy: the same ids
+    other.mkdir()
+    tok.add_special_tokens(["<|extra|>"])  # one more token: every id past it moves, or a new one appears
+    tok.save(str(other / "tokenizer.json"))
+    cfg = lambda model: tiny_config(tmp_path / "run", "data.source=bin", f"data.path={tmp_path / 'tok'}",  # noqa
+                                    f"init_from={model}")
+    assert train.tokenizer_mismatch(cfg(same)) is None
+    warning = train.tokenizer_mismatch(cfg(other))
+    assert "was tokenized with" in warning and str(other / "tokenizer.json") in warning
+    assert "convert the data again with --tokenizer" in warning
+    assert train.tokenizer_mismatch(cfg(tmp_path / "no_tokenizer_here")) is None
