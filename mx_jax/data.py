@@ -18,8 +18,9 @@ tokenizer's end-of-text token (see "Converter" below). A HF `tokenizer.json` nee
 its devices need.
 
 Fine-tuning examples: a JSON-lines record (or Parquet row) with "prompt" and "completion", or with chat
-"messages" ([{"role", "content"}], TRL's and OpenAI's formats), is an example whose loss counts only the completion
-or the assistant's replies. A conversation is rendered by a Jinja chat template (the tokenizer's own, found beside
+"messages" ([{"role", "content"}], TRL's and OpenAI's formats; tool calls, tool results and a "tools" list are passed
+to the template as they are), is an example whose loss counts only the completion or the assistant's messages (its
+replies and its tool calls). A conversation is rendered by a Jinja chat template (the tokenizer's own, found beside
 its tokenizer.json, or `--chat-template`); reply k is the text from the end of render(messages[:k],
 add_generation_prompt=True) to the end of render(messages[:k+1]), its end-of-turn marker included. Each segment
 (prompt, reply, ...) is tokenized on its own, as it will be at inference. The converter then writes beside each
@@ -673,24 +674,25 @@ class ChatTemplate:
                              f"--chat-template FILE or --chat-template chatml")
         return tpl, str(config)
 
-    def render(self, messages: list, add_generation_prompt: bool, where: str) -> str:
+    def render(self, messages: list, add_generation_prompt: bool, where: str, tools: list | None = None) -> str:
         try:
             return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                         **self.variables)
+                                         tools=tools, **self.variables)
         except self._error as e:
             raise SystemExit(f"{where}: the chat template ({self.name}) refused the conversation: {e}")
 
-    def segments(self, messages: list, where: str) -> list[tuple[str, bool]]:
-        """The rendered conversation as (text, trained) segments: each assistant message's text, from the end of
-        the generation prompt before it (render(messages[:k], add_generation_prompt=True)) to the end of
-        render(messages[:k+1]) -- its end-of-turn marker included -- is trained; everything else is context."""
-        full = self.render(messages, False, where)
+    def segments(self, messages: list, where: str, tools: list | None = None) -> list[tuple[str, bool]]:
+        """The rendered conversation as (text, trained) segments: each assistant message's text (a reply or its tool
+        calls), from the end of the generation prompt before it (render(messages[:k], add_generation_prompt=True))
+        to the end of render(messages[:k+1]) -- its end-of-turn marker included -- is trained; everything else
+        (system, user and tool messages, the tools' schemas) is context."""
+        full = self.render(messages, False, where, tools)
         out, pos = [], 0
         for k, m in enumerate(messages):
             if m["role"] != "assistant":
                 continue
-            pre = self.render(messages[:k], True, where)
-            upto = self.render(messages[:k + 1], False, where)
+            pre = self.render(messages[:k], True, where, tools)
+            upto = self.render(messages[:k + 1], False, where, tools)
             if not (upto.startswith(pre) and full.startswith(upto) and len(pre) >= pos):
                 raise SystemExit(f"{where}: the chat template ({self.name}) does not render this conversation prefix "
                                  f"by prefix (what comes before assistant message {k} changes once later messages "
@@ -768,26 +770,36 @@ def _open_stream(path: pathlib.Path, comp: str):
 
 
 def _record_fields(names: Sequence[str], text_key: str) -> tuple[str, ...] | None:
-    """Which fields make a record: ("messages",) for a chat, ("prompt", "completion"), or (text_key,)."""
+    """Which fields make a record: ("messages"[, "tools"]) for a chat, ("prompt", "completion"), or (text_key,)."""
     if "messages" in names:
-        return ("messages",)
+        return ("messages", "tools") if "tools" in names else ("messages",)
     if "prompt" in names and "completion" in names:
         return ("prompt", "completion")
     return (text_key,) if text_key in names else None
 
 
 def _record(values: Sequence, fields: tuple[str, ...], where: str):
-    """A record's document (str) or fine-tuning example: (prompt, completion) or a list of chat messages."""
+    """A record's document (str) or fine-tuning example: (prompt, completion), or a chat {"messages", "tools"}.
+
+    A chat message is passed to the template whole (tool calls, names, ids), less the keys that are null (a Parquet
+    struct's absent fields); its content must be text, except in an assistant message that makes tool calls."""
     for k, v in zip(fields, values):
-        if k != "messages" and v is not None and not isinstance(v, str):
+        if k not in ("messages", "tools") and v is not None and not isinstance(v, str):
             raise SystemExit(f"{where}: field {k!r} holds {type(v).__name__}, not text")
-    if fields == ("messages",):
+    if fields[0] == "messages":
         msgs = values[0]
+        if isinstance(msgs, list) and all(isinstance(m, dict) for m in msgs):
+            msgs = [{k: v for k, v in m.items() if v is not None} for m in msgs]
         if not isinstance(msgs, list) or not all(
-                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                isinstance(m, dict) and isinstance(m.get("role"), str)
+                and (isinstance(m.get("content"), str) or ("content" not in m and m.get("tool_calls")))
                 for m in msgs):
-            raise SystemExit(f"{where}: 'messages' must be a list of {{\"role\": text, \"content\": text}} objects")
-        return [{"role": m["role"], "content": m["content"]} for m in msgs]
+            raise SystemExit(f"{where}: 'messages' must be a list of {{\"role\": text, \"content\": text}} objects "
+                             f"(content may be absent or null where an assistant message has tool_calls)")
+        tools = values[1] if len(values) > 1 else None
+        if tools is not None and not isinstance(tools, list):
+            raise SystemExit(f"{where}: 'tools' must be a list (of function schemas), got {type(tools).__name__}")
+        return {"messages": msgs, "tools": tools}
     if len(fields) == 2:
         return values[0] or "", values[1] or ""
     return values[0] or ""
@@ -980,7 +992,7 @@ def convert(inputs: Sequence[str], out: str, tokenizer: str = "byte", shard_toke
         where = f"{f}:{index + 1}" if _file_kind(f)[0] == "jsonl" else f"{f}: row {index}"
         if not template:
             template.append(ChatTemplate(chat_template, tokenizer, where))
-        return template[0].segments(item, where)
+        return template[0].segments(item["messages"], where, item["tools"])
 
     def add(batch: list[tuple[str, list[tuple[str | bytes, bool]]]]) -> None:
         for (key, _), (ids, mask) in zip(batch, enc.encode([ex for _, ex in batch])):

@@ -402,3 +402,42 @@ def test_a_model_from_init_from_with_another_tokenizer_is_warned_about(tmp_path)
     assert "was tokenized with" in warning and str(other / "tokenizer.json") in warning
     assert "convert the data again with --tokenizer" in warning
     assert train.tokenizer_mismatch(cfg(tmp_path / "no_tokenizer_here")) is None
+
+
+TOOL_TEMPLATE = (
+    "{% if tools %}<tools>{{ tools | map(attribute='name') | join(',') }}</tools>\n{% endif %}"
+    "{% for m in messages %}<{{ m['role'] }}>"
+    "{% if m.tool_calls %}{% for c in m.tool_calls %}call {{ c['name'] }}({{ c['arguments'] | tojson }}){% endfor %}"
+    "{% else %}{{ m['content'] }}{% endif %}</{{ m['role'] }}>\n{% endfor %}"
+    "{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
+def test_tool_calls_are_trained_and_tool_results_are_context(tmp_path):
+    """An agentic conversation (OpenAI's format): the assistant's tool call and its final answer are targets; the
+    tools' schemas, the user's question and the tool's result are context. JSON lines and Parquet alike (Parquet
+    gives the messages' absent struct fields as nulls)."""
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    (tmp_path / "tools.jinja").write_text(TOOL_TEMPLATE)
+    record = {"tools": [{"name": "weather", "parameters": {"city": "string"}}],
+              "messages": [{"role": "user", "content": "Weather in Oslo?"},
+                           {"role": "assistant", "tool_calls": [{"name": "weather", "arguments": {"city": "Oslo"}}]},
+                           {"role": "tool", "content": "-3 C, snow"},
+                           {"role": "assistant", "content": "Snowy, -3 C."}]}
+    _write_jsonl(tmp_path / "agent.jsonl", [record] * 3)
+    pq.write_table(pa.Table.from_pylist([record] * 3), tmp_path / "agent.parquet")
+    for name in ("agent.jsonl", "agent.parquet"):
+        out = tmp_path / f"tok_{name}"
+        data.convert([str(tmp_path / name)], str(out), chat_template=str(tmp_path / "tools.jinja"), val_fraction=0)
+        examples = [ex for split in ("train", "val") for ex in _examples(*_tokens_and_masks(out, split), 0)]
+        assert len(examples) == 3
+        toks, m = examples[0]
+        assert _text(toks[:-1]) == ('<tools>weather</tools>\n<user>Weather in Oslo?</user>\n<assistant>call weather('
+                                    '{"city": "Oslo"})</assistant>\n<tool>-3 C, snow</tool>\n<assistant>Snowy, -3 C.'
+                                    '</assistant>\n')
+        starts = np.concatenate([[0], np.flatnonzero(np.diff(m.astype(int))) + 1])
+        trained = [_text(toks[a:b]) for a, b in zip(starts, [*starts[1:], len(toks)]) if m[a]]
+        assert trained == ['call weather({"city": "Oslo"})</assistant>\n', "Snowy, -3 C.</assistant>\n\0"], name
+    bad = {"messages": [{"role": "assistant"}]}  # neither content nor tool calls
+    with pytest.raises(SystemExit, match=r"bad.jsonl:1: 'messages' must be a list of .*\(content may be absent"):
+        data.convert([str(_write_jsonl(tmp_path / "bad.jsonl", [bad]))], str(tmp_path / "bad"), chat_template="chatml")
