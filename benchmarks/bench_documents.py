@@ -48,6 +48,12 @@ def doc_tokens(t: int, n: int, rng) -> tuple[np.ndarray, list[int]]:
     return tokens, list(np.diff(np.concatenate([[0], cuts, [t]])))
 
 
+def attention_inputs(t: int) -> tuple[jax.Array, ...]:
+    """q, k, v and the output's cotangent weights w for one row of t tokens at the 8B attention shape (bf16)."""
+    keys = jax.random.split(jax.random.key(0), 4)
+    return tuple(jax.random.normal(key, (1, t, n, K), jnp.bfloat16) for key, n in zip(keys, (H, G, G, H)))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seq", type=int, default=8192)
@@ -55,11 +61,7 @@ def main() -> None:
     ap.add_argument("--max-documents", default="8,16,32")
     args = ap.parse_args()
     t = args.seq
-    keys = jax.random.split(jax.random.key(0), 4)
-    q = jax.random.normal(keys[0], (1, t, H, K), jnp.bfloat16)
-    k = jax.random.normal(keys[1], (1, t, G, K), jnp.bfloat16)
-    v = jax.random.normal(keys[2], (1, t, G, K), jnp.bfloat16)
-    w = jax.random.normal(keys[3], (1, t, H, K), jnp.bfloat16)
+    q, k, v, w = attention_inputs(t)
     rng = np.random.default_rng(0)
 
     def loss(attend):

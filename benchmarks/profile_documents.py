@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
-from bench_documents import EOS, G, H, K, doc_tokens  # noqa: E402
+from bench_documents import EOS, attention_inputs, doc_tokens  # noqa: E402
 
 from mx_jax import profiling  # noqa: E402
 from mx_jax.layers import document_attention, document_segments  # noqa: E402
@@ -35,11 +35,7 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=8)
     args = ap.parse_args()
     t = args.seq
-    ks = jax.random.split(jax.random.key(0), 4)
-    q = jax.random.normal(ks[0], (1, t, H, K), jnp.bfloat16)
-    k = jax.random.normal(ks[1], (1, t, G, K), jnp.bfloat16)
-    v = jax.random.normal(ks[2], (1, t, G, K), jnp.bfloat16)
-    w = jax.random.normal(ks[3], (1, t, H, K), jnp.bfloat16)
+    q, k, v, w = attention_inputs(t)
     rng = np.random.default_rng(0)
     for case in args.cases.split(","):
         n, m = (1, 0) if case == "causal" else (int(x) for x in case.split(":"))
