@@ -913,40 +913,35 @@ class _Packer:
         return done
 
 
-def convert(inputs: Sequence[str], out: str, tokenizer: str = "byte", shard_tokens: int = 100_000_000,
-            val_fraction: float = 0.05, pattern: str = "*", text_key: str = "text", eos: str = "auto",
-            progress: bool = False, chat_template: str | None = None, pack: int = 0) -> dict:
-    """Tokenize documents (text, JSON-lines or Parquet files) into train/val shards under `out`.
+@dataclasses.dataclass(frozen=True)
+class _Settings:
+    """What every part of a conversion shares (picklable: a worker process gets it)."""
+    tokenizer: str
+    eos: str
+    shard_tokens: int
+    stride: int  # a record is held out when sha1(key) % stride == 0; 0: none
+    text_key: str
+    chat_template: str | None
+    pack: int
 
-    pack > 0: whole examples packed into rows of `pack` tokens (_Packer; one longer is cut to `pack` tokens), each
-    shard a whole number of rows and one pad token, so that a run's windows (data.seq_len = pack) are the rows.
 
-    Writes each shard under a temporary name and renames it whole, and meta.json last; if the conversion stops on an
-    error, the shards it wrote are removed again, so `out` never holds a partial conversion. Where some records are
-    fine-tuning examples, each shard gets its loss mask (`<shard>.mask`, load_masks) and meta.json "loss_mask".
-    """
-    if not 0 <= val_fraction < 1:
-        raise SystemExit(f"--val-fraction must be in [0, 1), got {val_fraction}")
-    if shard_tokens < 1:
-        raise SystemExit(f"--shard-tokens must be positive, got {shard_tokens}")
-    if pack < 0:
-        raise SystemExit(f"--pack must be positive (or 0: no packing), got {pack}")
-    enc = _Encoder(tokenizer, eos)
+def _write_file(target: pathlib.Path, arr: np.ndarray, written: list[pathlib.Path]) -> None:
+    """Write under a temporary name and rename: a file is either whole or absent."""
+    tmp = target.with_name(target.name + ".tmp")
+    written.extend([tmp, target])
+    arr.tofile(tmp)
+    tmp.replace(target)
+
+
+def _convert_part(files: Sequence[tuple[str, pathlib.Path]], out_dir: pathlib.Path, st: _Settings, prefix: str = "",
+                  progress: bool = False, hold_out_last: bool = True) -> dict:
+    """Tokenize `files` into `<split>_<prefix><k>.bin` shards (and their masks) under out_dir; returns what the
+    meta.json needs: token and target counts per split, statistics, and the shards written (path, tokens, whether a
+    mask was written beside it). hold_out_last: with no record held out, move the last one to the held-out split
+    (tiny inputs); a part of a parallel conversion leaves that to the whole."""
+    enc = _Encoder(st.tokenizer, st.eos)
     dtype = np.uint16 if enc.vocab <= 65536 else np.uint32
-    files = _input_files(inputs, pattern)
-    out_dir = pathlib.Path(out)
-    if out_dir.exists() and not out_dir.is_dir():
-        raise SystemExit(f"--out {out} exists and is not a directory")
-    old = sorted(p.name for p in [*out_dir.glob("train_*.bin*"), *out_dir.glob("val_*.bin*"),
-                                  *out_dir.glob("train_*.mask*"), *out_dir.glob("val_*.mask*"), out_dir / "meta.json"]
-                 if p.exists()) if out_dir.is_dir() else []
-    if old:
-        listed = ", ".join(old[:4]) + (", ..." if len(old) > 4 else "")
-        raise SystemExit(f"--out {out} already holds token shards ({listed}); write into a new directory, or remove "
-                         f"them first")
-    made = [d for d in (out_dir, *out_dir.parents) if not d.exists()]
-    out_dir.mkdir(parents=True, exist_ok=True)
-    stride = max(1, round(1 / val_fraction)) if val_fraction > 0 else 0
+    pack = st.pack
     buffers: dict[str, list[tuple[np.ndarray, np.ndarray | None]]] = {"train": [], "val": []}  # (ids, loss mask)
     pending = {"train": 0, "val": 0}  # tokens in buffers[split]
     counts = {"train": 0, "val": 0}
@@ -960,25 +955,19 @@ def convert(inputs: Sequence[str], out: str, tokenizer: str = "byte", shard_toke
     packers = {split: _Packer(pack, pad_id) for split in ("train", "val")} if pack else {}
     template: list[ChatTemplate] = []  # made at the first chat record
 
-    def write(target: pathlib.Path, arr: np.ndarray) -> None:
-        tmp = target.with_name(target.name + ".tmp")
-        written.extend([tmp, target])
-        arr.tofile(tmp)
-        tmp.replace(target)  # a file is either whole or absent
-
     def flush(split: str, force: bool = False) -> None:
-        if pending[split] == 0 or (pending[split] < shard_tokens and not force):
+        if pending[split] == 0 or (pending[split] < st.shard_tokens and not force):
             return
         if pack:  # one pad token after the rows: the last row's window reads one token past it
             buffers[split].append((np.asarray([pad_id], dtype), np.zeros(1, bool)))
             counts[split] += 1
             pending[split] += 1
-        target = out_dir / f"{split}_{shard_idx[split]:05d}.bin"
-        write(target, np.concatenate([ids for ids, _ in buffers[split]]).astype(dtype))
+        target = out_dir / f"{split}_{prefix}{shard_idx[split]:05d}.bin"
+        _write_file(target, np.concatenate([ids for ids, _ in buffers[split]]).astype(dtype), written)
         masked = any(m is not None for _, m in buffers[split])
         if masked:  # the shards of plain documents only get theirs at the end, if examples came
-            write(target.with_suffix(".mask"), np.packbits(np.concatenate(
-                [np.ones(len(ids), bool) if m is None else m for ids, m in buffers[split]]), bitorder="little"))
+            _write_file(target.with_suffix(".mask"), np.packbits(np.concatenate(
+                [np.ones(len(ids), bool) if m is None else m for ids, m in buffers[split]]), bitorder="little"), written)
         shards.append((target, pending[split], masked))
         shard_idx[split] += 1
         buffers[split], pending[split] = [], 0
@@ -991,12 +980,13 @@ def convert(inputs: Sequence[str], out: str, tokenizer: str = "byte", shard_toke
             return [(t, trained) for t, trained in zip(item, (False, True)) if t]
         where = f"{f}:{index + 1}" if _file_kind(f)[0] == "jsonl" else f"{f}: row {index}"
         if not template:
-            template.append(ChatTemplate(chat_template, tokenizer, where))
+            template.append(ChatTemplate(st.chat_template, st.tokenizer, where))
         return template[0].segments(item["messages"], where, item["tools"])
 
     def add(batch: list[tuple[str, list[tuple[str | bytes, bool]]]]) -> None:
         for (key, _), (ids, mask) in zip(batch, enc.encode([ex for _, ex in batch])):
-            split = "val" if stride and int(hashlib.sha1(key.encode()).hexdigest(), 16) % stride == 0 else "train"
+            split = "val" if st.stride and int(hashlib.sha1(key.encode()).hexdigest(), 16) % st.stride == 0 \
+                else "train"
             if pack and len(ids) > pack:
                 ids, mask = ids[:pack], None if mask is None else mask[:pack]
                 stats["cut"] += 1
@@ -1016,75 +1006,169 @@ def convert(inputs: Sequence[str], out: str, tokenizer: str = "byte", shard_toke
         pending[split] += len(ids)
         if not pack:
             flush(split)
-        elif pending[split] + pack > shard_tokens:  # a packed shard holds whole rows: the next would not fit
+        elif pending[split] + pack > st.shard_tokens:  # a packed shard holds whole rows: the next would not fit
             flush(split, force=True)
 
-    total_bytes = sum(f.stat().st_size for _, f in files)
-    prog = _Progress(total_bytes, len(files), progress)
+    prog = _Progress(sum(f.stat().st_size for _, f in files), len(files), progress)
+    for n_done, (key, f) in enumerate(files):
+        batch: list[tuple[str, list[tuple[str | bytes, bool]]]] = []
+        batch_bytes = 0
+        for index, item, read in _documents(f, st.text_key):
+            ex = segments(item, f, index)
+            if not any(trained for _, trained in ex):  # empty, or an example without a reply
+                stats["untrained" if ex else "empty"] += 1
+                continue
+            batch.append((key if index is None else f"{key}#{index}", ex))
+            batch_bytes += sum(len(t) for t, _ in ex)
+            if batch_bytes >= ENCODE_BATCH_BYTES:
+                add(batch)
+                batch, batch_bytes = [], 0
+                prog.update(stats["read"] + read, n_done, stats["documents"], sum(counts.values()))
+        add(batch)
+        stats["read"] += f.stat().st_size
+        prog.update(stats["read"], n_done + 1, stats["documents"], sum(counts.values()))
+    for split, packer in packers.items():
+        for row in packer.close():
+            append(split, *row)
+    if hold_out_last and counts["val"] == 0 and stats["documents"]:  # tiny inputs: hold out the last document
+        if not buffers["train"]:
+            raise SystemExit(f"no document was held out, and the training shards are already written; raise "
+                             f"--val-fraction or --shard-tokens ({st.shard_tokens})")
+        last = buffers["train"].pop()
+        for split, sign in (("train", -1), ("val", 1)):
+            counts[split] += sign * len(last[0])
+            pending[split] += sign * len(last[0])
+            targets[split] += sign * (len(last[0]) if last[1] is None else int(np.count_nonzero(last[1])))
+        buffers["val"].append(last)
+    flush("train", force=True)
+    flush("val", force=True)
+    prog.update(stats["read"], len(files), stats["documents"], sum(counts.values()), force=True)
+    return {"counts": counts, "targets": targets, "stats": stats, "shards": [(str(a), n, m) for a, n, m in shards],
+            "template": template[0].name if template else None, "pad_id": pad_id, "dtype": np.dtype(dtype).name,
+            "vocab": enc.vocab, "tokenizer": enc.name, "eos_id": enc.eos_id,
+            # padding of the packed rows, and the pad token after each shard's rows
+            "padding": sum(k.padding for k in packers.values()) + (len(shards) if pack else 0)}
+
+
+def _part_worker(args: tuple) -> dict:
+    """One part of a parallel conversion, in a worker process."""
+    files, out_dir, st, prefix = args
+    return _convert_part(files, out_dir, st, prefix, hold_out_last=False)
+
+
+def _split_files(files: Sequence[tuple[str, pathlib.Path]], n: int) -> list[list[tuple[str, pathlib.Path]]]:
+    """n groups of about equal bytes: the largest files first, each into the lightest group (in input order within
+    a group)."""
+    groups: list[list[int]] = [[] for _ in range(n)]
+    load = [0] * n
+    for i in sorted(range(len(files)), key=lambda i: -files[i][1].stat().st_size):
+        g = load.index(min(load))
+        groups[g].append(i)
+        load[g] += files[i][1].stat().st_size
+    return [[files[i] for i in sorted(g)] for g in groups if g]
+
+
+def convert(inputs: Sequence[str], out: str, tokenizer: str = "byte", shard_tokens: int = 100_000_000,
+            val_fraction: float = 0.05, pattern: str = "*", text_key: str = "text", eos: str = "auto",
+            progress: bool = False, chat_template: str | None = None, pack: int = 0, workers: int = 1) -> dict:
+    """Tokenize documents (text, JSON-lines or Parquet files) into train/val shards under `out`.
+
+    pack > 0: whole examples packed into rows of `pack` tokens (_Packer; one longer is cut to `pack` tokens), each
+    shard a whole number of rows and one pad token, so that a run's windows (data.seq_len = pack) are the rows.
+    workers > 1: the files are split into that many groups of about equal bytes, each converted by its own process
+    into its own shards (`<split>_p<i>_<k>.bin`); which record lands where then depends on the number of workers.
+
+    Writes each shard under a temporary name and renames it whole, and meta.json last; if the conversion stops on an
+    error, the shards it wrote are removed again, so `out` never holds a partial conversion. Where some records are
+    fine-tuning examples, each shard gets its loss mask (`<shard>.mask`, load_masks) and meta.json "loss_mask".
+    """
+    if not 0 <= val_fraction < 1:
+        raise SystemExit(f"--val-fraction must be in [0, 1), got {val_fraction}")
+    if shard_tokens < 1:
+        raise SystemExit(f"--shard-tokens must be positive, got {shard_tokens}")
+    if pack < 0:
+        raise SystemExit(f"--pack must be positive (or 0: no packing), got {pack}")
+    if workers < 1:
+        raise SystemExit(f"--workers must be positive, got {workers}")
+    _Encoder(tokenizer, eos)  # a bad --tokenizer or --eos stops here, before any file is read
+    files = _input_files(inputs, pattern)
+    out_dir = pathlib.Path(out)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise SystemExit(f"--out {out} exists and is not a directory")
+    old = sorted(p.name for p in [*out_dir.glob("train_*.bin*"), *out_dir.glob("val_*.bin*"),
+                                  *out_dir.glob("train_*.mask*"), *out_dir.glob("val_*.mask*"), out_dir / "meta.json"]
+                 if p.exists()) if out_dir.is_dir() else []
+    if old:
+        listed = ", ".join(old[:4]) + (", ..." if len(old) > 4 else "")
+        raise SystemExit(f"--out {out} already holds token shards ({listed}); write into a new directory, or remove "
+                         f"them first")
+    made = [d for d in (out_dir, *out_dir.parents) if not d.exists()]
+    out_dir.mkdir(parents=True, exist_ok=True)
+    st = _Settings(tokenizer, eos, shard_tokens, max(1, round(1 / val_fraction)) if val_fraction > 0 else 0,
+                   text_key, chat_template, pack)
+    groups = _split_files(files, min(workers, len(files)))
+    written: list[pathlib.Path] = []
     try:
-        for n_done, (key, f) in enumerate(files):
-            batch: list[tuple[str, list[tuple[str | bytes, bool]]]] = []
-            batch_bytes = 0
-            for index, item, read in _documents(f, text_key):
-                ex = segments(item, f, index)
-                if not any(trained for _, trained in ex):  # empty, or an example without a reply
-                    stats["untrained" if ex else "empty"] += 1
-                    continue
-                batch.append((key if index is None else f"{key}#{index}", ex))
-                batch_bytes += sum(len(t) for t, _ in ex)
-                if batch_bytes >= ENCODE_BATCH_BYTES:
-                    add(batch)
-                    batch, batch_bytes = [], 0
-                    prog.update(stats["read"] + read, n_done, stats["documents"], sum(counts.values()))
-            add(batch)
-            stats["read"] += f.stat().st_size
-            prog.update(stats["read"], n_done + 1, stats["documents"], sum(counts.values()))
-        if stats["documents"] == 0:
+        if len(groups) == 1:
+            parts = [_convert_part(files, out_dir, st, progress=progress)]
+        else:
+            import concurrent.futures
+            import multiprocessing
+
+            parts = []
+            jobs = [(g, out_dir, st, f"p{i:03d}_") for i, g in enumerate(groups)]
+            # spawn, not fork: the parent may have started jax's threads
+            with concurrent.futures.ProcessPoolExecutor(len(jobs), mp_context=multiprocessing.get_context("spawn")) \
+                    as pool:
+                for i, part in enumerate(pool.map(_part_worker, jobs)):
+                    parts.append(part)
+                    if progress:
+                        print(f"convert: part {i + 1}/{len(jobs)} done ({len(groups[i])} files, "
+                              f"{part['stats']['documents']:,} documents)", file=sys.stderr, flush=True)
+        total = lambda key: sum(part["stats"][key] for part in parts)  # noqa: E731
+        counts = {s: sum(part["counts"][s] for part in parts) for s in ("train", "val")}
+        targets = {s: sum(part["targets"][s] for part in parts) for s in ("train", "val")}
+        shards = [(pathlib.Path(a), n, m) for part in parts for a, n, m in part["shards"]]
+        written.extend(a for a, _, _ in shards)
+        written.extend(a.with_suffix(".mask") for a, _, m in shards if m)
+        if total("documents") == 0:
             raise SystemExit(f"no documents in {len(files)} input file(s): every one was empty"
-                             + (f" or an example without a reply ({stats['untrained']})" if stats["untrained"] else ""))
-        for split, packer in packers.items():
-            for row in packer.close():
-                append(split, *row)
-        if counts["val"] == 0:  # tiny inputs (or --val-fraction 0): hold out the last document
-            if not buffers["train"]:
-                raise SystemExit(f"no document was held out, and the training shards are already written; raise "
-                                 f"--val-fraction ({val_fraction}) or --shard-tokens ({shard_tokens})")
-            last = buffers["train"].pop()
-            for split, sign in (("train", -1), ("val", 1)):
-                counts[split] += sign * len(last[0])
-                pending[split] += sign * len(last[0])
-                targets[split] += sign * (len(last[0]) if last[1] is None else int(np.count_nonzero(last[1])))
-            buffers["val"].append(last)
-        flush("train", force=True)
-        flush("val", force=True)
-        meta = {"dtype": np.dtype(dtype).name, "vocab_size": enc.vocab, "tokenizer": enc.name, "eos_id": enc.eos_id,
-                "train_tokens": counts["train"], "val_tokens": counts["val"], "max_token_id": stats["max_id"],
-                "files": len(files), "documents": stats["documents"], "empty_documents": stats["empty"]}
+                             + (f" or an example without a reply ({total('untrained')})" if total("untrained") else ""))
+        if counts["val"] == 0:
+            raise SystemExit(f"no record was held out: raise --val-fraction ({val_fraction})")
+        first = parts[0]
+        meta = {"dtype": first["dtype"], "vocab_size": first["vocab"], "tokenizer": first["tokenizer"],
+                "eos_id": first["eos_id"], "train_tokens": counts["train"], "val_tokens": counts["val"],
+                "max_token_id": max(part["stats"]["max_id"] for part in parts), "files": len(files),
+                "documents": total("documents"), "empty_documents": total("empty")}
         if any(masked for *_, masked in shards):
             for shard, n, masked in shards:
                 if not masked:
-                    write(shard.with_suffix(".mask"), np.packbits(np.ones(n, bool), bitorder="little"))
+                    _write_file(shard.with_suffix(".mask"), np.packbits(np.ones(n, bool), bitorder="little"), written)
+            template = next((part["template"] for part in parts if part["template"]), None)
             meta.update(loss_mask=True, train_target_tokens=targets["train"], val_target_tokens=targets["val"],
-                        examples=stats["examples"], examples_without_reply=stats["untrained"],
-                        **({"chat_template": template[0].name} if template else {}))
+                        examples=total("examples"), examples_without_reply=total("untrained"),
+                        **({"chat_template": template} if template else {}))
         if pack:
-            meta.update(packed=pack, pad_id=pad_id, cut_examples=stats["cut"], cut_to_no_target=stats["cut_dropped"],
-                        pad_tokens=sum(k.padding for k in packers.values()) + shard_idx["train"] + shard_idx["val"])
+            meta.update(packed=pack, pad_id=first["pad_id"], cut_examples=total("cut"),
+                        cut_to_no_target=total("cut_dropped"), pad_tokens=sum(part["padding"] for part in parts))
+        if workers > 1:
+            meta["workers"] = len(groups)
         tmp = out_dir / "meta.json.tmp"
         written.append(tmp)
         tmp.write_text(json.dumps(meta, indent=2) + "\n")
         tmp.replace(out_dir / "meta.json")  # written last: a directory with meta.json holds every shard
     except BaseException:
-        for p in written:
-            p.unlink(missing_ok=True)
+        # every shard of this conversion (the directory held none before it), from whichever process wrote it
+        for q in [*written, *out_dir.glob("train_*"), *out_dir.glob("val_*")]:
+            q.unlink(missing_ok=True)
         for d in made:  # the directories this call created, deepest first, where nothing else was put in them
             if d.is_dir() and not any(d.iterdir()):
                 d.rmdir()
         raise
-    prog.update(stats["read"], len(files), stats["documents"], sum(counts.values()), force=True)
-    if stats["cut"]:
-        dropped = stats["cut_dropped"]
-        print(f"convert: warning: {stats['cut']} record(s) longer than --pack {pack} tokens were cut to it"
+    if total("cut"):
+        dropped = total("cut_dropped")
+        print(f"convert: warning: {total('cut')} record(s) longer than --pack {pack} tokens were cut to it"
               + (f", {dropped} of them dropped (the prompt filled the row)" if dropped else ""), file=sys.stderr)
     return meta
 
@@ -1112,13 +1196,15 @@ def main(argv: Sequence[str] | None = None) -> None:
                    "--tokenizer)")
     c.add_argument("--pack", type=int, default=0, metavar="T", help="pack whole examples into rows of T tokens, "
                    "the run's data.seq_len, so none is cut across sequences (an example longer than T is cut to T)")
+    c.add_argument("--workers", type=int, default=1, help="processes converting the files in parallel (groups of "
+                   "about equal bytes, each into its own shards); the order of the records depends on it")
     c.add_argument("--shard-tokens", type=int, default=100_000_000)
     c.add_argument("--val-fraction", type=float, default=0.05)
     c.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     args = ap.parse_args(argv)
     meta = convert(args.inputs, args.out, args.tokenizer, args.shard_tokens, args.val_fraction, args.pattern,
                    args.text_key, args.eos, progress=not args.quiet, chat_template=args.chat_template,
-                   pack=args.pack)
+                   pack=args.pack, workers=args.workers)
     print(json.dumps(meta))
 
 

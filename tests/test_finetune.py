@@ -441,3 +441,30 @@ def test_tool_calls_are_trained_and_tool_results_are_context(tmp_path):
     bad = {"messages": [{"role": "assistant"}]}  # neither content nor tool calls
     with pytest.raises(SystemExit, match=r"bad.jsonl:1: 'messages' must be a list of .*\(content may be absent"):
         data.convert([str(_write_jsonl(tmp_path / "bad.jsonl", [bad]))], str(tmp_path / "bad"), chat_template="chatml")
+
+
+def test_parallel_conversion_holds_the_same_records_and_cleans_up_after_an_error(tmp_path, capsys):
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(3):
+        _write_jsonl(src / f"qa{i}.jsonl", _arithmetic(120, seed=i))
+    _write_jsonl(src / "docs.jsonl", [{"text": f"plain document {i}\n" * (i % 7 + 1)} for i in range(90)])
+    one = data.convert([str(src)], str(tmp_path / "one"), shard_tokens=2000, val_fraction=0.1)
+    two = data.convert([str(src)], str(tmp_path / "two"), shard_tokens=2000, val_fraction=0.1, workers=2,
+                       progress=True)
+    assert "part 2/2 done" in capsys.readouterr().err and two["workers"] == 2
+    for key in ("train_tokens", "val_tokens", "train_target_tokens", "val_target_tokens", "documents", "examples",
+                "files", "max_token_id"):
+        assert one[key] == two[key], key
+    assert list((tmp_path / "two").glob("train_p001_*.bin")) and list((tmp_path / "two").glob("train_p000_*.mask"))
+    for split in ("train", "val"):  # the held-out records are chosen per record: the same ones
+        got = [sorted(str((_text(t), m.tolist())) for t, m in _examples(*_tokens_and_masks(tmp_path / d, split), 0))
+               for d in ("one", "two")]
+        assert got[0] == got[1]
+    packed = data.convert([str(src)], str(tmp_path / "packed"), pack=64, shard_tokens=1000, workers=2)
+    arrays, _, _ = data.load_shards(str(tmp_path / "packed"), "train")
+    assert all(len(a) % 64 == 1 for a in arrays) and packed["pad_tokens"] > 0
+    (src / "qa1.jsonl").write_text((src / "qa1.jsonl").read_text() + '{"prompt": "no completion"}\n')
+    with pytest.raises(SystemExit, match=r"qa1.jsonl:121: no 'text' field, nor 'prompt' and 'completion'"):
+        data.convert([str(src)], str(tmp_path / "new" / "bad"), shard_tokens=500, workers=2)
+    assert not (tmp_path / "new").exists()  # the other worker's shards too
