@@ -66,13 +66,15 @@ import sys
 import sysconfig
 import threading
 import time
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
-import jax
 import numpy as np
-from jax.sharding import NamedSharding
 
 from mx_jax.config import ConfigError, DataConfig, mixture_entries, read_json_object
+
+if TYPE_CHECKING:  # jax is imported where batches are made: the converter (and its workers) start without it
+    import jax
+    from jax.sharding import NamedSharding
 
 SEPARATOR = 0  # NUL byte between documents of the embedded corpus
 IGNORED = -1  # the target of a position the loss leaves out (llama.cross_entropy)
@@ -325,6 +327,8 @@ class Batches:
 
     def next_global(self, shardings: dict[str, NamedSharding], accum: int) -> dict[str, jax.Array]:
         """The next global batch as {"inputs","targets"}: (accum, batch/accum, T) arrays, built per addressable shard."""
+        import jax
+
         first = self.position
         b = self.global_batch // accum
         t = self.windows.seq_len
