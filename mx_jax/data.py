@@ -929,6 +929,9 @@ class _Settings:
     pack: int
 
 
+SHARD_PATTERNS = ("train_*.bin*", "val_*.bin*", "train_*.mask*", "val_*.mask*")  # with their .tmp files
+
+
 def _write_file(target: pathlib.Path, arr: np.ndarray, written: list[pathlib.Path]) -> None:
     """Write under a temporary name and rename: a file is either whole or absent."""
     tmp = target.with_name(target.name + ".tmp")
@@ -1099,9 +1102,8 @@ def convert(inputs: Sequence[str], out: str, tokenizer: str = "byte", shard_toke
     out_dir = pathlib.Path(out)
     if out_dir.exists() and not out_dir.is_dir():
         raise SystemExit(f"--out {out} exists and is not a directory")
-    old = sorted(p.name for p in [*out_dir.glob("train_*.bin*"), *out_dir.glob("val_*.bin*"),
-                                  *out_dir.glob("train_*.mask*"), *out_dir.glob("val_*.mask*"), out_dir / "meta.json"]
-                 if p.exists()) if out_dir.is_dir() else []
+    shard_files = lambda: [f for pattern in SHARD_PATTERNS for f in out_dir.glob(pattern)]  # noqa: E731
+    old = sorted(p.name for p in [*shard_files(), out_dir / "meta.json"] if p.exists()) if out_dir.is_dir() else []
     if old:
         listed = ", ".join(old[:4]) + (", ..." if len(old) > 4 else "")
         raise SystemExit(f"--out {out} already holds token shards ({listed}); write into a new directory, or remove "
@@ -1164,7 +1166,7 @@ def convert(inputs: Sequence[str], out: str, tokenizer: str = "byte", shard_toke
         tmp.replace(out_dir / "meta.json")  # written last: a directory with meta.json holds every shard
     except BaseException:
         # every shard of this conversion (the directory held none before it), from whichever process wrote it
-        for q in [*written, *out_dir.glob("train_*"), *out_dir.glob("val_*")]:
+        for q in [*written, *shard_files()]:
             q.unlink(missing_ok=True)
         for d in made:  # the directories this call created, deepest first, where nothing else was put in them
             if d.is_dir() and not any(d.iterdir()):

@@ -468,3 +468,8 @@ def test_parallel_conversion_holds_the_same_records_and_cleans_up_after_an_error
     with pytest.raises(SystemExit, match=r"qa1.jsonl:121: no 'text' field, nor 'prompt' and 'completion'"):
         data.convert([str(src)], str(tmp_path / "new" / "bad"), shard_tokens=500, workers=2)
     assert not (tmp_path / "new").exists()  # the other worker's shards too
+    (tmp_path / "kept").mkdir()
+    (tmp_path / "kept" / "train_notes.txt").write_text("the user's")  # not a shard: never removed
+    with pytest.raises(SystemExit, match=r"qa1.jsonl:121"):
+        data.convert([str(src)], str(tmp_path / "kept"), shard_tokens=500, workers=2)
+    assert sorted(p.name for p in (tmp_path / "kept").iterdir()) == ["train_notes.txt"]
