@@ -36,6 +36,12 @@ def _text(ids):
     return bytes(np.asarray(ids, np.uint8)).decode()
 
 
+def _trained_pieces(toks, mask):
+    """The texts of an example's runs of target tokens, in order."""
+    starts = np.concatenate([[0], np.flatnonzero(np.diff(mask.astype(int))) + 1])
+    return [_text(toks[a:b]) for a, b in zip(starts, [*starts[1:], len(toks)]) if mask[a]]
+
+
 def _arithmetic(n, seed=0):
     rng = np.random.default_rng(seed)
     return [{"prompt": f"What is {a} + {b}? ", "completion": f"{a + b}."} for a, b in rng.integers(0, 999, (n, 2))]
@@ -92,10 +98,7 @@ def test_chat_trains_the_assistant_replies_with_their_end_of_turn(tmp_path):
         assert _text(toks[:-1]) == ("<|im_start|>system\nAnswer briefly.<|im_end|>\n<|im_start|>user\nCapital of "
                                     "France?<|im_end|>\n<|im_start|>assistant\nParis.<|im_end|>\n<|im_start|>user\n"
                                     "And of Italy?<|im_end|>\n<|im_start|>assistant\nRome.<|im_end|>\n")
-        starts = np.concatenate([[0], np.flatnonzero(np.diff(m.astype(int))) + 1])
-        pieces = [(_text(toks[a:b]).replace("\0", "<eos>"), bool(m[a]))
-                  for a, b in zip(starts, [*starts[1:], len(toks)])]
-        assert [p for p, t in pieces if t] == ["Paris.<|im_end|>\n", "Rome.<|im_end|>\n<eos>"]
+        assert _trained_pieces(toks, m) == ["Paris.<|im_end|>\n", "Rome.<|im_end|>\n\0"]
 
 
 def _llama3_like(tmp_path):
@@ -435,9 +438,8 @@ def test_tool_calls_are_trained_and_tool_results_are_context(tmp_path):
         assert _text(toks[:-1]) == ('<tools>weather</tools>\n<user>Weather in Oslo?</user>\n<assistant>call weather('
                                     '{"city": "Oslo"})</assistant>\n<tool>-3 C, snow</tool>\n<assistant>Snowy, -3 C.'
                                     '</assistant>\n')
-        starts = np.concatenate([[0], np.flatnonzero(np.diff(m.astype(int))) + 1])
-        trained = [_text(toks[a:b]) for a, b in zip(starts, [*starts[1:], len(toks)]) if m[a]]
-        assert trained == ['call weather({"city": "Oslo"})</assistant>\n', "Snowy, -3 C.</assistant>\n\0"], name
+        assert _trained_pieces(toks, m) == ['call weather({"city": "Oslo"})</assistant>\n',
+                                            "Snowy, -3 C.</assistant>\n\0"], name
     bad = {"messages": [{"role": "assistant"}]}  # neither content nor tool calls
     with pytest.raises(SystemExit, match=r"bad.jsonl:1: 'messages' must be a list of .*\(content may be absent"):
         data.convert([str(_write_jsonl(tmp_path / "bad.jsonl", [bad]))], str(tmp_path / "bad"), chat_template="chatml")
