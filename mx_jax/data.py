@@ -1135,8 +1135,6 @@ def convert(inputs: Sequence[str], out: str, tokenizer: str = "byte", shard_toke
         counts = {s: sum(part["counts"][s] for part in parts) for s in ("train", "val")}
         targets = {s: sum(part["targets"][s] for part in parts) for s in ("train", "val")}
         shards = [(pathlib.Path(a), n, m) for part in parts for a, n, m in part["shards"]]
-        written.extend(a for a, _, _ in shards)
-        written.extend(a.with_suffix(".mask") for a, _, m in shards if m)
         if total("documents") == 0:
             raise SystemExit(f"no documents in {len(files)} input file(s): every one was empty"
                              + (f" or an example without a reply ({total('untrained')})" if total("untrained") else ""))
