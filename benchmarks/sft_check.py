@@ -58,7 +58,7 @@ def accuracy(run: pathlib.Path, n: int) -> None:
         for i in range(n):
             a, b = r.randrange(1000), r.randrange(1000)
             ids = list(template.render([{"role": "user", "content": f"What is {a} + {b}?"}], True, "").encode())
-            out = sample.generate(setup, params, buffers, ids, 12, temperature=0, stop_id=0, window=128)
+            out = sample.generate(setup, params, buffers, ids, 12, temperature=0, stop_id=0)
             reply = bytes(int(t) for t in out[0][len(ids):]).split(b"<")[0].decode(errors="replace")
             right += reply.strip() == str(a + b)
             if i < 4:

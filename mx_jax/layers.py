@@ -32,6 +32,8 @@ Attention: softmax(q k^T / sqrt(K) + causal mask) v with G key/value heads share
            sequences (its packed layout, `compat.cudnn_attention_fwd`), per device under shard_map; XLA
            masks the T x T scores. RoPE keeps the row's positions: a score depends on u - t only, so a document
            attends within itself as it would alone. Under a `context` axis, context_parallel.py ("Documents").
+           Decoding (`Attention.decode`, mx_jax/sample.py) writes the new tokens' keys and values into a KV cache
+           and attends over the cache with a (B, T, S) mask of the positions each token sees (XLA).
 SwiGLU:    y = (silu(x W_gate) * (x W_up)) W_down                     (Shazeer 2020).
            h = silu(g) u is a custom_vjp (`swiglu`) that keeps only g and u: with s = sigmoid(g),
            dg = dh u s (1 + g (1 - s)) and du = dh g s, in float32. Under autodiff each layer kept five (T, F)
@@ -46,7 +48,8 @@ one extra pass over those weights (an XLA concatenate fusion, ~0.4 ms per 8B lay
 of three times; on the 8B benchmark the fusions left the step time unchanged and saved 2.8 GiB together with the
 bf16 logits (benchmarks/RESULTS.md). Under a quantized recipe, per-output-column weight scales (rowwise,
 MX) are unchanged by the fusion; tensorwise shares one weight scale, and the gradient's rows share one scale,
-across the fused outputs. Linears whose recipes differ (a kernel that cannot take one of the shapes) run unfused.
+across the fused outputs. Linears whose recipes differ (a kernel that cannot take one of the shapes) run unfused,
+and so does decoding, where a step's cost is reading the weights and the concatenation would read them twice more.
 """
 
 from __future__ import annotations
@@ -112,10 +115,10 @@ def saved_output(y, scanned: bool):
 
 
 def fused_linear(x: jax.Array, ws: tuple[nnx.Param, ...], recipes: tuple[str, ...], impl: str,
-                 scanned: bool = False, reduce_dtype: str = "float32") -> tuple[jax.Array, ...]:
+                 scanned: bool = False, reduce_dtype: str = "float32", fused: bool = True) -> tuple[jax.Array, ...]:
     """(x @ w for w in ws) as one GEMM over the concatenated weights when they share a recipe (module docstring);
-    its output goes through `saved_output`."""
-    if len(set(recipes)) > 1:
+    its output goes through `saved_output`. fused=False: one GEMM per weight."""
+    if len(set(recipes)) > 1 or not fused:
         return tuple(linear(x, w, r, impl, reduce_dtype) for w, r in zip(ws, recipes))
     parts = [weight_and_operands(w) for w in ws]
     # With prequantized operands (the first weight's, made from the concatenation) the weights are zero slots: their
@@ -223,10 +226,20 @@ def attention_impl(requested: str, dtype, head_dim: int, platform: str | None = 
 
 class Positions(NamedTuple):
     """Where each token sits: RoPE positions (T,) and, under model.attention_mask=documents, the document of each
-    token within its row (B, T) int32 (`document_segments`; None: the row is one causal sequence)."""
+    token within its row (B, T) int32 (`document_segments`; None: the row is one causal sequence). Decoding with a
+    KV cache (`Attention.decode`), `visible` (B, T, S) bool says which of the cache's S positions each token sees."""
 
     rope: jax.Array
     segments: jax.Array | None = None
+    visible: jax.Array | None = None
+
+
+class KVCache(NamedTuple):
+    """Keys and values (..., B, S, G, K) at the S positions a decode can reach (mx_jax/sample.py), with leading
+    layer axes like the model's stacks (llama.init_cache)."""
+
+    k: jax.Array
+    v: jax.Array
 
 
 def document_segments(tokens: jax.Array, eos_id: int, max_documents: int) -> jax.Array:
@@ -307,20 +320,48 @@ class Attention(nnx.Module):
         self.attention = attention_impl(cfg.attention, cfg.compute_dtype, k)
         self.max_documents = cfg.max_documents
 
-    def __call__(self, x: jax.Array, pos: Positions, inv_freq: jax.Array) -> jax.Array:
+    def _qkv(self, x: jax.Array, pos: Positions, inv_freq: jax.Array,
+             fused: bool = True) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """x (B,T,D) -> q (B,T,H,K) and k, v (B,T,G,K), q and k rotated to their positions; `fused`: one GEMM
+        over the concatenated weights (module docstring), else one per weight (`decode`: no concatenation)."""
         b, t, _ = x.shape
         r = self.recipes
         q, k, v = fused_linear(x, (self.wq, self.wk, self.wv), (r["wq"], r["wk"], r["wv"]), self.impl, self.scanned,
-                               self.reduce)
+                               self.reduce, fused)
         q = q.reshape(b, t, self.n_heads, self.head_dim)
         k = k.reshape(b, t, self.n_kv_heads, self.head_dim)
         v = v.reshape(b, t, self.n_kv_heads, self.head_dim)
-        q, k = apply_rope(q, pos.rope, inv_freq), apply_rope(k, pos.rope, inv_freq)
+        return apply_rope(q, pos.rope, inv_freq), apply_rope(k, pos.rope, inv_freq), v
+
+    def _out(self, o: jax.Array) -> jax.Array:
+        b, t = o.shape[:2]
+        return linear(o.reshape(b, t, self.n_heads * self.head_dim), self.wo, self.recipes["wo"], self.impl,
+                      self.reduce)
+
+    def __call__(self, x: jax.Array, pos: Positions, inv_freq: jax.Array) -> jax.Array:
+        q, k, v = self._qkv(x, pos, inv_freq)
         if pos.segments is None or self.max_documents == 1:  # one segment: the row is one causal sequence
             o = causal_attention(q, k, v, self.attention)  # (B,T,H,K)
         else:
             o = document_attention(q, k, v, pos.segments, self.attention, self.max_documents)
-        return linear(o.reshape(b, t, self.n_heads * self.head_dim), self.wo, r["wo"], self.impl, self.reduce)
+        return self._out(o)
+
+    def decode(self, x: jax.Array, pos: Positions, inv_freq: jax.Array, cache: KVCache,
+               layer: tuple[jax.Array, ...]) -> tuple[jax.Array, KVCache]:
+        """T new tokens at the consecutive cache positions pos.rope: their keys and values are written into the
+        stacked cache at `layer` (its leading indices), in place, then each token attends to the cached positions
+        pos.visible lets it see. XLA's attention: the queries are few, the cost is reading the cache. The
+        projections run one GEMM per weight: a step reads each weight once, where concatenating them would write
+        and read them again (a token of the 8B on an H200: 9.6 ms fused, 5.9 unfused; benchmarks/RESULTS.md,
+        session 63)."""
+        q, k, v = self._qkv(x, pos, inv_freq, fused=False)
+        at = (*layer, 0, pos.rope[0], 0, 0)
+        cache = KVCache(*(jax.lax.dynamic_update_slice(c, new.astype(c.dtype).reshape((1,) * len(layer) + new.shape),
+                                                       at) for c, new in zip(cache, (k, v))))
+        k, v = (jax.lax.dynamic_slice(c, (*layer, 0, 0, 0, 0), (1,) * len(layer) + c.shape[len(layer):])
+                .reshape(c.shape[len(layer):]).astype(q.dtype) for c in cache)
+        o = jax.nn.dot_product_attention(q, k, v, mask=pos.visible[:, None], implementation="xla")
+        return self._out(o), cache
 
 
 class SwiGLU(nnx.Module):
@@ -332,8 +373,9 @@ class SwiGLU(nnx.Module):
         self.w_down = _param(rngs, (d_ff, d), out_std, ("mlp", "embed"), pd)
         self.recipes, self.impl, self.scanned, self.reduce = recipes, impl, cfg.scan_layers, cfg.grad_reduce_dtype
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, fused: bool = True) -> jax.Array:
+        """fused: gate and up as one GEMM over their concatenated weights (module docstring); False when decoding."""
         r = self.recipes
         gate, up = fused_linear(x, (self.w_gate, self.w_up), (r["w_gate"], r["w_up"]), self.impl, self.scanned,
-                                self.reduce)
+                                self.reduce, fused)
         return linear(swiglu(gate, up), self.w_down, r["w_down"], self.impl, self.reduce)

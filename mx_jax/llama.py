@@ -66,8 +66,8 @@ from jax.ad_checkpoint import checkpoint_name
 from mx_jax import compat, dispatch, grouped_linear, quant, sharding
 from mx_jax.config import ModelConfig, QuantConfig
 from mx_jax.context_parallel import from_zigzag, to_zigzag
-from mx_jax.layers import (Attention, Positions, RMSNorm, SwiGLU, _param, context_shards, document_segments, linear,
-                           rope_inv_freq)
+from mx_jax.layers import (Attention, KVCache, Positions, RMSNorm, SwiGLU, _param, context_shards, document_segments,
+                           linear, rope_inv_freq)
 from mx_jax.moe import MoE, RouterBias, update_bias
 
 compat.uninitialize_scan_outputs()  # the scanned layers' residual buffers are allocated, not zero-filled
@@ -152,6 +152,15 @@ class Block(nnx.Module):
         x = sharding.constrain(x + y, ("batch", "seq", "act_embed"))
         return x, stats
 
+    def decode(self, x: jax.Array, pos: Positions, inv_freq: jax.Array, cache: KVCache,
+               layer: tuple[jax.Array, ...]) -> tuple[jax.Array, KVCache]:
+        """The block over T new tokens, its keys and values at `layer` of the stacked cache (Llama.decode)."""
+        a, cache = self.attn.decode(self.attn_norm(x), pos, inv_freq, cache, layer)
+        x = x + a
+        # one GEMM per weight (Attention.decode says why)
+        y = self.moe(self.mlp_norm(x), fused=False)[0] if hasattr(self, "moe") else self.mlp(self.mlp_norm(x), False)
+        return x + y, cache
+
 
 class MoEGroup(nnx.Module):
     """every_n_layers > 1: (n - 1) dense blocks, then one MoE block; the model scans over these groups."""
@@ -165,6 +174,11 @@ class MoEGroup(nnx.Module):
     def __call__(self, x, pos, inv_freq):
         x, _ = _scan(self.dense, x, pos, inv_freq, "none", self.scan)
         return self.moe_block(x, pos, inv_freq)
+
+    def decode(self, x, pos, inv_freq, cache: dict, layer: tuple[jax.Array, ...]):
+        x, dense = _decode_stack(self.dense, x, pos, inv_freq, cache["dense"], layer)
+        x, moe = self.moe_block.decode(x, pos, inv_freq, cache["moe_block"], layer)
+        return x, {"dense": dense, "moe_block": moe}
 
 
 _REMAT_POLICIES = {
@@ -233,6 +247,35 @@ def _scan(stack: nnx.Module, x, pos, inv_freq, remat: str, scan: bool = True):
     return x, jax.tree.map(lambda *per_layer: jnp.stack(per_layer), *stats)
 
 
+def _decode_stack(stack: nnx.Module, x, pos, inv_freq, cache, outer: tuple[jax.Array, ...] = ()):
+    """A stacked module's layers over T new tokens -> (x, cache). The cache is the scan's carry, each layer writing
+    its keys and values in place at (*outer, its index): as scanned inputs and outputs, every step would copy the
+    whole cache into a new stacked output."""
+    graphdef, state = nnx.split(stack)
+
+    def body(carry, layer):
+        x, cache = carry
+        i, layer_state = layer
+        return nnx.merge(graphdef, layer_state).decode(x, pos, inv_freq, cache, (*outer, i)), None
+
+    n = jax.tree.leaves(state)[0].shape[0]
+    return jax.lax.scan(body, (x, cache), (jnp.arange(n), state))[0]
+
+
+def init_cache(cfg: ModelConfig, batch: int, length: int, dtype=jnp.bfloat16) -> dict:
+    """A zero KV cache of `length` positions for `batch` rows, shaped like the model's stacks (Llama.decode)."""
+
+    def kv(*layers: int) -> KVCache:
+        shape = (*layers, batch, length, cfg.n_kv_heads, cfg.d_head)
+        return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+
+    n_first, n_groups, per_group = layer_kinds(cfg)
+    cache = {"dense_blocks": kv(n_first)} if n_first else {}
+    cache["blocks"] = kv(n_groups) if per_group == 1 else {"dense": kv(n_groups, per_group - 1),
+                                                           "moe_block": kv(n_groups)}
+    return cache
+
+
 def layer_kinds(cfg: ModelConfig) -> tuple[int, int, int]:
     """(dense layers first, groups in the main stack, layers per group)."""
     m = cfg.moe
@@ -295,6 +338,28 @@ class Llama(nnx.Module):
         if vocab_parallel:
             logits = sharding.constrain(logits, ("head_batch", "seq", "head_vocab"))
         return logits.astype(logits_dtype), stats
+
+    def decode(self, tokens: jax.Array, cache: dict, index: jax.Array, first: jax.Array) -> tuple[jax.Array, dict]:
+        """tokens (B,T) at cache positions index .. index+T-1 -> (float32 logits (B,V) after the last of them, the
+        cache with their keys and values). Row b's text starts at position first[b] (B,): the rows are left-padded
+        to a common length, and a token sees the positions from its row's first to its own (it and the padding see
+        themselves only). RoPE scores depend on position differences only, so a left-padded row decodes as it would
+        alone. One device, no context parallelism; mx_jax/sample.py runs it."""
+        cfg = self.cfg
+        t, length = tokens.shape[1], jax.tree.leaves(cache)[0].shape[-3]
+        here = index + jnp.arange(t)  # (T,)
+        keys = jnp.arange(length)
+        visible = ((keys >= first[:, None, None]) & (keys <= here[:, None])) | (keys == here[:, None])
+        pos = Positions(here, visible=visible)
+        inv_freq = rope_inv_freq(cfg.d_head, cfg.rope_theta, cfg.rope_scaling)
+        x = sharding.embed_lookup(self.embed[...], tokens, jnp.dtype(cfg.compute_dtype))
+        new = {}
+        if hasattr(self, "dense_blocks"):
+            x, new["dense_blocks"] = _decode_stack(self.dense_blocks, x, pos, inv_freq, cache["dense_blocks"])
+        x, new["blocks"] = _decode_stack(self.blocks, x, pos, inv_freq, cache["blocks"])
+        x = self.final_norm(x[:, -1:])
+        logits = linear(x, self.head, self.head_recipe, self.quant_impl, cfg.grad_reduce_dtype)
+        return logits[:, 0].astype(jnp.float32), new
 
 
 def moe_loss(cfg: ModelConfig, stats: dict) -> jax.Array:

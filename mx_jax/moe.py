@@ -85,9 +85,10 @@ class MoE(nnx.Module):
         self.min_rows = min_rows  # quant.expert_min_rows: fewer rows per expert run the experts in bf16
         self.expert_dims = (d, f)  # with min_rows, decides whether the experts run fp8 (dispatch.expert_recipe)
 
-    def __call__(self, x: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+    def __call__(self, x: jax.Array, fused: bool = True) -> tuple[jax.Array, dict[str, jax.Array]]:
         """x (B,T,D) -> (y (B,T,D), stats). stats: aux_loss, z_loss (scalars), load (E,) the router's choices
-        per expert (before capacity drops), dropped."""
+        per expert (before capacity drops), dropped. fused: the shared experts' gate and up as one GEMM
+        (layers.SwiGLU)."""
         # The expert weights, or in the train step their gradient slots and fp8 operands (llama.with_operands).
         (w_gate, ops_gate), (w_up, ops_up), (w_down, ops_down) = (
             weight_and_operands(w) for w in (self.w_gate, self.w_up, self.w_down))
@@ -108,7 +109,7 @@ class MoE(nnx.Module):
                 check_vma=False)
             y, stats = body(x, *weights)
         if self.shared is not None:
-            y = y + self.shared(x)
+            y = y + self.shared(x, fused)
         return y, stats
 
     def _local(self, x, w_router, bias, w_gate, w_up, w_down, ops, *, axes: tuple[str, ...]):

@@ -10,14 +10,18 @@ without the optimizer state. The tokenizer is the
 data's: bytes for `data.source=embedded`, else what `data.path/meta.json` names (bytes or a HF tokenizer.json);
 `--tokenizer` overrides it.
 
-Decoding keeps no KV cache. Each new token runs the model over one fixed window of W positions (the prompt plus
-`--tokens`, rounded up to a multiple of 128), right-padded with token 0: attention is causal, so the logits at
-position t depend on tokens 0..t only and the padding never reaches them, and one compiled forward serves every
-step. A token costs one forward over W positions, which is fine for reading a model's output and wasteful for
-serving (export with `python -m mx_jax.hf export` and use an inference engine for that). Two settings let the
-padding in: a capacity factor (`model.moe.capacity_factor` > 0; padding rows compete for expert capacity like real
-ones; dropless MoE, the default, is exact) and `quant.recipe=fp8_tensorwise` (padding rows enter the per-tensor
-scales; the default bf16 and the rowwise recipes scale each row alone).
+Decoding keeps a KV cache (`llama.Llama.decode`). The prompts of a batch are left-padded to a common length P
+(rounded up to a multiple of 128) and run through the model once, which writes every layer's keys and values into a
+cache of S = P + `--tokens` positions (rounded up likewise); from then on each new token runs the model over itself
+alone and attends to the cache. A row's tokens see the cache from the row's first position on, and a RoPE score
+depends only on the distance between two positions, so a padded row draws what it would alone (tests/test_sample.py
+checks the logits against full forwards). A token costs one read of the weights and of the cache instead of a
+forward over the whole sequence: H200 figures in benchmarks/RESULTS.md (session 63). One compiled prefill serves each
+(batch, P), one compiled step each (batch, S). For serving, export with `python -m mx_jax.hf export` and use an
+inference engine: this decoder takes one device and has no continuous batching. Two settings let the padding in: a
+capacity factor (`model.moe.capacity_factor` > 0; padding rows compete for expert capacity like real ones; dropless
+MoE, the default, is exact) and `quant.recipe=fp8_tensorwise` (the batch's rows share the per-tensor scales; the
+default bf16 and the rowwise recipes scale each row alone).
 
 Sampling, per sequence: logits over the tokenizer's vocabulary (ids the model has beyond it are never drawn),
 divided by the temperature, restricted to the top k, then drawn; temperature 0 is greedy (argmax). A sample ends at
@@ -27,16 +31,29 @@ stops once every sample has ended; `--no-stop` draws all `--tokens`.
 `--chat` asks a model fine-tuned on chat examples: the prompt is one user message (after `--system`, if given),
 rendered with the chat template the data was converted with (meta.json's chat_template; `--chat-template` overrides
 it) and its generation prompt, and the sample is the reply the model writes after it.
+
+`--prompts FILE` answers every record of a JSON-lines or Parquet file in `data convert`'s formats: "prompt" (with
+its "completion" as the reference), chat "messages" (a last assistant message is the reference and the rest the
+prompt, rendered as the converter rendered it: the template's pieces tokenized one by one, then the generation
+prompt), or plain text (`--text-key`). They run `--batch` rows at a time, longest first, and `--out` (default:
+standard output; written whole, then renamed into place) gets one JSON line per sample in the file's order:
+{"index", "prompt", "output", "ended", "reference", "exact"}, exact meaning the output is the reference followed by
+the end-of-text token, as the example was trained. A held-out set of a fine-tune's examples gives its exact-answer
+rate that way:
+
+    python -m mx_jax.sample runs/sft --prompts held_out.jsonl --out answers.jsonl --temperature 0 --tokens 256
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
+import os
 import pathlib
 import sys
 import time
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -45,9 +62,10 @@ from flax import nnx
 
 from mx_jax import checkpoint, data, sharding, train
 from mx_jax.config import ConfigError, TrainConfig, load_config, mixture_entries
-from mx_jax.llama import compute_copies, with_compute
+from mx_jax.llama import compute_copies, init_cache, with_compute
 
-WINDOW_MULTIPLE = 128
+WINDOW_MULTIPLE = 128  # prompts are left-padded, and caches sized, to multiples of this
+STOP_CHECK = 8  # tokens drawn between looks at whether every row has ended (each look waits for the GPU)
 
 
 class Tokenizer:
@@ -138,55 +156,172 @@ def load_model_state(cfg: TrainConfig, setup: train.Setup, path: pathlib.Path, s
     return cast(out["params"]), out.get("buffers", {})
 
 
-def make_step(setup: train.Setup, vocab_limit: int, temperature: float, top_k: int):
-    """step(params, buffers, tokens (B, W), pos, key) -> tokens with position `pos` drawn from the logits at pos-1."""
-    graphdef = setup.graphdef
+def _draw(logits: jax.Array, key: jax.Array, vocab_limit: int, temperature: float, top_k: int) -> jax.Array:
+    """(B, V) float32 logits -> (B,) int32 tokens: ids < vocab_limit only, greedy at temperature 0, else a draw
+    from softmax(logits / temperature) over the top_k likeliest (0: all)."""
+    logits = jnp.where(jnp.arange(logits.shape[-1]) < vocab_limit, logits, -jnp.inf)
+    if temperature == 0:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    logits = logits / temperature
+    if top_k and top_k < vocab_limit:
+        kth = jax.lax.top_k(logits, top_k)[0][:, -1:]
+        logits = jnp.where(logits < kth, -jnp.inf, logits)
+    return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
 
-    def step(params, buffers, tokens, pos, key):
-        logits, _ = nnx.merge(graphdef, params, buffers)(tokens, logits_dtype=jnp.float32)
-        last = jax.lax.dynamic_index_in_dim(logits, pos - 1, axis=1, keepdims=False)  # (B, V)
-        last = jnp.where(jnp.arange(last.shape[-1]) < vocab_limit, last, -jnp.inf)
-        if temperature == 0:
-            nxt = jnp.argmax(last, axis=-1)
-        else:
-            last = last / temperature
-            if top_k and top_k < vocab_limit:
-                kth = jax.lax.top_k(last, top_k)[0][:, -1:]
-                last = jnp.where(last < kth, -jnp.inf, last)
-            nxt = jax.random.categorical(key, last, axis=-1)
-        return jax.lax.dynamic_update_index_in_dim(tokens, nxt.astype(tokens.dtype), pos, axis=1)
 
-    return jax.jit(step, donate_argnums=2)
+class Decoder:
+    """A checkpoint's model decoding batches of prompts with a KV cache (module docstring). One compiled step
+    serves every token of every batch of the same shape."""
+
+    def __init__(self, setup: train.Setup, params: dict, buffers: dict, *, vocab_limit: int | None = None,
+                 temperature: float = 0.8, top_k: int = 0):
+        self.setup, self.params, self.buffers = setup, params, buffers
+        cfg = setup.cfg.model
+        limit = vocab_limit or cfg.vocab_size
+
+        def advance(params, buffers, tokens, cache, index, first, key, step):
+            logits, cache = nnx.merge(setup.graphdef, params, buffers).decode(tokens, cache, index, first)
+            return _draw(logits, jax.random.fold_in(key, step), limit, temperature, top_k), cache
+
+        self._advance = jax.jit(advance, donate_argnums=3)
+        self._cache = jax.jit(functools.partial(init_cache, cfg, dtype=jnp.dtype(cfg.compute_dtype)),
+                              static_argnums=(0, 1))
+
+    def run(self, prompts: list[list[int]], n_tokens: int, *, seed: int = 0, stop_id: int | None = None,
+            stats: dict | None = None) -> np.ndarray:
+        """(B, n) int32: the tokens drawn after each prompt, n = n_tokens, or fewer once every row has drawn
+        `stop_id` (checked every STOP_CHECK tokens; a row's tokens after its stop_id are whatever it drew).
+        `stats` gets the prefill's and the rest's wall seconds ("prefill_s", the first with the compiles, and
+        "decode_s") and "steps", the tokens drawn after the prefill's."""
+        if any(not p for p in prompts):
+            raise ConfigError("an empty prompt has no last token to continue from")
+        b = len(prompts)
+        width = -(-max(map(len, prompts)) // WINDOW_MULTIPLE) * WINDOW_MULTIPLE
+        length = -(-(width + n_tokens) // WINDOW_MULTIPLE) * WINDOW_MULTIPLE
+        tokens = np.zeros((b, width), np.int32)
+        for i, p in enumerate(prompts):
+            tokens[i, width - len(p):] = p
+        first = jnp.asarray([width - len(p) for p in prompts], jnp.int32)
+        key = jax.random.key(seed)
+        t0 = time.perf_counter()
+        nxt, cache = self._advance(self.params, self.buffers, jnp.asarray(tokens), self._cache(b, length),
+                                   np.int32(0), first, key, np.int32(0))
+        drawn = [nxt]
+        nxt.block_until_ready()
+        t1 = time.perf_counter()
+        ended = np.zeros(b, bool)
+        for i in range(1, n_tokens):
+            if stop_id is not None and i % STOP_CHECK == 0:
+                ended |= (np.asarray(jnp.stack(drawn[-STOP_CHECK:], axis=1)) == stop_id).any(axis=1)
+                if ended.all():
+                    break
+            nxt, cache = self._advance(self.params, self.buffers, nxt[:, None], cache, np.int32(width + i - 1),
+                                       first, key, np.int32(i))
+            drawn.append(nxt)
+        out = np.asarray(jnp.stack(drawn, axis=1))
+        if stats is not None:
+            stats.update(prefill_s=t1 - t0, decode_s=time.perf_counter() - t1, steps=len(drawn) - 1)
+        if stop_id is not None:  # cut after the last row's stop_id
+            hit = out == stop_id
+            if hit.any(axis=1).all():
+                out = out[:, :int(hit.argmax(axis=1).max()) + 1]
+        return out
 
 
 def generate(setup: train.Setup, params: dict, buffers: dict, prompt: list[int], n_tokens: int, *, num: int = 1,
              temperature: float = 0.8, top_k: int = 0, seed: int = 0, vocab_limit: int | None = None,
-             window: int | None = None, times: list[float] | None = None, stop_id: int | None = None) -> np.ndarray:
-    """(num, len(prompt) + n_tokens) token ids: the prompt, then n_tokens drawn one at a time (the wall time of
-    each draw appended to `times`, the first one with the compile); with `stop_id`, fewer once every row has drawn
-    it."""
+             stats: dict | None = None, stop_id: int | None = None) -> np.ndarray:
+    """(num, len(prompt) + n) token ids: the prompt, then n = n_tokens drawn one at a time, or fewer once every row
+    has drawn `stop_id` (Decoder.run)."""
     if not prompt:
         raise ConfigError("--prompt: an empty prompt has no last token to continue from")
-    total = len(prompt) + n_tokens
-    window = window or -(-total // WINDOW_MULTIPLE) * WINDOW_MULTIPLE
-    step = make_step(setup, vocab_limit or setup.cfg.model.vocab_size, temperature, top_k)
-    tokens = np.zeros((num, window), np.int32)
-    tokens[:, :len(prompt)] = prompt
-    tokens = jnp.asarray(tokens)
-    key = jax.random.key(seed)
-    ended = np.zeros(num, bool)
-    for pos in range(len(prompt), total):
-        t0 = time.perf_counter()
-        tokens = step(params, buffers, tokens, pos, jax.random.fold_in(key, pos))
-        if times is not None:
-            tokens.block_until_ready()
-            times.append(time.perf_counter() - t0)
-        if stop_id is not None:
-            ended |= np.asarray(tokens[:, pos]) == stop_id
-            if ended.all():
-                total = pos + 1
-                break
-    return np.asarray(tokens)[:, :total]
+    drawn = Decoder(setup, params, buffers, vocab_limit=vocab_limit, temperature=temperature, top_k=top_k).run(
+        [prompt] * num, n_tokens, seed=seed, stop_id=stop_id, stats=stats)
+    return np.concatenate([np.tile(np.asarray(prompt, np.int32), (num, 1)), drawn], axis=1)
+
+
+class Prompt(NamedTuple):
+    """One prompt of a --prompts file: its text pieces, each tokenized on its own as the converter tokenized the
+    segments of a fine-tuning example (data.ChatTemplate.segments), and the reply it was given there, if any."""
+
+    index: int
+    pieces: list[str]
+    reference: str | None
+
+
+def read_prompts(path: pathlib.Path, template_spec: str | None, tokenizer: str, text_key: str) -> list[Prompt]:
+    """The prompts of a JSON-lines or Parquet file of `data convert`'s records: a "prompt" (its "completion" the
+    reference), chat "messages" (a last assistant message is the reference and not shown; the rest is rendered by
+    the chat template up to its generation prompt) or plain text under `text_key`."""
+    template = None
+    out = []
+    for i, rec, _ in data._documents(path, text_key):
+        where = f"{path}:{i + 1}" if i is not None else str(path)
+        if isinstance(rec, str):
+            out.append(Prompt(len(out), [rec], None))
+        elif isinstance(rec, tuple):
+            out.append(Prompt(len(out), [rec[0]], rec[1]))
+        else:
+            if template is None:
+                if template_spec is None:
+                    raise ConfigError(f"{where}: a chat record needs a chat template, and the run's data has none "
+                                      f"(meta.json chat_template); pass --chat-template")
+                template = data.ChatTemplate(template_spec, tokenizer, "--chat-template")
+            msgs, tools = rec["messages"], rec["tools"]
+            reference = None
+            if msgs and msgs[-1]["role"] == "assistant":
+                segs = template.segments(msgs, where, tools)
+                last = max(j for j, (_, trained) in enumerate(segs) if trained)
+                pieces, reference = [t for t, _ in segs[:last]], segs[last][0]
+            else:  # the replies before, then the context up to the generation prompt, as one piece
+                segs = template.segments(msgs, where, tools)
+                pieces = [t for t, _ in segs[:-1]] if segs and not segs[-1][1] else [t for t, _ in segs]
+                pieces.append(template.render(msgs, True, where, tools)[sum(map(len, pieces)):])
+            if not msgs or not "".join(pieces):
+                raise ConfigError(f"{where}: no prompt before the reply")
+            out.append(Prompt(len(out), pieces, reference))
+    if not out:
+        raise ConfigError(f"--prompts: {path} holds no records")
+    return out
+
+
+def answer_prompts(decoder: Decoder, tok: Tokenizer, prompts: list[Prompt], n_tokens: int, *, num: int, batch: int,
+                   seed: int, stop_id: int | None, vocab_size: int, progress: bool = True) -> list[dict]:
+    """One JSON-ready record per prompt and sample, in the file's order: {"index", "sample" (with num > 1),
+    "prompt", "output", "ended" (drew `stop_id`, the end-of-text token), "reference", "exact" (output is the
+    reference and ended, as the example was trained; not without a stop_id)}. Batches of `batch` rows, longest
+    prompts first; the last batch is filled with copies of its last row, so every batch has one shape."""
+    ids = []
+    for p in prompts:
+        ids.append([t for piece in p.pieces for t in tok.encode(piece)])
+        if not ids[-1]:
+            raise ConfigError(f"--prompts: prompt {p.index + 1} is empty (no last token to continue from)")
+        if max(ids[-1]) >= vocab_size:
+            raise ConfigError(f"--prompts: prompt {p.index + 1}: token id {max(ids[-1])} is outside the model's "
+                              f"vocabulary (model.vocab_size={vocab_size}); is --tokenizer the run's?")
+    rows = sorted(((-len(ids[p.index]), p.index, j) for p in prompts for j in range(num)))
+    results: dict[tuple[int, int], dict] = {}
+    t0, drawn = time.perf_counter(), 0
+    for start in range(0, len(rows), batch):
+        part = [(i, j) for _, i, j in rows[start:start + batch]]
+        filled = part + [part[-1]] * (batch - len(part))
+        out = decoder.run([ids[i] for i, _ in filled], n_tokens, seed=seed + start, stop_id=stop_id)
+        for (i, j), row in zip(part, out):
+            row = [int(t) for t in row]
+            end = row.index(stop_id) if stop_id in row else None
+            drawn += len(row) if end is None else end + 1
+            rec = {"index": i, **({"sample": j} if num > 1 else {}), "prompt": "".join(prompts[i].pieces),
+                   "output": tok.decode(row[:end]), "ended": end is not None}
+            if prompts[i].reference is not None:
+                rec["reference"] = prompts[i].reference
+                if stop_id is not None:  # the reference and then the end of text, as the example was trained
+                    rec["exact"] = rec["ended"] and rec["output"] == rec["reference"]
+            results[i, j] = rec
+        if progress:
+            done = min(start + batch, len(rows))
+            print(f"sample: {done}/{len(rows)} rows, {drawn:,} tokens drawn, "
+                  f"{drawn / (time.perf_counter() - t0):,.0f} tokens/s", file=sys.stderr)
+    return [results[k] for k in sorted(results)]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -194,9 +329,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("run_dir", help="the run directory (or a checkpoints / step directory inside it)")
     ap.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
     ap.add_argument("--config", help="the run's YAML (default: RUN_DIR/config.yaml)")
-    ap.add_argument("--prompt", default="\n", help="text to continue (default: a newline)")
+    ap.add_argument("--prompt", default=None, help="text to continue (default: a newline)")
+    ap.add_argument("--prompts", help="a JSON-lines or Parquet file of prompts (data convert's records): one JSON "
+                    "line per sample to --out")
+    ap.add_argument("--out", help="with --prompts: the JSON-lines file to write (default: standard output)")
+    ap.add_argument("--batch", type=int, default=16, help="with --prompts: rows decoded together")
+    ap.add_argument("--text-key", default="text", help="with --prompts: the field of plain-text prompts")
     ap.add_argument("--tokens", type=int, default=200, help="tokens to draw per sample")
-    ap.add_argument("--num", type=int, default=1, help="samples, drawn as one batch")
+    ap.add_argument("--num", type=int, default=1, help="samples per prompt, drawn in one batch")
     ap.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
     ap.add_argument("--top-k", type=int, default=0, help="draw from the k likeliest tokens only (0 = all)")
     ap.add_argument("--seed", type=int, default=0)
@@ -204,8 +344,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-stop", action="store_true", help="draw all --tokens, past the data's end-of-text token")
     ap.add_argument("--chat", action="store_true", help="--prompt is a user message, rendered with the data's chat "
                     "template; the sample is the model's reply")
-    ap.add_argument("--chat-template", help="with --chat: 'chatml', a template file or a tokenizer_config.json "
-                    "(default: the one the data was converted with)")
+    ap.add_argument("--chat-template", help="with --chat or --prompts: 'chatml', a template file or a "
+                    "tokenizer_config.json (default: the one the data was converted with)")
     ap.add_argument("--system", help="with --chat: a system message before the prompt")
     ap.add_argument("overrides", nargs="*", help="key=value changes to the run's config, e.g. quant.recipe=bf16")
     args = ap.parse_intermixed_args(argv)  # key=value overrides may follow the options
@@ -220,56 +360,99 @@ def main(argv: list[str] | None = None) -> int:
         cfg_file = pathlib.Path(args.config) if args.config else run_dir / "config.yaml"
         if not cfg_file.is_file():
             raise ConfigError(f"{cfg_file} does not exist: pass the run directory, or --config with the run's YAML")
-        for flag, value, low in (("--tokens", args.tokens, 1), ("--num", args.num, 1), ("--top-k", args.top_k, 0)):
+        for flag, value, low in (("--tokens", args.tokens, 1), ("--num", args.num, 1), ("--top-k", args.top_k, 0),
+                                 ("--batch", args.batch, 1)):
             if value < low:
                 raise ConfigError(f"{flag}: must be >= {low}, got {value}")
         if not args.temperature >= 0:
             raise ConfigError(f"--temperature: must be >= 0, got {args.temperature}")
+        if args.prompts is not None:
+            for flag, given in (("--prompt", args.prompt is not None), ("--chat", args.chat),
+                                ("--system", args.system is not None)):
+                if given:
+                    raise ConfigError(f"{flag} does not go with --prompts (a file's chat records hold their messages)")
+            if not pathlib.Path(args.prompts).is_file():
+                raise ConfigError(f"--prompts: {args.prompts} is not a file")
+        elif args.out is not None:
+            raise ConfigError("--out goes with --prompts")
         # bf16 unless asked: the fp8 recipes speed up training GEMMs, here they would only add kernel compiles
         one_device = ["mesh.data=1", "mesh.fsdp=1", "mesh.expert=1", "mesh.context=1"]
         cfg = load_config(str(cfg_file), ["quant.recipe=bf16", *args.overrides, *one_device])
         tok = Tokenizer(args.tokenizer or tokenizer_of(cfg))
-        text = args.prompt
-        if args.chat:
-            spec = args.chat_template or chat_template_of(cfg)
-            if spec is None:
-                raise ConfigError("--chat: the run's data has no chat template (meta.json chat_template: it was not "
-                                  "converted from chat messages); pass --chat-template")
-            template = data.ChatTemplate(spec, tok.spec, "--chat")
-            system = [{"role": "system", "content": args.system}] if args.system else []
-            text = template.render([*system, {"role": "user", "content": args.prompt}], True, "--chat")
-        elif args.system or args.chat_template:
-            raise ConfigError("--system and --chat-template go with --chat")
-        prompt = tok.encode(text)
-        if max(prompt, default=0) >= cfg.model.vocab_size:
-            raise ConfigError(f"--prompt: token id {max(prompt)} is outside the model's vocabulary "
-                              f"(model.vocab_size={cfg.model.vocab_size}); is --tokenizer the run's?")
+        stop_id = None if args.no_stop else eos_of_run(cfg)
+        vocab_limit = min(tok.vocab_size, cfg.model.vocab_size)
+        if args.prompts is not None:
+            prompts = read_prompts(pathlib.Path(args.prompts), args.chat_template or chat_template_of(cfg), tok.spec,
+                                   args.text_key)
+        else:
+            text = "\n" if args.prompt is None else args.prompt
+            if args.chat:
+                spec = args.chat_template or chat_template_of(cfg)
+                if spec is None:
+                    raise ConfigError("--chat: the run's data has no chat template (meta.json chat_template: it was "
+                                      "not converted from chat messages); pass --chat-template")
+                template = data.ChatTemplate(spec, tok.spec, "--chat")
+                system = [{"role": "system", "content": args.system}] if args.system else []
+                text = template.render([*system, {"role": "user", "content": text}], True, "--chat")
+            elif args.system or args.chat_template:
+                raise ConfigError("--system and --chat-template go with --chat or --prompts")
+            prompt = tok.encode(text)
+            if not prompt:
+                raise ConfigError("--prompt: an empty prompt has no last token to continue from")
+            if max(prompt, default=0) >= cfg.model.vocab_size:
+                raise ConfigError(f"--prompt: token id {max(prompt)} is outside the model's vocabulary "
+                                  f"(model.vocab_size={cfg.model.vocab_size}); is --tokenizer the run's?")
         mesh = sharding.make_mesh(cfg.mesh, jax.devices()[:1])
         with jax.set_mesh(mesh):
             setup = train.build(cfg, mesh)
             params, buffers = load_model_state(cfg, setup, path, args.step)
-            total = len(prompt) + args.tokens
-            if total > cfg.data.seq_len:
-                print(f"note: {total} positions exceed the run's data.seq_len={cfg.data.seq_len}; the model never "
-                      f"trained on positions that far", file=sys.stderr)
-            times: list[float] = []
-            stop_id = None if args.no_stop else eos_of_run(cfg)
-            out = generate(setup, params, buffers, prompt, args.tokens, num=args.num,
-                           temperature=args.temperature, top_k=args.top_k, seed=args.seed,
-                           vocab_limit=min(tok.vocab_size, cfg.model.vocab_size), times=times, stop_id=stop_id)
+            decoder = Decoder(setup, params, buffers, vocab_limit=vocab_limit, temperature=args.temperature,
+                              top_k=args.top_k)
+            if args.prompts is not None:
+                t0 = time.perf_counter()
+                records = answer_prompts(decoder, tok, prompts, args.tokens, num=args.num, batch=args.batch,
+                                         seed=args.seed, stop_id=stop_id, vocab_size=cfg.model.vocab_size)
+                seconds = time.perf_counter() - t0
+            else:
+                total = len(prompt) + args.tokens
+                if total > cfg.data.seq_len:
+                    print(f"note: {total} positions exceed the run's data.seq_len={cfg.data.seq_len}; the model "
+                          f"never trained on positions that far", file=sys.stderr)
+                stats: dict = {}
+                out = decoder.run([prompt] * args.num, args.tokens, seed=args.seed, stop_id=stop_id, stats=stats)
     except (ConfigError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except SystemExit as e:  # the record reader's and the chat template's errors name the file and line
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.prompts is not None:
+        return _write_answers(records, args.out, seconds)
     for i, ids in enumerate(out):
         ids = [int(t) for t in ids]
-        end = next((j for j in range(len(prompt), len(ids)) if ids[j] == stop_id), None)
+        end = ids.index(stop_id) if stop_id in ids else None
         print(f"----- sample {i}")
-        print(tok.decode(ids[:end]) + ("\n[end of text]" if end is not None else ""))
-    window = -(-total // WINDOW_MULTIPLE) * WINDOW_MULTIPLE
-    rest = f", then {(len(times) - 1) / sum(times[1:]):.1f} draws/s over a {window}-position window" \
-        if len(times) > 1 else ""
-    print(f"----- {args.num} x {len(times)} tokens, {tok.spec} tokenizer, quant.recipe={cfg.quant.recipe}: first draw "
-          f"{times[0]:.1f} s (compile included){rest}", file=sys.stderr)
+        print(tok.decode(prompt + ids[:end]) + ("\n[end of text]" if end is not None else ""))
+    rest = (f", then {stats['steps'] / stats['decode_s']:.1f} draws/s" if stats["steps"] else "")
+    print(f"----- {args.num} x {out.shape[1]} tokens, {tok.spec} tokenizer, quant.recipe={cfg.quant.recipe}: prompt "
+          f"of {len(prompt)} tokens and first draw {stats['prefill_s']:.1f} s (compile included){rest}",
+          file=sys.stderr)
+    return 0
+
+
+def _write_answers(records: list[dict], out: str | None, seconds: float) -> int:
+    """The records as JSON lines to `out` (written beside it, then renamed: a file that exists is whole) or
+    stdout, and a summary on stderr: exact answers where the records have references."""
+    text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
+    if out is None:
+        sys.stdout.write(text)
+    else:
+        part = pathlib.Path(out).with_name(pathlib.Path(out).name + ".partial")
+        part.write_text(text)
+        os.replace(part, out)
+    refs = [r for r in records if "exact" in r]
+    exact = f"; exact answers {sum(r['exact'] for r in refs)}/{len(refs)}" if refs else ""
+    print(f"sample: {len(records)} samples in {seconds:.1f} s{exact}{f' -> {out}' if out else ''}", file=sys.stderr)
     return 0
 
 

@@ -280,7 +280,31 @@ def test_fine_tuning_run_evaluates_the_replies_and_samples_a_chat(tmp_path, caps
     assert ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nSay fig twice.<|im_end|>\n"
             "<|im_start|>assistant\n") in out
     assert sample.main([str(run), "--system", "Be brief."]) == 2
-    assert "--system and --chat-template go with --chat" in capsys.readouterr().err
+    assert "--system and --chat-template go with --chat or --prompts" in capsys.readouterr().err
+
+    # --prompts: chat records are rendered by the data's template up to the generation prompt, a last assistant
+    # message is the reference (as trained: its end-of-turn marker included); prompt records are raw text
+    held = _write_jsonl(tmp_path / "held.jsonl", [
+        {"messages": [{"role": "user", "content": "Say fig twice."}, {"role": "assistant", "content": "fig fig"}]},
+        {"prompt": "Say ", "completion": "kiwi"},
+        {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say fig twice."}]}])
+    answers = tmp_path / "answers.jsonl"
+    assert sample.main([str(run), "--prompts", str(held), "--out", str(answers), "--tokens", "4", "--temperature",
+                        "0", "--batch", "2"]) == 0
+    recs = [json.loads(line) for line in answers.read_text().splitlines()]
+    assert recs[0]["prompt"] == "<|im_start|>user\nSay fig twice.<|im_end|>\n<|im_start|>assistant\n"
+    assert recs[0]["reference"] == "fig fig<|im_end|>\n" and "exact" in recs[0]
+    assert recs[1]["prompt"] == "Say " and recs[1]["reference"] == "kiwi"
+    assert "reference" not in recs[2] and recs[2]["prompt"] + recs[2]["output"] in out  # the --chat run's reply
+    assert "3 samples" in capsys.readouterr().err
+    for flags, message in ((["--prompt", "x"], "--prompt does not go with --prompts"),
+                           (["--chat-template", str(tmp_path / "nope.jinja")], "nope.jinja"),
+                           (["--batch", "0"], "--batch: must be >= 1")):
+        assert sample.main([str(run), "--prompts", str(held), *flags]) == 2, flags
+        assert message in capsys.readouterr().err, flags
+    bad = _write_jsonl(tmp_path / "bad.jsonl", [{"prompt": "a", "completion": "b"}, {"question": "c"}])
+    assert sample.main([str(run), "--prompts", str(bad)]) == 2
+    assert "bad.jsonl:2: no 'text' field" in capsys.readouterr().err
 
 
 def test_parquet_examples_read_like_json_lines(tmp_path):

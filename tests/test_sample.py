@@ -1,4 +1,6 @@
-"""mx_jax.sample: text from a checkpoint, decoded without a KV cache over a right-padded window."""
+"""mx_jax.sample: text from a checkpoint, decoded with a KV cache (llama.Llama.decode) over left-padded prompts."""
+
+import json
 
 import jax
 import jax.numpy as jnp
@@ -23,7 +25,7 @@ def _setup_and_state(run_dir):
 @pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
 def test_greedy_tokens_are_the_full_sequence_argmax(tmp_path, moe):
     """Each greedy token is the argmax of one teacher-forced forward over the final sequence at the previous position:
-    the padding after the current position never reaches its logits. Two window sizes give the same text."""
+    the cached keys and values give the full forward's logits."""
     trained = train.train(tiny_config(tmp_path, "steps=4", "mesh.data=1", "mesh.fsdp=1", NO_EVAL, *(MOE if moe else []),
                                       *(["mesh.expert=1"] if moe else [])), devices=jax.devices()[:1])
     mesh, setup, params, buffers = _setup_and_state(tmp_path)
@@ -33,11 +35,59 @@ def test_greedy_tokens_are_the_full_sequence_argmax(tmp_path, moe):
     prompt = list(b"def f(x):\n    return")
     with jax.set_mesh(mesh):
         out = sample.generate(setup, params, buffers, prompt, 20, num=2, temperature=0)
-        wide = sample.generate(setup, params, buffers, prompt, 20, num=2, temperature=0, window=256)
         logits, _ = nnx.merge(setup.graphdef, params, buffers)(jnp.asarray(out), logits_dtype=jnp.float32)
     assert out.shape == (2, len(prompt) + 20) and (out[:, :len(prompt)] == prompt).all()
-    np.testing.assert_array_equal(out, wide)
     np.testing.assert_array_equal(out[:, len(prompt):], np.argmax(np.asarray(logits), -1)[:, len(prompt) - 1:-1])
+
+
+@pytest.mark.parametrize("layers", [[], ["model.n_layers=5", "model.moe.n_dense_first=1", "model.moe.every_n_layers=2",
+                                          *MOE]], ids=["dense", "moe_groups"])
+def test_decode_of_left_padded_rows_gives_the_forward_logits(layers):
+    """Llama.decode over a KV cache: a prefill of two rows padded on the left to a common length, then one token at a
+    time, gives each row the logits of a full forward over that row alone (float32); a MoE model with a dense first
+    layer and groups of a dense and a MoE layer has a cache of each of its stacks."""
+    from mx_jax import llama
+    from tests.helpers import TINY
+
+    cfg = sample.load_config(None, [*TINY, *layers]).model
+    model = llama.Llama(cfg, rngs=nnx.Rngs(0))
+    rows = [np.asarray(jax.random.randint(jax.random.key(i), (n,), 1, 256)) for i, n in enumerate((20, 13))]
+    width, prefill = 24, 16  # the rows start at positions 4 and 11; the prefill holds 12 and 5 of their tokens
+    tokens = np.zeros((2, width), np.int32)
+    for i, r in enumerate(rows):
+        tokens[i, width - len(r):] = r
+    first = jnp.asarray([width - len(r) for r in rows], jnp.int32)
+    with jax.default_matmul_precision("highest"):  # no TF32 on a GPU
+        want = [np.asarray(model(jnp.asarray(r[None]))[0][0]) for r in rows]  # (T, V) each, alone
+        step = jax.jit(lambda m, t, c, i: m.decode(t, c, i, first))
+        logits, cache = step(model, jnp.asarray(tokens[:, :prefill]), llama.init_cache(cfg, 2, 32, jnp.float32), 0)
+        got = [logits]
+        for i in range(prefill, width):
+            logits, cache = step(model, jnp.asarray(tokens[:, i:i + 1]), cache, i)
+            got.append(logits)
+    got = np.stack(got, axis=1)  # (2, width - prefill + 1, V): after positions prefill - 1 .. width - 1
+    for i, r in enumerate(rows):
+        at = np.arange(prefill - 1, width) - (width - len(r))  # the same positions, counted in the row alone
+        np.testing.assert_allclose(got[i], want[i][at], atol=2e-5, rtol=1e-5)
+
+
+def test_a_batch_of_prompts_decodes_each_as_alone(two_steps):
+    """Prompts of different lengths in one batch (left-padded), and one filling a batch twice, draw what each draws
+    alone; a batch stops once each row has drawn the stop token, every row's tokens up to it unchanged."""
+    mesh, setup, params, buffers = _setup_and_state(two_steps)
+    prompts = [list(b"import numpy as np\n"), list(b"x"), list(b"def main():\n    ")]
+    with jax.set_mesh(mesh):
+        decoder = sample.Decoder(setup, params, buffers, temperature=0)
+        alone = [decoder.run([p], 24)[0] for p in prompts]
+        together = decoder.run(prompts + prompts[:1], 24)
+        stop = int(alone[1][3])
+        cut = decoder.run(prompts, 24, stop_id=stop)
+    ends = [list(a).index(stop) + 1 if stop in a else 24 for a in alone]
+    for i, p in enumerate(prompts):
+        np.testing.assert_array_equal(together[i], alone[i])
+        np.testing.assert_array_equal(cut[i, :ends[i]], alone[i][:ends[i]])
+    np.testing.assert_array_equal(together[3], alone[0])
+    assert cut.shape[1] == max(ends)  # cut after the last row's stop token (24: a row never drew it)
 
 
 @pytest.fixture(scope="module")
@@ -82,8 +132,8 @@ def test_cli_prints_samples_and_names_bad_flags(tmp_path, capsys):
                         "--temperature", "0", "model.attention=xla"]) == 0  # overrides after the options
     out = capsys.readouterr()
     assert out.out.count("----- sample") == 2 and out.out.count("x = ") == 2
-    assert "2 x 8 tokens, byte tokenizer, quant.recipe=bf16: first draw" in out.err
-    assert "draws/s over a 128-position window" in out.err
+    assert "2 x 8 tokens, byte tokenizer, quant.recipe=bf16: prompt of 4 tokens and first draw" in out.err
+    assert "draws/s" in out.err
     for flags, message in ((["--tokens", "0"], "--tokens: must be >= 1"),
                            (["model.d_model=48"], "does not fit this model"),
                            (["--temperature", "-1"], "--temperature: must be >= 0"),
@@ -98,3 +148,32 @@ def test_cli_prints_samples_and_names_bad_flags(tmp_path, capsys):
     outside.mkdir()
     assert sample.main([str(outside)]) == 2
     assert "notes/config.yaml does not exist" in capsys.readouterr().err
+
+
+def test_prompts_are_answered_in_file_order_and_exact_answers_counted(two_steps, capsys):
+    """answer_prompts batches the prompts longest first and fills the last batch; its records come back in the
+    file's order with each sample's text, and a reference counts as exact only when the sample drew it and then the
+    end-of-text token."""
+    mesh, setup, params, buffers = _setup_and_state(two_steps)
+    tok = sample.Tokenizer("byte")
+    texts = ["import ", "def f(x):\n    return x", "y", "class A:\n"]
+    with jax.set_mesh(mesh):
+        decoder = sample.Decoder(setup, params, buffers, temperature=0)
+        alone = [decoder.run([tok.encode(t)], 8)[0] for t in texts]
+        stop = int(alone[0][4])  # "import " ends after 5 tokens with it as the end of text
+        first = [tok.decode([int(t) for t in a[:list(a).index(stop)]]) if stop in a else None for a in alone]
+        prompts = [sample.Prompt(i, [t], ref) for i, (t, ref) in
+                   enumerate(zip(texts, [first[0], "no such text", None, first[3] or "z"]))]
+        recs = sample.answer_prompts(decoder, tok, prompts, 8, num=2, batch=3, seed=0, stop_id=stop, vocab_size=256,
+                                     progress=False)
+    assert [(r["index"], r["sample"]) for r in recs] == [(i, j) for i in range(4) for j in range(2)]
+    for r in recs:
+        a = [int(t) for t in alone[r["index"]]]
+        end = a.index(stop) if stop in a else None
+        assert r["prompt"] == texts[r["index"]] and r["output"] == tok.decode(a[:end])
+        assert r["ended"] == (end is not None)
+    assert [r.get("exact") for r in recs[::2]] == [True, False, None, first[3] is not None]
+    sample._write_answers(recs, str(two_steps / "answers.jsonl"), 1.0)
+    assert f"exact answers {2 + 2 * (first[3] is not None)}/6" in capsys.readouterr().err
+    assert [json.loads(line) for line in (two_steps / "answers.jsonl").read_text().splitlines()] == recs
+    assert not (two_steps / "answers.jsonl.partial").exists()
