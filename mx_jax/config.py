@@ -201,6 +201,9 @@ class LogConfig:
     # its own environment: WANDB_API_KEY, WANDB_ENTITY, WANDB_MODE=offline (the run under run_dir/wandb, for `wandb
     # sync` later). A resumed run continues the same W&B run (its id is kept in run_dir/wandb_id).
     wandb: str = ""
+    # A JSON-lines file of multiple-choice records scored at every evaluation (choice_acc, choice_acc_norm;
+    # mx_jax/choices.py); "" = none
+    eval_choices: str = ""
     progress: bool = True
     profile_steps: int = 0  # > 0: trace this many steps with jax.profiler into run_dir/profile (mx_jax/profiling.py)
     profile_from: int = 10  # the first traced step (step 1 compiles)

@@ -42,6 +42,9 @@ the end-of-text token, as the example was trained. A held-out set of a fine-tune
 rate that way:
 
     python -m mx_jax.sample runs/sft --prompts held_out.jsonl --out answers.jsonl --temperature 0 --tokens 256
+
+`--choices FILE` samples nothing: it prints the checkpoint's accuracy on a file of multiple-choice records, scored by
+log-likelihood (mx_jax/choices.py), `--batch` rows per forward.
 """
 
 from __future__ import annotations
@@ -60,7 +63,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from mx_jax import checkpoint, data, sharding, train
+from mx_jax import checkpoint, choices, data, sharding, train
 from mx_jax.config import ConfigError, TrainConfig, load_config, mixture_entries
 from mx_jax.llama import compute_copies, init_cache, with_compute
 
@@ -332,6 +335,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt", default=None, help="text to continue (default: a newline)")
     ap.add_argument("--prompts", help="a JSON-lines or Parquet file of prompts (data convert's records): one JSON "
                     "line per sample to --out")
+    ap.add_argument("--choices", help="a JSON-lines file of multiple-choice records (mx_jax/choices.py): print the "
+                    "model's accuracy on them instead of sampling")
     ap.add_argument("--out", help="with --prompts: the JSON-lines file to write (default: standard output)")
     ap.add_argument("--batch", type=int, default=16, help="with --prompts: rows decoded together")
     ap.add_argument("--text-key", default="text", help="with --prompts: the field of plain-text prompts")
@@ -366,6 +371,8 @@ def main(argv: list[str] | None = None) -> int:
                 raise ConfigError(f"{flag}: must be >= {low}, got {value}")
         if not args.temperature >= 0:
             raise ConfigError(f"--temperature: must be >= 0, got {args.temperature}")
+        if args.choices is not None and (args.prompts is not None or args.prompt is not None or args.chat):
+            raise ConfigError("--choices scores a file of choices; it does not go with --prompt, --prompts or --chat")
         if args.prompts is not None:
             for flag, given in (("--prompt", args.prompt is not None), ("--chat", args.chat),
                                 ("--system", args.system is not None)):
@@ -381,7 +388,9 @@ def main(argv: list[str] | None = None) -> int:
         tok = Tokenizer(args.tokenizer or tokenizer_of(cfg))
         stop_id = None if args.no_stop else eos_of_run(cfg)
         vocab_limit = min(tok.vocab_size, cfg.model.vocab_size)
-        if args.prompts is not None:
+        if args.choices is not None:
+            cs = choices.load(args.choices, tok.encode, cfg.model.vocab_size, cfg.data.seq_len, args.batch)
+        elif args.prompts is not None:
             prompts = read_prompts(pathlib.Path(args.prompts), args.chat_template or chat_template_of(cfg), tok.spec,
                                    args.text_key)
         else:
@@ -408,6 +417,14 @@ def main(argv: list[str] | None = None) -> int:
             params, buffers = load_model_state(cfg, setup, path, args.step)
             decoder = Decoder(setup, params, buffers, vocab_limit=vocab_limit, temperature=args.temperature,
                               top_k=args.top_k)
+            if args.choices is not None:
+                t0 = time.perf_counter()
+                step = choices.make_step(setup.graphdef, cfg.model.compute_dtype)
+                acc = choices.accuracy(cs, choices.score(step, params, buffers, cs, args.batch))
+                print(f"{cs.path}: {cs.records} records, accuracy {100 * acc['choice_acc']:.2f}% (per character: "
+                      f"{100 * acc['choice_acc_norm']:.2f}%), {cs.rows} rows of {cs.inputs.shape[1]} tokens scored "
+                      f"in {time.perf_counter() - t0:.1f} s")
+                return 0
             if args.prompts is not None:
                 t0 = time.perf_counter()
                 records = answer_prompts(decoder, tok, prompts, args.tokens, num=args.num, batch=args.batch,

@@ -42,7 +42,7 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from mx_jax import checkpoint, compat, metrics, preemption, profiling, sharding
+from mx_jax import checkpoint, choices, compat, metrics, preemption, profiling, sharding
 from mx_jax.config import ConfigError, ModelConfig, TrainConfig, load_config, mixture_entries, to_dict, to_yaml
 from mx_jax.data import (MIXTURE_ROUND, Batches, Dataset, Mixture, Prefetch, Windows, documents_per_window,
                          mixture_quota, open_dataset, read_meta)
@@ -339,6 +339,33 @@ def evaluate(eval_step, state, dataset: Dataset, setup: Setup) -> dict[str, floa
     return {"eval_loss": float(np.dot(dataset.val.weights, list(per.values()))), **per}
 
 
+def load_choices(cfg: TrainConfig) -> choices.ChoiceSet | None:
+    """log.eval_choices read and tokenized with the data's tokenizer (mx_jax/choices.py), or None when unset."""
+    if not cfg.log.eval_choices:
+        return None
+    from mx_jax.sample import Tokenizer, tokenizer_of  # sample imports this module
+
+    try:
+        return choices.load(cfg.log.eval_choices, Tokenizer(tokenizer_of(cfg)).encode, cfg.model.vocab_size,
+                            cfg.data.seq_len, cfg.data.batch_size)
+    except ConfigError as e:
+        raise ConfigError(f"config key 'log.eval_choices': {e}")
+
+
+def make_choice_scores(setup: Setup, cs: choices.ChoiceSet):
+    """choice_scores(state) -> (R,) the score of each of the choices' rows (choices.accuracy turns them into
+    choice_acc), data.batch_size rows at a time on the training mesh, split like the eval batches."""
+    rows = NamedSharding(setup.mesh, P(*setup.batch_shardings["inputs"].spec[1:]))
+    step = choices.make_step(setup.graphdef, setup.cfg.model.compute_dtype,
+                             (setup.param_shardings, setup.state_shardings["buffers"], rows,
+                              NamedSharding(setup.mesh, P())))
+
+    def choice_scores(state: dict) -> np.ndarray:
+        return choices.score(step, state["params"], state["buffers"], cs, setup.cfg.data.batch_size, rows)
+
+    return choice_scores
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Entry points
 
@@ -436,6 +463,8 @@ def _fmt_log(step: int, m: dict) -> str:
     if "eval_loss" in m:
         per = [f"{k.split('/', 1)[1]} {v:.4f}" for k, v in m.items() if k.startswith("eval_loss/")]
         parts.append(f"eval {m['eval_loss']:.4f}" + (f" ({', '.join(per)})" if per else ""))
+    if "choice_acc" in m:
+        parts.append(f"choices {100 * m['choice_acc']:.1f}% (norm {100 * m['choice_acc_norm']:.1f}%)")
     parts += [f"gnorm {m['grad_norm']:.3f}", f"lr {m['lr']:.2e}"]
     if m.get("target_frac", 1) < 1:  # loss-masked data: the share of the step's tokens the loss counted
         parts.append(f"targets {100 * m['target_frac']:.0f}%")
@@ -610,6 +639,7 @@ def train(cfg: TrainConfig, devices: list[jax.Device] | None = None) -> TrainRes
     if dataset.vocab_size > cfg.model.vocab_size:
         raise ConfigError(f"config key 'model.vocab_size': {cfg.model.vocab_size} is smaller than the data's "
                           f"vocabulary ({dataset.vocab_size})")
+    choice_set = load_choices(cfg)  # before anything is written
     cfg, documents_note = with_data_documents(cfg, dataset, mesh.shape["context"])
     run_dir = prepare_run_dir(cfg)
     ckpt = None
@@ -679,8 +709,11 @@ def train(cfg: TrainConfig, devices: list[jax.Device] | None = None) -> TrainRes
                     return TrainResult(state, {})
                 if watch.note:
                     log(f"note   | SIGTERM stops the run without a final checkpoint: {watch.note}")
+                if choice_set is not None:
+                    log(f"eval   | {choice_set.records} multiple-choice records ({choice_set.rows} rows of "
+                        f"{choice_set.inputs.shape[1]} tokens) from {choice_set.path} at every evaluation")
                 state, last, stopped_at = _loop(cfg, setup, state, step, dataset, train_batches, ckpt, run_dir,
-                                                resumed_at=start, watch=watch)
+                                                resumed_at=start, watch=watch, choice_set=choice_set)
         finally:
             if ckpt is not None:
                 ckpt.close()  # waits for saves in flight: a committed step is never lost on the way out
@@ -753,11 +786,13 @@ def read_metrics(dev_metrics: dict) -> dict:
 
 
 def _loop(cfg, setup, state, step, dataset, train_batches, ckpt, run_dir, resumed_at,
-          watch: preemption.PreemptionWatch) -> tuple[dict, dict, int | None]:
+          watch: preemption.PreemptionWatch, choice_set: choices.ChoiceSet | None = None
+          ) -> tuple[dict, dict, int | None]:
     """Train from `step` to cfg.steps; returns the state, the last logged metrics, and the step a SIGTERM stopped
     the run after (None if it ran to the end)."""
     train_step = make_train_step(setup)
     eval_step = make_eval_step(setup)
+    choice_scores = make_choice_scores(setup, choice_set) if choice_set is not None else None
     tokens_per_step = cfg.data.batch_size * cfg.data.seq_len
     peak, peak_src = metrics.device_peak_tflops(cfg.log.peak_tflops)
     log(f"mfu    | {peak_src}")
@@ -831,6 +866,8 @@ def _loop(cfg, setup, state, step, dataset, train_batches, ckpt, run_dir, resume
             m.update(metrics.memory_in_use())
             if with_eval:
                 m.update(evaluate(eval_step, state, dataset, setup))
+                if choice_scores is not None:
+                    m.update(choices.accuracy(choice_set, choice_scores(state)))
             writer.write(step_no, m)
             log(_fmt_log(step_no, m))
             if bar is not None:

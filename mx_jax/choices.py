@@ -1,0 +1,182 @@
+"""Multiple-choice evaluation by log-likelihood: which continuation of a context does the model find likeliest?
+
+    python -m mx_jax.sample runs/llama3_1b --choices hellaswag_val.jsonl      # once, from a checkpoint
+    python -m mx_jax.train --config configs/llama3_1b.yaml log.eval_choices=hellaswag_val.jsonl   # at every eval
+
+The file holds JSON lines {"context": str, "choices": [str, ...], "answer": int} ("query" or "prompt" for
+"context", "gold" or "label" for "answer"), the shape of lm-evaluation-harness's multiple-choice tasks (HellaSwag,
+ARC, PIQA, MMLU written out as text). Choice j of a record scores the summed log-probability of its tokens after
+the context,
+
+    s_j = sum_{t in choice j} log p(x_t | context, x_<t)
+
+and the record counts as right when the answer has the largest score (`choice_acc`), or the largest score per
+character of the choice (`choice_acc_norm`, lm-evaluation-harness's acc_norm, which stops long choices from losing
+by length alone). The context and each choice are tokenized on their own (a choice's leading space belongs to it,
+as those tasks write them) and joined; a row is the context's tokens then the choice's, right-padded, its targets
+the choice's tokens only (data.IGNORED elsewhere), so one forward over a batch of rows gives every score (causal
+attention: the padding after a row's end never reaches its logits). A context too long for the row keeps its end.
+Rows have one length for the whole file, the longest rounded up to a multiple of 128 and at most data.seq_len.
+
+Under the trainer the rows run on the training mesh (batch split like the eval batches, data.batch_size rows per
+forward), from the parameters being trained, after the held-out loss at every `log.eval_every_steps`; the log shows
+`choices <acc>% (norm <acc_norm>%)` and metrics.jsonl gets both.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import pathlib
+from typing import Callable
+
+import numpy as np
+
+from mx_jax.config import ConfigError
+
+ROW_MULTIPLE = 128
+_CONTEXT_KEYS = ("context", "query", "prompt")
+_ANSWER_KEYS = ("answer", "gold", "label")
+
+
+@dataclasses.dataclass(frozen=True)
+class ChoiceSet:
+    """A file's records as rows: inputs and targets (R, T) int32, each row's record and choice index (R,), each
+    choice's length in characters (R,), and the records' answers (N,). Rows past `rows` pad R to a batch multiple."""
+
+    path: str
+    inputs: np.ndarray
+    targets: np.ndarray
+    record: np.ndarray
+    chars: np.ndarray
+    answers: np.ndarray
+    rows: int
+
+    @property
+    def records(self) -> int:
+        return len(self.answers)
+
+
+def _field(obj: dict, keys: tuple[str, ...], where: str):
+    for k in keys:
+        if k in obj:
+            return obj[k]
+    raise ConfigError(f"{where}: no {' / '.join(repr(k) for k in keys)} field (has: {', '.join(obj)})")
+
+
+def load(path: str | pathlib.Path, encode: Callable[[str], list[int]], vocab_size: int, max_len: int,
+         batch: int = 1, pad_id: int = 0) -> ChoiceSet:
+    """The rows of a choices file (module docstring), at most max_len tokens each, R a multiple of `batch`."""
+    path = pathlib.Path(path)
+    if not path.is_file():
+        raise ConfigError(f"choices file {path} does not exist")
+    contexts, conts, answers = [], [], []
+    with open(path) as f:
+        for i, line in enumerate(f):
+            where = f"{path}:{i + 1}"
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except ValueError as e:
+                raise ConfigError(f"{where}: not a JSON object ({e})")
+            if not isinstance(obj, dict):
+                raise ConfigError(f"{where}: a JSON {type(obj).__name__}, not an object")
+            context, choices, answer = _field(obj, _CONTEXT_KEYS, where), obj.get("choices"), _field(obj, _ANSWER_KEYS,
+                                                                                                      where)
+            if not isinstance(context, str):
+                raise ConfigError(f"{where}: the context must be text, got {type(context).__name__}")
+            if not (isinstance(choices, list) and len(choices) >= 2 and all(isinstance(c, str) and c for c in choices)):
+                raise ConfigError(f"{where}: 'choices' must be a list of two or more non-empty texts")
+            if not (isinstance(answer, int) and not isinstance(answer, bool) and 0 <= answer < len(choices)):
+                raise ConfigError(f"{where}: the answer must be the index of one of its {len(choices)} choices, got "
+                                  f"{answer!r}")
+            ctx = encode(context)
+            ids = [encode(c) for c in choices]
+            if not ctx:
+                raise ConfigError(f"{where}: an empty context (a choice's first token needs one before it)")
+            bad = max((max(t) for t in [ctx, *ids] if t), default=0)
+            if bad >= vocab_size:
+                raise ConfigError(f"{where}: token id {bad} is outside the model's vocabulary "
+                                  f"(model.vocab_size={vocab_size}); is the tokenizer the run's?")
+            longest = max(map(len, ids))
+            if longest >= max_len:
+                raise ConfigError(f"{where}: a choice of {longest} tokens leaves no room for its context in rows of "
+                                  f"{max_len} (data.seq_len)")
+            contexts.append(ctx)
+            conts.append((ids, [len(c) for c in choices]))
+            answers.append(answer)
+    if not answers:
+        raise ConfigError(f"choices file {path} holds no records")
+    # rows hold context + choice minus the last token (inputs) and the same shifted by one (targets)
+    need = max(len(c) + len(t) - 1 for c, (ids, _) in zip(contexts, conts) for t in ids)
+    t_len = min(max_len, math.ceil(need / ROW_MULTIPLE) * ROW_MULTIPLE)
+    n_rows = sum(len(ids) for ids, _ in conts)
+    r = math.ceil(n_rows / batch) * batch
+    inputs = np.full((r, t_len), pad_id, np.int32)
+    targets = np.full((r, t_len), -1, np.int32)
+    record, chars = np.full(r, -1, np.int32), np.ones(r, np.int32)
+    row = 0
+    for n, (ctx, (ids, lens)) in enumerate(zip(contexts, conts)):
+        for cont, length in zip(ids, lens):
+            seq = (ctx + cont)[-(t_len + 1):]  # a context too long for the row keeps its end
+            inputs[row, :len(seq) - 1] = seq[:-1]
+            targets[row, len(seq) - 1 - len(cont):len(seq) - 1] = cont
+            record[row], chars[row] = n, length
+            row += 1
+    return ChoiceSet(str(path), inputs, targets, record, chars, np.asarray(answers, np.int32), n_rows)
+
+
+def row_logprobs(logits, targets):
+    """(B,) the summed log-probability of each row's counted targets (>= 0); logits (B, T, V) in any float dtype,
+    reduced in float32 without a float32 copy of them (a select and two reductions, which split over a sharded V)."""
+    import jax
+    import jax.numpy as jnp
+
+    z = logits.astype(jnp.float32)
+    lse = jax.nn.logsumexp(z, axis=-1)
+    picked = jnp.sum(jnp.where(jnp.arange(z.shape[-1]) == jnp.maximum(targets, 0)[..., None], z, 0.0), axis=-1)
+    return jnp.sum(jnp.where(targets >= 0, picked - lse, 0.0), axis=-1)
+
+
+def make_step(graphdef, compute_dtype, shardings: tuple | None = None):
+    """step(params, buffers, inputs (B, T), targets (B, T)) -> (B,) row scores, jitted; `shardings`: (params',
+    buffers', the rows', the output's) NamedShardings on a mesh (the trainer's), else wherever the inputs are."""
+    import jax
+    from flax import nnx
+
+    def step(params, buffers, inputs, targets):
+        logits, _ = nnx.merge(graphdef, params, buffers)(inputs, logits_dtype=compute_dtype)
+        return row_logprobs(logits, targets)
+
+    if shardings is None:
+        return jax.jit(step)
+    p, b, rows, out = shardings
+    return jax.jit(step, in_shardings=(p, b, rows, rows), out_shardings=out)
+
+
+def score(step, params, buffers, cs: ChoiceSet, batch: int, sharding=None) -> np.ndarray:
+    """(R,) every row's score, `batch` rows per call of `step` (placed with `sharding` from the host rows, which
+    every process holds whole)."""
+    import jax
+
+    out = []
+    for i in range(0, len(cs.inputs), batch):
+        x, y = cs.inputs[i:i + batch], cs.targets[i:i + batch]
+        if sharding is not None:
+            x, y = (jax.make_array_from_callback(a.shape, sharding, lambda idx, a=a: a[idx]) for a in (x, y))
+        out.append(step(params, buffers, x, y))
+    return np.concatenate([np.asarray(o) for o in out])
+
+
+def accuracy(cs: ChoiceSet, scores: np.ndarray) -> dict[str, float]:
+    """{"choice_acc", "choice_acc_norm"} from each row's score (R,) (module docstring)."""
+    scores = np.asarray(scores, np.float64)[:cs.rows]
+    record, chars = cs.record[:cs.rows], cs.chars[:cs.rows]
+    right = right_norm = 0
+    starts = np.flatnonzero(np.r_[True, record[1:] != record[:-1]])
+    for n, (a, b) in enumerate(zip(starts, np.r_[starts[1:], cs.rows])):
+        right += int(np.argmax(scores[a:b]) == cs.answers[n])
+        right_norm += int(np.argmax(scores[a:b] / chars[a:b]) == cs.answers[n])
+    return {"choice_acc": right / cs.records, "choice_acc_norm": right_norm / cs.records}

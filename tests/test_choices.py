@@ -1,0 +1,124 @@
+"""mx_jax.choices: multiple-choice evaluation by log-likelihood, from a checkpoint and inside the trainer."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from mx_jax import choices, sample, sharding, train
+from mx_jax.config import ConfigError
+from tests.helpers import tiny_config
+
+
+def _write(path, records):
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in records))
+    return path
+
+
+def _byte(s):
+    return list(s.encode())
+
+
+RECORDS = [{"context": "def add(a, b):\n    return", "choices": [" a + b", " a - b\n", " None"], "answer": 0},
+           {"query": "import numpy as", "choices": [" np", " numpy_module_alias"], "gold": 1},
+           {"prompt": "for i in range(10):\n   ", "choices": [" print(i)", " pass", " break", " i += 1"], "label": 2}]
+
+
+def test_rows_hold_the_context_then_the_choice_whose_tokens_alone_are_targets(tmp_path):
+    cs = choices.load(_write(tmp_path / "c.jsonl", RECORDS), _byte, 256, 64, batch=4)
+    assert (cs.records, cs.rows, cs.inputs.shape) == (3, 9, (12, 64))  # 9 rows padded to a multiple of 4
+    assert list(cs.record) == [0, 0, 0, 1, 1, 2, 2, 2, 2, -1, -1, -1] and list(cs.answers) == [0, 1, 2]
+    ctx, cont = _byte(RECORDS[0]["context"]), _byte(RECORDS[0]["choices"][1])
+    seq = ctx + cont
+    np.testing.assert_array_equal(cs.inputs[1, :len(seq) - 1], seq[:-1])
+    want = np.full(64, -1)
+    want[len(ctx) - 1:len(seq) - 1] = cont  # the targets after the context's last token are the choice's tokens
+    np.testing.assert_array_equal(cs.targets[1], want)
+    assert cs.chars[1] == len(RECORDS[0]["choices"][1]) and (cs.targets[9:] == -1).all()
+    short = choices.load(tmp_path / "c.jsonl", _byte, 256, 20)  # rows of 20: long contexts keep their end
+    row = short.targets[0] >= 0
+    assert row.sum() == len(" a + b") and short.inputs.shape == (9, 20)
+    np.testing.assert_array_equal(short.inputs[0], (ctx + _byte(" a + b"))[-21:-1])
+
+
+@pytest.mark.parametrize("record,message", [
+    ({"choices": ["a", "b"], "answer": 0}, "no 'context' / 'query' / 'prompt' field"),
+    ({"context": "x", "choices": ["a"], "answer": 0}, "two or more non-empty texts"),
+    ({"context": "x", "choices": ["a", "b"], "answer": 2}, "the index of one of its 2 choices, got 2"),
+    ({"context": "x", "choices": ["a", "b"], "answer": True}, "got True"),
+    ({"context": "", "choices": ["a", "b"], "answer": 0}, "an empty context"),
+    ({"context": "x", "choices": ["a" * 40, "b"], "answer": 0}, "a choice of 40 tokens leaves no room"),
+    ({"context": "\u00e9", "choices": ["a", "b"], "answer": 0}, "token id 195 is outside the model's vocabulary"),
+    ("[1, 2]", "a JSON list, not an object"),
+])
+def test_bad_records_are_named_with_their_line(tmp_path, record, message):
+    path = _write(tmp_path / "c.jsonl", [RECORDS[0], record])
+    with pytest.raises(ConfigError, match="c.jsonl:2: .*" + message.replace("(", r"\(").replace("[", r"\[")):
+        choices.load(path, _byte, 128, 32)
+
+
+def test_accuracy_per_choice_and_per_character(tmp_path):
+    cs = choices.load(_write(tmp_path / "c.jsonl", RECORDS), _byte, 256, 64)
+    # record 0: the answer has the largest sum, the longer second choice the largest score per character;
+    # records 1 and 2 are right either way
+    scores = np.array([-5.0, -5.5, -9.0, -10.0, -3.0, -1.0, -2.0, -0.5, -3.0])
+    assert choices.accuracy(cs, scores) == {"choice_acc": 1.0, "choice_acc_norm": 2 / 3}
+
+
+def test_scores_are_each_choices_log_likelihood_after_its_context(tmp_path):
+    """A batch of right-padded rows scores each choice as a forward over that context and choice alone does."""
+    run = tmp_path / "run"
+    train.train(tiny_config(run, "steps=2", "mesh.data=1", "mesh.fsdp=1", "log.eval_every_steps=-1"),
+                devices=jax.devices()[:1])
+    cfg = sample.load_config(str(run / "config.yaml"), [])
+    mesh = sharding.make_mesh(cfg.mesh, jax.devices()[:1])
+    cs = choices.load(_write(tmp_path / "c.jsonl", RECORDS), _byte, 256, cfg.data.seq_len, batch=4)
+    with jax.set_mesh(mesh):
+        setup = train.build(cfg, mesh)
+        params, buffers = sample.load_model_state(cfg, setup, run, None)
+        got = choices.score(choices.make_step(setup.graphdef, jnp.float32), params, buffers, cs, 4)
+        model = nnx.merge(setup.graphdef, params, buffers)
+        for row in range(cs.rows):
+            rec = RECORDS[cs.record[row]]
+            ctx = _byte(rec.get("context") or rec.get("query") or rec.get("prompt"))
+            cont = _byte(rec["choices"][row - int(np.flatnonzero(cs.record == cs.record[row])[0])])
+            seq = (ctx + cont)[-(cfg.data.seq_len + 1):]
+            logp = jax.nn.log_softmax(model(jnp.asarray([seq[:-1]]))[0][0], axis=-1)
+            want = sum(float(logp[len(seq) - 1 - len(cont) + i, t]) for i, t in enumerate(cont))
+            np.testing.assert_allclose(got[row], want, rtol=1e-5, atol=1e-4)
+
+
+def test_the_trainer_scores_choices_at_each_eval_on_its_mesh_as_sample_does_on_one_device(tmp_path, capsys):
+    path = _write(tmp_path / "c.jsonl", RECORDS * 3)
+    run = tmp_path / "run"
+    result = train.train(tiny_config(run, "steps=2", "mesh.data=2", "mesh.fsdp=4", "log.eval_every_steps=2",
+                                     f"log.eval_choices={path}"))
+    m = result.metrics
+    assert 0 <= m["choice_acc"] <= 1 and 0 <= m["choice_acc_norm"] <= 1
+    out = capsys.readouterr().out
+    assert "9 multiple-choice records (27 rows of 32 tokens)" in out and "| choices " in out
+    logged = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert logged[-1]["choice_acc"] == m["choice_acc"]
+    assert sample.main([str(run), "--choices", str(path), "--batch", "8"]) == 0
+    assert f"accuracy {100 * m['choice_acc']:.2f}% (per character: {100 * m['choice_acc_norm']:.2f}%)" in \
+        capsys.readouterr().out
+    # the scores behind them: on the run's 8-device mesh as on one device (float32 compute)
+    cfg = sample.load_config(str(run / "config.yaml"), [])
+    cs = train.load_choices(cfg)
+    mesh = sharding.make_mesh(cfg.mesh)
+    with jax.set_mesh(mesh):
+        on_mesh = train.make_choice_scores(train.build(cfg, mesh), cs)(result.state)
+    cfg = sample.load_config(str(run / "config.yaml"), ["mesh.data=1", "mesh.fsdp=1"])
+    one = sharding.make_mesh(cfg.mesh, jax.devices()[:1])
+    with jax.set_mesh(one):
+        setup = train.build(cfg, one)
+        params, buffers = sample.load_model_state(cfg, setup, run, None)
+        alone = choices.score(choices.make_step(setup.graphdef, jnp.float32), params, buffers, cs, 16)
+    np.testing.assert_allclose(on_mesh[:cs.rows], alone[:cs.rows], rtol=1e-5, atol=1e-4)
+    assert np.ptp(alone[:cs.rows]) > 1  # scores that tell the choices apart
+    with pytest.raises(ConfigError, match="config key 'log.eval_choices': choices file .*nope.jsonl does not exist"):
+        train.train(tiny_config(tmp_path / "other", f"log.eval_choices={tmp_path / 'nope.jsonl'}"))
+    assert not (tmp_path / "other").exists()
