@@ -54,12 +54,13 @@ def accuracy(run: pathlib.Path, n: int) -> None:
         setup = train.build(cfg, mesh)
         params, buffers = sample.load_model_state(cfg, setup, run, None)
         template = data.ChatTemplate("chatml", "byte", "sft_check")
+        decoder = sample.Decoder(setup, params, buffers, temperature=0)
         r = random.Random(123)
         for i in range(n):
             a, b = r.randrange(1000), r.randrange(1000)
             ids = list(template.render([{"role": "user", "content": f"What is {a} + {b}?"}], True, "").encode())
-            out = sample.generate(setup, params, buffers, ids, 12, temperature=0, stop_id=0)
-            reply = bytes(int(t) for t in out[0][len(ids):]).split(b"<")[0].decode(errors="replace")
+            out = decoder.run([ids], 12, stop_id=0)
+            reply = bytes(int(t) for t in out[0]).split(b"<")[0].decode(errors="replace")
             right += reply.strip() == str(a + b)
             if i < 4:
                 print(f"What is {a} + {b}? -> {reply!r}")

@@ -17,8 +17,11 @@ alone and attends to the cache. A row's tokens see the cache from the row's firs
 depends only on the distance between two positions, so a padded row draws what it would alone (tests/test_sample.py
 checks the logits against full forwards). A token costs one read of the weights and of the cache instead of a
 forward over the whole sequence: H200 figures in benchmarks/RESULTS.md (session 63). One compiled prefill serves each
-(batch, P), one compiled step each (batch, S). For serving, export with `python -m mx_jax.hf export` and use an
-inference engine: this decoder takes one device and has no continuous batching. Two settings let the padding in: a
+(batch, P), one compiled step each (batch, S). `--devices N` splits a dense model over N local devices, each
+weight along its heads, hidden or vocabulary dimension (`tensor_parallel`), for a model one device cannot hold (a
+70B in bf16); its tokens are one device's (tests/test_sample.py, on CPU devices; not yet timed on GPUs). For
+serving, export with `python -m mx_jax.hf export` and use an inference engine: this decoder has no continuous
+batching. Two settings let the padding in: a
 capacity factor (`model.moe.capacity_factor` > 0; padding rows compete for expert capacity like real ones; dropless
 MoE, the default, is exact) and `quant.recipe=fp8_tensorwise` (the batch's rows share the per-tensor scales; the
 default bf16 and the rowwise recipes scale each row alone).
@@ -50,6 +53,7 @@ log-likelihood (mx_jax/choices.py), `--batch` rows per forward.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import os
@@ -132,15 +136,18 @@ def chat_template_of(cfg: TrainConfig) -> str | None:
     return None
 
 
-def load_model_state(cfg: TrainConfig, setup: train.Setup, path: pathlib.Path, step: int | None) -> tuple[dict, dict]:
-    """(params with the GEMM weights in the compute dtype, MoE buffers) of a checkpoint, placed per `setup`."""
+def load_model_state(cfg: TrainConfig, setup: train.Setup, path: pathlib.Path, step: int | None,
+                     shardings: tuple | None = None) -> tuple[dict, dict]:
+    """(params with the GEMM weights in the compute dtype, MoE buffers) of a checkpoint, placed per `setup` or,
+    given, the (params', buffers') `shardings` (`tensor_parallel`)."""
     import orbax.checkpoint as ocp
 
     from mx_jax.hf import state_dir
 
     sdir = state_dir(path, step)
     wanted = {"params": setup.abstract["params"], "buffers": setup.abstract["buffers"]}
-    shardings = {"params": setup.state_shardings["params"], "buffers": setup.state_shardings["buffers"]}
+    shardings = ({"params": setup.state_shardings["params"], "buffers": setup.state_shardings["buffers"]}
+                 if shardings is None else dict(zip(("params", "buffers"), shardings)))
     wanted = {k: v for k, v in wanted.items() if jax.tree.leaves(v)}  # a dense model has no buffers
     on_disk = ocp.PyTreeCheckpointHandler().metadata(sdir)
     on_disk = getattr(on_disk, "tree", on_disk)
@@ -157,6 +164,37 @@ def load_model_state(cfg: TrainConfig, setup: train.Setup, path: pathlib.Path, s
             item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item), partial_restore=True))
     cast = jax.jit(lambda p: with_compute(p, compute_copies(cfg.model, p)))
     return cast(out["params"]), out.get("buffers", {})
+
+
+TENSOR_SPLIT = ("q_heads", "kv_heads", "mlp", "vocab")  # the weight dimensions --devices splits
+
+
+def tensor_parallel(setup: train.Setup, devices: list) -> tuple:
+    """(params', buffers', KV cache's shardings) that split a dense model over `devices` for decoding: each weight
+    along its first dimension named in TENSOR_SPLIT that the devices divide (W_q, W_k, W_v, W_gate, W_up by output
+    column, W_o and W_down by input row, the embedding and head by vocabulary), the cache by key/value head; norms
+    and router biases whole on each. XLA's partitioner makes of it Megatron's layout: each device attends with its
+    own heads and runs its own part of the hidden layer, then one all-reduce sums the attention output's and one the
+    down projection's partial sums. A device holds 1/n of the weights and reads 1/n of them per token."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from mx_jax.llama import Llama, param_axes
+
+    n = len(devices)
+    mesh = jax.sharding.Mesh(np.asarray(devices), ("tensor",))
+    cfg = setup.cfg.model
+    axes = param_axes(nnx.eval_shape(lambda: Llama(cfg, setup.cfg.quant, rngs=nnx.Rngs(0))))
+
+    def split(shape, names):
+        at = next((i for i, (a, d) in enumerate(zip(names, shape)) if a in TENSOR_SPLIT and d % n == 0), None)
+        return NamedSharding(mesh, P(*("tensor" if i == at else None for i in range(len(shape)))))
+
+    params = jax.tree.map(lambda v, a: split(v.shape, a), setup.abstract["params"], axes)
+    buffers = jax.tree.map(lambda v: NamedSharding(mesh, P()), setup.abstract["buffers"])
+    heads = "tensor" if cfg.n_kv_heads % n == 0 else None
+    cache = jax.tree.map(lambda c: NamedSharding(mesh, P(*([None] * (c.ndim - 2)), heads, None)),
+                         jax.eval_shape(lambda: init_cache(cfg, 1, 1)))
+    return params, buffers, cache
 
 
 def _draw(logits: jax.Array, key: jax.Array, vocab_limit: int, temperature: float, top_k: int) -> jax.Array:
@@ -177,7 +215,8 @@ class Decoder:
     serves every token of every batch of the same shape."""
 
     def __init__(self, setup: train.Setup, params: dict, buffers: dict, *, vocab_limit: int | None = None,
-                 temperature: float = 0.8, top_k: int = 0):
+                 temperature: float = 0.8, top_k: int = 0, cache_sharding=None):
+        """cache_sharding: the KV cache's (`tensor_parallel`); None: where jax puts it (one device)."""
         self.setup, self.params, self.buffers = setup, params, buffers
         cfg = setup.cfg.model
         limit = vocab_limit or cfg.vocab_size
@@ -188,7 +227,7 @@ class Decoder:
 
         self._advance = jax.jit(advance, donate_argnums=3)
         self._cache = jax.jit(functools.partial(init_cache, cfg, dtype=jnp.dtype(cfg.compute_dtype)),
-                              static_argnums=(0, 1))
+                              static_argnums=(0, 1), out_shardings=cache_sharding)
 
     def run(self, prompts: list[list[int]], n_tokens: int, *, seed: int = 0, stop_id: int | None = None,
             stats: dict | None = None) -> np.ndarray:
@@ -235,7 +274,7 @@ def generate(setup: train.Setup, params: dict, buffers: dict, prompt: list[int],
              temperature: float = 0.8, top_k: int = 0, seed: int = 0, vocab_limit: int | None = None,
              stats: dict | None = None, stop_id: int | None = None) -> np.ndarray:
     """(num, len(prompt) + n) token ids: the prompt, then n = n_tokens drawn one at a time, or fewer once every row
-    has drawn `stop_id` (Decoder.run)."""
+    has drawn `stop_id` (Decoder.run). Each call builds and compiles a Decoder: to answer many prompts, keep one."""
     if not prompt:
         raise ConfigError("--prompt: an empty prompt has no last token to continue from")
     drawn = Decoder(setup, params, buffers, vocab_limit=vocab_limit, temperature=temperature, top_k=top_k).run(
@@ -340,6 +379,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", help="with --prompts: the JSON-lines file to write (default: standard output)")
     ap.add_argument("--batch", type=int, default=16, help="with --prompts: rows decoded together")
     ap.add_argument("--text-key", default="text", help="with --prompts: the field of plain-text prompts")
+    ap.add_argument("--devices", type=int, default=1, help="split the model over this many local devices (each "
+                    "weight along its heads, hidden or vocabulary dimension; dense models)")
     ap.add_argument("--tokens", type=int, default=200, help="tokens to draw per sample")
     ap.add_argument("--num", type=int, default=1, help="samples per prompt, drawn in one batch")
     ap.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
@@ -411,12 +452,19 @@ def main(argv: list[str] | None = None) -> int:
             if max(prompt, default=0) >= cfg.model.vocab_size:
                 raise ConfigError(f"--prompt: token id {max(prompt)} is outside the model's vocabulary "
                                   f"(model.vocab_size={cfg.model.vocab_size}); is --tokenizer the run's?")
+        if not 1 <= args.devices <= jax.local_device_count():
+            raise ConfigError(f"--devices: {args.devices}, but this process has {jax.local_device_count()}")
+        if args.devices > 1 and cfg.model.moe.n_experts:
+            raise ConfigError("--devices: a MoE model decodes on one device (its expert kernels do not split)")
         mesh = sharding.make_mesh(cfg.mesh, jax.devices()[:1])
         with jax.set_mesh(mesh):
             setup = train.build(cfg, mesh)
-            params, buffers = load_model_state(cfg, setup, path, args.step)
+        split = tensor_parallel(setup, jax.local_devices()[:args.devices]) if args.devices > 1 else None
+        # one device: under its mesh, as training runs; several: no mesh set, the arrays' shardings lead
+        with jax.set_mesh(mesh) if split is None else contextlib.nullcontext():
+            params, buffers = load_model_state(cfg, setup, path, args.step, split and split[:2])
             decoder = Decoder(setup, params, buffers, vocab_limit=vocab_limit, temperature=args.temperature,
-                              top_k=args.top_k)
+                              top_k=args.top_k, cache_sharding=split and split[2])
             if args.choices is not None:
                 t0 = time.perf_counter()
                 step = choices.make_step(setup.graphdef, cfg.model.compute_dtype)

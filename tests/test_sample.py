@@ -177,3 +177,34 @@ def test_prompts_are_answered_in_file_order_and_exact_answers_counted(two_steps,
     assert f"exact answers {2 + 2 * (first[3] is not None)}/6" in capsys.readouterr().err
     assert [json.loads(line) for line in (two_steps / "answers.jsonl").read_text().splitlines()] == recs
     assert not (two_steps / "answers.jsonl.partial").exists()
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_several_devices_split_the_weights_and_draw_what_one_does(two_steps, n):
+    """--devices n: each weight split along its heads, hidden or vocabulary dimension (n = 4 splits the tiny
+    model's 2 key/value heads inside them: its cache stays whole), the same greedy tokens as one device."""
+    mesh, setup, params, buffers = _setup_and_state(two_steps)
+    prompts = [list(b"import os\n"), list(b"def")]
+    with jax.set_mesh(mesh):
+        want = sample.Decoder(setup, params, buffers, temperature=0).run(prompts, 16)
+    split = sample.tensor_parallel(setup, jax.devices()[:n])
+    params, buffers = sample.load_model_state(setup.cfg, setup, two_steps, None, split[:2])
+    wq = params["blocks"]["attn"]["wq"]
+    assert tuple(wq.sharding.spec) == (None, None, "tensor") and len(wq.addressable_shards) == n
+    assert wq.addressable_shards[0].data.shape == (wq.shape[0], wq.shape[1], wq.shape[2] // n)
+    assert tuple(params["head"].sharding.spec) == (None, "tensor")
+    assert params["embed"].sharding.spec[0] == "tensor"
+    decoder = sample.Decoder(setup, params, buffers, temperature=0, cache_sharding=split[2])
+    np.testing.assert_array_equal(decoder.run(prompts, 16), want)
+    cache = decoder._cache(2, 128)
+    assert cache["blocks"].k.sharding.spec[-2] == ("tensor" if n == 2 else None)
+
+
+def test_cli_several_devices(two_steps, capsys):
+    assert sample.main([str(two_steps), "--devices", "2", "--tokens", "8", "--prompt", "x = ", "--temperature",
+                        "0"]) == 0
+    two = capsys.readouterr().out
+    assert sample.main([str(two_steps), "--tokens", "8", "--prompt", "x = ", "--temperature", "0"]) == 0
+    assert capsys.readouterr().out.split("----- sample")[1] == two.split("----- sample")[1]
+    assert sample.main([str(two_steps), "--devices", "99"]) == 2
+    assert "--devices: 99, but this process has 8" in capsys.readouterr().err
