@@ -132,7 +132,7 @@ def test_cli_prints_samples_and_names_bad_flags(tmp_path, capsys):
                         "--temperature", "0", "model.attention=xla"]) == 0  # overrides after the options
     out = capsys.readouterr()
     assert out.out.count("----- sample") == 2 and out.out.count("x = ") == 2
-    assert "2 x 8 tokens, byte tokenizer, quant.recipe=bf16: prompt of 4 tokens and first draw" in out.err
+    assert "2 x 8 tokens, byte tokenizer, quant.recipe=bf16: prompt of 4 tokens and first two draws" in out.err
     assert "draws/s" in out.err
     for flags, message in ((["--tokens", "0"], "--tokens: must be >= 1"),
                            (["model.d_model=48"], "does not fit this model"),
