@@ -814,7 +814,7 @@ def _no_fields(where: str, names: Sequence[str], text_key: str, noun: str = "fie
                       f"{', '.join(map(str, names))}); name the text {noun} with --text-key")
 
 
-def _documents(path: pathlib.Path, text_key: str):
+def read_records(path: pathlib.Path, text_key: str):
     """Yields (record index or None for a whole-file document, document or example (`_record`), bytes of the file
     read so far)."""
     kind, comp = _file_kind(path)
@@ -1020,7 +1020,7 @@ def _convert_part(files: Sequence[tuple[str, pathlib.Path]], out_dir: pathlib.Pa
     for n_done, (key, f) in enumerate(files):
         batch: list[tuple[str, list[tuple[str | bytes, bool]]]] = []
         batch_bytes = 0
-        for index, item, read in _documents(f, st.text_key):
+        for index, item, read in read_records(f, st.text_key):
             ex = segments(item, f, index)
             if not any(trained for _, trained in ex):  # empty, or an example without a reply
                 stats["untrained" if ex else "empty"] += 1

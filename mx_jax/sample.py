@@ -16,15 +16,14 @@ cache of S = P + `--tokens` positions (rounded up likewise); from then on each n
 alone and attends to the cache. A row's tokens see the cache from the row's first position on, and a RoPE score
 depends only on the distance between two positions, so a padded row draws what it would alone (tests/test_sample.py
 checks the logits against full forwards). A token costs one read of the weights and of the cache instead of a
-forward over the whole sequence: H200 figures in benchmarks/RESULTS.md (session 63). One compiled prefill serves each
-(batch, P), one compiled step each (batch, S). `--devices N` splits a dense model over N local devices, each
+forward over the whole sequence: H200 figures in benchmarks/RESULTS.md (session 63). One compiled prefill serves
+each (batch, P), one compiled step each (batch, S). `--devices N` splits a dense model over N local devices, each
 weight along its heads, hidden or vocabulary dimension (`tensor_parallel`), for a model one device cannot hold (a
 70B in bf16); its tokens are one device's (tests/test_sample.py, on CPU devices; not yet timed on GPUs). For
 serving, export with `python -m mx_jax.hf export` and use an inference engine: this decoder has no continuous
-batching. Two settings let the padding in: a
-capacity factor (`model.moe.capacity_factor` > 0; padding rows compete for expert capacity like real ones; dropless
-MoE, the default, is exact) and `quant.recipe=fp8_tensorwise` (the batch's rows share the per-tensor scales; the
-default bf16 and the rowwise recipes scale each row alone).
+batching. Two settings let the padding in: a capacity factor (`model.moe.capacity_factor` > 0; padding rows compete
+for expert capacity like real ones; dropless MoE, the default, is exact) and `quant.recipe=fp8_tensorwise` (the
+batch's rows share the per-tensor scales; the default bf16 and the rowwise recipes scale each row alone).
 
 Sampling, per sequence: logits over the tokenizer's vocabulary (ids the model has beyond it are never drawn),
 divided by the temperature, restricted to the top k, then drawn; temperature 0 is greedy (argmax). A sample ends at
@@ -302,7 +301,7 @@ def read_prompts(path: pathlib.Path, template_spec: str | None, tokenizer: str, 
     the chat template up to its generation prompt) or plain text under `text_key`."""
     template = None
     out = []
-    for i, rec, _ in data._documents(path, text_key):
+    for i, rec, _ in data.read_records(path, text_key):
         where = f"{path}:{i + 1}" if i is not None else str(path)
         if isinstance(rec, str):
             out.append(Prompt(len(out), [rec], None))
