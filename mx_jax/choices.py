@@ -1,7 +1,7 @@
 """Multiple-choice evaluation by log-likelihood: which continuation of a context does the model find likeliest?
 
     python -m mx_jax.sample runs/llama3_1b --choices hellaswag_val.jsonl      # once, from a checkpoint
-    python -m mx_jax.train --config configs/llama3_1b.yaml log.eval_choices=hellaswag_val.jsonl   # at every eval
+    python -m mx_jax.train --config configs/llama3_1b.yaml log.eval_choices=hellaswag_val.jsonl,arc_easy.jsonl
 
 The file holds JSON lines {"context": str, "choices": [str, ...], "answer": int} ("query" or "prompt" for
 "context", "gold" or "label" for "answer"), the shape of lm-evaluation-harness's multiple-choice tasks (HellaSwag,
@@ -20,7 +20,8 @@ Rows have one length for the whole file, the longest rounded up to a multiple of
 
 Under the trainer the rows run on the training mesh (batch split like the eval batches, data.batch_size rows per
 forward), from the parameters being trained, after the held-out loss at every `log.eval_every_steps`; the log shows
-`choices <acc>% (norm <acc_norm>%)` and metrics.jsonl gets both.
+`choices <acc>% (norm <acc_norm>%)` and metrics.jsonl gets both. Several files (comma-separated) each get their own
+pair, `choice_acc/<file stem>`, and choice_acc is their plain mean (every task weighs the same).
 """
 
 from __future__ import annotations
@@ -168,6 +169,26 @@ def score(step, params, buffers, cs: ChoiceSet, batch: int, sharding=None) -> np
             x, y = (jax.make_array_from_callback(a.shape, sharding, lambda idx, a=a: a[idx]) for a in (x, y))
         out.append(step(params, buffers, x, y))
     return np.concatenate([np.asarray(o) for o in out])
+
+
+def load_files(paths: str, encode: Callable[[str], list[int]], vocab_size: int, max_len: int,
+               batch: int = 1) -> list[ChoiceSet]:
+    """`load` of each file of a comma-separated list; their names (file stems, the metrics' suffixes) must differ."""
+    files = [f for f in (p.strip() for p in paths.split(",")) if f]
+    stems = [pathlib.Path(f).stem for f in files]
+    if len(set(stems)) < len(stems):
+        raise ConfigError(f"the files {', '.join(files)} must have different names (their metrics are named so)")
+    return [load(f, encode, vocab_size, max_len, batch) for f in files]
+
+
+def summary(sets: list[ChoiceSet], scores: list[np.ndarray]) -> dict[str, float]:
+    """The metrics of one or several files: `accuracy` of one; of several, each file's under "/<its stem>" and their
+    plain mean (every task weighs the same) as choice_acc and choice_acc_norm."""
+    per = [accuracy(cs, s) for cs, s in zip(sets, scores)]
+    if len(per) == 1:
+        return per[0]
+    out = {f"{k}/{pathlib.Path(cs.path).stem}": v for cs, acc in zip(sets, per) for k, v in acc.items()}
+    return {k: float(np.mean([acc[k] for acc in per])) for k in per[0]} | out
 
 
 def accuracy(cs: ChoiceSet, scores: np.ndarray) -> dict[str, float]:

@@ -201,8 +201,8 @@ class LogConfig:
     # its own environment: WANDB_API_KEY, WANDB_ENTITY, WANDB_MODE=offline (the run under run_dir/wandb, for `wandb
     # sync` later). A resumed run continues the same W&B run (its id is kept in run_dir/wandb_id).
     wandb: str = ""
-    # A JSON-lines file of multiple-choice records scored at every evaluation (choice_acc, choice_acc_norm;
-    # mx_jax/choices.py); "" = none
+    # JSON-lines files of multiple-choice records, comma-separated, scored at every evaluation (choice_acc,
+    # choice_acc_norm; mx_jax/choices.py); "" = none
     eval_choices: str = ""
     progress: bool = True
     profile_steps: int = 0  # > 0: trace this many steps with jax.profiler into run_dir/profile (mx_jax/profiling.py)

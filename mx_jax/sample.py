@@ -378,8 +378,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt", default=None, help="text to continue (default: a newline)")
     ap.add_argument("--prompts", help="a JSON-lines or Parquet file of prompts (data convert's records): one JSON "
                     "line per sample to --out")
-    ap.add_argument("--choices", help="a JSON-lines file of multiple-choice records (mx_jax/choices.py): print the "
-                    "model's accuracy on them instead of sampling")
+    ap.add_argument("--choices", help="JSON-lines files of multiple-choice records, comma-separated "
+                    "(mx_jax/choices.py): print the model's accuracy on each instead of sampling")
     ap.add_argument("--out", help="with --prompts: the JSON-lines file to write (default: standard output)")
     ap.add_argument("--batch", type=int, default=16, help="with --prompts: rows decoded together")
     ap.add_argument("--text-key", default="text", help="with --prompts: the field of plain-text prompts")
@@ -434,7 +434,7 @@ def main(argv: list[str] | None = None) -> int:
         stop_id = None if args.no_stop else eos_of_run(cfg)
         vocab_limit = min(tok.vocab_size, cfg.model.vocab_size)
         if args.choices is not None:
-            cs = choices.load(args.choices, tok.encode, cfg.model.vocab_size, cfg.data.seq_len, args.batch)
+            sets = choices.load_files(args.choices, tok.encode, cfg.model.vocab_size, cfg.data.seq_len, args.batch)
         elif args.prompts is not None:
             prompts = read_prompts(pathlib.Path(args.prompts), args.chat_template or chat_template_of(cfg), tok.spec,
                                    args.text_key)
@@ -470,12 +470,13 @@ def main(argv: list[str] | None = None) -> int:
             decoder = Decoder(setup, params, buffers, vocab_limit=vocab_limit, temperature=args.temperature,
                               top_k=args.top_k, cache_sharding=split and split[2])
             if args.choices is not None:
-                t0 = time.perf_counter()
                 step = choices.make_step(setup.graphdef, cfg.model.compute_dtype)
-                acc = choices.accuracy(cs, choices.score(step, params, buffers, cs, args.batch))
-                print(f"{cs.path}: {cs.records} records, accuracy {100 * acc['choice_acc']:.2f}% (per character: "
-                      f"{100 * acc['choice_acc_norm']:.2f}%), {cs.rows} rows of {cs.inputs.shape[1]} tokens scored "
-                      f"in {time.perf_counter() - t0:.1f} s")
+                for cs in sets:
+                    t0 = time.perf_counter()
+                    acc = choices.accuracy(cs, choices.score(step, params, buffers, cs, args.batch))
+                    print(f"{cs.path}: {cs.records} records, accuracy {100 * acc['choice_acc']:.2f}% (per "
+                          f"character: {100 * acc['choice_acc_norm']:.2f}%), {cs.rows} rows of {cs.inputs.shape[1]} "
+                          f"tokens scored in {time.perf_counter() - t0:.1f} s")
                 return 0
             if args.prompts is not None:
                 t0 = time.perf_counter()

@@ -339,15 +339,16 @@ def evaluate(eval_step, state, dataset: Dataset, setup: Setup) -> dict[str, floa
     return {"eval_loss": float(np.dot(dataset.val.weights, list(per.values()))), **per}
 
 
-def load_choices(cfg: TrainConfig) -> choices.ChoiceSet | None:
-    """log.eval_choices read and tokenized with the data's tokenizer (mx_jax/choices.py), or None when unset."""
+def load_choices(cfg: TrainConfig) -> list[choices.ChoiceSet]:
+    """The files of log.eval_choices (comma-separated), read and tokenized with the data's tokenizer
+    (mx_jax/choices.py); [] when unset."""
     if not cfg.log.eval_choices:
-        return None
+        return []
     from mx_jax.sample import Tokenizer, tokenizer_of  # sample imports this module
 
     try:
-        return choices.load(cfg.log.eval_choices, Tokenizer(tokenizer_of(cfg)).encode, cfg.model.vocab_size,
-                            cfg.data.seq_len, cfg.data.batch_size)
+        return choices.load_files(cfg.log.eval_choices, Tokenizer(tokenizer_of(cfg)).encode, cfg.model.vocab_size,
+                                  cfg.data.seq_len, cfg.data.batch_size)
     except ConfigError as e:
         raise ConfigError(f"config key 'log.eval_choices': {e}")
 
@@ -464,7 +465,10 @@ def _fmt_log(step: int, m: dict) -> str:
         per = [f"{k.split('/', 1)[1]} {v:.4f}" for k, v in m.items() if k.startswith("eval_loss/")]
         parts.append(f"eval {m['eval_loss']:.4f}" + (f" ({', '.join(per)})" if per else ""))
     if "choice_acc" in m:
-        parts.append(f"choices {100 * m['choice_acc']:.1f}% (norm {100 * m['choice_acc_norm']:.1f}%)")
+        per = [f"{k.split('/', 1)[1]} {100 * v:.1f}/{100 * m['choice_acc_norm/' + k.split('/', 1)[1]]:.1f}"
+               for k, v in m.items() if k.startswith("choice_acc/")]
+        parts.append(f"choices {100 * m['choice_acc']:.1f}% (norm {100 * m['choice_acc_norm']:.1f}%"
+                     + (f"; {', '.join(per)})" if per else ")"))
     parts += [f"gnorm {m['grad_norm']:.3f}", f"lr {m['lr']:.2e}"]
     if m.get("target_frac", 1) < 1:  # loss-masked data: the share of the step's tokens the loss counted
         parts.append(f"targets {100 * m['target_frac']:.0f}%")
@@ -639,7 +643,7 @@ def train(cfg: TrainConfig, devices: list[jax.Device] | None = None) -> TrainRes
     if dataset.vocab_size > cfg.model.vocab_size:
         raise ConfigError(f"config key 'model.vocab_size': {cfg.model.vocab_size} is smaller than the data's "
                           f"vocabulary ({dataset.vocab_size})")
-    choice_set = load_choices(cfg)  # before anything is written
+    choice_sets = load_choices(cfg)  # before anything is written
     cfg, documents_note = with_data_documents(cfg, dataset, mesh.shape["context"])
     run_dir = prepare_run_dir(cfg)
     ckpt = None
@@ -709,11 +713,11 @@ def train(cfg: TrainConfig, devices: list[jax.Device] | None = None) -> TrainRes
                     return TrainResult(state, {})
                 if watch.note:
                     log(f"note   | SIGTERM stops the run without a final checkpoint: {watch.note}")
-                if choice_set is not None:
-                    log(f"eval   | {choice_set.records} multiple-choice records ({choice_set.rows} rows of "
-                        f"{choice_set.inputs.shape[1]} tokens) from {choice_set.path} at every evaluation")
+                for cs in choice_sets:
+                    log(f"eval   | {cs.records} multiple-choice records ({cs.rows} rows of {cs.inputs.shape[1]} "
+                        f"tokens) from {cs.path} at every evaluation")
                 state, last, stopped_at = _loop(cfg, setup, state, step, dataset, train_batches, ckpt, run_dir,
-                                                resumed_at=start, watch=watch, choice_set=choice_set)
+                                                resumed_at=start, watch=watch, choice_sets=choice_sets)
         finally:
             if ckpt is not None:
                 ckpt.close()  # waits for saves in flight: a committed step is never lost on the way out
@@ -786,13 +790,13 @@ def read_metrics(dev_metrics: dict) -> dict:
 
 
 def _loop(cfg, setup, state, step, dataset, train_batches, ckpt, run_dir, resumed_at,
-          watch: preemption.PreemptionWatch, choice_set: choices.ChoiceSet | None = None
+          watch: preemption.PreemptionWatch, choice_sets: list[choices.ChoiceSet] = ()
           ) -> tuple[dict, dict, int | None]:
     """Train from `step` to cfg.steps; returns the state, the last logged metrics, and the step a SIGTERM stopped
     the run after (None if it ran to the end)."""
     train_step = make_train_step(setup)
     eval_step = make_eval_step(setup)
-    choice_scores = make_choice_scores(setup, choice_set) if choice_set is not None else None
+    choice_scores = [make_choice_scores(setup, cs) for cs in choice_sets]
     tokens_per_step = cfg.data.batch_size * cfg.data.seq_len
     peak, peak_src = metrics.device_peak_tflops(cfg.log.peak_tflops)
     log(f"mfu    | {peak_src}")
@@ -866,8 +870,8 @@ def _loop(cfg, setup, state, step, dataset, train_batches, ckpt, run_dir, resume
             m.update(metrics.memory_in_use())
             if with_eval:
                 m.update(evaluate(eval_step, state, dataset, setup))
-                if choice_scores is not None:
-                    m.update(choices.accuracy(choice_set, choice_scores(state)))
+                if choice_sets:
+                    m.update(choices.summary(choice_sets, [scores(state) for scores in choice_scores]))
             writer.write(step_no, m)
             log(_fmt_log(step_no, m))
             if bar is not None:

@@ -60,6 +60,14 @@ def test_bad_records_are_named_with_their_line(tmp_path, record, message):
         choices.load(path, _byte, 128, 32)
 
 
+def test_several_files_need_different_names(tmp_path):
+    (tmp_path / "a").mkdir()
+    one, two = _write(tmp_path / "c.jsonl", RECORDS), _write(tmp_path / "a" / "c.jsonl", RECORDS)
+    with pytest.raises(ConfigError, match="must have different names"):
+        choices.load_files(f"{one},{two}", _byte, 256, 64)
+    assert [cs.records for cs in choices.load_files(f"{one}, ", _byte, 256, 64)] == [3]
+
+
 def test_accuracy_per_choice_and_per_character(tmp_path):
     cs = choices.load(_write(tmp_path / "c.jsonl", RECORDS), _byte, 256, 64)
     # record 0: the answer has the largest sum, the longer second choice the largest score per character;
@@ -92,22 +100,28 @@ def test_scores_are_each_choices_log_likelihood_after_its_context(tmp_path):
 
 
 def test_the_trainer_scores_choices_at_each_eval_on_its_mesh_as_sample_does_on_one_device(tmp_path, capsys):
-    path = _write(tmp_path / "c.jsonl", RECORDS * 3)
+    path, other = _write(tmp_path / "c.jsonl", RECORDS * 3), _write(tmp_path / "d.jsonl", RECORDS[1:])
     run = tmp_path / "run"
     layout = ("mesh.data=2", "mesh.fsdp=4") if jax.device_count() >= 8 else ("mesh.data=-1", "mesh.fsdp=1")  # a GPU
-    result = train.train(tiny_config(run, "steps=2", *layout, "log.eval_every_steps=2", f"log.eval_choices={path}"))
+    result = train.train(tiny_config(run, "steps=2", *layout, "log.eval_every_steps=2",
+                                     f"log.eval_choices={path},{other}"))
     m = result.metrics
-    assert 0 <= m["choice_acc"] <= 1 and 0 <= m["choice_acc_norm"] <= 1
+    for k in ("choice_acc", "choice_acc_norm"):  # each file's, and their plain mean
+        assert 0 <= m[f"{k}/c"] <= 1 and 0 <= m[f"{k}/d"] <= 1
+        assert m[k] == pytest.approx((m[f"{k}/c"] + m[f"{k}/d"]) / 2)
     out = capsys.readouterr().out
-    assert "9 multiple-choice records (27 rows of 32 tokens)" in out and "| choices " in out
+    assert "9 multiple-choice records (27 rows of 32 tokens)" in out and "2 multiple-choice records" in out
+    assert f"| choices {100 * m['choice_acc']:.1f}% (norm {100 * m['choice_acc_norm']:.1f}%; c " in out
     logged = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert logged[-1]["choice_acc"] == m["choice_acc"]
-    assert sample.main([str(run), "--choices", str(path), "--batch", "8"]) == 0
-    assert f"accuracy {100 * m['choice_acc']:.2f}% (per character: {100 * m['choice_acc_norm']:.2f}%)" in \
-        capsys.readouterr().out
+    assert logged[-1]["choice_acc/d"] == m["choice_acc/d"]
+    assert sample.main([str(run), "--choices", f"{path},{other}", "--batch", "8"]) == 0
+    printed = capsys.readouterr().out
+    for name in ("c", "d"):
+        assert (f"{name}.jsonl: {9 if name == 'c' else 2} records, accuracy {100 * m['choice_acc/' + name]:.2f}% "
+                f"(per character: {100 * m['choice_acc_norm/' + name]:.2f}%)") in printed
     # the scores behind them: on the run's mesh (8 CPU devices) as on one device (float32 compute)
     cfg = sample.load_config(str(run / "config.yaml"), [])
-    cs = train.load_choices(cfg)
+    cs = train.load_choices(cfg)[0]
     mesh = sharding.make_mesh(cfg.mesh)
     with jax.set_mesh(mesh):
         on_mesh = train.make_choice_scores(train.build(cfg, mesh), cs)(result.state)
