@@ -345,6 +345,10 @@ def answer_prompts(decoder: Decoder, tok: Tokenizer, prompts: list[Prompt], n_to
         if max(ids[-1]) >= vocab_size:
             raise ConfigError(f"--prompts: prompt {p.index + 1}: token id {max(ids[-1])} is outside the model's "
                               f"vocabulary (model.vocab_size={vocab_size}); is --tokenizer the run's?")
+    longest = max(map(len, ids)) + n_tokens
+    if longest > decoder.setup.cfg.data.seq_len:
+        print(f"note: up to {longest} positions, past the run's data.seq_len={decoder.setup.cfg.data.seq_len}; the "
+              f"model never trained on positions that far", file=sys.stderr)
     rows = sorted(((-len(ids[p.index]), p.index, j) for p in prompts for j in range(num)))
     results: dict[tuple[int, int], dict] = {}
     t0, drawn = time.perf_counter(), 0
