@@ -16,7 +16,8 @@ by length alone). The context and each choice are tokenized on their own (a choi
 as those tasks write them) and joined; a row is the context's tokens then the choice's, right-padded, its targets
 the choice's tokens only (data.IGNORED elsewhere), so one forward over a batch of rows gives every score (causal
 attention: the padding after a row's end never reaches its logits). A context too long for the row keeps its end.
-Rows have one length for the whole file, the longest rounded up to a multiple of 128 and at most data.seq_len.
+Rows have one length for the whole file, the longest rounded up to a multiple of 128 (128 C under context
+parallelism over C devices, whose zigzag chunks split it in 2 C) and at most data.seq_len.
 
 Under the trainer the rows run on the training mesh (batch split like the eval batches, data.batch_size rows per
 forward), from the parameters being trained, after the held-out loss at every `log.eval_every_steps`; the log shows
@@ -67,8 +68,9 @@ def _field(obj: dict, keys: tuple[str, ...], where: str):
 
 
 def load(path: str | pathlib.Path, encode: Callable[[str], list[int]], vocab_size: int, max_len: int,
-         batch: int = 1, pad_id: int = 0) -> ChoiceSet:
-    """The rows of a choices file (module docstring), at most max_len tokens each, R a multiple of `batch`."""
+         batch: int = 1, pad_id: int = 0, multiple: int = ROW_MULTIPLE) -> ChoiceSet:
+    """The rows of a choices file (module docstring), at most max_len tokens each and a `multiple` of tokens long
+    (unless max_len is less), R a multiple of `batch`."""
     path = pathlib.Path(path)
     if not path.is_file():
         raise ConfigError(f"choices file {path} does not exist")
@@ -112,7 +114,7 @@ def load(path: str | pathlib.Path, encode: Callable[[str], list[int]], vocab_siz
         raise ConfigError(f"choices file {path} holds no records")
     # rows hold context + choice minus the last token (inputs) and the same shifted by one (targets)
     need = max(len(c) + len(t) - 1 for c, (ids, _) in zip(contexts, conts) for t in ids)
-    t_len = min(max_len, math.ceil(need / ROW_MULTIPLE) * ROW_MULTIPLE)
+    t_len = min(max_len, math.ceil(need / multiple) * multiple)
     n_rows = sum(len(ids) for ids, _ in conts)
     r = math.ceil(n_rows / batch) * batch
     inputs = np.full((r, t_len), pad_id, np.int32)
@@ -172,13 +174,13 @@ def score(step, params, buffers, cs: ChoiceSet, batch: int, sharding=None) -> np
 
 
 def load_files(paths: str, encode: Callable[[str], list[int]], vocab_size: int, max_len: int,
-               batch: int = 1) -> list[ChoiceSet]:
+               batch: int = 1, multiple: int = ROW_MULTIPLE) -> list[ChoiceSet]:
     """`load` of each file of a comma-separated list; their names (file stems, the metrics' suffixes) must differ."""
     files = [f for f in (p.strip() for p in paths.split(",")) if f]
     stems = [pathlib.Path(f).stem for f in files]
     if len(set(stems)) < len(stems):
         raise ConfigError(f"the files {', '.join(files)} must have different names (their metrics are named so)")
-    return [load(f, encode, vocab_size, max_len, batch) for f in files]
+    return [load(f, encode, vocab_size, max_len, batch, multiple=multiple) for f in files]
 
 
 def summary(sets: list[ChoiceSet], scores: list[np.ndarray]) -> dict[str, float]:

@@ -339,16 +339,16 @@ def evaluate(eval_step, state, dataset: Dataset, setup: Setup) -> dict[str, floa
     return {"eval_loss": float(np.dot(dataset.val.weights, list(per.values()))), **per}
 
 
-def load_choices(cfg: TrainConfig) -> list[choices.ChoiceSet]:
+def load_choices(cfg: TrainConfig, context: int = 1) -> list[choices.ChoiceSet]:
     """The files of log.eval_choices (comma-separated), read and tokenized with the data's tokenizer
-    (mx_jax/choices.py); [] when unset."""
+    (mx_jax/choices.py), in rows that `context` devices of context parallelism split; [] when unset."""
     if not cfg.log.eval_choices:
         return []
     from mx_jax.sample import Tokenizer, tokenizer_of  # sample imports this module
 
     try:
         return choices.load_files(cfg.log.eval_choices, Tokenizer(tokenizer_of(cfg)).encode, cfg.model.vocab_size,
-                                  cfg.data.seq_len, cfg.data.batch_size)
+                                  cfg.data.seq_len, cfg.data.batch_size, multiple=choices.ROW_MULTIPLE * context)
     except ConfigError as e:
         raise ConfigError(f"config key 'log.eval_choices': {e}")
 
@@ -643,7 +643,7 @@ def train(cfg: TrainConfig, devices: list[jax.Device] | None = None) -> TrainRes
     if dataset.vocab_size > cfg.model.vocab_size:
         raise ConfigError(f"config key 'model.vocab_size': {cfg.model.vocab_size} is smaller than the data's "
                           f"vocabulary ({dataset.vocab_size})")
-    choice_sets = load_choices(cfg)  # before anything is written
+    choice_sets = load_choices(cfg, mesh.shape["context"])  # before anything is written
     cfg, documents_note = with_data_documents(cfg, dataset, mesh.shape["context"])
     run_dir = prepare_run_dir(cfg)
     ckpt = None

@@ -136,3 +136,18 @@ def test_the_trainer_scores_choices_at_each_eval_on_its_mesh_as_sample_does_on_o
     with pytest.raises(ConfigError, match="config key 'log.eval_choices': choices file .*nope.jsonl does not exist"):
         train.train(tiny_config(tmp_path / "other", f"log.eval_choices={tmp_path / 'nope.jsonl'}"))
     assert not (tmp_path / "other").exists()
+
+
+def test_choice_scores_under_context_parallelism_equal_one_device(tmp_path):
+    """Rows split over a context axis (zigzag chunks, their length a multiple of 2 x context) score as on one
+    device; the same initial parameters on both meshes."""
+    path = _write(tmp_path / "c.jsonl", RECORDS)
+    scores = []
+    for layout in (("mesh.data=1", "mesh.fsdp=4", "mesh.context=2"), ("mesh.data=1", "mesh.fsdp=1")):
+        cfg = tiny_config(tmp_path, *layout, f"log.eval_choices={path}")
+        mesh = sharding.make_mesh(cfg.mesh, jax.devices()[:8 if "mesh.context=2" in layout else 1])
+        with jax.set_mesh(mesh):
+            setup = train.build(cfg, mesh)
+            (cs,) = train.load_choices(cfg, mesh.shape["context"])
+            scores.append(train.make_choice_scores(setup, cs)(train.init_state(setup))[:cs.rows])
+    np.testing.assert_allclose(scores[0], scores[1], rtol=1e-5, atol=1e-4)
