@@ -533,6 +533,13 @@ def _open_mixture(cfg: DataConfig) -> Dataset:
 # run into each other unmarked. A document goes to the held-out split when sha1 of its key (the file's path from the
 # input argument's name, plus "#<record index>" for a record of a JSON-lines or Parquet file) mod round(1 /
 # val_fraction) is 0: the split does not depend on where the inputs are mounted or how they are listed.
+#
+# Parts (`convert --part K/N`, then `merge`): N machines list the same inputs, split them into N groups of about equal
+# bytes (_split_files, the same on each), and each converts its group into `<split>_n<K>_...` shards and
+# `meta.part<K>.json` (its counts, statistics and shard names) in a shared directory. `merge` checks that the N parts
+# came from the same listing (_listing: the files' keys and sizes) and settings (the tokenizer by its vocabulary and
+# end-of-text id, since its path may differ by machine), gives the plain-document shards their masks where another
+# part has examples, and writes meta.json as one conversion would.
 
 COMPRESSED = (".gz", ".bz2", ".xz", ".zst", ".zstd")
 JSON_LINES = (".jsonl", ".ndjson", ".json")
@@ -1075,15 +1082,76 @@ def _split_files(files: Sequence[tuple[str, pathlib.Path]], n: int) -> list[list
     return [[files[i] for i in sorted(g)] for g in groups if g]
 
 
+def _finish(parts: list[dict], out_dir: pathlib.Path, n_files: int, val_fraction: float, pack: int,
+            written: list[pathlib.Path], extra: dict) -> dict:
+    """meta.json from the parts of a conversion (_convert_part's results), written last; the plain-document shards
+    of a conversion with examples get their all-ones masks here. `extra`: more meta fields (workers, parts)."""
+    total = lambda key: sum(part["stats"][key] for part in parts)  # noqa: E731
+    counts = {s: sum(part["counts"][s] for part in parts) for s in ("train", "val")}
+    targets = {s: sum(part["targets"][s] for part in parts) for s in ("train", "val")}
+    shards = [(pathlib.Path(a), n, m) for part in parts for a, n, m in part["shards"]]
+    if total("documents") == 0:
+        raise SystemExit(f"no documents in {n_files} input file(s): every one was empty"
+                         + (f" or an example without a reply ({total('untrained')})" if total("untrained") else ""))
+    if counts["val"] == 0:
+        raise SystemExit(f"no record was held out: raise --val-fraction ({val_fraction})")
+    first = parts[0]
+    meta = {"dtype": first["dtype"], "vocab_size": first["vocab"], "tokenizer": first["tokenizer"],
+            "eos_id": first["eos_id"], "train_tokens": counts["train"], "val_tokens": counts["val"],
+            "max_token_id": max(part["stats"]["max_id"] for part in parts), "files": n_files,
+            "documents": total("documents"), "empty_documents": total("empty")}
+    if any(masked for *_, masked in shards):
+        for shard, n, masked in shards:
+            if not masked:
+                _write_file(shard.with_suffix(".mask"), np.packbits(np.ones(n, bool), bitorder="little"), written)
+        template = next((part["template"] for part in parts if part["template"]), None)
+        meta.update(loss_mask=True, train_target_tokens=targets["train"], val_target_tokens=targets["val"],
+                    examples=total("examples"), examples_without_reply=total("untrained"),
+                    **({"chat_template": template} if template else {}))
+    if pack:
+        meta.update(packed=pack, pad_id=first["pad_id"], cut_examples=total("cut"),
+                    cut_to_no_target=total("cut_dropped"), pad_tokens=sum(part["padding"] for part in parts))
+    meta.update(extra)
+    _write_json(out_dir / "meta.json", meta, written)  # written last: a directory with meta.json holds every shard
+    return meta
+
+
+def _write_json(target: pathlib.Path, obj: dict, written: list[pathlib.Path]) -> None:
+    tmp = target.with_name(target.name + ".tmp")
+    written.append(tmp)
+    tmp.write_text(json.dumps(obj, indent=2) + "\n")
+    tmp.replace(target)
+
+
+def _parse_part(part: str) -> tuple[int, int]:
+    try:
+        k, n = (int(x) for x in part.split("/"))
+    except ValueError:
+        raise SystemExit(f"--part {part!r}: expected K/N, this machine's part K of N (0 <= K < N)")
+    if not 0 <= k < n:
+        raise SystemExit(f"--part {part!r}: expected K/N with 0 <= K < N")
+    return k, n
+
+
+def _listing(files: Sequence[tuple[str, pathlib.Path]]) -> str:
+    """A digest of the input files' keys and sizes: every part of a conversion must see the same listing."""
+    return hashlib.sha1(json.dumps([(key, f.stat().st_size) for key, f in files]).encode()).hexdigest()[:16]
+
+
 def convert(inputs: Sequence[str], out: str, tokenizer: str = "byte", shard_tokens: int = 100_000_000,
             val_fraction: float = 0.05, pattern: str = "*", text_key: str = "text", eos: str = "auto",
-            progress: bool = False, chat_template: str | None = None, pack: int = 0, workers: int = 1) -> dict:
+            progress: bool = False, chat_template: str | None = None, pack: int = 0, workers: int = 1,
+            part: str | None = None) -> dict:
     """Tokenize documents (text, JSON-lines or Parquet files) into train/val shards under `out`.
 
     pack > 0: whole examples packed into rows of `pack` tokens (_Packer; one longer is cut to `pack` tokens), each
     shard a whole number of rows and one pad token, so that a run's windows (data.seq_len = pack) are the rows.
     workers > 1: the files are split into that many groups of about equal bytes, each converted by its own process
     into its own shards (`<split>_p<i>_<k>.bin`); which record lands where then depends on the number of workers.
+    part "K/N": this machine converts the K-th of N groups of the files (the same split, by bytes, on every machine
+    that lists the same inputs) into `<split>_n<K>_...` shards and `meta.part<K>.json` instead of meta.json, beside
+    the other machines' parts in a shared `out`; `merge` then writes meta.json. A record is held out or not by its
+    own key, so the held-out records do not depend on N or on the workers.
 
     Writes each shard under a temporary name and renames it whole, and meta.json last; if the conversion stops on an
     error, the shards it wrote are removed again, so `out` never holds a partial conversion. Where some records are
@@ -1097,13 +1165,20 @@ def convert(inputs: Sequence[str], out: str, tokenizer: str = "byte", shard_toke
         raise SystemExit(f"--pack must be positive (or 0: no packing), got {pack}")
     if workers < 1:
         raise SystemExit(f"--workers must be positive, got {workers}")
+    k, n = _parse_part(part) if part is not None else (0, 1)
     _Encoder(tokenizer, eos)  # a bad --tokenizer or --eos stops here, before any file is read
     files = _input_files(inputs, pattern)
+    if n > len(files):
+        raise SystemExit(f"--part {part}: {len(files)} input file(s) cannot be split into {n} parts")
+    mine = _split_files(files, n)[k] if part is not None else files
     out_dir = pathlib.Path(out)
     if out_dir.exists() and not out_dir.is_dir():
         raise SystemExit(f"--out {out} exists and is not a directory")
-    shard_files = lambda: [f for pattern in SHARD_PATTERNS for f in out_dir.glob(pattern)]  # noqa: E731
-    old = sorted(p.name for p in [*shard_files(), out_dir / "meta.json"] if p.exists()) if out_dir.is_dir() else []
+    own = SHARD_PATTERNS if part is None else tuple(p.replace("_*", f"_n{k:03d}_*") for p in SHARD_PATTERNS)
+    shard_files = lambda: [f for pattern in own for f in out_dir.glob(pattern)]  # noqa: E731
+    done = out_dir / ("meta.json" if part is None else f"meta.part{k:03d}.json")
+    old = sorted(p.name for p in [*shard_files(), done, out_dir / "meta.json"] if p.exists()) \
+        if out_dir.is_dir() else []
     if old:
         listed = ", ".join(old[:4]) + (", ..." if len(old) > 4 else "")
         raise SystemExit(f"--out {out} already holds token shards ({listed}); write into a new directory, or remove "
@@ -1112,56 +1187,36 @@ def convert(inputs: Sequence[str], out: str, tokenizer: str = "byte", shard_toke
     out_dir.mkdir(parents=True, exist_ok=True)
     st = _Settings(tokenizer, eos, shard_tokens, max(1, round(1 / val_fraction)) if val_fraction > 0 else 0,
                    text_key, chat_template, pack)
-    groups = _split_files(files, min(workers, len(files)))
+    groups = _split_files(mine, min(workers, len(mine)))
+    prefix = "" if part is None else f"n{k:03d}_"
     written: list[pathlib.Path] = []
     try:
         if len(groups) == 1:
-            parts = [_convert_part(files, out_dir, st, progress=progress)]
+            parts = [_convert_part(mine, out_dir, st, prefix, progress=progress, hold_out_last=part is None)]
         else:
             import concurrent.futures
             import multiprocessing
 
             parts = []
-            jobs = [(g, out_dir, st, f"p{i:03d}_") for i, g in enumerate(groups)]
+            jobs = [(g, out_dir, st, f"{prefix}p{i:03d}_") for i, g in enumerate(groups)]
             # spawn, not fork: the parent may have started jax's threads
             with concurrent.futures.ProcessPoolExecutor(len(jobs), mp_context=multiprocessing.get_context("spawn")) \
                     as pool:
-                for i, part in enumerate(pool.map(_part_worker, jobs)):
-                    parts.append(part)
+                for i, done_part in enumerate(pool.map(_part_worker, jobs)):
+                    parts.append(done_part)
                     if progress:
                         print(f"convert: part {i + 1}/{len(jobs)} done ({len(groups[i])} files, "
-                              f"{part['stats']['documents']:,} documents)", file=sys.stderr, flush=True)
-        total = lambda key: sum(part["stats"][key] for part in parts)  # noqa: E731
-        counts = {s: sum(part["counts"][s] for part in parts) for s in ("train", "val")}
-        targets = {s: sum(part["targets"][s] for part in parts) for s in ("train", "val")}
-        shards = [(pathlib.Path(a), n, m) for part in parts for a, n, m in part["shards"]]
-        if total("documents") == 0:
-            raise SystemExit(f"no documents in {len(files)} input file(s): every one was empty"
-                             + (f" or an example without a reply ({total('untrained')})" if total("untrained") else ""))
-        if counts["val"] == 0:
-            raise SystemExit(f"no record was held out: raise --val-fraction ({val_fraction})")
-        first = parts[0]
-        meta = {"dtype": first["dtype"], "vocab_size": first["vocab"], "tokenizer": first["tokenizer"],
-                "eos_id": first["eos_id"], "train_tokens": counts["train"], "val_tokens": counts["val"],
-                "max_token_id": max(part["stats"]["max_id"] for part in parts), "files": len(files),
-                "documents": total("documents"), "empty_documents": total("empty")}
-        if any(masked for *_, masked in shards):
-            for shard, n, masked in shards:
-                if not masked:
-                    _write_file(shard.with_suffix(".mask"), np.packbits(np.ones(n, bool), bitorder="little"), written)
-            template = next((part["template"] for part in parts if part["template"]), None)
-            meta.update(loss_mask=True, train_target_tokens=targets["train"], val_target_tokens=targets["val"],
-                        examples=total("examples"), examples_without_reply=total("untrained"),
-                        **({"chat_template": template} if template else {}))
-        if pack:
-            meta.update(packed=pack, pad_id=first["pad_id"], cut_examples=total("cut"),
-                        cut_to_no_target=total("cut_dropped"), pad_tokens=sum(part["padding"] for part in parts))
-        if workers > 1:
-            meta["workers"] = len(groups)
-        tmp = out_dir / "meta.json.tmp"
-        written.append(tmp)
-        tmp.write_text(json.dumps(meta, indent=2) + "\n")
-        tmp.replace(out_dir / "meta.json")  # written last: a directory with meta.json holds every shard
+                              f"{done_part['stats']['documents']:,} documents)", file=sys.stderr, flush=True)
+        if part is None:
+            meta = _finish(parts, out_dir, len(files), val_fraction, pack, written,
+                           {"workers": len(groups)} if workers > 1 else {})
+        else:  # what merge needs; the shards by name, the directory may be mounted elsewhere on another machine
+            for q in parts:
+                q["shards"] = [(pathlib.Path(a).name, tokens, masked) for a, tokens, masked in q["shards"]]
+            meta = {"part": k, "parts": n, "listing": _listing(files), "files": len(mine), "total_files": len(files),
+                    "settings": dataclasses.asdict(st), "val_fraction": val_fraction, "workers": len(groups),
+                    "converted": parts}
+            _write_json(done, meta, written)
     except BaseException:
         # every shard of this conversion (the directory held none before it), from whichever process wrote it
         for q in [*written, *shard_files()]:
@@ -1170,10 +1225,61 @@ def convert(inputs: Sequence[str], out: str, tokenizer: str = "byte", shard_toke
             if d.is_dir() and not any(d.iterdir()):
                 d.rmdir()
         raise
-    if total("cut"):
-        dropped = total("cut_dropped")
-        print(f"convert: warning: {total('cut')} record(s) longer than --pack {pack} tokens were cut to it"
+    cut = sum(q["stats"]["cut"] for q in parts)
+    if cut:
+        dropped = sum(q["stats"]["cut_dropped"] for q in parts)
+        print(f"convert: warning: {cut} record(s) longer than --pack {pack} tokens were cut to it"
               + (f", {dropped} of them dropped (the prompt filled the row)" if dropped else ""), file=sys.stderr)
+    return meta
+
+
+def merge(out: str) -> dict:
+    """meta.json from the `meta.part<K>.json` files that `convert --part K/N` wrote into `out` (every K of N, from
+    the same input listing and settings); the part files are removed once meta.json is written. Nothing is changed
+    on an error."""
+    out_dir = pathlib.Path(out)
+    if (out_dir / "meta.json").exists():
+        raise SystemExit(f"{out_dir / 'meta.json'} exists: the conversion is already merged")
+    found = sorted(out_dir.glob("meta.part*.json")) if out_dir.is_dir() else []
+    if not found:
+        raise SystemExit(f"{out}: no meta.part*.json (written by `convert --part K/N --out {out}`)")
+    metas = [json.loads(f.read_text()) for f in found]
+    n = metas[0]["parts"]
+
+    def agreed(m: dict) -> dict:  # the tokenizer and template by what they do: their paths may differ by machine
+        enc = {k: m["converted"][0][k] for k in ("vocab", "eos_id", "dtype")}
+        st = {k: v for k, v in m["settings"].items() if k not in ("tokenizer", "chat_template")}
+        return {"parts": m["parts"], "listing": m["listing"], "settings": st, "val_fraction": m["val_fraction"],
+                "tokenizer": enc}
+
+    for f, m in zip(found, metas):
+        for key, value in agreed(m).items():
+            if value != agreed(metas[0])[key]:
+                raise SystemExit(f"{f.name} has another {key} than {found[0].name} ({value} against "
+                                 f"{agreed(metas[0])[key]}): the parts must convert the same input files with the "
+                                 f"same options")
+    missing = sorted(set(range(n)) - {m["part"] for m in metas})
+    if missing:
+        raise SystemExit(f"{out}: part(s) {', '.join(f'{k}/{n}' for k in missing)} of {n} not converted yet "
+                         f"(no meta.part file)")
+    parts = [{**q, "shards": [(str(out_dir / name), tokens, masked) for name, tokens, masked in q["shards"]]}
+             for m in metas for q in m["converted"]]
+    for q in parts:
+        for name, _, masked in q["shards"]:
+            if not pathlib.Path(name).exists() or (masked and not pathlib.Path(name).with_suffix(".mask").exists()):
+                raise SystemExit(f"{name} is missing: a part's shard was moved or removed since it was converted")
+    written: list[pathlib.Path] = []
+    try:
+        meta = _finish(parts, out_dir, metas[0]["total_files"], metas[0]["val_fraction"],
+                       metas[0]["settings"]["pack"], written,
+                       {"parts": n, **({"workers": sum(m["workers"] for m in metas)}
+                                       if any(m["workers"] > 1 for m in metas) else {})})
+    except BaseException:
+        for q in written:  # the masks and meta.json this call wrote; the parts' shards stay
+            q.unlink(missing_ok=True)
+        raise
+    for f in found:
+        f.unlink()
     return meta
 
 
@@ -1202,13 +1308,22 @@ def main(argv: Sequence[str] | None = None) -> None:
                    "the run's data.seq_len, so none is cut across sequences (an example longer than T is cut to T)")
     c.add_argument("--workers", type=int, default=1, help="processes converting the files in parallel (groups of "
                    "about equal bytes, each into its own shards); the order of the records depends on it")
+    c.add_argument("--part", metavar="K/N", help="convert part K of N (0-based) into a shared --out: one part per "
+                   "machine, the same inputs and options on each; then `python -m mx_jax.data merge OUT`")
     c.add_argument("--shard-tokens", type=int, default=100_000_000)
     c.add_argument("--val-fraction", type=float, default=0.05)
     c.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    m = sub.add_parser("merge", help="meta.json for the parts that `convert --part K/N` wrote into a directory")
+    m.add_argument("out", help="the directory the parts were converted into")
     args = ap.parse_args(argv)
-    meta = convert(args.inputs, args.out, args.tokenizer, args.shard_tokens, args.val_fraction, args.pattern,
-                   args.text_key, args.eos, progress=not args.quiet, chat_template=args.chat_template,
-                   pack=args.pack, workers=args.workers)
+    if args.cmd == "merge":
+        meta = merge(args.out)
+    else:
+        meta = convert(args.inputs, args.out, args.tokenizer, args.shard_tokens, args.val_fraction, args.pattern,
+                       args.text_key, args.eos, progress=not args.quiet, chat_template=args.chat_template,
+                       pack=args.pack, workers=args.workers, part=args.part)
+        if args.part is not None:
+            meta = {k: v for k, v in meta.items() if k != "converted"}
     print(json.dumps(meta))
 
 

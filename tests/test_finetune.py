@@ -499,3 +499,65 @@ def test_parallel_conversion_holds_the_same_records_and_cleans_up_after_an_error
     with pytest.raises(SystemExit, match=r"qa1.jsonl:121"):
         data.convert([str(src)], str(tmp_path / "kept"), shard_tokens=500, workers=2)
     assert sorted(p.name for p in (tmp_path / "kept").iterdir()) == ["train_notes.txt"]
+
+
+def test_parts_converted_on_several_machines_merge_into_the_whole_conversion(tmp_path, capsys):
+    """convert --part K/N (one per machine, into one shared directory) and merge: the same records, held out alike,
+    as one conversion; masks for the plain-document shards of a part without examples; merge refuses missing or
+    mismatched parts and changes nothing then; a failing part removes only its own shards."""
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(3):
+        _write_jsonl(src / f"qa{i}.jsonl", _arithmetic(120, seed=i))
+    _write_jsonl(src / "docs.jsonl", [{"text": f"plain document {i}\n" * (i % 7 + 1)} for i in range(300)])
+    one = data.convert([str(src)], str(tmp_path / "one"), shard_tokens=2000, val_fraction=0.1)
+    out = tmp_path / "shared"
+    with pytest.raises(SystemExit, match="no meta.part"):
+        data.merge(str(out))
+    for k in (2, 0):
+        part = data.convert([str(src)], str(out), shard_tokens=2000, val_fraction=0.1, part=f"{k}/3",
+                            workers=2 if k == 0 else 1)
+        assert part["part"] == k and (out / f"meta.part{k:03d}.json").exists()
+    with pytest.raises(SystemExit, match="part\\(s\\) 1/3 of 3 not converted yet"):
+        data.merge(str(out))
+    with pytest.raises(SystemExit, match="already holds token shards \\(meta.part002.json"):
+        data.convert([str(src)], str(out), shard_tokens=2000, val_fraction=0.1, part="2/3")
+    data.main(["convert", str(src), "--out", str(out), "--shard-tokens", "2000", "--val-fraction", "0.1", "--part",
+               "1/3", "--quiet"])
+    assert json.loads(capsys.readouterr().out)["part"] == 1
+    assert not list(out.glob("train_n000_*.mask"))  # part 0 holds the plain documents alone
+    data.main(["merge", str(out)])
+    merged = json.loads(capsys.readouterr().out)
+    assert merged["parts"] == 3 and not list(out.glob("meta.part*")) and (out / "meta.json").exists()
+    for key in ("train_tokens", "val_tokens", "train_target_tokens", "val_target_tokens", "documents", "examples",
+                "files", "max_token_id"):
+        assert one[key] == merged[key], key
+    assert all(p.with_suffix(".mask").exists() for p in out.glob("*_n*.bin"))  # merge wrote part 0's masks
+    for split in ("train", "val"):  # the same records, held out alike
+        got = [sorted(str((_text(t), m.tolist())) for t, m in _examples(*_tokens_and_masks(d, split), 0))
+               for d in (tmp_path / "one", out)]
+        assert got[0] == got[1]
+    with pytest.raises(SystemExit, match="already merged"):
+        data.merge(str(out))
+    # parts of other settings do not merge, and merge then writes nothing
+    other = tmp_path / "other"
+    data.convert([str(src)], str(other), shard_tokens=2000, val_fraction=0.1, part="0/2")
+    data.convert([str(src)], str(other), shard_tokens=3000, val_fraction=0.1, part="1/2")
+    before = sorted(p.name for p in other.iterdir())
+    with pytest.raises(SystemExit, match="meta.part001.json has another settings"):
+        data.merge(str(other))
+    assert sorted(p.name for p in other.iterdir()) == before
+    with pytest.raises(SystemExit, match="4 input file\\(s\\) cannot be split into 5 parts"):
+        data.convert([str(src)], str(tmp_path / "five"), part="0/5")
+    with pytest.raises(SystemExit, match="expected K/N"):
+        data.convert([str(src)], str(tmp_path / "five"), part="3")
+    # a part that fails removes its own shards, never another part's
+    (src / "qa1.jsonl").write_text((src / "qa1.jsonl").read_text() + '{"prompt": "no completion"}\n')
+    bad = tmp_path / "bad"
+    groups = [sorted(k for k, _ in g) for g in data._split_files(data._input_files([str(src)], "*"), 2)]
+    failing = next(i for i, g in enumerate(groups) if "src/qa1.jsonl" in g)
+    data.convert([str(src)], str(bad), shard_tokens=500, val_fraction=0.1, part=f"{1 - failing}/2")
+    kept = sorted(p.name for p in bad.iterdir())
+    with pytest.raises(SystemExit, match="qa1.jsonl:121"):
+        data.convert([str(src)], str(bad), shard_tokens=500, val_fraction=0.1, part=f"{failing}/2")
+    assert sorted(p.name for p in bad.iterdir()) == kept
