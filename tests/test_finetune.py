@@ -469,12 +469,25 @@ def test_tool_calls_are_trained_and_tool_results_are_context(tmp_path):
         data.convert([str(_write_jsonl(tmp_path / "bad.jsonl", [bad]))], str(tmp_path / "bad"), chat_template="chatml")
 
 
-def test_parallel_conversion_holds_the_same_records_and_cleans_up_after_an_error(tmp_path, capsys):
-    src = tmp_path / "src"
+def _qa_and_docs(src, n_docs: int):
+    """src/qa0-2.jsonl (120 arithmetic examples each) and src/docs.jsonl (n_docs plain documents)."""
     src.mkdir()
     for i in range(3):
         _write_jsonl(src / f"qa{i}.jsonl", _arithmetic(120, seed=i))
-    _write_jsonl(src / "docs.jsonl", [{"text": f"plain document {i}\n" * (i % 7 + 1)} for i in range(90)])
+    _write_jsonl(src / "docs.jsonl", [{"text": f"plain document {i}\n" * (i % 7 + 1)} for i in range(n_docs)])
+    return src
+
+
+def _assert_same_records(a, b):
+    """The two conversions hold the same examples and documents (in any order), held out alike."""
+    for split in ("train", "val"):
+        got = [sorted(str((_text(t), m.tolist())) for t, m in _examples(*_tokens_and_masks(d, split), 0))
+               for d in (a, b)]
+        assert got[0] == got[1], split
+
+
+def test_parallel_conversion_holds_the_same_records_and_cleans_up_after_an_error(tmp_path, capsys):
+    src = _qa_and_docs(tmp_path / "src", 90)
     one = data.convert([str(src)], str(tmp_path / "one"), shard_tokens=2000, val_fraction=0.1)
     two = data.convert([str(src)], str(tmp_path / "two"), shard_tokens=2000, val_fraction=0.1, workers=2,
                        progress=True)
@@ -483,10 +496,7 @@ def test_parallel_conversion_holds_the_same_records_and_cleans_up_after_an_error
                 "files", "max_token_id"):
         assert one[key] == two[key], key
     assert list((tmp_path / "two").glob("train_p001_*.bin")) and list((tmp_path / "two").glob("train_p000_*.mask"))
-    for split in ("train", "val"):  # the held-out records are chosen per record: the same ones
-        got = [sorted(str((_text(t), m.tolist())) for t, m in _examples(*_tokens_and_masks(tmp_path / d, split), 0))
-               for d in ("one", "two")]
-        assert got[0] == got[1]
+    _assert_same_records(tmp_path / "one", tmp_path / "two")  # the held-out records are chosen per record
     packed = data.convert([str(src)], str(tmp_path / "packed"), pack=64, shard_tokens=1000, workers=2)
     arrays, _, _ = data.load_shards(str(tmp_path / "packed"), "train")
     assert all(len(a) % 64 == 1 for a in arrays) and packed["pad_tokens"] > 0
@@ -505,11 +515,7 @@ def test_parts_converted_on_several_machines_merge_into_the_whole_conversion(tmp
     """convert --part K/N (one per machine, into one shared directory) and merge: the same records, held out alike,
     as one conversion; masks for the plain-document shards of a part without examples; merge refuses missing or
     mismatched parts and changes nothing then; a failing part removes only its own shards."""
-    src = tmp_path / "src"
-    src.mkdir()
-    for i in range(3):
-        _write_jsonl(src / f"qa{i}.jsonl", _arithmetic(120, seed=i))
-    _write_jsonl(src / "docs.jsonl", [{"text": f"plain document {i}\n" * (i % 7 + 1)} for i in range(300)])
+    src = _qa_and_docs(tmp_path / "src", 300)
     one = data.convert([str(src)], str(tmp_path / "one"), shard_tokens=2000, val_fraction=0.1)
     out = tmp_path / "shared"
     with pytest.raises(SystemExit, match="no meta.part"):
@@ -533,10 +539,7 @@ def test_parts_converted_on_several_machines_merge_into_the_whole_conversion(tmp
                 "files", "max_token_id"):
         assert one[key] == merged[key], key
     assert all(p.with_suffix(".mask").exists() for p in out.glob("*_n*.bin"))  # merge wrote part 0's masks
-    for split in ("train", "val"):  # the same records, held out alike
-        got = [sorted(str((_text(t), m.tolist())) for t, m in _examples(*_tokens_and_masks(d, split), 0))
-               for d in (tmp_path / "one", out)]
-        assert got[0] == got[1]
+    _assert_same_records(tmp_path / "one", out)
     with pytest.raises(SystemExit, match="already merged"):
         data.merge(str(out))
     # parts of other settings do not merge, and merge then writes nothing
