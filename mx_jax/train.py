@@ -33,7 +33,7 @@ import pathlib
 import re
 import sys
 import time
-from typing import Any
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -465,8 +465,8 @@ def _fmt_log(step: int, m: dict) -> str:
         per = [f"{k.split('/', 1)[1]} {v:.4f}" for k, v in m.items() if k.startswith("eval_loss/")]
         parts.append(f"eval {m['eval_loss']:.4f}" + (f" ({', '.join(per)})" if per else ""))
     if "choice_acc" in m:
-        per = [f"{k.split('/', 1)[1]} {100 * v:.1f}/{100 * m['choice_acc_norm/' + k.split('/', 1)[1]]:.1f}"
-               for k, v in m.items() if k.startswith("choice_acc/")]
+        names = [k.split("/", 1)[1] for k in m if k.startswith("choice_acc/")]  # several files: each one's
+        per = [f"{n} {100 * m['choice_acc/' + n]:.1f}/{100 * m['choice_acc_norm/' + n]:.1f}" for n in names]
         parts.append(f"choices {100 * m['choice_acc']:.1f}% (norm {100 * m['choice_acc_norm']:.1f}%"
                      + (f"; {', '.join(per)})" if per else ")"))
     parts += [f"gnorm {m['grad_norm']:.3f}", f"lr {m['lr']:.2e}"]
@@ -790,7 +790,7 @@ def read_metrics(dev_metrics: dict) -> dict:
 
 
 def _loop(cfg, setup, state, step, dataset, train_batches, ckpt, run_dir, resumed_at,
-          watch: preemption.PreemptionWatch, choice_sets: list[choices.ChoiceSet] = ()
+          watch: preemption.PreemptionWatch, choice_sets: Sequence[choices.ChoiceSet] = ()
           ) -> tuple[dict, dict, int | None]:
     """Train from `step` to cfg.steps; returns the state, the last logged metrics, and the step a SIGTERM stopped
     the run after (None if it ran to the end)."""
