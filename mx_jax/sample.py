@@ -55,7 +55,6 @@ import argparse
 import contextlib
 import functools
 import json
-import os
 import pathlib
 import sys
 import time
@@ -522,9 +521,7 @@ def _write_answers(records: list[dict], out: str | None, seconds: float) -> int:
     if out is None:
         sys.stdout.write(text)
     else:
-        part = pathlib.Path(out).with_name(pathlib.Path(out).name + ".partial")
-        part.write_text(text)
-        os.replace(part, out)
+        train._write_atomic(pathlib.Path(out), text)
     refs = [r for r in records if "exact" in r]
     exact = f"; exact answers {sum(r['exact'] for r in refs)}/{len(refs)}" if refs else ""
     print(f"sample: {len(records)} samples in {seconds:.1f} s{exact}{f' -> {out}' if out else ''}", file=sys.stderr)
