@@ -125,6 +125,7 @@ E4M3 = jnp.dtype(jnp.float8_e4m3fn)
 _KERNEL_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), *FP8_DTYPES)
 _OUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 _SMEM_BYTES = 227 * 1024  # Hopper opt-in shared memory per block
+SMALL_GROUP_ROWS = 64  # gmm with at most this many rows per group on average takes 64-row tiles first (`_pick`)
 _STAGING_BYTES = 32 * 1024  # epilogue staging per compute warpgroup when epi_tile_n is not given
 
 
@@ -208,13 +209,22 @@ def default_configs(dtype, op: Literal["gmm", "tgmm"] = "gmm") -> tuple[TileConf
     return tuple(x for c in tiles for x in (deep(c), c))
 
 
-def _pick(cover, dtype, config: TileConfig | None, op: Literal["gmm", "tgmm"]) -> tuple[TileConfig, str | None]:
+def _pick(cover, dtype, config: TileConfig | None, op: Literal["gmm", "tgmm"], small: bool = False
+          ) -> tuple[TileConfig, str | None]:
     """(config, None) for the given config or the first default that `cover(config)` accepts, else (the first
     default, its reason). On a Hopper GPU per device of a multi-device mesh, where collectives run beside the
-    kernels, the defaults take the dynamic schedule (the interpreter runs no inline PTX)."""
+    kernels, the defaults take the dynamic schedule (the interpreter runs no inline PTX).
+
+    `small` (`gmm` with at most SMALL_GROUP_ROWS rows per group on average, as when decoding): the 64x128 CTA tile
+    first. A group of a few rows costs a whole row tile of tensor-core work, so the 256-row tiles made 60 groups of
+    3 rows each (DeepSeekMoE's 64 experts, 32 decoded tokens) compute-bound: a routed layer (routing, sort, three
+    GEMMs) took 420 us on an H200 against 259 with 64-row tiles, and 374 against 222 for one token (6 groups), where
+    the narrower tiles also spread each GEMM's weight reads over more SMs (RESULTS.md, session 64)."""
     if config is not None:
         return config, cover(config)
     candidates = default_configs(dtype, op)
+    if small:
+        candidates = tuple(sorted(candidates, key=lambda c: c.cta_tile_m != 64))
     dynamic = compat.MGPU_TILE_QUEUE and device.on_hopper() and not compat.gpu_interpret_forced()
     if dynamic and device.per_device_of_many():
         candidates = tuple(dataclasses.replace(c, schedule="dynamic") for c in candidates)
@@ -222,6 +232,11 @@ def _pick(cover, dtype, config: TileConfig | None, op: Literal["gmm", "tgmm"]) -
         if cover(c) is None:
             return c, None
     return candidates[0], cover(candidates[0])
+
+
+def _small_groups(lhs: jax.Array, rhs: jax.Array) -> bool:
+    """`_pick`'s `small` for gmm(lhs (M, K), rhs (E, ...))."""
+    return lhs.shape[0] <= SMALL_GROUP_ROWS * rhs.shape[0]
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -1028,7 +1043,8 @@ def gmm_pallas(
     config None: the first of `default_configs` that covers the problem.
     `interpret`: None on the GPU, or a `compat.InterpretGPUParams` to run the kernel on CPU."""
     scales = _scale_args(lhs_scale, rhs_scale)
-    config, reason = _pick(_gmm_cover_fn(lhs, rhs, transpose_rhs, out_dtype, bool(scales)), lhs.dtype, config, "gmm")
+    config, reason = _pick(_gmm_cover_fn(lhs, rhs, transpose_rhs, out_dtype, bool(scales)), lhs.dtype, config, "gmm",
+                           _small_groups(lhs, rhs))
     if reason is not None:
         raise NotImplementedError(f"gmm_pallas: {reason}")
     m = lhs.shape[0]
@@ -1239,7 +1255,7 @@ def gmm(
     kw = dict(transpose_rhs=transpose_rhs, lhs_scale=lhs_scale, rhs_scale=rhs_scale, out_dtype=out_dtype)
     if impl == "auto":
         cover = _gmm_cover_fn(lhs, rhs, transpose_rhs, out_dtype, lhs_scale is not None)
-        _, reason = _pick(cover, lhs.dtype, config, "gmm")
+        _, reason = _pick(cover, lhs.dtype, config, "gmm", _small_groups(lhs, rhs))
         impl = "pallas" if reason is None and device.kernels_apply() else "xla"
     if impl == "pallas":
         return gmm_pallas(lhs, rhs, group_sizes, config=config, **kw)

@@ -451,6 +451,20 @@ def test_grouped_gemms_take_the_dynamic_schedule_per_device_of_a_mesh(monkeypatc
     assert "dynamic schedule" in gmm_cover(dataclasses.replace(alone, schedule="dynamic", cluster="n"))
 
 
+@pytest.mark.parametrize("rows,experts,tile_m", [(256, 64, 64), (4096, 64, 64), (8192, 64, 256), (49152, 8, 256)],
+                         ids=["decode_1", "decode_64", "prefill", "8_experts"])
+def test_gmm_takes_64_row_tiles_for_groups_of_few_rows(rows, experts, tile_m):
+    """A gmm with at most 64 rows per group on average (a decoding step's routed tokens) takes the first 64-row
+    default that covers it; training-sized groups keep the 256-row tiles (DeepSeekMoE's expert dims: N = 1408 is
+    no multiple of 256, so the wide default falls to the 256 x 128 tile)."""
+    x, w = _S((rows, 2048), jnp.bfloat16), _S((experts, 2048, 1408), jnp.bfloat16)
+    config, reason = gm._pick(gm._gmm_cover_fn(x, w, False, jnp.bfloat16, False), x.dtype, None, "gmm",
+                              gm._small_groups(x, w))
+    assert reason is None and config.cta_tile_m == tile_m
+    if tile_m == 64:
+        assert (config.tile_m, config.cta_tile_n, config.stages) == (64, 128, 4)
+
+
 def test_pallas_refuses_uncovered_shapes():
     x, w = _inputs(18, (M - 8, K), (E, K, N))
     with pytest.raises(NotImplementedError, match="multiples of"):
