@@ -11,6 +11,8 @@ copies of a random prompt of P tokens, greedy. Per row of the table:
   the whole window of P + tokens positions (rounded up to 128), right-padded, the next token read at its position
   (ms per step, timed over 8 steps after a compiled one);
 - "bound": the step's bytes at 4.8 TB/s (H200 HBM): every GEMM weight once, plus the cache's keys and values once;
+  of a MoE model's routed experts only the share that B tokens choose under uniform routing, 1 - (1 - k/E)^B
+  (an estimate: random weights route unevenly, onto fewer experts, so a MoE step can beat it);
 - tokens/s of both, B / step time, and the share of the first 9 greedy tokens both paths drew alike (random
   weights give nearly flat logits, so bf16 rounding differences between the two attention paths can flip a few),
   and the largest difference of the prefill's last logits from a forward over the prompt, relative to the largest
@@ -20,6 +22,7 @@ copies of a random prompt of P tokens, greedy. Per row of the table:
 from __future__ import annotations
 
 import argparse
+import re
 import tempfile
 import time
 
@@ -80,7 +83,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--no-baseline", action="store_true", help="skip the no-cache rows")
     ap.add_argument("--profile", type=int, default=0, help="trace this many steps of the first batch size and "
-                    "print where their device time went (mx_jax.profiling.summarize)")
+                    "print where their device time went (mx_jax.profiling.summarize; the prefill is traced too)")
+    ap.add_argument("--top", type=int, default=15, help="with --profile: how many of the longest ops to list")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
     train.apply_default_xla_flags()
@@ -92,6 +96,8 @@ def main() -> None:
         setup = train.build(cfg, mesh)
         params, buffers = random_state(setup)
         weight_bytes = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(params) if a.ndim >= 2)
+        expert_bytes = sum(a.size * a.dtype.itemsize for path, a in jax.tree_util.tree_flatten_with_path(params)[0]
+                           if re.search(r"\['moe'\]\['w_(gate|up|down)'\]", jax.tree_util.keystr(path)))
         decoder = sample.Decoder(setup, params, buffers, temperature=0)
         old = None if args.no_baseline else no_cache_step(setup)
         m = cfg.model
@@ -103,7 +109,12 @@ def main() -> None:
             step_ms = 1e3 * stats["decode_s"] / stats["steps"]
             length = -(-(len(prompt) + args.tokens) // 128) * 128
             cache_bytes = 2 * m.n_layers * b * length * m.n_kv_heads * m.d_head * 2
-            bound_ms = 1e3 * (weight_bytes + cache_bytes) / HBM_BYTES_PER_S
+            if expert_bytes:  # the routed experts B tokens choose on average, if they chose uniformly
+                e, k = m.moe.n_experts, m.moe.top_k
+                read = weight_bytes - expert_bytes * (1 - k / e) ** b
+            else:
+                read = weight_bytes
+            bound_ms = 1e3 * (read + cache_bytes) / HBM_BYTES_PER_S
             row = [cfg.model.n_layers, b, args.prompt, length, 1e3 * stats["prefill_s"], step_ms, bound_ms,
                    b * 1e3 / step_ms]
             if old is not None:
@@ -124,7 +135,8 @@ def main() -> None:
                 trace_dir = tempfile.mkdtemp(prefix="bench_decode_")
                 with jax.profiler.trace(trace_dir):
                     decoder.run([prompt] * b, args.profile + 1)
-                print("\n".join(profiling.summarize(profiling.latest_trace(trace_dir), args.profile, 15)), flush=True)
+                lines = profiling.summarize(profiling.latest_trace(trace_dir), args.profile, args.top)
+                print("\n".join(lines), flush=True)
     print(f"\n{args.config} {' '.join(args.overrides)}: weights {weight_bytes / 1e9:.1f} GB (bf16 GEMM weights), "
           f"prompt {args.prompt}, {args.tokens} tokens, greedy")
     head = "| layers | B | P | S | prefill ms | cache: ms/step | bound ms | tokens/s |"

@@ -839,11 +839,11 @@ def dispatch_combine(x: jax.Array, idx: jax.Array, g: jax.Array, keep: jax.Array
     if axis is None:
         out = ffn(x, jnp.where(eid >= 0, eid, e_l).reshape(-1), fan_out=k)
         zero = jnp.zeros((), jnp.int32)
-        return _combine(out, g, x.dtype), {"rows_cross_node": zero, "rows_intra_node": zero,
+        return combine(out, g, x.dtype), {"rows_cross_node": zero, "rows_intra_node": zero,
                                            "overflow": jnp.zeros((), jnp.float32)}
     if method == "flat":
         out, traffic = _flat(x, eid, ffn, axis, gpus_per_node, exchange_method, a2a_impl, capacity, buffer_factor)
-        return _combine(out, g, x.dtype), traffic
+        return combine(out, g, x.dtype), traffic
     return _hierarchical(x, eid, g, ffn, axis, gpus_per_node, exchange_method, a2a_impl, capacity, buffer_factor)
 
 
@@ -866,7 +866,7 @@ def compact_rows(tokens: int, k: int, factor: float) -> int:
     return math.ceil(factor * tokens * k) if factor > 0 else 0
 
 
-def _combine(out: jax.Array, g: jax.Array, dtype) -> jax.Array:
+def combine(out: jax.Array, g: jax.Array, dtype) -> jax.Array:
     """out (n k, D) expert outputs per assignment, g (n,k) -> sum_j g_j out_j (n,D), accumulated in float32."""
     n, k = g.shape
     y = out.reshape(n, k, -1).astype(jnp.float32) * g[..., None].astype(jnp.float32)

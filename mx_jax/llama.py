@@ -158,7 +158,7 @@ class Block(nnx.Module):
         a, cache = self.attn.decode(self.attn_norm(x), pos, inv_freq, cache, layer)
         x = x + a
         # one GEMM per weight (Attention.decode says why)
-        y = self.moe(self.mlp_norm(x), fused=False)[0] if hasattr(self, "moe") else self.mlp(self.mlp_norm(x), False)
+        y = self.moe.decode(self.mlp_norm(x)) if hasattr(self, "moe") else self.mlp(self.mlp_norm(x), False)
         return x + y, cache
 
 

@@ -22,6 +22,9 @@ Balancing, each optional:
 Capacity: dropless by default. With capacity_factor c > 0, each expert keeps at most ceil(c N k / E) of each
 device's assignments (in token order) and the rest are dropped (weight 0), as in GShard.
 
+Decoding (`MoE.decode`): a step of a few tokens with fine-grained experts reads each assignment's expert weights by
+index instead of sorting rows for the grouped GEMM; same values, fewer kernels.
+
 Expert parallelism: the layer body runs per device inside `shard_map` over the whole mesh (routing and sorting
 are local), and the rows for experts on other devices travel through mx_jax.dispatch over the `expert` axis.
 Statistics (f, P, loads, z-loss) are summed over every mesh axis, so losses and gradients do not depend on the
@@ -39,9 +42,12 @@ from jax.sharding import PartitionSpec as P
 
 from mx_jax import dispatch, sharding
 from mx_jax.config import ModelConfig
-from mx_jax.layers import SwiGLU, _param, weight_and_operands
+from mx_jax.layers import SwiGLU, _param, swiglu, weight_and_operands
 
 
+# MoE.decode reads experts by index where their weight matrices have at most this many elements (d_model x d_expert:
+# DeepSeekMoE 16B's 2.9 M yes, DeepSeek-V3's 14.7 M and Mixtral's 58.7 M no; measured crossover, see MoE.decode)
+BY_INDEX_ELEMENTS = 1 << 22
 STATS = ("aux_loss", "z_loss", "load", "dropped", "rows_cross_node", "rows_intra_node", "ep_overflow")
 
 
@@ -111,6 +117,48 @@ class MoE(nnx.Module):
         if self.shared is not None:
             y = y + self.shared(x, fused)
         return y, stats
+
+    def decode(self, x: jax.Array) -> jax.Array:
+        """x (B,T,D) -> y (B,T,D): `__call__`'s output without its statistics, for a decoding step.
+
+        Fine-grained experts (each weight matrix at most BY_INDEX_ELEMENTS elements) take another path when the
+        step's B T k assignments are no more than the experts: each assignment reads its expert's weights by
+        index (`_by_index`: XLA fuses the gather into a multiply-reduce per projection, no copy), instead of
+        sorting rows into the grouped GEMM, whose bookkeeping (sort, row layout, tile lists) costs ~150 us per
+        layer whatever the rows. The fused reductions stream large matrices at only ~1.4 TB/s, so wide experts
+        stay on the grouped GEMM. Per layer on an H200 (RESULTS.md, session 64), by index against grouped:
+        DeepSeekMoE 16B (2048 x 1408) 71 / 200 us for 1 token, 137 / 314 for 4, 232 / 268 for 8, 425 / 344 for 16;
+        Mixtral (4096 x 14336) 544 / 308 for 1 token; DeepSeek-V3 (7168 x 2048) 551 / 345 for 1 token.
+        The same values as `__call__` (capacity drops included) on one device; elsewhere, or under another
+        recipe, `__call__` runs."""
+        b, t, d = x.shape
+        m = self.cfg
+        mesh = jax.sharding.get_abstract_mesh()
+        fine = math.prod(self.expert_dims) <= BY_INDEX_ELEMENTS
+        if (not fine or self.recipe != "bf16" or b * t * m.top_k > m.n_experts
+                or not (mesh.empty or mesh.size == 1)):
+            return self(x, fused=False)[0]
+        y = self._by_index(x.reshape(b * t, d)).reshape(b, t, d)
+        if self.shared is not None:
+            y = y + self.shared(x, False)
+        return y
+
+    def _by_index(self, xt: jax.Array) -> jax.Array:
+        """The routed experts of tokens xt (n,D), each assignment's weights gathered by its expert id."""
+        m = self.cfg
+        n = xt.shape[0]
+        logits = jnp.dot(xt.astype(jnp.float32), self.router[...].astype(jnp.float32))
+        _, idx, g = route(logits, self.bias[...], m.top_k, m.score, m.normalize_top_k)
+        if m.capacity_factor > 0:
+            g = jnp.where(capacity_keep(idx, m.n_experts, math.ceil(m.capacity_factor * n * m.top_k / m.n_experts)),
+                          g, 0.0)
+        flat = idx.reshape(-1)  # (n k,) token-major, as dispatch's assignments
+        xr = jnp.repeat(xt, m.top_k, axis=0)
+        w_gate, w_up, w_down = (w[...][flat].astype(xt.dtype) for w in (self.w_gate, self.w_up, self.w_down))
+        # float32 sums, then the dtype, as the grouped GEMM's (a dot rewritten as a reduction would sum in bf16)
+        dot = lambda spec, a, w: jnp.einsum(spec, a, w, preferred_element_type=jnp.float32).astype(xt.dtype)
+        h = swiglu(dot("rd,rdf->rf", xr, w_gate), dot("rd,rdf->rf", xr, w_up)).astype(xt.dtype)
+        return dispatch.combine(dot("rf,rfd->rd", h, w_down), g, xt.dtype)
 
     def _local(self, x, w_router, bias, w_gate, w_up, w_down, ops, *, axes: tuple[str, ...]):
         """One device's tokens. x (b,t,D); expert weights (E_local, ...). `axes`: mesh axes to reduce statistics over."""

@@ -1,6 +1,7 @@
 """MoE: routing math, and expert parallelism that changes nothing: same loss and gradients on every mesh."""
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -935,3 +936,43 @@ def test_gpu_ragged_exchange_equals_the_dense_one(method):
     for a, b in zip(grads_ragged, grads_dense, strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
     assert np.abs(y_dense).sum() > 0 and np.abs(grads_dense[0]).sum() > 0
+
+
+@pytest.mark.parametrize("routing,capacity_factor,n_shared", [("random", 0.0, 1), ("crowded", 0.0, 0),
+                                                             ("crowded", 1.0, 1)])
+def test_decode_reads_experts_by_index_with_the_layers_values(routing, capacity_factor, n_shared):
+    """MoE.decode with fine-grained experts and no more assignments than experts (3 tokens x top-2 of 8) gathers
+    each assignment's expert weights instead of sorting rows (no sort in its program), and gives `__call__`'s
+    output: shared experts added, and under a capacity the same drops ("crowded": every token picks experts 0 and
+    1, and with capacity ceil(1.0 * 3 * 2 / 8) = 1 only the first token keeps them). More assignments, or experts
+    as wide as Mixtral's, take the grouped GEMM."""
+    from mx_jax.moe import MoE
+
+    cfg = load_config(None, MOE + [f"model.moe.capacity_factor={capacity_factor}",
+                                   f"model.moe.n_shared={n_shared}"]).model
+    layer = MoE(cfg, "bf16", "xla", {"w_gate": "bf16", "w_up": "bf16", "w_down": "bf16"}, rngs=nnx.Rngs(3))
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((1, 3, cfg.d_model)).astype(np.float32)
+    layer.router.value = jnp.asarray(rng.standard_normal(layer.router.value.shape).astype(np.float32))
+    if routing == "crowded":
+        router = np.zeros(layer.router.value.shape, np.float32)
+        router[0, :2] = 1.0
+        layer.router.value = jnp.asarray(router)
+        x[..., 0] = 4.0
+    for w in (layer.w_gate, layer.w_up, layer.w_down):  # init_std 0.02 would leave the outputs near zero
+        w.value = w.value * 20
+    x = jnp.asarray(x)
+    sorts = lambda x: re.search(r"\bsort\[", str(jax.make_jaxpr(layer.decode)(x)))  # the sort primitive
+    assert not sorts(x)
+    with jax.default_matmul_precision("highest"):  # no TF32 on a GPU
+        want, _ = jax.jit(lambda x: layer(x))(x)
+        got = jax.jit(layer.decode)(x)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5 * float(jnp.max(abs(want))))
+    if capacity_factor:  # tokens 1 and 2 lost both routed experts: what remains is the shared expert's output
+        with jax.default_matmul_precision("highest"):
+            shared = np.asarray(layer.shared(x))
+        np.testing.assert_allclose(np.asarray(got)[0, 1:], shared[0, 1:], rtol=1e-5, atol=1e-6)
+    wide = jnp.asarray(rng.standard_normal((1, 5, cfg.d_model)).astype(np.float32))  # 10 assignments > 8 experts
+    assert sorts(wide)
+    layer.expert_dims = (cfg.d_model, 1 << 22)  # as wide as Mixtral's: the grouped GEMM
+    assert sorts(x)
