@@ -5,10 +5,12 @@
 
 The model is the config's with random weights (bench_decode.random_state). The records are synthetic: a context of
 `--context` random tokens and 4 choices of `--choice` random tokens each, so a row is context + choice, right-padded
-to a multiple of 128. Rows per second of `choices.score` at each batch size (compiled beforehand), and of the plain
-way without batching: each context + choice alone through the model, one jitted forward per distinct length (all
-lengths are equal here, so one compile), its log-probabilities summed on the host. The last column is the largest
-difference between the two paths' scores.
+to a multiple of 128. Rows (choices) per second of `choices.score` at each batch size (compiled beforehand); of
+`choices.CachedScorer` with as many records per batch (each context once into a KV cache, then every choice against
+it; its last column: the largest difference from `choices.score`'s scores); and of the plain way without batching:
+each context + choice alone through the model, one jitted forward per distinct length (all lengths are equal here,
+so one compile), its log-probabilities summed on the host (its last column: the largest difference from
+`choices.score`'s).
 """
 
 from __future__ import annotations
@@ -63,7 +65,15 @@ def main() -> None:
             choices.score(step, params, buffers, cs, b)  # compiles
             t0 = time.perf_counter()
             got = choices.score(step, params, buffers, cs, b)
-            rows.append((b, cs.inputs.shape[1], cs.rows / (time.perf_counter() - t0)))
+            rows.append(("choices.score", b, cs.inputs.shape[1], cs.rows / (time.perf_counter() - t0), ""))
+        cached = choices.CachedScorer(setup.graphdef, cfg.model)
+        for b in map(int, args.batch.split(",")):
+            cached.score(params, buffers, cs, b)  # compiles
+            t0 = time.perf_counter()
+            by_cache = cached.score(params, buffers, cs, b)
+            diff = float(np.max(np.abs(by_cache[:cs.rows] - got[:cs.rows])))
+            rows.append(("CachedScorer", f"{b} records", f"{args.context} + {args.choice}",
+                         cs.rows / (time.perf_counter() - t0), f"{diff:.3f}"))
         model = lambda p, bu, t: nnx.merge(setup.graphdef, p, bu)(t, logits_dtype=jnp.float32)[0]  # noqa: E731
         forward = jax.jit(lambda p, bu, t: jax.nn.log_softmax(model(p, bu, t), axis=-1))
         want, t0 = [], None
@@ -81,9 +91,9 @@ def main() -> None:
     err = float(np.max(np.abs(np.asarray(want) - got[:len(want)])))
     print(f"\n{args.config} {' '.join(args.overrides)}: {args.records} records x 4 choices, context {args.context} "
           f"and choice {args.choice} tokens, random weights")
-    print("| path | rows per forward | row length | rows/s | max score difference |\n|---|---|---|---|---|")
-    for b, t, r in rows:
-        print(f"| choices.score | {b} | {t} | {r:,.1f} | |")
+    print("| path | batch | row length | choices/s | max score difference |\n|---|---|---|---|---|")
+    for path, b, t, r, d in rows:
+        print(f"| {path} | {b} | {t} | {r:,.1f} | {d} |")
     print(f"| one forward per choice | 1 | {args.context + args.choice - 1} | {alone:,.1f} | {err:.3f} |")
 
 

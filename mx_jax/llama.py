@@ -339,12 +339,14 @@ class Llama(nnx.Module):
             logits = sharding.constrain(logits, ("head_batch", "seq", "head_vocab"))
         return logits.astype(logits_dtype), stats
 
-    def decode(self, tokens: jax.Array, cache: dict, index: jax.Array, first: jax.Array) -> tuple[jax.Array, dict]:
+    def decode(self, tokens: jax.Array, cache: dict, index: jax.Array, first: jax.Array, *,
+               every_position: bool = False) -> tuple[jax.Array, dict]:
         """tokens (B,T) at cache positions index .. index+T-1 -> (float32 logits (B,V) after the last of them, the
         cache with their keys and values). Row b's text starts at position first[b] (B,): the rows are left-padded
         to a common length, and a token sees the positions from its row's first to its own (it and the padding see
         themselves only). RoPE scores depend on position differences only, so a left-padded row decodes as it would
-        alone. One device, no context parallelism; mx_jax/sample.py runs it."""
+        alone. every_position: the logits after each of the T tokens, (B,T,V) in the compute dtype (mx_jax.choices
+        scores continuations so). One device or tensor-parallel, no context parallelism; mx_jax/sample.py runs it."""
         cfg = self.cfg
         t, length = tokens.shape[1], jax.tree.leaves(cache)[0].shape[-3]
         here = index + jnp.arange(t)  # (T,)
@@ -357,9 +359,9 @@ class Llama(nnx.Module):
         if hasattr(self, "dense_blocks"):
             x, new["dense_blocks"] = _decode_stack(self.dense_blocks, x, pos, inv_freq, cache["dense_blocks"])
         x, new["blocks"] = _decode_stack(self.blocks, x, pos, inv_freq, cache["blocks"])
-        x = self.final_norm(x[:, -1:])
+        x = self.final_norm(x if every_position else x[:, -1:])
         logits = linear(x, self.head, self.head_recipe, self.quant_impl, cfg.grad_reduce_dtype)
-        return logits[:, 0].astype(jnp.float32), new
+        return (logits if every_position else logits[:, 0].astype(jnp.float32)), new
 
 
 def moe_loss(cfg: ModelConfig, stats: dict) -> jax.Array:

@@ -47,7 +47,8 @@ rate that way:
     python -m mx_jax.sample runs/sft --prompts held_out.jsonl --out answers.jsonl --temperature 0 --tokens 256
 
 `--choices FILE` samples nothing: it prints the checkpoint's accuracy on a file of multiple-choice records, scored by
-log-likelihood (mx_jax/choices.py), `--batch` rows per forward.
+log-likelihood (mx_jax/choices.py), `--batch` records at a time, each context run once into a KV cache and every
+choice against it (`choices.CachedScorer`).
 """
 
 from __future__ import annotations
@@ -385,7 +386,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--choices", help="JSON-lines files of multiple-choice records, comma-separated "
                     "(mx_jax/choices.py): print the model's accuracy on each instead of sampling")
     ap.add_argument("--out", help="with --prompts: the JSON-lines file to write (default: standard output)")
-    ap.add_argument("--batch", type=int, default=16, help="with --prompts: rows decoded together")
+    ap.add_argument("--batch", type=int, default=16,
+                    help="with --prompts: rows decoded together; with --choices: records scored together")
     ap.add_argument("--text-key", default="text", help="with --prompts: the field of plain-text prompts")
     ap.add_argument("--devices", type=int, default=1, help="split the model over this many local devices (each "
                     "weight along its heads, hidden or vocabulary dimension; dense models)")
@@ -474,13 +476,13 @@ def main(argv: list[str] | None = None) -> int:
             decoder = Decoder(setup, params, buffers, vocab_limit=vocab_limit, temperature=args.temperature,
                               top_k=args.top_k, cache_sharding=split and split[2])
             if args.choices is not None:
-                step = choices.make_step(setup.graphdef, cfg.model.compute_dtype)
+                scorer = choices.CachedScorer(setup.graphdef, cfg.model, split and split[2])
                 for cs in sets:
                     t0 = time.perf_counter()
-                    acc = choices.accuracy(cs, choices.score(step, params, buffers, cs, args.batch))
+                    acc = choices.accuracy(cs, scorer.score(params, buffers, cs, args.batch))
                     print(f"{cs.path}: {cs.records} records, accuracy {100 * acc['choice_acc']:.2f}% (per "
-                          f"character: {100 * acc['choice_acc_norm']:.2f}%), {cs.rows} rows of {cs.inputs.shape[1]} "
-                          f"tokens scored in {time.perf_counter() - t0:.1f} s")
+                          f"character: {100 * acc['choice_acc_norm']:.2f}%), {cs.rows} choices scored in "
+                          f"{time.perf_counter() - t0:.1f} s")
                 return 0
             if args.prompts is not None:
                 t0 = time.perf_counter()

@@ -151,3 +151,40 @@ def test_choice_scores_under_context_parallelism_equal_one_device(tmp_path):
             (cs,) = train.load_choices(cfg, mesh.shape["context"])
             scores.append(train.make_choice_scores(setup, cs)(train.init_state(setup))[:cs.rows])
     np.testing.assert_allclose(scores[0], scores[1], rtol=1e-5, atol=1e-4)
+
+
+def _varied_records(n: int, seed: int = 0) -> list[dict]:
+    """Records with contexts of 20-300 letters and 2-5 choices of 1-20, so that batches differ in width."""
+    rng = np.random.default_rng(seed)
+    text = lambda lo, hi: "".join(chr(97 + c) for c in rng.integers(0, 26, int(rng.integers(lo, hi))))
+    return [{"context": text(20, 300), "choices": [" " + text(1, 20) for _ in range(2 + i % 4)], "answer": 0}
+            for i in range(n)]
+
+
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_cached_scorer_gives_the_row_forwards_scores(tmp_path, moe):
+    """choices.CachedScorer (a batch's contexts once into a KV cache, then each choice against it) scores every
+    choice as the rows' forward does: contexts of 20-300 tokens (left-padded to 128 or 384), 2-5 choices, 7 records
+    in batches of 3 (the last padded); a dense model also split over 2 devices (`sample.tensor_parallel`). Weights
+    drawn with std 0.5, so that the scores depend on the context."""
+    from mx_jax.llama import with_compute
+
+    path = _write(tmp_path / "c.jsonl", _varied_records(7))
+    extra = ["model.moe.n_experts=4", "model.moe.top_k=2", "model.moe.score=sigmoid"] if moe else []
+    cfg = tiny_config(tmp_path, "data.seq_len=512", "mesh.data=1", "mesh.fsdp=1", "model.init_std=0.5", *extra)
+    mesh = sharding.make_mesh(cfg.mesh, jax.devices()[:1])
+    cs = choices.load(path, _byte, 256, cfg.data.seq_len, batch=4)
+    with jax.set_mesh(mesh), jax.default_matmul_precision("highest"):  # no TF32 on a GPU
+        setup = train.build(cfg, mesh)
+        state = train.init_state(setup)
+        params, buffers = with_compute(state["params"], state["compute"]), state["buffers"]
+        rows = choices.score(choices.make_step(setup.graphdef, jnp.float32), params, buffers, cs, 4)[:cs.rows]
+        cached = choices.CachedScorer(setup.graphdef, cfg.model).score(params, buffers, cs, 3)[:cs.rows]
+    assert np.ptp(rows) > 5
+    np.testing.assert_allclose(cached, rows, rtol=1e-5, atol=1e-4)
+    if not moe:
+        split = sample.tensor_parallel(setup, jax.devices()[:2])
+        params, buffers = jax.device_put(params, split[0]), jax.device_put(buffers, split[1])
+        with jax.default_matmul_precision("highest"):
+            on_two = choices.CachedScorer(setup.graphdef, cfg.model, split[2]).score(params, buffers, cs, 3)[:cs.rows]
+        np.testing.assert_allclose(on_two, rows, rtol=1e-5, atol=1e-4)
