@@ -308,8 +308,8 @@ def test_linear_per_device_under_a_mesh(layout, recipe):
         assert "shard_map" not in str(jax.make_jaxpr(f)(*odd[:1], ws, *odd[1:]))
         got_odd = f(odd[0], ws, odd[1])
     want_odd = jax.jit(lambda x, w, g: vjp(recipe, "auto", x, w, g))(odd[0], w, odd[1])
-    for a, b in zip(got_odd, want_odd):
-        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=1e-6, atol=1e-6)
+    for a, b in zip(got_odd, want_odd):  # (float32 sums in another order: grad_w's over 8 devices' tokens)
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=1e-5, atol=1e-5)
     for i, (a, b, ref) in enumerate(zip(got, one, refs)):
         assert a.dtype == b.dtype and a.shape == b.shape
         if recipe != "fp8_tensorwise" and i < 2:
