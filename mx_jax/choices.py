@@ -16,8 +16,9 @@ by length alone). The context and each choice are tokenized on their own (a choi
 as those tasks write them) and joined; a row is the context's tokens then the choice's, right-padded, its targets
 the choice's tokens only (data.IGNORED elsewhere), so one forward over a batch of rows gives every score (causal
 attention: the padding after a row's end never reaches its logits). A context too long for the row keeps its end.
-Rows have one length for the whole file, the longest rounded up to a multiple of 128 (128 C under context
-parallelism over C devices, whose zigzag chunks split it in 2 C) and at most data.seq_len.
+Rows are at most the file's longest rounded up to a multiple of 128 (128 C under context parallelism over C
+devices, whose zigzag chunks split it in 2 C) and data.seq_len; a batch of rows runs cut to its own longest,
+rounded likewise, the rows taken longest first.
 
 `python -m mx_jax.sample RUN --choices FILE` gives the same scores with each context run once (`CachedScorer`):
 a batch of records' contexts fill a KV cache, and each choice then runs against it.
@@ -57,6 +58,7 @@ class ChoiceSet:
     chars: np.ndarray
     answers: np.ndarray
     rows: int
+    multiple: int = ROW_MULTIPLE  # a batch's rows are cut to a multiple of this many tokens (`score`)
     # per record: the context's tokens (kept as the rows keep it: its end, where it is too long) and each choice's
     contexts: tuple[np.ndarray, ...] = ()
     continuations: tuple[tuple[np.ndarray, ...], ...] = ()
@@ -64,6 +66,12 @@ class ChoiceSet:
     @property
     def records(self) -> int:
         return len(self.answers)
+
+    @property
+    def lengths(self) -> np.ndarray:
+        """(R,) each row's used tokens: up to its last target (0 for the padding rows)."""
+        used = self.targets >= 0
+        return np.where(used.any(axis=1), self.targets.shape[1] - np.argmax(used[:, ::-1], axis=1), 0)
 
 
 def _field(obj: dict, keys: tuple[str, ...], where: str):
@@ -138,7 +146,7 @@ def load(path: str | pathlib.Path, encode: Callable[[str], list[int]], vocab_siz
     kept = tuple(np.asarray(ctx[-(t_len + 1 - max(map(len, ids))):], np.int32)
                  for ctx, (ids, _) in zip(contexts, conts))
     continuations = tuple(tuple(np.asarray(t, np.int32) for t in ids) for ids, _ in conts)
-    return ChoiceSet(str(path), inputs, targets, record, chars, np.asarray(answers, np.int32), n_rows, kept,
+    return ChoiceSet(str(path), inputs, targets, record, chars, np.asarray(answers, np.int32), n_rows, multiple, kept,
                      continuations)
 
 
@@ -172,16 +180,24 @@ def make_step(graphdef, compute_dtype, shardings: tuple | None = None):
 
 def score(step, params, buffers, cs: ChoiceSet, batch: int, sharding=None) -> np.ndarray:
     """(R,) every row's score, `batch` rows per call of `step` (placed with `sharding` from the host rows, which
-    every process holds whole)."""
+    every process holds whole). The rows go longest first, and each call's are cut to its longest rounded up to
+    cs.multiple tokens: a file whose lengths vary runs short rows short (one compile of `step` per width; causal
+    attention, so the cut padding changed nothing before it)."""
     import jax
 
-    out = []
-    for i in range(0, len(cs.inputs), batch):
-        x, y = cs.inputs[i:i + batch], cs.targets[i:i + batch]
+    used = cs.lengths
+    order = np.argsort(-used, kind="stable")
+    out, pending = np.zeros(len(cs.inputs), np.float32), []
+    for i in range(0, len(order), batch):
+        rows = order[i:i + batch]
+        width = min(cs.inputs.shape[1], max(1, math.ceil(used[rows].max() / cs.multiple)) * cs.multiple)
+        x, y = cs.inputs[rows, :width], cs.targets[rows, :width]
         if sharding is not None:
             x, y = (jax.make_array_from_callback(a.shape, sharding, lambda idx, a=a: a[idx]) for a in (x, y))
-        out.append(step(params, buffers, x, y))
-    return np.concatenate([np.asarray(o) for o in out])
+        pending.append((rows, step(params, buffers, x, y)))  # read back after all are dispatched
+    for rows, got in pending:
+        out[rows] = np.asarray(got)
+    return out
 
 
 class CachedScorer:

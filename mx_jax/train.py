@@ -714,8 +714,8 @@ def train(cfg: TrainConfig, devices: list[jax.Device] | None = None) -> TrainRes
                 if watch.note:
                     log(f"note   | SIGTERM stops the run without a final checkpoint: {watch.note}")
                 for cs in choice_sets:
-                    log(f"eval   | {cs.records} multiple-choice records ({cs.rows} rows of {cs.inputs.shape[1]} "
-                        f"tokens) from {cs.path} at every evaluation")
+                    log(f"eval   | {cs.records} multiple-choice records ({cs.rows} rows of at most "
+                        f"{cs.inputs.shape[1]} tokens) from {cs.path} at every evaluation")
                 state, last, stopped_at = _loop(cfg, setup, state, step, dataset, train_batches, ckpt, run_dir,
                                                 resumed_at=start, watch=watch, choice_sets=choice_sets)
         finally:

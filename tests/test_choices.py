@@ -110,7 +110,7 @@ def test_the_trainer_scores_choices_at_each_eval_on_its_mesh_as_sample_does_on_o
         assert 0 <= m[f"{k}/c"] <= 1 and 0 <= m[f"{k}/d"] <= 1
         assert m[k] == pytest.approx((m[f"{k}/c"] + m[f"{k}/d"]) / 2)
     out = capsys.readouterr().out
-    assert "9 multiple-choice records (27 rows of 32 tokens)" in out and "2 multiple-choice records" in out
+    assert "9 multiple-choice records (27 rows of at most 32 tokens)" in out and "2 multiple-choice records" in out
     assert f"| choices {100 * m['choice_acc']:.1f}% (norm {100 * m['choice_acc_norm']:.1f}%; c " in out
     logged = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert logged[-1]["choice_acc/d"] == m["choice_acc/d"]
@@ -188,3 +188,28 @@ def test_cached_scorer_gives_the_row_forwards_scores(tmp_path, moe):
         with jax.default_matmul_precision("highest"):
             on_two = choices.CachedScorer(setup.graphdef, cfg.model, split[2]).score(params, buffers, cs, 3)[:cs.rows]
         np.testing.assert_allclose(on_two, rows, rtol=1e-5, atol=1e-4)
+
+
+def test_rows_run_cut_to_each_batchs_longest(tmp_path):
+    """choices.score takes the rows longest first and cuts each batch to its longest row rounded up to 128 tokens:
+    a file of contexts of 20-300 tokens runs batches 384, 256 and 128 tokens wide, with the scores of its whole
+    rows (384 tokens) in file order."""
+    from mx_jax.llama import with_compute
+
+    cs = choices.load(_write(tmp_path / "c.jsonl", _varied_records(12, seed=1)), _byte, 256, 512, batch=4)
+    assert cs.inputs.shape[1] == 384
+    cfg = tiny_config(tmp_path, "data.seq_len=512", "mesh.data=1", "mesh.fsdp=1", "model.init_std=0.5")
+    mesh = sharding.make_mesh(cfg.mesh, jax.devices()[:1])
+    with jax.set_mesh(mesh), jax.default_matmul_precision("highest"):
+        setup = train.build(cfg, mesh)
+        state = train.init_state(setup)
+        params, buffers = with_compute(state["params"], state["compute"]), state["buffers"]
+        step = choices.make_step(setup.graphdef, jnp.float32)
+        widths = []
+        seen = lambda p, b, x, y: widths.append(x.shape[1]) or step(p, b, x, y)  # noqa: E731
+        got = choices.score(seen, params, buffers, cs, 4)
+        whole = np.concatenate([np.asarray(step(params, buffers, cs.inputs[i:i + 4], cs.targets[i:i + 4]))
+                                for i in range(0, len(cs.inputs), 4)])
+    assert sorted(set(widths)) == [128, 256, 384] and widths == sorted(widths, reverse=True)
+    np.testing.assert_allclose(got, whole, rtol=1e-5, atol=1e-4)
+    assert np.ptp(got[:cs.rows]) > 5 and (cs.lengths[cs.rows:] == 0).all()
