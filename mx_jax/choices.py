@@ -62,6 +62,7 @@ class ChoiceSet:
     # per record: the context's tokens (kept as the rows keep it: its end, where it is too long) and each choice's
     contexts: tuple[np.ndarray, ...] = ()
     continuations: tuple[tuple[np.ndarray, ...], ...] = ()
+    lines: tuple[int, ...] = ()  # each record's line in the file (1-based)
 
     @property
     def records(self) -> int:
@@ -88,7 +89,7 @@ def load(path: str | pathlib.Path, encode: Callable[[str], list[int]], vocab_siz
     path = pathlib.Path(path)
     if not path.is_file():
         raise ConfigError(f"choices file {path} does not exist")
-    contexts, conts, answers = [], [], []
+    contexts, conts, answers, lines = [], [], [], []
     with open(path) as f:
         for i, line in enumerate(f):
             where = f"{path}:{i + 1}"
@@ -124,6 +125,7 @@ def load(path: str | pathlib.Path, encode: Callable[[str], list[int]], vocab_siz
             contexts.append(ctx)
             conts.append((ids, [len(c) for c in choices]))
             answers.append(answer)
+            lines.append(i + 1)
     if not answers:
         raise ConfigError(f"choices file {path} holds no records")
     # rows hold context + choice minus the last token (inputs) and the same shifted by one (targets)
@@ -147,7 +149,7 @@ def load(path: str | pathlib.Path, encode: Callable[[str], list[int]], vocab_siz
                  for ctx, (ids, _) in zip(contexts, conts))
     continuations = tuple(tuple(np.asarray(t, np.int32) for t in ids) for ids, _ in conts)
     return ChoiceSet(str(path), inputs, targets, record, chars, np.asarray(answers, np.int32), n_rows, multiple, kept,
-                     continuations)
+                     continuations, tuple(lines))
 
 
 def row_logprobs(logits, targets):
@@ -294,11 +296,25 @@ def summary(sets: list[ChoiceSet], scores: list[np.ndarray]) -> dict[str, float]
 
 def accuracy(cs: ChoiceSet, scores: np.ndarray) -> dict[str, float]:
     """{"choice_acc", "choice_acc_norm"} from each row's score (R,) (module docstring)."""
+    recs = per_record(cs, scores)
+    return {"choice_acc": sum(r["right"] for r in recs) / cs.records,
+            "choice_acc_norm": sum(r["right_norm"] for r in recs) / cs.records}
+
+
+def per_record(cs: ChoiceSet, scores: np.ndarray) -> list[dict]:
+    """Each record's outcome from the rows' scores (R,): {"file", "line", "answer", "scores" (each choice's summed
+    log-probability), "chars" (each choice's length in characters), "choice" and "choice_norm" (the choice of the
+    largest score, and of the largest score per character), "right", "right_norm"}: what `sample --choices --out`
+    writes, and what `accuracy` counts."""
     scores = np.asarray(scores, np.float64)[:cs.rows]
     record, chars = cs.record[:cs.rows], cs.chars[:cs.rows]
-    right = right_norm = 0
     starts = np.flatnonzero(np.r_[True, record[1:] != record[:-1]])
+    out = []
     for n, (a, b) in enumerate(zip(starts, np.r_[starts[1:], cs.rows])):
-        right += int(np.argmax(scores[a:b]) == cs.answers[n])
-        right_norm += int(np.argmax(scores[a:b] / chars[a:b]) == cs.answers[n])
-    return {"choice_acc": right / cs.records, "choice_acc_norm": right_norm / cs.records}
+        pick, pick_norm = int(np.argmax(scores[a:b])), int(np.argmax(scores[a:b] / chars[a:b]))
+        answer = int(cs.answers[n])
+        out.append({"file": cs.path, "line": cs.lines[n] if cs.lines else None, "answer": answer,
+                    "scores": [round(float(v), 4) for v in scores[a:b]], "chars": [int(c) for c in chars[a:b]],
+                    "choice": pick, "choice_norm": pick_norm, "right": pick == answer,
+                    "right_norm": pick_norm == answer})
+    return out

@@ -48,7 +48,11 @@ rate that way:
 
 `--choices FILE` samples nothing: it prints the checkpoint's accuracy on a file of multiple-choice records, scored by
 log-likelihood (mx_jax/choices.py), `--batch` records at a time, each context run once into a KV cache and every
-choice against it (`choices.CachedScorer`).
+choice against it (`choices.CachedScorer`); `--out` gets one JSON line per record, {"file", "line", "answer",
+"scores", "chars", "choice", "choice_norm", "right", "right_norm"}, to look at which records a checkpoint gets
+wrong:
+
+    python -m mx_jax.sample runs/llama3_1b --choices hellaswag_val.jsonl,arc_easy.jsonl --out choices.jsonl
 """
 
 from __future__ import annotations
@@ -385,7 +389,8 @@ def main(argv: list[str] | None = None) -> int:
                     "line per sample to --out")
     ap.add_argument("--choices", help="JSON-lines files of multiple-choice records, comma-separated "
                     "(mx_jax/choices.py): print the model's accuracy on each instead of sampling")
-    ap.add_argument("--out", help="with --prompts: the JSON-lines file to write (default: standard output)")
+    ap.add_argument("--out", help="with --prompts: the JSON-lines file to write (default: standard output); with "
+                    "--choices: each record's scores and choice (choices.per_record)")
     ap.add_argument("--batch", type=int, default=16,
                     help="with --prompts: rows decoded together; with --choices: records scored together")
     ap.add_argument("--text-key", default="text", help="with --prompts: the field of plain-text prompts")
@@ -431,8 +436,8 @@ def main(argv: list[str] | None = None) -> int:
                     raise ConfigError(f"{flag} does not go with --prompts (a file's chat records hold their messages)")
             if not pathlib.Path(args.prompts).is_file():
                 raise ConfigError(f"--prompts: {args.prompts} is not a file")
-        elif args.out is not None:
-            raise ConfigError("--out goes with --prompts")
+        elif args.out is not None and args.choices is None:
+            raise ConfigError("--out goes with --prompts or --choices")
         # bf16 unless asked: the fp8 recipes speed up training GEMMs, here they would only add kernel compiles
         one_device = ["mesh.data=1", "mesh.fsdp=1", "mesh.expert=1", "mesh.context=1"]
         cfg = load_config(str(cfg_file), ["quant.recipe=bf16", *args.overrides, *one_device])
@@ -477,12 +482,19 @@ def main(argv: list[str] | None = None) -> int:
                               top_k=args.top_k, cache_sharding=split and split[2])
             if args.choices is not None:
                 scorer = choices.CachedScorer(setup.graphdef, cfg.model, split and split[2])
+                records = []
                 for cs in sets:
                     t0 = time.perf_counter()
-                    acc = choices.accuracy(cs, scorer.score(params, buffers, cs, args.batch))
+                    scores = scorer.score(params, buffers, cs, args.batch)
+                    acc = choices.accuracy(cs, scores)
+                    records += choices.per_record(cs, scores)
                     print(f"{cs.path}: {cs.records} records, accuracy {100 * acc['choice_acc']:.2f}% (per "
                           f"character: {100 * acc['choice_acc_norm']:.2f}%), {cs.rows} choices scored in "
                           f"{time.perf_counter() - t0:.1f} s")
+                if args.out is not None:
+                    train._write_atomic(pathlib.Path(args.out),
+                                        "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
+                    print(f"sample: {len(records)} records' scores -> {args.out}", file=sys.stderr)
                 return 0
             if args.prompts is not None:
                 t0 = time.perf_counter()

@@ -114,11 +114,21 @@ def test_the_trainer_scores_choices_at_each_eval_on_its_mesh_as_sample_does_on_o
     assert f"| choices {100 * m['choice_acc']:.1f}% (norm {100 * m['choice_acc_norm']:.1f}%; c " in out
     logged = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert logged[-1]["choice_acc/d"] == m["choice_acc/d"]
-    assert sample.main([str(run), "--choices", f"{path},{other}", "--batch", "8"]) == 0
+    out_file = tmp_path / "scores.jsonl"
+    assert sample.main([str(run), "--choices", f"{path},{other}", "--batch", "8", "--out", str(out_file)]) == 0
     printed = capsys.readouterr().out
+    written = [json.loads(line) for line in out_file.read_text().splitlines()]
     for name in ("c", "d"):
         assert (f"{name}.jsonl: {9 if name == 'c' else 2} records, accuracy {100 * m['choice_acc/' + name]:.2f}% "
                 f"(per character: {100 * m['choice_acc_norm/' + name]:.2f}%)") in printed
+        mine = [r for r in written if r["file"].endswith(f"{name}.jsonl")]
+        assert len(mine) == (9 if name == "c" else 2)
+        assert np.mean([r["right"] for r in mine]) == pytest.approx(m[f"choice_acc/{name}"])
+        assert np.mean([r["right_norm"] for r in mine]) == pytest.approx(m[f"choice_acc_norm/{name}"])
+    first = written[0]  # the first record of c.jsonl (RECORDS[0]: three choices, the answer 0)
+    assert (first["line"], first["answer"], len(first["scores"]), first["chars"]) == (1, 0, 3, [6, 7, 5])
+    assert first["choice"] == int(np.argmax(first["scores"])) and first["right"] == (first["choice"] == 0)
+    assert [r["line"] for r in written[:9]] == list(range(1, 10))
     # the scores behind them: on the run's mesh (8 CPU devices) as on one device (float32 compute)
     cfg = sample.load_config(str(run / "config.yaml"), [])
     cs = train.load_choices(cfg)[0]
