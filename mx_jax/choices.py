@@ -70,9 +70,13 @@ class ChoiceSet:
 
     @property
     def lengths(self) -> np.ndarray:
-        """(R,) each row's used tokens: up to its last target (0 for the padding rows)."""
-        used = self.targets >= 0
-        return np.where(used.any(axis=1), self.targets.shape[1] - np.argmax(used[:, ::-1], axis=1), 0)
+        return used_lengths(self.targets)
+
+
+def used_lengths(targets: np.ndarray) -> np.ndarray:
+    """(R,) each row's used tokens: up to its last target (>= 0), 0 for a row without one (padding)."""
+    used = targets >= 0
+    return np.where(used.any(axis=1), targets.shape[1] - np.argmax(used[:, ::-1], axis=1), 0)
 
 
 def _field(obj: dict, keys: tuple[str, ...], where: str):
@@ -182,7 +186,8 @@ def make_step(graphdef, compute_dtype, shardings: tuple | None = None):
 
 def score(step, params, buffers, cs: ChoiceSet, batch: int, sharding=None) -> np.ndarray:
     """(R,) every row's score, `batch` rows per call of `step` (placed with `sharding` from the host rows, which
-    every process holds whole). The rows go longest first, and each call's are cut to its longest rounded up to
+    every process holds whole). cs: a ChoiceSet, or any rows with its inputs, targets, lengths and multiple
+    (perplexity.TextSet). The rows go longest first, and each call's are cut to its longest rounded up to
     cs.multiple tokens: a file whose lengths vary runs short rows short (one compile of `step` per width; causal
     attention, so the cut padding changed nothing before it)."""
     import jax

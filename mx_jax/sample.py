@@ -53,6 +53,11 @@ choice against it (`choices.CachedScorer`); `--out` gets one JSON line per recor
 wrong:
 
     python -m mx_jax.sample runs/llama3_1b --choices hellaswag_val.jsonl,arc_easy.jsonl --out choices.jsonl
+
+`--loss FILE[,FILE]` samples nothing either: it prints the checkpoint's loss (nats per token), perplexity and bits per
+byte on each file of text (JSON lines or Parquet under `--text-key`, or a plain text file; prompt / completion records
+score the completion), long documents in windows of data.seq_len tokens `--stride` apart (mx_jax/perplexity.py);
+`--out` gets each document's.
 """
 
 from __future__ import annotations
@@ -71,7 +76,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from mx_jax import checkpoint, choices, data, sharding, train
+from mx_jax import checkpoint, choices, data, perplexity, sharding, train
 from mx_jax.config import ConfigError, TrainConfig, load_config, mixture_entries
 from mx_jax.llama import compute_copies, init_cache, with_compute
 
@@ -389,11 +394,17 @@ def main(argv: list[str] | None = None) -> int:
                     "line per sample to --out")
     ap.add_argument("--choices", help="JSON-lines files of multiple-choice records, comma-separated "
                     "(mx_jax/choices.py): print the model's accuracy on each instead of sampling")
+    ap.add_argument("--loss", help="files of text, comma-separated (mx_jax/perplexity.py): print the model's loss, "
+                    "perplexity and bits per byte on each instead of sampling")
+    ap.add_argument("--stride", type=int, default=0, help="with --loss: tokens between the starts of a long "
+                    "document's windows (default: data.seq_len, disjoint windows)")
     ap.add_argument("--out", help="with --prompts: the JSON-lines file to write (default: standard output); with "
-                    "--choices: each record's scores and choice (choices.per_record)")
+                    "--choices: each record's scores and choice (choices.per_record); with --loss: each document's "
+                    "loss (perplexity.per_document)")
     ap.add_argument("--batch", type=int, default=16,
-                    help="with --prompts: rows decoded together; with --choices: records scored together")
-    ap.add_argument("--text-key", default="text", help="with --prompts: the field of plain-text prompts")
+                    help="with --prompts: rows decoded together; with --choices: records scored together; with "
+                    "--loss: windows per forward")
+    ap.add_argument("--text-key", default="text", help="with --prompts or --loss: the field of plain text")
     ap.add_argument("--devices", type=int, default=1, help="split the model over this many local devices (each "
                     "weight along its heads, hidden or vocabulary dimension; dense models)")
     ap.add_argument("--tokens", type=int, default=200, help="tokens to draw per sample")
@@ -429,6 +440,12 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError(f"--temperature: must be >= 0, got {args.temperature}")
         if args.choices is not None and (args.prompts is not None or args.prompt is not None or args.chat):
             raise ConfigError("--choices scores a file of choices; it does not go with --prompt, --prompts or --chat")
+        if args.loss is not None and (args.choices is not None or args.prompts is not None or args.prompt is not None
+                                      or args.chat):
+            raise ConfigError("--loss scores files of text; it does not go with --choices, --prompt, --prompts or "
+                              "--chat")
+        if args.stride and args.loss is None:
+            raise ConfigError("--stride goes with --loss")
         if args.prompts is not None:
             for flag, given in (("--prompt", args.prompt is not None), ("--chat", args.chat),
                                 ("--system", args.system is not None)):
@@ -436,8 +453,8 @@ def main(argv: list[str] | None = None) -> int:
                     raise ConfigError(f"{flag} does not go with --prompts (a file's chat records hold their messages)")
             if not pathlib.Path(args.prompts).is_file():
                 raise ConfigError(f"--prompts: {args.prompts} is not a file")
-        elif args.out is not None and args.choices is None:
-            raise ConfigError("--out goes with --prompts or --choices")
+        elif args.out is not None and args.choices is None and args.loss is None:
+            raise ConfigError("--out goes with --prompts, --choices or --loss")
         # bf16 unless asked: the fp8 recipes speed up training GEMMs, here they would only add kernel compiles
         one_device = ["mesh.data=1", "mesh.fsdp=1", "mesh.expert=1", "mesh.context=1"]
         cfg = load_config(str(cfg_file), ["quant.recipe=bf16", *args.overrides, *one_device])
@@ -446,6 +463,10 @@ def main(argv: list[str] | None = None) -> int:
         vocab_limit = min(tok.vocab_size, cfg.model.vocab_size)
         if args.choices is not None:
             sets = choices.load_files(args.choices, tok.encode, cfg.model.vocab_size, cfg.data.seq_len, args.batch)
+        elif args.loss is not None:
+            texts = [perplexity.load(f, tok.encode, cfg.model.vocab_size, cfg.data.seq_len, eos_id=eos_of_run(cfg),
+                                     stride=args.stride, batch=args.batch, text_key=args.text_key)
+                     for f in (f.strip() for f in args.loss.split(",")) if f]
         elif args.prompts is not None:
             prompts = read_prompts(pathlib.Path(args.prompts), args.chat_template or chat_template_of(cfg), tok.spec,
                                    args.text_key)
@@ -492,9 +513,24 @@ def main(argv: list[str] | None = None) -> int:
                           f"character: {100 * acc['choice_acc_norm']:.2f}%), {cs.rows} choices scored in "
                           f"{time.perf_counter() - t0:.1f} s")
                 if args.out is not None:
-                    train._write_atomic(pathlib.Path(args.out),
-                                        "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
+                    _write_lines(records, args.out)
                     print(f"sample: {len(records)} records' scores -> {args.out}", file=sys.stderr)
+                return 0
+            if args.loss is not None:
+                step = choices.make_step(setup.graphdef, cfg.model.compute_dtype)
+                records = []
+                for ts in texts:
+                    t0 = time.perf_counter()
+                    scores = choices.score(step, params, buffers, ts, args.batch)
+                    got = perplexity.summary(ts, scores)
+                    records += perplexity.per_document(ts, scores)
+                    print(f"{ts.path}: {got['documents']} documents, {got['tokens']:,} tokens: loss {got['loss']:.4f} "
+                          f"nats per token, perplexity {got['perplexity']:.3f}, {got['bits_per_byte']:.4f} bits per "
+                          f"byte ({ts.rows} windows of up to {cfg.data.seq_len} tokens in "
+                          f"{time.perf_counter() - t0:.1f} s)")
+                if args.out is not None:
+                    _write_lines(records, args.out)
+                    print(f"sample: {len(records)} documents' losses -> {args.out}", file=sys.stderr)
                 return 0
             if args.prompts is not None:
                 t0 = time.perf_counter()
@@ -529,14 +565,19 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _write_answers(records: list[dict], out: str | None, seconds: float) -> int:
+def _write_lines(records: list[dict], out: str | None) -> None:
     """The records as JSON lines to `out` (written beside it, then renamed: a file that exists is whole) or
-    stdout, and a summary on stderr: exact answers where the records have references."""
+    stdout."""
     text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
     if out is None:
         sys.stdout.write(text)
     else:
         train._write_atomic(pathlib.Path(out), text)
+
+
+def _write_answers(records: list[dict], out: str | None, seconds: float) -> int:
+    """`_write_lines`, and a summary on stderr: exact answers where the records have references."""
+    _write_lines(records, out)
     refs = [r for r in records if "exact" in r]
     exact = f"; exact answers {sum(r['exact'] for r in refs)}/{len(refs)}" if refs else ""
     print(f"sample: {len(records)} samples in {seconds:.1f} s{exact}{f' -> {out}' if out else ''}", file=sys.stderr)

@@ -1,0 +1,138 @@
+"""A checkpoint's loss on files of text: nats per token, perplexity and bits per byte.
+
+    python -m mx_jax.sample runs/llama3_1b --loss wiki_test.jsonl,code_test.jsonl [--stride 1024] [--out docs.jsonl]
+
+A file is read as `data convert` reads one (mx_jax/data.py): JSON lines or Parquet with the text under "text"
+(`--text-key`), or a plain text file as one document. Each document is tokenized on its own and, where the run's
+data has an end-of-text token, follows it, as documents follow one another in training, so that its first token is
+scored too. Over the N scored tokens x_t of a file,
+
+    loss = -(1/N) sum_t log p(x_t | x_<t)               (nats per token)
+    perplexity = exp(loss)
+    bits per byte = -sum_t log2 p(x_t | x_<t) / B       (B: the documents' UTF-8 bytes; comparable across tokenizers)
+
+A document longer than a row (data.seq_len = T tokens of context) runs in windows of T tokens, the next starting
+`stride` tokens after the last (default T: disjoint windows); a window scores only the tokens that no window before
+it scored, so each scored token sees at least T - stride tokens before it (the first window's, all before them).
+A smaller stride costs T / stride forwards per T tokens and scores each token with more context (lm-evaluation-
+harness's rolling log-likelihood has the disjoint windows). Records with a "prompt" and a "completion" score the
+completion's tokens after the prompt, the loss a fine-tuning on them trained. The windows are rows of
+`choices.score`: batches of rows, longest first, each cut to its longest row.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import pathlib
+from typing import Callable
+
+import numpy as np
+
+from mx_jax.choices import ROW_MULTIPLE, used_lengths
+from mx_jax.config import ConfigError
+
+
+@dataclasses.dataclass(frozen=True)
+class TextSet:
+    """A file's documents as rows: inputs and targets (R, T) int32 (targets -1 where nothing is scored), each row's
+    document (R,) (-1 for the rows that pad R to a batch multiple), and per document its scored tokens and bytes."""
+
+    path: str
+    inputs: np.ndarray
+    targets: np.ndarray
+    doc: np.ndarray
+    tokens: np.ndarray
+    bytes: np.ndarray
+    rows: int
+    multiple: int = ROW_MULTIPLE
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return used_lengths(self.targets)
+
+
+def windows(seq: list[int], first: int, t: int, stride: int) -> list[tuple[int, int, int]]:
+    """(start, end, scored from) of the windows that score the targets seq[first:], end exclusive: a window is the
+    inputs seq[start:end - 1] (at most t tokens) with the targets seq[start + 1:end], and it scores those at
+    positions >= `scored from`, the ones no earlier window scored. The first window starts where the first target
+    has the most context it can, each next one `stride` after it (1 <= stride <= t)."""
+    out, done, start = [], first, max(0, first - t)
+    while done < len(seq):
+        end = min(start + t + 1, len(seq))
+        out.append((start, end, done))
+        done, start = end, start + stride
+    return out
+
+
+def load(path: str | pathlib.Path, encode: Callable[[str], list[int]], vocab_size: int, seq_len: int, *,
+         eos_id: int | None = None, stride: int = 0, batch: int = 1, text_key: str = "text",
+         multiple: int = ROW_MULTIPLE) -> TextSet:
+    """The rows of a text file (module docstring): rows of seq_len tokens, windows `stride` apart (0: seq_len), R a
+    multiple of `batch`."""
+    from mx_jax import data
+
+    path = pathlib.Path(path)
+    if not path.is_file():
+        raise ConfigError(f"--loss: {path} is not a file")
+    stride = stride or seq_len
+    if not 1 <= stride <= seq_len:
+        raise ConfigError(f"--stride: must be between 1 and data.seq_len={seq_len}, got {stride}")
+    lead = [] if eos_id is None else [eos_id]
+    pieces, tokens, nbytes = [], [], []
+    for i, rec, _ in data.read_records(path, text_key):
+        where = f"{path}:{i + 1}" if i is not None else str(path)
+        if isinstance(rec, dict):
+            raise ConfigError(f"{where}: a chat record; --loss reads text or prompt / completion records (the chat "
+                              f"examples' loss is the trainer's held-out loss on their converted data)")
+        prompt, text = rec if isinstance(rec, tuple) else ("", rec)
+        if isinstance(text, bytes):  # a plain text file, read whole
+            text = text.decode("utf-8", errors="replace")
+        ids = encode(text)
+        if not ids:
+            continue  # an empty document scores nothing
+        seq = lead + encode(prompt) + ids
+        if max(seq) >= vocab_size:
+            raise ConfigError(f"{where}: token id {max(seq)} is outside the model's vocabulary "
+                              f"(model.vocab_size={vocab_size}); is the tokenizer the run's?")
+        first = len(seq) - len(ids)
+        if first == 0:  # no end-of-text token before it and no prompt: its first token has nothing to follow
+            first, ids = 1, ids[1:]
+            if not ids:
+                continue
+        pieces.append((seq, first))
+        tokens.append(len(ids))
+        nbytes.append(len(text.encode()))
+    if not pieces:
+        raise ConfigError(f"--loss: {path} holds no text to score")
+    rows = [(d, seq[s:e], s, e, f) for d, (seq, first) in enumerate(pieces)
+            for s, e, f in windows(seq, first, seq_len, stride)]
+    r = math.ceil(len(rows) / batch) * batch
+    inputs = np.zeros((r, seq_len), np.int32)
+    targets = np.full((r, seq_len), -1, np.int32)
+    doc = np.full(r, -1, np.int32)
+    for k, (d, piece, s, e, f) in enumerate(rows):
+        inputs[k, :len(piece) - 1] = piece[:-1]
+        tgt = np.asarray(piece[1:], np.int32)
+        tgt[:max(0, f - s - 1)] = -1  # positions before `f` were scored by an earlier window (or are context)
+        targets[k, :len(tgt)] = tgt
+        doc[k] = d
+    return TextSet(str(path), inputs, targets, doc, np.asarray(tokens), np.asarray(nbytes), len(rows), multiple)
+
+
+def per_document(ts: TextSet, scores: np.ndarray) -> list[dict]:
+    """Each document's {"file", "index", "tokens", "bytes", "loss", "bits_per_byte"} from the rows' summed
+    log-probabilities (R,) (`choices.score`)."""
+    logp = np.zeros(len(ts.tokens))
+    np.add.at(logp, ts.doc[:ts.rows], np.asarray(scores, np.float64)[:ts.rows])
+    return [{"file": ts.path, "index": i, "tokens": int(n), "bytes": int(b), "loss": round(-lp / n, 6),
+             "bits_per_byte": round(-lp / math.log(2) / b, 6) if b else None}
+            for i, (lp, n, b) in enumerate(zip(logp, ts.tokens, ts.bytes))]
+
+
+def summary(ts: TextSet, scores: np.ndarray) -> dict[str, float]:
+    """{"documents", "tokens", "loss", "perplexity", "bits_per_byte"} of a file (module docstring)."""
+    total = -float(np.sum(np.asarray(scores, np.float64)[:ts.rows]))
+    n, b = int(ts.tokens.sum()), int(ts.bytes.sum())
+    return {"documents": len(ts.tokens), "tokens": n, "loss": total / n, "perplexity": math.exp(total / n),
+            "bits_per_byte": total / math.log(2) / b}
