@@ -204,6 +204,9 @@ class LogConfig:
     # JSON-lines files of multiple-choice records, comma-separated, scored at every evaluation (choice_acc,
     # choice_acc_norm; mx_jax/choices.py); "" = none
     eval_choices: str = ""
+    # Files of text (JSON lines, Parquet, plain text), comma-separated, whose loss is measured at every evaluation
+    # (text_loss/<stem>, text_bpb/<stem>; mx_jax/perplexity.py); "" = none
+    eval_texts: str = ""
     progress: bool = True
     profile_steps: int = 0  # > 0: trace this many steps with jax.profiler into run_dir/profile (mx_jax/profiling.py)
     profile_from: int = 10  # the first traced step (step 1 compiles)

@@ -18,6 +18,9 @@ A smaller stride costs T / stride forwards per T tokens and scores each token wi
 harness's rolling log-likelihood has the disjoint windows). Records with a "prompt" and a "completion" score the
 completion's tokens after the prompt, the loss a fine-tuning on them trained. The windows are rows of
 `choices.score`: batches of rows, longest first, each cut to its longest row.
+
+Under the trainer, `log.eval_texts=A.jsonl,B.txt` scores the files (disjoint windows) on the training mesh at every
+evaluation, after the held-out loss: metrics text_loss/<file stem> and text_bpb/<file stem>.
 """
 
 from __future__ import annotations
@@ -136,3 +139,24 @@ def summary(ts: TextSet, scores: np.ndarray) -> dict[str, float]:
     n, b = int(ts.tokens.sum()), int(ts.bytes.sum())
     return {"documents": len(ts.tokens), "tokens": n, "loss": total / n, "perplexity": math.exp(total / n),
             "bits_per_byte": total / math.log(2) / b}
+
+
+def load_files(paths: str, encode: Callable[[str], list[int]], vocab_size: int, seq_len: int, *,
+               eos_id: int | None = None, stride: int = 0, batch: int = 1, text_key: str = "text",
+               multiple: int = ROW_MULTIPLE) -> list[TextSet]:
+    """`load` of each file of a comma-separated list; their names (file stems, the metrics' suffixes) must differ."""
+    files = [f for f in (p.strip() for p in paths.split(",")) if f]
+    stems = [pathlib.Path(f).stem for f in files]
+    if len(set(stems)) < len(stems):
+        raise ConfigError(f"the files {', '.join(files)} must have different names (their metrics are named so)")
+    return [load(f, encode, vocab_size, seq_len, eos_id=eos_id, stride=stride, batch=batch, text_key=text_key,
+                 multiple=multiple) for f in files]
+
+
+def metrics(sets: list[TextSet], scores: list[np.ndarray]) -> dict[str, float]:
+    """The trainer's metrics of log.eval_texts: text_loss/<file stem> (nats per token) and text_bpb/<file stem>."""
+    out = {}
+    for ts, sc in zip(sets, scores):
+        got, stem = summary(ts, sc), pathlib.Path(ts.path).stem
+        out[f"text_loss/{stem}"], out[f"text_bpb/{stem}"] = got["loss"], got["bits_per_byte"]
+    return out

@@ -42,7 +42,7 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from mx_jax import checkpoint, choices, compat, metrics, preemption, profiling, sharding
+from mx_jax import checkpoint, choices, compat, metrics, perplexity, preemption, profiling, sharding
 from mx_jax.config import ConfigError, ModelConfig, TrainConfig, load_config, mixture_entries, to_dict, to_yaml
 from mx_jax.data import (MIXTURE_ROUND, Batches, Dataset, Mixture, Prefetch, Windows, documents_per_window,
                          mixture_quota, open_dataset, read_meta)
@@ -353,18 +353,34 @@ def load_choices(cfg: TrainConfig, context: int = 1) -> list[choices.ChoiceSet]:
         raise ConfigError(f"config key 'log.eval_choices': {e}")
 
 
-def make_choice_scores(setup: Setup, cs: choices.ChoiceSet):
-    """choice_scores(state) -> (R,) the score of each of the choices' rows (choices.accuracy turns them into
-    choice_acc), data.batch_size rows at a time on the training mesh, split like the eval batches."""
+def load_texts(cfg: TrainConfig, context: int = 1) -> list[perplexity.TextSet]:
+    """The files of log.eval_texts (comma-separated), read and tokenized with the data's tokenizer, each document
+    after its end-of-text token (mx_jax/perplexity.py), in rows that `context` devices split; [] when unset."""
+    if not cfg.log.eval_texts:
+        return []
+    from mx_jax.sample import Tokenizer, eos_of_run, tokenizer_of  # sample imports this module
+
+    try:
+        return perplexity.load_files(cfg.log.eval_texts, Tokenizer(tokenizer_of(cfg)).encode, cfg.model.vocab_size,
+                                     cfg.data.seq_len, eos_id=eos_of_run(cfg), batch=cfg.data.batch_size,
+                                     multiple=choices.ROW_MULTIPLE * context)
+    except (ConfigError, SystemExit) as e:  # (the record reader's errors are SystemExit, naming file and line)
+        raise ConfigError(f"config key 'log.eval_texts': {e}")
+
+
+def make_row_scores(setup: Setup, cs: choices.ChoiceSet | perplexity.TextSet):
+    """row_scores(state) -> (R,) each row's summed log-probability of its targets (choices.accuracy turns a choice
+    set's into choice_acc, perplexity.metrics a text set's into text_loss), data.batch_size rows at a time on the
+    training mesh, split like the eval batches."""
     rows = NamedSharding(setup.mesh, P(*setup.batch_shardings["inputs"].spec[1:]))
     step = choices.make_step(setup.graphdef, setup.cfg.model.compute_dtype,
                              (setup.param_shardings, setup.state_shardings["buffers"], rows,
                               NamedSharding(setup.mesh, P())))
 
-    def choice_scores(state: dict) -> np.ndarray:
+    def row_scores(state: dict) -> np.ndarray:
         return choices.score(step, state["params"], state["buffers"], cs, setup.cfg.data.batch_size, rows)
 
-    return choice_scores
+    return row_scores
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -469,6 +485,10 @@ def _fmt_log(step: int, m: dict) -> str:
         per = [f"{n} {100 * m['choice_acc/' + n]:.1f}/{100 * m['choice_acc_norm/' + n]:.1f}" for n in names]
         parts.append(f"choices {100 * m['choice_acc']:.1f}% (norm {100 * m['choice_acc_norm']:.1f}%"
                      + (f"; {', '.join(per)})" if per else ")"))
+    texts = [k.split("/", 1)[1] for k in m if k.startswith("text_loss/")]
+    if texts:
+        parts.append("texts " + ", ".join(f"{n} {m['text_loss/' + n]:.4f} ({m['text_bpb/' + n]:.3f} bpb)"
+                                          for n in texts))
     parts += [f"gnorm {m['grad_norm']:.3f}", f"lr {m['lr']:.2e}"]
     if m.get("target_frac", 1) < 1:  # loss-masked data: the share of the step's tokens the loss counted
         parts.append(f"targets {100 * m['target_frac']:.0f}%")
@@ -644,6 +664,7 @@ def train(cfg: TrainConfig, devices: list[jax.Device] | None = None) -> TrainRes
         raise ConfigError(f"config key 'model.vocab_size': {cfg.model.vocab_size} is smaller than the data's "
                           f"vocabulary ({dataset.vocab_size})")
     choice_sets = load_choices(cfg, mesh.shape["context"])  # before anything is written
+    text_sets = load_texts(cfg, mesh.shape["context"])
     cfg, documents_note = with_data_documents(cfg, dataset, mesh.shape["context"])
     run_dir = prepare_run_dir(cfg)
     ckpt = None
@@ -716,8 +737,12 @@ def train(cfg: TrainConfig, devices: list[jax.Device] | None = None) -> TrainRes
                 for cs in choice_sets:
                     log(f"eval   | {cs.records} multiple-choice records ({cs.rows} rows of at most "
                         f"{cs.inputs.shape[1]} tokens) from {cs.path} at every evaluation")
+                for ts in text_sets:
+                    log(f"eval   | {len(ts.tokens)} documents, {int(ts.tokens.sum()):,} tokens ({ts.rows} windows) "
+                        f"from {ts.path} at every evaluation")
                 state, last, stopped_at = _loop(cfg, setup, state, step, dataset, train_batches, ckpt, run_dir,
-                                                resumed_at=start, watch=watch, choice_sets=choice_sets)
+                                                resumed_at=start, watch=watch, choice_sets=choice_sets,
+                                                text_sets=text_sets)
         finally:
             if ckpt is not None:
                 ckpt.close()  # waits for saves in flight: a committed step is never lost on the way out
@@ -790,13 +815,14 @@ def read_metrics(dev_metrics: dict) -> dict:
 
 
 def _loop(cfg, setup, state, step, dataset, train_batches, ckpt, run_dir, resumed_at,
-          watch: preemption.PreemptionWatch, choice_sets: Sequence[choices.ChoiceSet] = ()
-          ) -> tuple[dict, dict, int | None]:
+          watch: preemption.PreemptionWatch, choice_sets: Sequence[choices.ChoiceSet] = (),
+          text_sets: Sequence[perplexity.TextSet] = ()) -> tuple[dict, dict, int | None]:
     """Train from `step` to cfg.steps; returns the state, the last logged metrics, and the step a SIGTERM stopped
     the run after (None if it ran to the end)."""
     train_step = make_train_step(setup)
     eval_step = make_eval_step(setup)
-    choice_scores = [make_choice_scores(setup, cs) for cs in choice_sets]
+    choice_scores = [make_row_scores(setup, cs) for cs in choice_sets]
+    text_scores = [make_row_scores(setup, ts) for ts in text_sets]
     tokens_per_step = cfg.data.batch_size * cfg.data.seq_len
     peak, peak_src = metrics.device_peak_tflops(cfg.log.peak_tflops)
     log(f"mfu    | {peak_src}")
@@ -872,6 +898,8 @@ def _loop(cfg, setup, state, step, dataset, train_batches, ckpt, run_dir, resume
                 m.update(evaluate(eval_step, state, dataset, setup))
                 if choice_sets:
                     m.update(choices.summary(choice_sets, [scores(state) for scores in choice_scores]))
+                if text_sets:
+                    m.update(perplexity.metrics(text_sets, [scores(state) for scores in text_scores]))
             writer.write(step_no, m)
             log(_fmt_log(step_no, m))
             if bar is not None:

@@ -134,7 +134,7 @@ def test_the_trainer_scores_choices_at_each_eval_on_its_mesh_as_sample_does_on_o
     cs = train.load_choices(cfg)[0]
     mesh = sharding.make_mesh(cfg.mesh)
     with jax.set_mesh(mesh):
-        on_mesh = train.make_choice_scores(train.build(cfg, mesh), cs)(result.state)
+        on_mesh = train.make_row_scores(train.build(cfg, mesh), cs)(result.state)
     cfg = sample.load_config(str(run / "config.yaml"), ["mesh.data=1", "mesh.fsdp=1"])
     one = sharding.make_mesh(cfg.mesh, jax.devices()[:1])
     with jax.set_mesh(one):
@@ -159,7 +159,7 @@ def test_choice_scores_under_context_parallelism_equal_one_device(tmp_path):
         with jax.set_mesh(mesh):
             setup = train.build(cfg, mesh)
             (cs,) = train.load_choices(cfg, mesh.shape["context"])
-            scores.append(train.make_choice_scores(setup, cs)(train.init_state(setup))[:cs.rows])
+            scores.append(train.make_row_scores(setup, cs)(train.init_state(setup))[:cs.rows])
     np.testing.assert_allclose(scores[0], scores[1], rtol=1e-5, atol=1e-4)
 
 

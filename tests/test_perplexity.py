@@ -116,3 +116,31 @@ def test_sample_loss_prints_each_file_and_writes_each_document(tmp_path, capsys)
     chat = _docs(tmp_path, [{"messages": [{"role": "user", "content": "hi"}]}])
     with pytest.raises(ConfigError, match="a chat record"):
         perplexity.load(chat, lambda s: list(s.encode()), 256, 16)
+
+
+def test_the_trainer_measures_the_texts_at_each_eval_on_its_mesh_as_sample_does(tmp_path, capsys):
+    """log.eval_texts: each file's loss and bits per byte at every evaluation, from rows on the training mesh (data
+    2 x fsdp 4 CPU devices), equal to `sample --loss` on one device from the checkpoint; a file that cannot be read
+    stops the run before anything is written, naming the config key."""
+    one = _docs(tmp_path, ["def f(x):\n    return x\n", "import os\n" * 10])
+    other = tmp_path / "plain.txt"
+    other.write_text("print('hello')\n" * 3)
+    run = tmp_path / "run"
+    layout = ("mesh.data=2", "mesh.fsdp=4") if jax.device_count() >= 8 else ("mesh.data=-1", "mesh.fsdp=1")  # a GPU
+    result = train.train(tiny_config(run, "steps=2", *layout, "log.eval_every_steps=2",
+                                     f"log.eval_texts={one},{other}"))
+    m = result.metrics
+    out = capsys.readouterr().out
+    assert "2 documents, 123 tokens (5 windows) from" in out and "1 documents, 45 tokens (2 windows)" in out
+    assert f"| texts docs {m['text_loss/docs']:.4f} ({m['text_bpb/docs']:.3f} bpb), plain " in out
+    assert sample.main([str(run), "--loss", f"{one},{other}"]) == 0
+    printed = capsys.readouterr().out
+    for name, path in (("docs", one), ("plain", other)):
+        line = next(x for x in printed.splitlines() if x.startswith(f"{path}:"))
+        assert float(line.split("loss ")[1].split()[0]) == pytest.approx(m[f"text_loss/{name}"], abs=2e-4)
+        assert float(line.split("perplexity ")[1].split(", ")[1].split()[0]) == pytest.approx(
+            m[f"text_bpb/{name}"], abs=2e-4)
+    bad = _docs(tmp_path, [{"messages": [{"role": "user", "content": "hi"}]}])
+    with pytest.raises(ConfigError, match="config key 'log.eval_texts': .*a chat record"):
+        train.train(tiny_config(tmp_path / "other", f"log.eval_texts={bad}"))
+    assert not (tmp_path / "other").exists()
