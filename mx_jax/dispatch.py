@@ -840,7 +840,7 @@ def dispatch_combine(x: jax.Array, idx: jax.Array, g: jax.Array, keep: jax.Array
         out = ffn(x, jnp.where(eid >= 0, eid, e_l).reshape(-1), fan_out=k)
         zero = jnp.zeros((), jnp.int32)
         return combine(out, g, x.dtype), {"rows_cross_node": zero, "rows_intra_node": zero,
-                                           "overflow": jnp.zeros((), jnp.float32)}
+                                          "overflow": jnp.zeros((), jnp.float32)}
     if method == "flat":
         out, traffic = _flat(x, eid, ffn, axis, gpus_per_node, exchange_method, a2a_impl, capacity, buffer_factor)
         return combine(out, g, x.dtype), traffic

@@ -143,15 +143,23 @@ class MoE(nnx.Module):
             y = y + self.shared(x, False)
         return y
 
+    def _routed(self, xt: jax.Array, w_router: jax.Array, bias: jax.Array):
+        """Tokens xt (n,D) routed: (logits (n,E) f32, scores (n,E), expert ids (n,k), weights (n,k) with the
+        capacity's drops zeroed, keep (n,k), the capacity (0: dropless))."""
+        m = self.cfg
+        logits = jnp.dot(xt.astype(jnp.float32), w_router.astype(jnp.float32))
+        s, idx, g = route(logits, bias, m.top_k, m.score, m.normalize_top_k)
+        keep = jnp.ones(idx.shape, bool)
+        n = xt.shape[0]
+        capacity = math.ceil(m.capacity_factor * n * m.top_k / m.n_experts) if m.capacity_factor > 0 else 0
+        if capacity:
+            keep = capacity_keep(idx, m.n_experts, capacity)
+        return logits, s, idx, jnp.where(keep, g, 0.0), keep, capacity
+
     def _by_index(self, xt: jax.Array) -> jax.Array:
         """The routed experts of tokens xt (n,D), each assignment's weights gathered by its expert id."""
         m = self.cfg
-        n = xt.shape[0]
-        logits = jnp.dot(xt.astype(jnp.float32), self.router[...].astype(jnp.float32))
-        _, idx, g = route(logits, self.bias[...], m.top_k, m.score, m.normalize_top_k)
-        if m.capacity_factor > 0:
-            g = jnp.where(capacity_keep(idx, m.n_experts, math.ceil(m.capacity_factor * n * m.top_k / m.n_experts)),
-                          g, 0.0)
+        _, _, idx, g, _, _ = self._routed(xt, self.router[...], self.bias[...])
         flat = idx.reshape(-1)  # (n k,) token-major, as dispatch's assignments
         xr = jnp.repeat(xt, m.top_k, axis=0)
         w_gate, w_up, w_down = (w[...][flat].astype(xt.dtype) for w in (self.w_gate, self.w_up, self.w_down))
@@ -165,14 +173,8 @@ class MoE(nnx.Module):
         m = self.cfg
         b, t, d = x.shape
         xt = x.reshape(b * t, d)
-        logits = jnp.dot(xt.astype(jnp.float32), w_router.astype(jnp.float32))  # (n,E)
-        s, idx, g = route(logits, bias, m.top_k, m.score, m.normalize_top_k)
         n = xt.shape[0]
-        keep = jnp.ones(idx.shape, bool)
-        capacity = math.ceil(m.capacity_factor * n * m.top_k / m.n_experts) if m.capacity_factor > 0 else 0
-        if capacity:
-            keep = capacity_keep(idx, m.n_experts, capacity)
-        g = jnp.where(keep, g, 0.0)
+        logits, s, idx, g, keep, capacity = self._routed(xt, w_router, bias)
 
         def psum(v):
             return jax.lax.psum(v, axes) if axes else v
