@@ -252,7 +252,7 @@ class CachedScorer:
 
         n = cs.records
         starts = np.r_[0, np.cumsum([len(c) for c in cs.continuations])]
-        out = np.zeros(len(cs.inputs), np.float32)
+        out, pending = np.zeros(len(cs.inputs), np.float32), []
         order = sorted(range(n), key=lambda i: -len(cs.contexts[i]))
         for at in range(0, n, batch):
             recs = order[at:at + batch]
@@ -271,11 +271,15 @@ class CachedScorer:
                 targets = np.full((batch, tc), -1, np.int32)
                 for b, t in enumerate(conts):
                     targets[b, :len(t)] = t
-                got = np.asarray(self._choice(params, buffers, cache, head, jnp.asarray(np.maximum(targets, 0)),
-                                              jnp.asarray(targets), np.int32(width), first))
-                for b, i in enumerate(recs[:min(batch, n - at)]):
-                    if j < len(cs.continuations[i]):
-                        out[starts[i] + j] = got[b]
+                got = self._choice(params, buffers, cache, head, jnp.asarray(np.maximum(targets, 0)),
+                                   jnp.asarray(targets), np.int32(width), first)
+                rows = [(b, starts[i] + j) for b, i in enumerate(recs[:min(batch, n - at)])
+                        if j < len(cs.continuations[i])]
+                pending.append((rows, got))  # read back after all are dispatched
+        for rows, got in pending:
+            got = np.asarray(got)
+            for b, row in rows:
+                out[row] = got[b]
         return out
 
 

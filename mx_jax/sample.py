@@ -175,6 +175,7 @@ def load_model_state(cfg: TrainConfig, setup: train.Setup, path: pathlib.Path, s
     return cast(out["params"]), out.get("buffers", {})
 
 
+LOSS_TOKENS = 32768  # --loss's default windows per forward: this many tokens' worth (the logits are B x T x V)
 TENSOR_SPLIT = ("q_heads", "kv_heads", "mlp", "vocab")  # the weight dimensions --devices splits
 
 
@@ -401,9 +402,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", help="with --prompts: the JSON-lines file to write (default: standard output); with "
                     "--choices: each record's scores and choice (choices.per_record); with --loss: each document's "
                     "loss (perplexity.per_document)")
-    ap.add_argument("--batch", type=int, default=16,
-                    help="with --prompts: rows decoded together; with --choices: records scored together; with "
-                    "--loss: windows per forward")
+    ap.add_argument("--batch", type=int, default=None,
+                    help="with --prompts: rows decoded together (default 16); with --choices: records scored "
+                    "together (16); with --loss: windows per forward (default: 32768 tokens' worth)")
     ap.add_argument("--text-key", default="text", help="with --prompts or --loss: the field of plain text")
     ap.add_argument("--devices", type=int, default=1, help="split the model over this many local devices (each "
                     "weight along its heads, hidden or vocabulary dimension; dense models)")
@@ -423,6 +424,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_intermixed_args(argv)  # key=value overrides may follow the options
     train.apply_default_xla_flags()
     try:
+        loss_batch = args.batch  # --loss's default depends on data.seq_len (below)
+        args.batch = 16 if args.batch is None else args.batch
         path = pathlib.Path(args.run_dir).absolute()
         if not path.exists():
             raise ConfigError(f"{path} does not exist (a run directory, or a checkpoint directory inside one)")
@@ -464,6 +467,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.choices is not None:
             sets = choices.load_files(args.choices, tok.encode, cfg.model.vocab_size, cfg.data.seq_len, args.batch)
         elif args.loss is not None:
+            args.batch = max(1, LOSS_TOKENS // cfg.data.seq_len) if loss_batch is None else loss_batch
             texts = [perplexity.load(f, tok.encode, cfg.model.vocab_size, cfg.data.seq_len, eos_id=eos_of_run(cfg),
                                      stride=args.stride, batch=args.batch, text_key=args.text_key)
                      for f in (f.strip() for f in args.loss.split(",")) if f]

@@ -282,7 +282,7 @@ def test_fine_tuning_run_evaluates_the_replies_and_samples_a_chat(tmp_path, caps
     assert sample.main([str(run), "--system", "Be brief."]) == 2
     assert "--system and --chat-template go with --chat or --prompts" in capsys.readouterr().err
     assert sample.main([str(run), "--out", str(tmp_path / "o.jsonl")]) == 2
-    assert "--out goes with --prompts or --choices" in capsys.readouterr().err and not (tmp_path / "o.jsonl").exists()
+    assert "--out goes with --prompts, --choices or --loss" in capsys.readouterr().err and not (tmp_path / "o.jsonl").exists()
 
     # --prompts: chat records are rendered by the data's template up to the generation prompt, a last assistant
     # message is the reference (as trained: its end-of-turn marker included); prompt records are raw text
