@@ -15,8 +15,10 @@ A document longer than a row (data.seq_len = T tokens of context) runs in window
 `stride` tokens after the last (default T: disjoint windows); a window scores only the tokens that no window before
 it scored, so each scored token sees at least T - stride tokens before it (the first window's, all before them).
 A smaller stride costs T / stride forwards per T tokens and scores each token with more context (lm-evaluation-
-harness's rolling log-likelihood has the disjoint windows). Records with a "prompt" and a "completion" score the
-completion's tokens after the prompt, the loss a fine-tuning on them trained. The windows are rows of
+harness's rolling log-likelihood has the disjoint windows). Fine-tuning records score what a fine-tuning on them
+trains: a "prompt" and "completion" the completion's tokens after the prompt, chat "messages" the assistant replies
+(rendered with the data's chat template, each piece tokenized on its own, as `data convert` does); B counts those
+pieces' bytes. (No end-of-text token after a document or reply is scored.) The windows are rows of
 `choices.score`: batches of rows, longest first, each cut to its longest row.
 
 Under the trainer, `log.eval_texts=A.jsonl,B.txt` scores the files (disjoint windows) on the training mesh at every
@@ -70,9 +72,9 @@ def windows(seq: list[int], first: int, t: int, stride: int) -> list[tuple[int, 
 
 def load(path: str | pathlib.Path, encode: Callable[[str], list[int]], vocab_size: int, seq_len: int, *,
          eos_id: int | None = None, stride: int = 0, batch: int = 1, text_key: str = "text",
-         multiple: int = ROW_MULTIPLE) -> TextSet:
+         chat_template: str | None = None, tokenizer: str = "byte", multiple: int = ROW_MULTIPLE) -> TextSet:
     """The rows of a text file (module docstring): rows of seq_len tokens, windows `stride` apart (0: seq_len), R a
-    multiple of `batch`."""
+    multiple of `batch`. chat_template (with the `tokenizer` spec): how chat records are rendered (the data's)."""
     from mx_jax import data
 
     path = pathlib.Path(path)
@@ -81,44 +83,52 @@ def load(path: str | pathlib.Path, encode: Callable[[str], list[int]], vocab_siz
     stride = stride or seq_len
     if not 1 <= stride <= seq_len:
         raise ConfigError(f"--stride: must be between 1 and data.seq_len={seq_len}, got {stride}")
-    lead = [] if eos_id is None else [eos_id]
+    template = None
     pieces, tokens, nbytes = [], [], []
     for i, rec, _ in data.read_records(path, text_key):
         where = f"{path}:{i + 1}" if i is not None else str(path)
-        if isinstance(rec, dict):
-            raise ConfigError(f"{where}: a chat record; --loss reads text or prompt / completion records (the chat "
-                              f"examples' loss is the trainer's held-out loss on their converted data)")
-        prompt, text = rec if isinstance(rec, tuple) else ("", rec)
-        if isinstance(text, bytes):  # a plain text file, read whole
-            text = text.decode("utf-8", errors="replace")
-        ids = encode(text)
-        if not ids:
-            continue  # an empty document scores nothing
-        seq = lead + encode(prompt) + ids
-        if max(seq) >= vocab_size:
+        if isinstance(rec, dict):  # a chat: its replies scored, as `data convert` marks them for training
+            if template is None:
+                if chat_template is None:
+                    raise ConfigError(f"{where}: a chat record needs a chat template, and the run's data has none "
+                                      f"(meta.json chat_template; `sample --loss` takes --chat-template)")
+                template = data.ChatTemplate(chat_template, tokenizer, "chat_template")
+            segs = template.segments(rec["messages"], where, rec["tools"])
+        elif isinstance(rec, tuple):
+            segs = [(rec[0], False), (rec[1], True)]
+        else:
+            segs = [(rec.decode("utf-8", errors="replace") if isinstance(rec, bytes) else rec, True)]  # (whole file)
+        # each piece tokenized on its own, as the converter does; the end-of-text token before the first
+        seq, scored = ([eos_id], [False]) if eos_id is not None else ([], [])
+        for text, trained in segs:
+            ids = encode(text)
+            seq += ids
+            scored += [trained] * len(ids)
+        if seq and max(seq) >= vocab_size:
             raise ConfigError(f"{where}: token id {max(seq)} is outside the model's vocabulary "
                               f"(model.vocab_size={vocab_size}); is the tokenizer the run's?")
-        first = len(seq) - len(ids)
-        if first == 0:  # no end-of-text token before it and no prompt: its first token has nothing to follow
-            first, ids = 1, ids[1:]
-            if not ids:
-                continue
-        pieces.append((seq, first))
-        tokens.append(len(ids))
-        nbytes.append(len(text.encode()))
+        scored[:1] = [False]  # the first token follows nothing (where no end-of-text token comes first)
+        if not any(scored):
+            continue  # nothing to score: an empty document, or a chat without a reply
+        pieces.append((seq, np.asarray(scored)))
+        tokens.append(sum(scored))
+        nbytes.append(sum(len(t.encode()) for t, trained in segs if trained))
     if not pieces:
         raise ConfigError(f"--loss: {path} holds no text to score")
-    rows = [(d, seq[s:e], s, e, f) for d, (seq, first) in enumerate(pieces)
-            for s, e, f in windows(seq, first, seq_len, stride)]
+    # windows from the first scored token to the last (a chat's closing context scores nothing)
+    rows = [(d, s, e, f) for d, (seq, scored) in enumerate(pieces)
+            for s, e, f in windows(seq[:len(scored) - int(np.argmax(scored[::-1]))], int(np.argmax(scored)), seq_len,
+                                   stride)]
     r = math.ceil(len(rows) / batch) * batch
     inputs = np.zeros((r, seq_len), np.int32)
     targets = np.full((r, seq_len), -1, np.int32)
     doc = np.full(r, -1, np.int32)
-    for k, (d, piece, s, e, f) in enumerate(rows):
-        inputs[k, :len(piece) - 1] = piece[:-1]
-        tgt = np.asarray(piece[1:], np.int32)
-        tgt[:max(0, f - s - 1)] = -1  # positions before `f` were scored by an earlier window (or are context)
-        targets[k, :len(tgt)] = tgt
+    for k, (d, s, e, f) in enumerate(rows):
+        seq, scored = pieces[d]
+        inputs[k, :e - 1 - s] = seq[s:e - 1]
+        pos = np.arange(s + 1, e)  # the window's target positions
+        # scored there, and not by an earlier window
+        targets[k, :e - 1 - s] = np.where(scored[s + 1:e] & (pos >= f), seq[s + 1:e], -1)
         doc[k] = d
     return TextSet(str(path), inputs, targets, doc, np.asarray(tokens), np.asarray(nbytes), len(rows), multiple)
 
@@ -143,14 +153,15 @@ def summary(ts: TextSet, scores: np.ndarray) -> dict[str, float]:
 
 def load_files(paths: str, encode: Callable[[str], list[int]], vocab_size: int, seq_len: int, *,
                eos_id: int | None = None, stride: int = 0, batch: int = 1, text_key: str = "text",
-               multiple: int = ROW_MULTIPLE) -> list[TextSet]:
+               chat_template: str | None = None, tokenizer: str = "byte", multiple: int = ROW_MULTIPLE
+               ) -> list[TextSet]:
     """`load` of each file of a comma-separated list; their names (file stems, the metrics' suffixes) must differ."""
     files = [f for f in (p.strip() for p in paths.split(",")) if f]
     stems = [pathlib.Path(f).stem for f in files]
     if len(set(stems)) < len(stems):
         raise ConfigError(f"the files {', '.join(files)} must have different names (their metrics are named so)")
     return [load(f, encode, vocab_size, seq_len, eos_id=eos_id, stride=stride, batch=batch, text_key=text_key,
-                 multiple=multiple) for f in files]
+                 chat_template=chat_template, tokenizer=tokenizer, multiple=multiple) for f in files]
 
 
 def metrics(sets: list[TextSet], scores: list[np.ndarray]) -> dict[str, float]:

@@ -56,8 +56,8 @@ wrong:
 
 `--loss FILE[,FILE]` samples nothing either: it prints the checkpoint's loss (nats per token), perplexity and bits per
 byte on each file of text (JSON lines or Parquet under `--text-key`, or a plain text file; prompt / completion records
-score the completion), long documents in windows of data.seq_len tokens `--stride` apart (mx_jax/perplexity.py);
-`--out` gets each document's.
+score the completion, chat records the replies), long documents in windows of data.seq_len tokens `--stride` apart
+(mx_jax/perplexity.py); `--out` gets each document's.
 """
 
 from __future__ import annotations
@@ -417,7 +417,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-stop", action="store_true", help="draw all --tokens, past the data's end-of-text token")
     ap.add_argument("--chat", action="store_true", help="--prompt is a user message, rendered with the data's chat "
                     "template; the sample is the model's reply")
-    ap.add_argument("--chat-template", help="with --chat or --prompts: 'chatml', a template file or a "
+    ap.add_argument("--chat-template", help="with --chat, --prompts or --loss: 'chatml', a template file or a "
                     "tokenizer_config.json (default: the one the data was converted with)")
     ap.add_argument("--system", help="with --chat: a system message before the prompt")
     ap.add_argument("overrides", nargs="*", help="key=value changes to the run's config, e.g. quant.recipe=bf16")
@@ -469,7 +469,8 @@ def main(argv: list[str] | None = None) -> int:
         elif args.loss is not None:
             args.batch = max(1, LOSS_TOKENS // cfg.data.seq_len) if loss_batch is None else loss_batch
             texts = [perplexity.load(f, tok.encode, cfg.model.vocab_size, cfg.data.seq_len, eos_id=eos_of_run(cfg),
-                                     stride=args.stride, batch=args.batch, text_key=args.text_key)
+                                     stride=args.stride, batch=args.batch, text_key=args.text_key,
+                                     chat_template=args.chat_template or chat_template_of(cfg), tokenizer=tok.spec)
                      for f in (f.strip() for f in args.loss.split(",")) if f]
         elif args.prompts is not None:
             prompts = read_prompts(pathlib.Path(args.prompts), args.chat_template or chat_template_of(cfg), tok.spec,

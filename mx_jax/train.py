@@ -358,11 +358,13 @@ def load_texts(cfg: TrainConfig, context: int = 1) -> list[perplexity.TextSet]:
     after its end-of-text token (mx_jax/perplexity.py), in rows that `context` devices split; [] when unset."""
     if not cfg.log.eval_texts:
         return []
-    from mx_jax.sample import Tokenizer, eos_of_run, tokenizer_of  # sample imports this module
+    from mx_jax.sample import Tokenizer, chat_template_of, eos_of_run, tokenizer_of  # sample imports this module
 
     try:
-        return perplexity.load_files(cfg.log.eval_texts, Tokenizer(tokenizer_of(cfg)).encode, cfg.model.vocab_size,
+        spec = tokenizer_of(cfg)
+        return perplexity.load_files(cfg.log.eval_texts, Tokenizer(spec).encode, cfg.model.vocab_size,
                                      cfg.data.seq_len, eos_id=eos_of_run(cfg), batch=cfg.data.batch_size,
+                                     chat_template=chat_template_of(cfg), tokenizer=spec,
                                      multiple=choices.ROW_MULTIPLE * context)
     except (ConfigError, SystemExit) as e:  # (the record reader's errors are SystemExit, naming file and line)
         raise ConfigError(f"config key 'log.eval_texts': {e}")

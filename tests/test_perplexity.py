@@ -145,3 +145,35 @@ def test_the_trainer_measures_the_texts_at_each_eval_on_its_mesh_as_sample_does(
     with pytest.raises(ConfigError, match="config key 'log.eval_texts': .*a chat record"):
         train.train(tiny_config(tmp_path / "other", f"log.eval_texts={bad}"))
     assert not (tmp_path / "other").exists()
+
+
+def test_chat_records_score_their_replies_as_the_converter_marks_them(tmp_path):
+    """A chat record scores the assistant replies (chatml, bytes), each piece tokenized alone: the loss of one
+    forward over the rendered conversation at the replies' positions; without a template it stops, naming it."""
+    msgs = [{"role": "user", "content": "Say fig."}, {"role": "assistant", "content": "fig"},
+            {"role": "user", "content": "Again?"}, {"role": "assistant", "content": "fig fig"}]
+    path = _docs(tmp_path, [{"messages": msgs}])
+    cfg, mesh, setup, params, buffers = _model(tmp_path)
+    encode = lambda s: list(s.encode())  # noqa: E731
+    ts = perplexity.load(path, encode, 256, 16, eos_id=0, stride=8, batch=4, chat_template="chatml")
+    from mx_jax import data
+    segs = data.ChatTemplate("chatml", "byte", "test").segments(msgs, "test")
+    replies = [t for t, trained in segs if trained]
+    assert [t.split("<|im_end|>")[0] for t in replies] == ["fig", "fig fig"]
+    assert ts.tokens[0] == ts.bytes[0] == sum(len(t.encode()) for t in replies)
+    seq, scored = [0], [False]
+    for t, trained in segs:
+        seq += encode(t)
+        scored += [trained] * len(encode(t))
+    with jax.set_mesh(mesh), jax.default_matmul_precision("highest"):
+        got = choices.score(choices.make_step(setup.graphdef, jnp.float32), params, buffers, ts, 4)
+        # the reference: each scored token after the 8 (= seq_len - stride) or more tokens before it that its
+        # window holds; one forward per scored token over exactly that window
+        model = nnx.merge(setup.graphdef, params, buffers)
+        want = 0.0
+        for s, e, f in perplexity.windows(seq, scored.index(True), 16, 8):
+            z = jax.nn.log_softmax(model(jnp.asarray([seq[s:e - 1]]))[0][0], axis=-1)
+            want += sum(float(z[p - s - 1, seq[p]]) for p in range(max(f, s + 1), e) if scored[p])
+    assert float(np.sum(got[:ts.rows])) == pytest.approx(want, rel=1e-5)
+    with pytest.raises(ConfigError, match="a chat record needs a chat template"):
+        perplexity.load(path, encode, 256, 16)
