@@ -22,8 +22,8 @@ Balancing, each optional:
 Capacity: dropless by default. With capacity_factor c > 0, each expert keeps at most ceil(c N k / E) of each
 device's assignments (in token order) and the rest are dropped (weight 0), as in GShard.
 
-Decoding (`MoE.decode`): a step of a few tokens with fine-grained experts reads each assignment's expert weights by
-index instead of sorting rows for the grouped GEMM; same values, fewer kernels.
+Decoding (`MoE.decode`): a step of a few tokens reads each assignment's expert weights by index
+(pallas_kernels.indexed_matmul) instead of sorting rows for the grouped GEMM; same values, fewer kernels.
 
 Expert parallelism: the layer body runs per device inside `shard_map` over the whole mesh (routing and sorting
 are local), and the rows for experts on other devices travel through mx_jax.dispatch over the `expert` axis.
@@ -42,11 +42,16 @@ from jax.sharding import PartitionSpec as P
 
 from mx_jax import dispatch, sharding
 from mx_jax.config import ModelConfig
-from mx_jax.layers import SwiGLU, _param, swiglu, weight_and_operands
+from mx_jax.layers import SwiGLU, _param, weight_and_operands
+from pallas_kernels import device, indexed_matmul
 
 
-# MoE.decode reads experts by index where their weight matrices have at most this many elements (d_model x d_expert:
-# DeepSeekMoE 16B's 2.9 M yes, DeepSeek-V3's 14.7 M and Mixtral's 58.7 M no; measured crossover, see MoE.decode)
+# MoE.decode reads experts by index (MoE._by_index_impl): with pallas_kernels.indexed_matmul's kernels while the
+# weights read again for experts chosen twice stay under BY_INDEX_REREAD_BYTES (the grouped GEMM's fixed cost of
+# ~150 us per layer at ~4 TB/s); through XLA where the expert matrices have at most BY_INDEX_ELEMENTS elements
+# (d_model x d_expert: DeepSeekMoE 16B's 2.9 M yes, DeepSeek-V3's 14.7 M and Mixtral's 58.7 M no). Measured, see
+# MoE.decode.
+BY_INDEX_REREAD_BYTES = 600e6
 BY_INDEX_ELEMENTS = 1 << 22
 STATS = ("aux_loss", "z_loss", "load", "dropped", "rows_cross_node", "rows_intra_node", "ep_overflow")
 
@@ -121,27 +126,45 @@ class MoE(nnx.Module):
     def decode(self, x: jax.Array) -> jax.Array:
         """x (B,T,D) -> y (B,T,D): `__call__`'s output without its statistics, for a decoding step.
 
-        Fine-grained experts (each weight matrix at most BY_INDEX_ELEMENTS elements) take another path when the
-        step's B T k assignments are no more than the experts: each assignment reads its expert's weights by
-        index (`_by_index`: XLA fuses the gather into a multiply-reduce per projection, no copy), instead of
-        sorting rows into the grouped GEMM, whose bookkeeping (sort, row layout, tile lists) costs ~150 us per
-        layer whatever the rows. The fused reductions stream large matrices at only ~1.4 TB/s, so wide experts
-        stay on the grouped GEMM. Per layer on an H200 (RESULTS.md, session 64), by index against grouped:
-        DeepSeekMoE 16B (2048 x 1408) 71 / 200 us for 1 token, 137 / 314 for 4, 232 / 268 for 8, 425 / 344 for 16;
-        Mixtral (4096 x 14336) 544 / 308 for 1 token; DeepSeek-V3 (7168 x 2048) 551 / 345 for 1 token.
+        A step of B T k assignments, no more than the experts, can read each assignment's expert weights by index
+        (`_by_index`, pallas_kernels.indexed_matmul) instead of sorting rows into the grouped GEMM, whose bookkeeping
+        (sort, row layout, tile lists) costs ~150 us per layer whatever the rows. Where the Mosaic-GPU kernels run
+        (a Hopper GPU, 16-bit weights), it does so while the weights it reads again, for experts that uniform
+        routing would choose twice, stay under BY_INDEX_REREAD_BYTES: Mixtral's experts for 1-2 tokens but not 4
+        (measured: 8 layers at B = 4, 3.58 ms per step on the grouped GEMM, 3.73 by index). Elsewhere XLA runs the
+        gathered products as multiply-reduce fusions at 0.4-1.7 TB/s, so only matrices of at most
+        BY_INDEX_ELEMENTS elements go by index. Per layer on an H200, routed experts alone (RESULTS.md, sessions
+        64-65): DeepSeekMoE 16B (2048 x 1408), 1 token, 200 us grouped, 71 us through XLA, 54 us on the kernels
+        (gate and up 31, down 23, loop overhead included); Mixtral (4096 x 14336), 1 token, 308 us grouped, 248
+        on the kernels.
         The same values as `__call__` (capacity drops included) on one device; elsewhere, or under another
         recipe, `__call__` runs."""
         b, t, d = x.shape
-        m = self.cfg
-        mesh = jax.sharding.get_abstract_mesh()
-        fine = math.prod(self.expert_dims) <= BY_INDEX_ELEMENTS
-        if (not fine or self.recipe != "bf16" or b * t * m.top_k > m.n_experts
-                or not (mesh.empty or mesh.size == 1)):
+        impl = self._by_index_impl(b * t, x.dtype)
+        if impl is None:
             return self(x, fused=False)[0]
-        y = self._by_index(x.reshape(b * t, d)).reshape(b, t, d)
+        y = self._by_index(x.reshape(b * t, d), impl).reshape(b, t, d)
         if self.shared is not None:
             y = y + self.shared(x, False)
         return y
+
+    def _by_index_impl(self, tokens: int, dtype) -> str | None:
+        """`decode`'s choice for a step of `tokens` tokens in `dtype`: None (the grouped GEMM), or the impl of
+        pallas_kernels.indexed_matmul that reads the experts by index ("pallas": its kernels, "xla")."""
+        m = self.cfg
+        mesh = jax.sharding.get_abstract_mesh()
+        assignments = tokens * m.top_k
+        if self.recipe != "bf16" or assignments > m.n_experts or not (mesh.empty or mesh.size == 1):
+            return None
+        weights = tuple(jax.ShapeDtypeStruct(w.shape, w.dtype) for w in (self.w_gate, self.w_up))
+        x = jax.ShapeDtypeStruct((assignments, self.w_gate.shape[1]), dtype)
+        if self.impl == "pallas" or (self.impl == "auto" and device.kernels_apply()
+                                     and indexed_matmul.pick(x, weights)[1] is None):
+            # experts that a uniform router would choose for the step: the grouped GEMM reads each of them once
+            chosen = m.n_experts * (1 - (1 - m.top_k / m.n_experts) ** tokens)
+            rereads = (assignments - chosen) * 3 * math.prod(self.expert_dims) * jnp.dtype(self.w_gate.dtype).itemsize
+            return "pallas" if rereads <= BY_INDEX_REREAD_BYTES else None
+        return "xla" if math.prod(self.expert_dims) <= BY_INDEX_ELEMENTS else None
 
     def _routed(self, xt: jax.Array, w_router: jax.Array, bias: jax.Array):
         """Tokens xt (n,D) routed: (logits (n,E) f32, scores (n,E), expert ids (n,k), weights (n,k) with the
@@ -156,17 +179,15 @@ class MoE(nnx.Module):
             keep = capacity_keep(idx, m.n_experts, capacity)
         return logits, s, idx, jnp.where(keep, g, 0.0), keep, capacity
 
-    def _by_index(self, xt: jax.Array) -> jax.Array:
-        """The routed experts of tokens xt (n,D), each assignment's weights gathered by its expert id."""
+    def _by_index(self, xt: jax.Array, impl: str) -> jax.Array:
+        """The routed experts of tokens xt (n,D), each assignment's weights read by its expert id
+        (pallas_kernels.indexed_matmul with `impl`)."""
         m = self.cfg
         _, _, idx, g, _, _ = self._routed(xt, self.router[...], self.bias[...])
         flat = idx.reshape(-1)  # (n k,) token-major, as dispatch's assignments
         xr = jnp.repeat(xt, m.top_k, axis=0)
-        w_gate, w_up, w_down = (w[...][flat].astype(xt.dtype) for w in (self.w_gate, self.w_up, self.w_down))
-        # float32 sums, then the dtype, as the grouped GEMM's (a dot rewritten as a reduction would sum in bf16)
-        dot = lambda spec, a, w: jnp.einsum(spec, a, w, preferred_element_type=jnp.float32).astype(xt.dtype)
-        h = swiglu(dot("rd,rdf->rf", xr, w_gate), dot("rd,rdf->rf", xr, w_up)).astype(xt.dtype)
-        return dispatch.combine(dot("rf,rfd->rd", h, w_down), g, xt.dtype)
+        h = indexed_matmul.indexed_swiglu(xr, self.w_gate[...], self.w_up[...], flat, impl=impl)
+        return dispatch.combine(indexed_matmul.indexed_matmul(h, self.w_down[...], flat, impl=impl), g, xt.dtype)
 
     def _local(self, x, w_router, bias, w_gate, w_up, w_down, ops, *, axes: tuple[str, ...]):
         """One device's tokens. x (b,t,D); expert weights (E_local, ...). `axes`: mesh axes to reduce statistics over."""

@@ -404,6 +404,12 @@ def section_mxcast(args) -> None:
     bench_mx_cast(args.quick)
 
 
+def section_indexed(args) -> None:
+    from pallas_kernels.bench_indexed import bench_indexed
+
+    bench_indexed(args.quick, args.cpu_smoke, args.config, args.samples, args.batch)
+
+
 def section_grouped(args) -> None:
     from pallas_kernels.bench_grouped import bench_grouped
 
@@ -411,7 +417,7 @@ def section_grouped(args) -> None:
 
 
 SECTIONS: dict[str, Callable] = {"fp8": section_fp8, "mx": section_mx, "mxcast": section_mxcast,
-                                 "grouped": section_grouped}
+                                 "grouped": section_grouped, "indexed": section_indexed}
 
 
 def main(argv=None) -> None:

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from mx_jax import sharding
+from mx_jax import compat, sharding
 from mx_jax.config import MeshConfig, load_config
 from mx_jax.llama import Llama, buffers_of, cross_entropy, moe_loss, params_of
 from mx_jax.moe import capacity_keep, route, update_bias
@@ -936,6 +936,33 @@ def test_gpu_ragged_exchange_equals_the_dense_one(method):
     for a, b in zip(grads_ragged, grads_dense, strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
     assert np.abs(y_dense).sum() > 0 and np.abs(grads_dense[0]).sum() > 0
+
+
+def test_decode_by_index_kernel_interpreted_matches_xla():
+    """With moe.impl=pallas, MoE.decode reads the experts through pallas_kernels.indexed_matmul's Mosaic-GPU kernels
+    (here in GPU interpret mode on CPU) and gives the XLA expression's output. With the kernels, wide experts are
+    read by index too while few are chosen twice (uniform routing's expectation)."""
+    from mx_jax.moe import MoE
+
+    cfg = load_config(None, MOE + ["model.d_model=64", "model.moe.d_expert=64", "model.moe.n_shared=1"]).model
+    layers = {impl: MoE(cfg, "bf16", impl, {"w_gate": "bf16", "w_up": "bf16", "w_down": "bf16"}, rngs=nnx.Rngs(3))
+              for impl in ("pallas", "xla")}
+    for layer in layers.values():  # bf16 weights, as the decoder's compute copies; init_std 0.02 is too small here
+        for w in (layer.w_gate, layer.w_up, layer.w_down, layer.router):
+            w.value = (w.value * 20).astype(jnp.bfloat16)
+    x = jnp.asarray(np.random.default_rng(6).standard_normal((1, 3, cfg.d_model)), jnp.bfloat16)
+    assert layers["pallas"]._by_index_impl(3, x.dtype) == "pallas"
+    assert layers["xla"]._by_index_impl(3, x.dtype) == "xla"
+    assert layers["pallas"]._by_index_impl(5, x.dtype) is None  # 10 assignments > 8 experts
+    wide = MoE(cfg, "bf16", "pallas", {}, rngs=nnx.Rngs(3))
+    wide.expert_dims = (4096, 14336)  # Mixtral's experts (8, top-2): the kernel for 1 token and 2, not 4
+    assert [wide._by_index_impl(t, x.dtype) for t in (1, 2, 4)] == ["pallas", "pallas", None]
+    with compat.force_gpu_interpret_mode(compat.InterpretGPUParams()):
+        got = layers["pallas"].decode(x)
+    want = layers["xla"].decode(x)
+    assert float(jnp.max(jnp.abs(want))) > 0.5
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=2e-2,
+                               atol=2e-2 * float(jnp.max(jnp.abs(want))))
 
 
 @pytest.mark.parametrize("routing,capacity_factor,n_shared", [("random", 0.0, 1), ("crowded", 0.0, 0),
