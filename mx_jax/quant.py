@@ -522,6 +522,28 @@ def _make_linear2d(recipe_name: str, impl: str, x_dtype: jnp.dtype, w_dtype: jnp
     return linear2d
 
 
+# A bf16 product of fewer rows than this (a decoding step) runs padded to FEW_ROWS rows (`_few_rows`).
+FEW_ROWS = 8
+
+
+def _few_rows(x: jax.Array, w: jax.Array, dot) -> jax.Array:
+    """`dot` (the bf16 linear) of x's rows padded to FEW_ROWS, then x's rows of the result.
+
+    Two rewrites of XLA's GPU compiler make a decoding step's products slow, and padding undoes both:
+    - its algebraic simplifier turns a dot whose sizes multiply to fewer than 10^7 into a multiply-reduce fusion
+      instead of a cuBLAS call: one token of a 2048-wide model streamed each weight at ~1.1 TB/s, against twice that
+      as an 8-row GEMM (benchmarks/RESULTS.md, session 65);
+    - its dot merger joins the products of one x (q, k and v; gate and up) into one GEMM by concatenating their
+      weights, a copy of every weight per step. The padding rows hold w[0, 0], so each product's padded x is its
+      own operand and nothing is merged. (An optimization barrier beside x did not stop the merger; one on w made
+      XLA copy a scanned layer's weight slice.)
+    The padding rows' outputs are dropped; their value never reaches the result or a gradient."""
+    lead, k = x.shape[:-1], x.shape[-1]
+    rows = math.prod(lead)
+    x8 = jnp.pad(x.reshape(rows, k), ((0, FEW_ROWS - rows), (0, 0)), constant_values=w[0, 0].astype(x.dtype))
+    return dot(x8, w)[:rows].reshape(*lead, w.shape[1])
+
+
 def linear(x: jax.Array, w: jax.Array, *, recipe: str, impl: str = "auto",
            operands: Operands | None = None, w_axes: tuple[str | None, ...] | None = None,
            reduce_dtype="float32", fence: bool = False) -> jax.Array:
@@ -563,6 +585,8 @@ def linear(x: jax.Array, w: jax.Array, *, recipe: str, impl: str = "auto",
                              jnp.dtype(reduce_dtype), fence=fence)
     if split is not None:  # per device: x keeps its leading dims, laid out as the model splits them
         return make(split)(x, w, operands)
+    if recipe == "bf16" and split is None and math.prod(lead) < FEW_ROWS:
+        return _few_rows(x, w, lambda x8, w: make()(x8, w, operands))
     if recipe == "bf16":  # XLA's dot over x's own dims (_make_linear2d)
         return make()(x, w, operands)
     y = make()(x.reshape(math.prod(lead), x.shape[-1]), w, operands)

@@ -4,6 +4,7 @@ Pallas path interpreted, kernel_support, and a `gpu` test of every recipe on the
 
 import importlib
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -159,6 +160,31 @@ def test_jit_grad_and_leading_dims():
     np.testing.assert_allclose(np.asarray(gw), np.asarray(gw2), rtol=1e-6)
     y1 = quant.linear(x[0, 0], w, recipe="fp8_rowwise")  # a single token vector
     assert y1.shape == (w.shape[1],)
+
+
+def test_bf16_linear_pads_few_rows_into_a_gemm():
+    """A decoding step's bf16 product of fewer than 8 rows runs as an 8-row dot (quant._few_rows) whose padding
+    rows come from its own weight, so two products of one x do not share a padded operand; values and gradients are
+    those of the unpadded product."""
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.standard_normal((1, 3, 64)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((64, 96)) / 8, jnp.bfloat16)
+    f = lambda x, w: quant.linear(x, w, recipe="bf16")
+    jaxpr = jax.make_jaxpr(f)(x, w)
+    assert "pad[" in str(jaxpr) and "bf16[8,96]" in str(jaxpr)
+    two = str(jax.make_jaxpr(lambda x, a, b: (f(x, a), f(x, b)))(x, w, w + 1))
+    assert len(re.findall(r"bf16\[8,64\] = p?jit\[name=_pad", two)) == 2  # one padded x per product
+    assert "pad[" not in str(jax.make_jaxpr(f)(jnp.zeros((2, 4, 64), jnp.bfloat16), w))  # 8 rows: as written
+    with jax.default_matmul_precision("highest"):
+        y, pull = jax.vjp(f, x, w)
+        want = jnp.einsum("btk,kn->btn", x, w, preferred_element_type=jnp.float32)
+        dx, dw = pull(jnp.ones_like(y))
+        dx_want, dw_want = jax.grad(lambda x, w: jnp.sum(jnp.einsum(
+            "btk,kn->btn", x.astype(jnp.float32), w.astype(jnp.float32))), argnums=(0, 1))(x, w)
+    assert y.shape == (1, 3, 96) and y.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(y, np.float32), np.asarray(want), rtol=1e-2, atol=1e-2)
+    np.testing.assert_allclose(np.asarray(dx, np.float32), np.asarray(dx_want), rtol=1e-2, atol=1e-2)
+    np.testing.assert_allclose(np.asarray(dw, np.float32), np.asarray(dw_want), rtol=1e-2, atol=1e-2)
 
 
 @pytest.mark.parametrize("recipe", quant.RECIPES)
