@@ -16,8 +16,9 @@ cache of S = P + `--tokens` positions (rounded up likewise); from then on each n
 alone and attends to the cache. A row's tokens see the cache from the row's first position on, and a RoPE score
 depends only on the distance between two positions, so a padded row draws what it would alone (tests/test_sample.py
 checks the logits against full forwards). A token costs one read of the weights and of the cache instead of a
-forward over the whole sequence: H200 figures in benchmarks/RESULTS.md (session 63; MoE models, whose fine-grained
-experts a step reads by index, `moe.MoE.decode`: session 64). One compiled prefill serves
+forward over the whole sequence: H200 figures in benchmarks/RESULTS.md (session 63; MoE models, whose experts a
+step reads by index, `moe.MoE.decode`: sessions 64-65; one token's products as 8-row GEMMs, `quant._few_rows`:
+session 65). One compiled prefill serves
 each (batch, P), one compiled step each (batch, S). `--devices N` splits a dense model over N local devices, each
 weight along its heads, hidden or vocabulary dimension (`tensor_parallel`), for a model one device cannot hold (a
 70B in bf16); its tokens are one device's (tests/test_sample.py, on CPU devices; not yet timed on GPUs). For
