@@ -503,7 +503,7 @@ def tgmm_reference(
 # --------------------------------------------------------------------------------------------------------------
 # Mosaic-GPU kernels.
 # --------------------------------------------------------------------------------------------------------------
-def _in_transforms(dtype, minor: int):
+def operand_transforms(dtype, minor: int):
     """Tiling + swizzle for an SMEM operand tile whose minor dim holds `minor` elements of `dtype`."""
     swizzle = plgpu.find_swizzle(min(minor * jnp.dtype(dtype).itemsize, 128) * 8)
     elems = swizzle // jnp.dtype(dtype).itemsize
@@ -640,8 +640,8 @@ def _gmm_kernel(
     out_dtype = out_gmem.dtype
     split_m = c.wg_split == "m"
     dtype = lhs_gmem.dtype
-    a_transforms = _in_transforms(dtype, c.tile_k)
-    b_transforms = _in_transforms(dtype, c.tile_k if transpose_rhs else c.cta_tile_n)
+    a_transforms = operand_transforms(dtype, c.tile_k)
+    b_transforms = operand_transforms(dtype, c.tile_k if transpose_rhs else c.cta_tile_n)
 
     def pipeline(body, compute_context):
         return plgpu.emit_pipeline_warp_specialized(
@@ -789,10 +789,10 @@ def _tgmm_kernel(meta_gmem, lhs_gmem, rhs_gmem, *refs, config: TileConfig, align
     dtype = lhs_gmem.dtype
     if aligned:
         a_block, b_block = (c.cta_tile_m, c.tile_k), (c.cta_tile_n, c.tile_k)
-        a_transforms = b_transforms = _in_transforms(dtype, c.tile_k)
+        a_transforms = b_transforms = operand_transforms(dtype, c.tile_k)
     else:
         a_block, b_block = (c.tile_k, c.cta_tile_m), (c.tile_k, c.cta_tile_n)
-        a_transforms, b_transforms = _in_transforms(dtype, c.cta_tile_m), _in_transforms(dtype, c.cta_tile_n)
+        a_transforms, b_transforms = operand_transforms(dtype, c.cta_tile_m), operand_transforms(dtype, c.cta_tile_n)
 
     def pipeline(body, compute_context, num_blocks, first_block):
         index = (lambda r: (0, first_block + r)) if aligned else (lambda r: (first_block + r, 0))

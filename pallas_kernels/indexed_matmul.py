@@ -52,6 +52,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import device
+from pallas_kernels.grouped_matmul import operand_transforms
 
 Impl = Literal["auto", "pallas", "xla"]
 _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -114,11 +115,6 @@ def pick(x, weights: tuple, config: Config | None = None) -> tuple[Config, str |
     return c, reason
 
 
-def _in_transforms(dtype, minor: int):
-    swizzle = plgpu.find_swizzle(min(minor * jnp.dtype(dtype).itemsize, 128) * 8)
-    return (plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(swizzle))
-
-
 def _silu_mul(g, u):
     return g / (1.0 + jnp.exp(-g)) * u
 
@@ -130,9 +126,9 @@ def _kernel(idx_gmem, x_gmem, *refs, config: Config, swiglu: bool):
     e = idx_gmem[r]
     row0 = lax.div(r, _ALIGN) * _ALIGN  # a multiple of 8 that Mosaic can see
     dtype = x_gmem.dtype
-    a_spec = plgpu.BlockSpec((_ROWS, c.tile_k), lambda kk: (0, kk), transforms=_in_transforms(dtype, c.tile_k),
+    a_spec = plgpu.BlockSpec((_ROWS, c.tile_k), lambda kk: (0, kk), transforms=operand_transforms(dtype, c.tile_k),
                              delay_release=1)
-    b_spec = plgpu.BlockSpec((c.tile_k, c.tile_n), lambda kk: (kk, 0), transforms=_in_transforms(dtype, c.tile_n),
+    b_spec = plgpu.BlockSpec((c.tile_k, c.tile_n), lambda kk: (kk, 0), transforms=operand_transforms(dtype, c.tile_n),
                              delay_release=1)
     cols = pl.ds(ni * c.tile_n, c.tile_n)
 
