@@ -25,6 +25,14 @@ device's assignments (in token order) and the rest are dropped (weight 0), as in
 Decoding (`MoE.decode`): a step of a few tokens reads each assignment's expert weights by index
 (pallas_kernels.indexed_matmul) instead of sorting rows for the grouped GEMM; same values, fewer kernels.
 
+Decoding over several devices (`hidden_split`, for a model one device cannot hold: `sample --devices`): each of P
+devices holds every expert's columns F_p of W_gate and W_up and rows F_p of W_down (F/P of the hidden width), and
+runs the whole layer on every token for its slice, in shard_map over the split's one axis:
+    y = sum_p sum_j g_j (silu(x W_gate[:, F_p]) * (x W_up[:, F_p])) W_down[F_p, :]
+the last sum an all-reduce of float32 partial outputs (N D 4 bytes per layer). Routing runs on every device on
+the same tokens, so all choose the same experts; a device reads 1/P of each chosen expert per token, whatever the
+routing (splitting the experts themselves over the devices would leave the devices of unchosen experts idle).
+
 Expert parallelism: the layer body runs per device inside `shard_map` over the whole mesh (routing and sorting
 are local), and the rows for experts on other devices travel through mx_jax.dispatch over the `expert` axis.
 Statistics (f, P, loads, z-loss) are summed over every mesh axis, so losses and gradients do not depend on the
@@ -33,6 +41,8 @@ mesh.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
 
 import jax
@@ -54,6 +64,23 @@ from pallas_kernels import device, indexed_matmul
 BY_INDEX_REREAD_BYTES = 600e6
 BY_INDEX_ELEMENTS = 1 << 22
 STATS = ("aux_loss", "z_loss", "load", "dropped", "rows_cross_node", "rows_intra_node", "ep_overflow")
+
+
+_HIDDEN_SPLIT: contextvars.ContextVar = contextvars.ContextVar("mx_jax_moe_hidden_split", default=None)
+
+
+@contextlib.contextmanager
+def hidden_split(mesh: jax.sharding.Mesh):
+    """Inside: every MoE layer traced splits its routed experts' hidden width over the devices of `mesh` (one axis;
+    module docstring, "Decoding over several devices"). Its expert weights must be laid out so: W_gate and W_up
+    (..., E, D, F) split along F, W_down (..., E, F, D) along its F (sample.tensor_parallel)."""
+    if len(mesh.axis_names) != 1:
+        raise ValueError(f"hidden_split: a mesh of one axis, got axes {mesh.axis_names}")
+    token = _HIDDEN_SPLIT.set(mesh if mesh.size > 1 else None)
+    try:
+        yield
+    finally:
+        _HIDDEN_SPLIT.reset(token)
 
 
 class RouterBias(nnx.Variable):
@@ -106,7 +133,12 @@ class MoE(nnx.Module):
         ops = None if ops_gate is None else (ops_gate, ops_up, ops_down)
         weights = (self.router[...], self.bias[...], w_gate, w_up, w_down, ops)
         mesh = jax.sharding.get_abstract_mesh()
-        if mesh.empty:
+        split = _HIDDEN_SPLIT.get()
+        if split is not None:
+            if ops is not None:
+                raise ValueError("MoE: hidden_split decodes; the train step's fp8 operands do not split")
+            y, stats = self._split(split, lambda x, *w: self._local(x, *w, None, axes=()), x, *weights[:5])
+        elif mesh.empty:
             y, stats = self._local(x, *weights, axes=())
         else:
             batch = tuple(a for a in sharding.batch_axes() if a in mesh.axis_names)
@@ -137,34 +169,44 @@ class MoE(nnx.Module):
         64-65): DeepSeekMoE 16B (2048 x 1408), 1 token, 200 us grouped, 71 us through XLA, 54 us on the kernels
         (gate and up 31, down 23, loop overhead included); Mixtral (4096 x 14336), 1 token, 308 us grouped, 248
         on the kernels.
-        The same values as `__call__` (capacity drops included) on one device; elsewhere, or under another
-        recipe, `__call__` runs."""
+        The same values as `__call__` (capacity drops included) on one device or under `hidden_split`; elsewhere,
+        or under another recipe, `__call__` runs."""
         b, t, d = x.shape
-        impl = self._by_index_impl(b * t, x.dtype)
+        split = _HIDDEN_SPLIT.get()
+        impl = self._by_index_impl(b * t, x.dtype, 1 if split is None else split.size)
         if impl is None:
             return self(x, fused=False)[0]
-        y = self._by_index(x.reshape(b * t, d), impl).reshape(b, t, d)
+        weights = (self.router[...], self.bias[...], self.w_gate[...], self.w_up[...], self.w_down[...])
+        xt = x.reshape(b * t, d)
+        if split is None:
+            y = self._by_index(xt, *weights, impl, x.dtype)
+        else:
+            y, _ = self._split(split, lambda xt, *w: (self._by_index(xt, *w, impl, jnp.float32), {}), xt, *weights)
+        y = y.astype(x.dtype).reshape(b, t, d)
         if self.shared is not None:
             y = y + self.shared(x, False)
         return y
 
-    def _by_index_impl(self, tokens: int, dtype) -> str | None:
-        """`decode`'s choice for a step of `tokens` tokens in `dtype`: None (the grouped GEMM), or the impl of
+    def _by_index_impl(self, tokens: int, dtype, parts: int = 1) -> str | None:
+        """`decode`'s choice for a step of `tokens` tokens in `dtype`, each device holding 1/`parts` of every
+        expert's hidden width (`hidden_split`): None (the grouped GEMM), or the impl of
         pallas_kernels.indexed_matmul that reads the experts by index ("pallas": its kernels, "xla")."""
         m = self.cfg
         mesh = jax.sharding.get_abstract_mesh()
         assignments = tokens * m.top_k
         if self.recipe != "bf16" or assignments > m.n_experts or not (mesh.empty or mesh.size == 1):
             return None
-        weights = tuple(jax.ShapeDtypeStruct(w.shape, w.dtype) for w in (self.w_gate, self.w_up))
-        x = jax.ShapeDtypeStruct((assignments, self.w_gate.shape[1]), dtype)
+        e, d, f = self.w_gate.shape[-3:]
+        weights = (jax.ShapeDtypeStruct((e, d, f // parts), self.w_gate.dtype),) * 2
+        x = jax.ShapeDtypeStruct((assignments, d), dtype)
+        elements = math.prod(self.expert_dims) // parts  # of one expert matrix on one device
         if self.impl == "pallas" or (self.impl == "auto" and device.kernels_apply()
                                      and indexed_matmul.pick(x, weights)[1] is None):
             # experts that a uniform router would choose for the step: the grouped GEMM reads each of them once
             chosen = m.n_experts * (1 - (1 - m.top_k / m.n_experts) ** tokens)
-            rereads = (assignments - chosen) * 3 * math.prod(self.expert_dims) * jnp.dtype(self.w_gate.dtype).itemsize
+            rereads = (assignments - chosen) * 3 * elements * jnp.dtype(self.w_gate.dtype).itemsize
             return "pallas" if rereads <= BY_INDEX_REREAD_BYTES else None
-        return "xla" if math.prod(self.expert_dims) <= BY_INDEX_ELEMENTS else None
+        return "xla" if elements <= BY_INDEX_ELEMENTS else None
 
     def _routed(self, xt: jax.Array, w_router: jax.Array, bias: jax.Array):
         """Tokens xt (n,D) routed: (logits (n,E) f32, scores (n,E), expert ids (n,k), weights (n,k) with the
@@ -179,15 +221,32 @@ class MoE(nnx.Module):
             keep = capacity_keep(idx, m.n_experts, capacity)
         return logits, s, idx, jnp.where(keep, g, 0.0), keep, capacity
 
-    def _by_index(self, xt: jax.Array, impl: str) -> jax.Array:
-        """The routed experts of tokens xt (n,D), each assignment's weights read by its expert id
+    def _by_index(self, xt, w_router, bias, w_gate, w_up, w_down, impl: str, dtype) -> jax.Array:
+        """The routed experts of tokens xt (n,D) in `dtype`, each assignment's weights read by its expert id
         (pallas_kernels.indexed_matmul with `impl`)."""
         m = self.cfg
-        _, _, idx, g, _, _ = self._routed(xt, self.router[...], self.bias[...])
+        _, _, idx, g, _, _ = self._routed(xt, w_router, bias)
         flat = idx.reshape(-1)  # (n k,) token-major, as dispatch's assignments
         xr = jnp.repeat(xt, m.top_k, axis=0)
-        h = indexed_matmul.indexed_swiglu(xr, self.w_gate[...], self.w_up[...], flat, impl=impl)
-        return dispatch.combine(indexed_matmul.indexed_matmul(h, self.w_down[...], flat, impl=impl), g, xt.dtype)
+        h = indexed_matmul.indexed_swiglu(xr, w_gate, w_up, flat, impl=impl)
+        return dispatch.combine(indexed_matmul.indexed_matmul(h, w_down, flat, impl=impl), g, dtype)
+
+    def _split(self, mesh, fn, x, w_router, bias, w_gate, w_up, w_down):
+        """fn(x, w_router, bias, w_gate, w_up, w_down) -> (y, stats) per device of the `hidden_split` mesh, on its
+        slice of the experts' hidden width, every device on all of x; y summed over the devices in float32 and
+        returned in x's dtype, stats (the same on every device) from the first."""
+        (axis,) = mesh.axis_names
+        f = w_gate.shape[-1]
+        if f % mesh.size:
+            raise ValueError(f"hidden_split: the experts' hidden width {f} does not split over {mesh.size} devices")
+        cols, rows = P(None, None, axis), P(None, axis, None)
+
+        def local(x, w_router, bias, w_gate, w_up, w_down):
+            y, stats = fn(x, w_router, bias, w_gate, w_up, w_down)
+            return jax.lax.psum(y.astype(jnp.float32), axis).astype(x.dtype), stats
+
+        return jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), P(), cols, cols, rows), out_specs=(P(), P()),
+                             check_vma=False)(x, w_router, bias, w_gate, w_up, w_down)
 
     def _local(self, x, w_router, bias, w_gate, w_up, w_down, ops, *, axes: tuple[str, ...]):
         """One device's tokens. x (b,t,D); expert weights (E_local, ...). `axes`: mesh axes to reduce statistics over."""

@@ -19,9 +19,10 @@ checks the logits against full forwards). A token costs one read of the weights 
 forward over the whole sequence: H200 figures in benchmarks/RESULTS.md (session 63; MoE models, whose experts a
 step reads by index, `moe.MoE.decode`: sessions 64-65; one token's products as 8-row GEMMs, `quant._few_rows`:
 session 65). One compiled prefill serves
-each (batch, P), one compiled step each (batch, S). `--devices N` splits a dense model over N local devices, each
-weight along its heads, hidden or vocabulary dimension (`tensor_parallel`), for a model one device cannot hold (a
-70B in bf16); its tokens are one device's (tests/test_sample.py, on CPU devices; not yet timed on GPUs). For
+each (batch, P), one compiled step each (batch, S). `--devices N` splits a model over N local devices, each
+weight along its heads, hidden or vocabulary dimension (`tensor_parallel`; a MoE model's routed experts along their
+hidden width, `moe.hidden_split`), for a model one device cannot hold (a 70B in bf16, Mixtral 8x7B on 80 GB GPUs);
+its tokens are one device's (tests/test_sample.py, on CPU devices; not yet timed on GPUs). For
 serving, export with `python -m mx_jax.hf export` and use an inference engine: this decoder has no continuous
 batching. Two settings let the padding in: a capacity factor (`model.moe.capacity_factor` > 0; padding rows compete
 for expert capacity like real ones; dropless MoE, the default, is exact) and `quant.recipe=fp8_tensorwise` (the
@@ -64,20 +65,19 @@ score the completion, chat records the replies), long documents in windows of da
 from __future__ import annotations
 
 import argparse
-import contextlib
 import functools
 import json
 import pathlib
 import sys
 import time
-from typing import Callable, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from mx_jax import checkpoint, choices, data, perplexity, sharding, train
+from mx_jax import checkpoint, choices, data, moe, perplexity, sharding, train
 from mx_jax.config import ConfigError, TrainConfig, load_config, mixture_entries
 from mx_jax.llama import compute_copies, init_cache, with_compute
 
@@ -177,16 +177,26 @@ def load_model_state(cfg: TrainConfig, setup: train.Setup, path: pathlib.Path, s
 
 
 LOSS_TOKENS = 32768  # --loss's default windows per forward: this many tokens' worth (the logits are B x T x V)
-TENSOR_SPLIT = ("q_heads", "kv_heads", "mlp", "vocab")  # the weight dimensions --devices splits
+TENSOR_SPLIT = ("q_heads", "kv_heads", "mlp", "expert_mlp", "vocab")  # the weight dimensions --devices splits
 
 
-def tensor_parallel(setup: train.Setup, devices: list) -> tuple:
-    """(params', buffers', KV cache's shardings) that split a dense model over `devices` for decoding: each weight
-    along its first dimension named in TENSOR_SPLIT that the devices divide (W_q, W_k, W_v, W_gate, W_up by output
-    column, W_o and W_down by input row, the embedding and head by vocabulary), the cache by key/value head; norms
-    and router biases whole on each. XLA's partitioner makes of it Megatron's layout: each device attends with its
-    own heads and runs its own part of the hidden layer, then one all-reduce sums the attention output's and one the
-    down projection's partial sums. A device holds 1/n of the weights and reads 1/n of them per token."""
+class Split(NamedTuple):
+    """`tensor_parallel`'s layout: the params', buffers' and KV cache's shardings, and their one-axis mesh."""
+    params: Any
+    buffers: Any
+    cache: Any
+    mesh: jax.sharding.Mesh
+
+
+def tensor_parallel(setup: train.Setup, devices: list) -> Split:
+    """The layout that splits a model over `devices` for decoding: each weight along its first dimension named in
+    TENSOR_SPLIT that the devices divide (W_q, W_k, W_v, W_gate, W_up by output column, W_o and W_down by input
+    row, the routed experts' likewise along their hidden width, the embedding and head by vocabulary), the cache by
+    key/value head; norms, routers and router biases whole on each. XLA's partitioner makes of the dense layers
+    Megatron's layout: each device attends with its own heads and runs its own part of the hidden layer, then one
+    all-reduce sums the attention output's and one the down projection's partial sums. The routed experts run so
+    in shard_map, inside `moe.hidden_split(Split.mesh)`, which the decoding must be traced in. A device holds 1/n
+    of the weights and reads 1/n of them per token."""
     from jax.sharding import NamedSharding, PartitionSpec as P
 
     from mx_jax.llama import Llama, param_axes
@@ -194,6 +204,10 @@ def tensor_parallel(setup: train.Setup, devices: list) -> tuple:
     n = len(devices)
     mesh = jax.sharding.Mesh(np.asarray(devices), ("tensor",))
     cfg = setup.cfg.model
+    width = cfg.moe.d_expert or cfg.d_ff
+    if cfg.moe.n_experts and width % n:
+        raise ConfigError(f"--devices: {n} devices do not divide the experts' hidden width {width} "
+                          f"(model.moe.d_expert, or model.d_ff where it is 0)")
     axes = param_axes(nnx.eval_shape(lambda: Llama(cfg, setup.cfg.quant, rngs=nnx.Rngs(0))))
 
     def split(shape, names):
@@ -205,7 +219,7 @@ def tensor_parallel(setup: train.Setup, devices: list) -> tuple:
     heads = "tensor" if cfg.n_kv_heads % n == 0 else None
     cache = jax.tree.map(lambda c: NamedSharding(mesh, P(*([None] * (c.ndim - 2)), heads, None)),
                          jax.eval_shape(lambda: init_cache(cfg, 1, 1)))
-    return params, buffers, cache
+    return Split(params, buffers, cache, mesh)
 
 
 def _draw(logits: jax.Array, key: jax.Array, vocab_limit: int, temperature: float, top_k: int) -> jax.Array:
@@ -408,7 +422,7 @@ def main(argv: list[str] | None = None) -> int:
                     "together (16); with --loss: windows per forward (default: 32768 tokens' worth)")
     ap.add_argument("--text-key", default="text", help="with --prompts or --loss: the field of plain text")
     ap.add_argument("--devices", type=int, default=1, help="split the model over this many local devices (each "
-                    "weight along its heads, hidden or vocabulary dimension; dense models)")
+                    "weight along its heads, hidden or vocabulary dimension; MoE experts along their hidden width)")
     ap.add_argument("--tokens", type=int, default=200, help="tokens to draw per sample")
     ap.add_argument("--num", type=int, default=1, help="samples per prompt, drawn in one batch")
     ap.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
@@ -496,14 +510,13 @@ def main(argv: list[str] | None = None) -> int:
                                   f"(model.vocab_size={cfg.model.vocab_size}); is --tokenizer the run's?")
         if not 1 <= args.devices <= jax.local_device_count():
             raise ConfigError(f"--devices: {args.devices}, but this process has {jax.local_device_count()}")
-        if args.devices > 1 and cfg.model.moe.n_experts:
-            raise ConfigError("--devices: a MoE model decodes on one device (its expert kernels do not split)")
         mesh = sharding.make_mesh(cfg.mesh, jax.devices()[:1])
         with jax.set_mesh(mesh):
             setup = train.build(cfg, mesh)
         split = tensor_parallel(setup, jax.local_devices()[:args.devices]) if args.devices > 1 else None
-        # one device: under its mesh, as training runs; several: no mesh set, the arrays' shardings lead
-        with jax.set_mesh(mesh) if split is None else contextlib.nullcontext():
+        # one device: under its mesh, as training runs; several: no mesh set, the arrays' shardings lead, and the
+        # routed experts split in shard_map
+        with jax.set_mesh(mesh) if split is None else moe.hidden_split(split.mesh):
             params, buffers = load_model_state(cfg, setup, path, args.step, split and split[:2])
             decoder = Decoder(setup, params, buffers, vocab_limit=vocab_limit, temperature=args.temperature,
                               top_k=args.top_k, cache_sharding=split and split[2])

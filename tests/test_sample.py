@@ -200,6 +200,41 @@ def test_several_devices_split_the_weights_and_draw_what_one_does(two_steps, n):
     assert cache["blocks"].k.sharding.spec[-2] == ("tensor" if n == 2 else None)
 
 
+@pytest.fixture(scope="module")
+def moe_two_steps(tmp_path_factory):
+    """A run of the tiny model with routed and shared experts, trained two steps on one device."""
+    run_dir = tmp_path_factory.mktemp("moe_two_steps")
+    train.train(tiny_config(run_dir, "steps=2", "mesh.data=1", "mesh.fsdp=1", "mesh.expert=1", NO_EVAL, *MOE,
+                            "model.moe.n_shared=1"), devices=jax.devices()[:1])
+    return run_dir
+
+
+def test_several_devices_split_a_moe_models_experts(moe_two_steps, capsys):
+    """--devices 2 on a MoE model: the routed experts split along their hidden width (moe.hidden_split), every
+    device routing every token; the same greedy tokens as one device. A width the devices do not divide is refused
+    by name."""
+    mesh, setup, params, buffers = _setup_and_state(moe_two_steps)
+    prompts = [list(b"import os\n"), list(b"def")]
+    with jax.set_mesh(mesh):
+        want = sample.Decoder(setup, params, buffers, temperature=0).run(prompts, 16)
+    split = sample.tensor_parallel(setup, jax.devices()[:2])
+    params, buffers = sample.load_model_state(setup.cfg, setup, moe_two_steps, None, split[:2])
+    w_gate, w_down = params["blocks"]["moe"]["w_gate"], params["blocks"]["moe"]["w_down"]
+    assert tuple(w_gate.sharding.spec) == (None, None, None, "tensor") and w_down.sharding.spec[2] == "tensor"
+    assert w_down.addressable_shards[0].data.shape == (*w_down.shape[:2], w_down.shape[2] // 2, w_down.shape[3])
+    with sample.moe.hidden_split(split.mesh):
+        got = sample.Decoder(setup, params, buffers, temperature=0, cache_sharding=split.cache).run(prompts, 16)
+    np.testing.assert_array_equal(got, want)
+    args = [str(moe_two_steps), "--tokens", "8", "--prompt", "x = ", "--temperature", "0"]
+    outs = []
+    for extra in ([], ["--devices", "2"]):
+        assert sample.main([*args, *extra]) == 0
+        outs.append(capsys.readouterr().out.split("----- sample")[1])
+    assert outs[0] == outs[1]
+    assert sample.main([*args, "--devices", "3"]) == 2
+    assert "3 devices do not divide the experts' hidden width 128" in capsys.readouterr().err
+
+
 def test_cli_several_devices(two_steps, capsys):
     assert sample.main([str(two_steps), "--devices", "2", "--tokens", "8", "--prompt", "x = ", "--temperature",
                         "0"]) == 0
