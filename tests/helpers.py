@@ -70,3 +70,12 @@ def worst_line_rel(out, ref) -> float:
         live = norms > 0
         err.append((np.linalg.norm(out - ref, axis=axis)[live] / norms[live]).max())
     return float(max(err))
+
+
+def need_devices(n: int) -> None:
+    """Skip the calling test unless jax has `n` devices (the CPU suite forces 8; a GPU run has its GPUs)."""
+    import jax
+    import pytest
+
+    if jax.device_count() < n:
+        pytest.skip(f"needs {n} devices, jax has {jax.device_count()}")

@@ -10,7 +10,8 @@ from flax import nnx
 
 from mx_jax import choices, sample, sharding, train
 from mx_jax.config import ConfigError
-from tests.helpers import tiny_config
+from mx_jax.moe import hidden_split as moe_split
+from tests.helpers import need_devices, tiny_config
 
 
 def _write(path, records):
@@ -175,7 +176,8 @@ def _varied_records(n: int, seed: int = 0) -> list[dict]:
 def test_cached_scorer_gives_the_row_forwards_scores(tmp_path, moe):
     """choices.CachedScorer (a batch's contexts once into a KV cache, then each choice against it) scores every
     choice as the rows' forward does: contexts of 20-300 tokens (left-padded to 128 or 384), 2-5 choices, 7 records
-    in batches of 3 (the last padded); a dense model also split over 2 devices (`sample.tensor_parallel`). Weights
+    in batches of 3 (the last padded); also split over 2 devices (`sample.tensor_parallel`: heads, hidden width, a MoE
+    model's routed experts along theirs under `moe.hidden_split`). Weights
     drawn with std 0.5, so that the scores depend on the context."""
     from mx_jax.llama import with_compute
 
@@ -192,12 +194,12 @@ def test_cached_scorer_gives_the_row_forwards_scores(tmp_path, moe):
         cached = choices.CachedScorer(setup.graphdef, cfg.model).score(params, buffers, cs, 3)[:cs.rows]
     assert np.ptp(rows) > 5
     np.testing.assert_allclose(cached, rows, rtol=1e-5, atol=1e-4)
-    if not moe:
-        split = sample.tensor_parallel(setup, jax.devices()[:2])
-        params, buffers = jax.device_put(params, split[0]), jax.device_put(buffers, split[1])
-        with jax.default_matmul_precision("highest"):
-            on_two = choices.CachedScorer(setup.graphdef, cfg.model, split[2]).score(params, buffers, cs, 3)[:cs.rows]
-        np.testing.assert_allclose(on_two, rows, rtol=1e-5, atol=1e-4)
+    need_devices(2)
+    split = sample.tensor_parallel(setup, jax.devices()[:2])
+    params, buffers = jax.device_put(params, split.params), jax.device_put(buffers, split.buffers)
+    with jax.default_matmul_precision("highest"), moe_split(split.mesh):
+        on_two = choices.CachedScorer(setup.graphdef, cfg.model, split.cache).score(params, buffers, cs, 3)[:cs.rows]
+    np.testing.assert_allclose(on_two, rows, rtol=1e-5, atol=1e-4)
 
 
 def test_rows_run_cut_to_each_batchs_longest(tmp_path):

@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 
 from mx_jax import sample, sharding, train
-from tests.helpers import NO_EVAL, tiny_config  # NO_EVAL: the runs here are sampled from, never evaluated
+from tests.helpers import NO_EVAL, need_devices, tiny_config  # NO_EVAL: the runs here are sampled from, never evaluated
 
 MOE = ["model.moe.n_experts=4", "model.moe.top_k=2", "model.moe.score=sigmoid", "model.moe.bias_update_rate=0.01"]
 
@@ -183,6 +183,7 @@ def test_prompts_are_answered_in_file_order_and_exact_answers_counted(two_steps,
 def test_several_devices_split_the_weights_and_draw_what_one_does(two_steps, n):
     """--devices n: each weight split along its heads, hidden or vocabulary dimension (n = 4 splits the tiny
     model's 2 key/value heads inside them: its cache stays whole), the same greedy tokens as one device."""
+    need_devices(n)
     mesh, setup, params, buffers = _setup_and_state(two_steps)
     prompts = [list(b"import os\n"), list(b"def")]
     with jax.set_mesh(mesh):
@@ -213,6 +214,7 @@ def test_several_devices_split_a_moe_models_experts(moe_two_steps, capsys):
     """--devices 2 on a MoE model: the routed experts split along their hidden width (moe.hidden_split), every
     device routing every token; the same greedy tokens as one device. A width the devices do not divide is refused
     by name."""
+    need_devices(3)
     mesh, setup, params, buffers = _setup_and_state(moe_two_steps)
     prompts = [list(b"import os\n"), list(b"def")]
     with jax.set_mesh(mesh):
@@ -236,6 +238,7 @@ def test_several_devices_split_a_moe_models_experts(moe_two_steps, capsys):
 
 
 def test_cli_several_devices(two_steps, capsys):
+    need_devices(2)
     assert sample.main([str(two_steps), "--devices", "2", "--tokens", "8", "--prompt", "x = ", "--temperature",
                         "0"]) == 0
     two = capsys.readouterr().out
