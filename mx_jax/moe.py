@@ -29,7 +29,8 @@ Decoding over several devices (`hidden_split`, for a model one device cannot hol
 devices holds every expert's columns F_p of W_gate and W_up and rows F_p of W_down (F/P of the hidden width), and
 runs the whole layer on every token for its slice, in shard_map over the split's one axis:
     y = sum_p sum_j g_j (silu(x W_gate[:, F_p]) * (x W_up[:, F_p])) W_down[F_p, :]
-the last sum an all-reduce of float32 partial outputs (N D 4 bytes per layer). Routing runs on every device on
+the sum over p an all-reduce in float32 of the partial outputs (N D 4 bytes per layer; by index they stay float32,
+through the grouped GEMM they come rounded to the activations' dtype). Routing runs on every device on
 the same tokens, so all choose the same experts; a device reads 1/P of each chosen expert per token, whatever the
 routing (splitting the experts themselves over the devices would leave the devices of unchosen experts idle).
 
