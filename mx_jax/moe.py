@@ -77,7 +77,7 @@ def hidden_split(mesh: jax.sharding.Mesh):
     (..., E, D, F) split along F, W_down (..., E, F, D) along its F (sample.tensor_parallel)."""
     if len(mesh.axis_names) != 1:
         raise ValueError(f"hidden_split: a mesh of one axis, got axes {mesh.axis_names}")
-    token = _HIDDEN_SPLIT.set(mesh if mesh.size > 1 else None)
+    token = _HIDDEN_SPLIT.set(mesh)
     try:
         yield
     finally:

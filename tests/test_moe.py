@@ -1012,6 +1012,41 @@ def test_hidden_split_gives_one_devices_output(parts):
         assert float(jnp.max(jnp.abs(jax.tree.leaves(want)[0]))) > 0.5
 
 
+@pytest.mark.gpu
+def test_gpu_hidden_split_runs_the_kernels_per_device():
+    """On up to 2 GPUs (one where the host has one), MoE.decode under moe.hidden_split runs pallas_kernels'
+    Mosaic-GPU kernels inside its shard_map, by index (2 tokens) and through the grouped GEMM (8 tokens), and gives
+    the XLA path's output on one device."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from mx_jax import moe
+
+    cfg = load_config(None, MOE + ["model.d_model=256", "model.moe.d_expert=512", "model.moe.n_shared=1"]).model
+    layers = {impl: moe.MoE(cfg, "bf16", impl, {"w_gate": "bf16", "w_up": "bf16", "w_down": "bf16"},
+                            rngs=nnx.Rngs(3)) for impl in ("auto", "xla")}
+    for layer in layers.values():
+        for w in (layer.w_gate, layer.w_up, layer.w_down, layer.router):
+            w.value = (w.value * 20).astype(jnp.bfloat16)
+    (graphdef, state), (xla_def, xla_state) = (nnx.split(layers[i]) for i in ("auto", "xla"))
+    devices = jax.devices()[:2]
+    mesh = jax.sharding.Mesh(np.asarray(devices), ("tensor",))
+    specs = {"w_gate": P(None, None, "tensor"), "w_up": P(None, None, "tensor"), "w_down": P(None, "tensor", None)}
+    split_state = jax.tree_util.tree_map_with_path(
+        lambda path, v: jax.device_put(v, NamedSharding(mesh, specs.get(str(path[0].key), P()))), state)
+    rng = np.random.default_rng(7)
+    for tokens in (2, 8):
+        x = jnp.asarray(rng.standard_normal((1, tokens, cfg.d_model)), jnp.bfloat16)
+        assert (layers["auto"]._by_index_impl(tokens, x.dtype, len(devices)) == "pallas") == (tokens == 2)
+        want = jax.jit(lambda s, x: nnx.merge(xla_def, s).decode(x))(xla_state, x)
+        with moe.hidden_split(mesh):
+            lowered = jax.jit(lambda s, x: nnx.merge(graphdef, s).decode(x)).lower(split_state, x)
+            got = lowered.compile()(split_state, x)
+        assert "mosaic_gpu" in lowered.as_text()
+        want = np.asarray(want, np.float32)
+        assert np.abs(want).max() > 0.5
+        np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=2e-2, atol=2e-2 * np.abs(want).max())
+
+
 @pytest.mark.parametrize("routing,capacity_factor,n_shared", [("random", 0.0, 1), ("crowded", 0.0, 0),
                                                              ("crowded", 1.0, 1)])
 def test_decode_reads_experts_by_index_with_the_layers_values(routing, capacity_factor, n_shared):
