@@ -517,11 +517,11 @@ def main(argv: list[str] | None = None) -> int:
         # one device: under its mesh, as training runs; several: no mesh set, the arrays' shardings lead, and the
         # routed experts split in shard_map
         with jax.set_mesh(mesh) if split is None else moe.hidden_split(split.mesh):
-            params, buffers = load_model_state(cfg, setup, path, args.step, split and split[:2])
+            params, buffers = load_model_state(cfg, setup, path, args.step, split and (split.params, split.buffers))
             decoder = Decoder(setup, params, buffers, vocab_limit=vocab_limit, temperature=args.temperature,
-                              top_k=args.top_k, cache_sharding=split and split[2])
+                              top_k=args.top_k, cache_sharding=split and split.cache)
             if args.choices is not None:
-                scorer = choices.CachedScorer(setup.graphdef, cfg.model, split and split[2])
+                scorer = choices.CachedScorer(setup.graphdef, cfg.model, split and split.cache)
                 records = []
                 for cs in sets:
                     t0 = time.perf_counter()

@@ -195,7 +195,7 @@ def test_several_devices_split_the_weights_and_draw_what_one_does(two_steps, n):
     assert wq.addressable_shards[0].data.shape == (wq.shape[0], wq.shape[1], wq.shape[2] // n)
     assert tuple(params["head"].sharding.spec) == (None, "tensor")
     assert params["embed"].sharding.spec[0] == "tensor"
-    decoder = sample.Decoder(setup, params, buffers, temperature=0, cache_sharding=split[2])
+    decoder = sample.Decoder(setup, params, buffers, temperature=0, cache_sharding=split.cache)
     np.testing.assert_array_equal(decoder.run(prompts, 16), want)
     cache = decoder._cache(2, 128)
     assert cache["blocks"].k.sharding.spec[-2] == ("tensor" if n == 2 else None)
@@ -220,7 +220,7 @@ def test_several_devices_split_a_moe_models_experts(moe_two_steps, capsys):
     with jax.set_mesh(mesh):
         want = sample.Decoder(setup, params, buffers, temperature=0).run(prompts, 16)
     split = sample.tensor_parallel(setup, jax.devices()[:2])
-    params, buffers = sample.load_model_state(setup.cfg, setup, moe_two_steps, None, split[:2])
+    params, buffers = sample.load_model_state(setup.cfg, setup, moe_two_steps, None, (split.params, split.buffers))
     w_gate, w_down = params["blocks"]["moe"]["w_gate"], params["blocks"]["moe"]["w_down"]
     assert tuple(w_gate.sharding.spec) == (None, None, None, "tensor") and w_down.sharding.spec[2] == "tensor"
     assert w_down.addressable_shards[0].data.shape == (*w_down.shape[:2], w_down.shape[2] // 2, w_down.shape[3])
