@@ -577,8 +577,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"----- sample {i}")
         print(tok.decode(prompt + ids[:end]) + ("\n[end of text]" if end is not None else ""))
     rest = (f", then {stats['steps'] / stats['decode_s']:.1f} draws/s" if stats["steps"] else "")
-    print(f"----- {args.num} x {out.shape[1]} tokens, {tok.spec} tokenizer, quant.recipe={cfg.quant.recipe}: prompt "
-          f"of {len(prompt)} tokens and first two draws {stats['prefill_s'] + stats['first_step_s']:.1f} s "
+    where = f", split over {args.devices} devices" if args.devices > 1 else ""
+    print(f"----- {args.num} x {out.shape[1]} tokens, {tok.spec} tokenizer, quant.recipe={cfg.quant.recipe}{where}: "
+          f"prompt of {len(prompt)} tokens and first two draws {stats['prefill_s'] + stats['first_step_s']:.1f} s "
           f"(compiles included){rest}",
           file=sys.stderr)
     return 0

@@ -231,7 +231,9 @@ def test_several_devices_split_a_moe_models_experts(moe_two_steps, capsys):
     outs = []
     for extra in ([], ["--devices", "2"]):
         assert sample.main([*args, *extra]) == 0
-        outs.append(capsys.readouterr().out.split("----- sample")[1])
+        got = capsys.readouterr()
+        outs.append(got.out.split("----- sample")[1])
+        assert ("split over 2 devices" in got.err) == bool(extra)
     assert outs[0] == outs[1]
     assert sample.main([*args, "--devices", "3"]) == 2
     assert "3 devices do not divide the experts' hidden width 128" in capsys.readouterr().err
