@@ -98,6 +98,35 @@ def two_steps(tmp_path_factory):
     return run_dir
 
 
+def test_checkpoint_is_read_with_the_gemm_weights_in_the_compute_dtype(tmp_path, monkeypatch):
+    """load_model_state has Orbax cast the float32 masters of the GEMM weights to bfloat16 as it reads them (what it
+    asks Orbax for), so no device holds the masters: the same values as the train step's compute copies, bit for
+    bit, with the norms and the embedding left float32."""
+    import orbax.checkpoint as ocp
+
+    from mx_jax.llama import with_compute
+
+    trained = train.train(tiny_config(tmp_path, "steps=2", "mesh.data=1", "mesh.fsdp=1", NO_EVAL,
+                                      "model.compute_dtype=bfloat16"), devices=jax.devices()[:1])
+    asked, restore = [], ocp.PyTreeCheckpointer.restore
+
+    def recorded(self, path, args=None, **kw):
+        asked.append(args.item)
+        return restore(self, path, args=args, **kw)
+
+    monkeypatch.setattr(ocp.PyTreeCheckpointer, "restore", recorded)
+    _, _, params, _ = _setup_and_state(tmp_path)
+    assert asked[0]["params"]["blocks"]["mlp"]["w_up"].dtype == jnp.bfloat16
+    want = with_compute(trained.state["params"], trained.state["compute"])
+    assert params["blocks"]["attn"]["wq"].dtype == jnp.bfloat16 and params["head"].dtype == jnp.bfloat16
+    assert params["embed"].dtype == jnp.float32 and params["final_norm"]["scale"].dtype == jnp.float32
+    flat, flat_want = jax.tree_util.tree_flatten_with_path(params)[0], jax.tree_util.tree_flatten_with_path(want)[0]
+    assert [p for p, _ in flat] == [p for p, _ in flat_want]
+    for (path, got), (_, ref) in zip(flat, flat_want):
+        assert got.dtype == ref.dtype, path
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(ref, np.float32), err_msg=str(path))
+
+
 def test_sampling_draws_only_from_the_top_k_and_the_tokenizer_vocab(two_steps):
     mesh, setup, params, buffers = _setup_and_state(two_steps)
     prompt = list(b"import ")
