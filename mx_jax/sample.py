@@ -22,7 +22,8 @@ session 65). One compiled prefill serves
 each (batch, P), one compiled step each (batch, S). `--devices N` splits a model over N local devices, each
 weight along its heads, hidden or vocabulary dimension (`tensor_parallel`; a MoE model's routed experts along their
 hidden width, `moe.hidden_split`), for a model one device cannot hold (a 70B in bf16, Mixtral 8x7B on 80 GB GPUs);
-its tokens are one device's (tests/test_sample.py, on CPU devices; not yet timed on GPUs). For
+its tokens are one device's (tests/test_sample.py, on CPU devices; not yet timed on GPUs). Out of device memory,
+the sampler stops with exit code 5, quoting XLA's allocation and naming --devices. For
 serving, export with `python -m mx_jax.hf export` and use an inference engine: this decoder has no continuous
 batching. Two settings let the padding in: a capacity factor (`model.moe.capacity_factor` > 0; padding rows compete
 for expert capacity like real ones; dropless MoE, the default, is exact) and `quant.recipe=fp8_tensorwise` (the
@@ -572,6 +573,13 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as e:  # the record reader's and the chat template's errors name the file and line
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except jax.errors.JaxRuntimeError as e:
+        if (what := train.out_of_memory(str(e))) is None:
+            raise
+        print(f"error: {what} Less memory per device: --devices N splits the model over N of this process's "
+              f"{jax.local_device_count()} devices (this run: {args.devices}); fewer rows (--num, --batch) or "
+              f"positions (prompt and --tokens) shrink the KV cache.", file=sys.stderr)
+        return 5
     if args.prompts is not None:
         return _write_answers(records, args.out, seconds)
     for i, ids in enumerate(out):

@@ -1256,8 +1256,9 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def out_of_memory_help(message: str) -> str | None:
-    """What to do about a device out-of-memory error from XLA (its message), or None for any other error."""
+def out_of_memory(message: str) -> str | None:
+    """"out of device memory allocating SIZE (XLA's line)." for a device out-of-memory error from XLA (its
+    message), or None for any other error."""
     if "RESOURCE_EXHAUSTED" not in message or "memory" not in message.lower():
         return None
     size = re.search(r"allocate ([\d.]+ ?[KMGT]i?B)", message)
@@ -1265,7 +1266,15 @@ def out_of_memory_help(message: str) -> str | None:
     # "Failed to get configs for: 8 out of 109 instructions", with the allocations listed below it.
     xla_lines = message.strip().splitlines()
     first = next((l for l in xla_lines if "Out of memory while trying to allocate" in l), xla_lines[0]).strip()[:300]
-    lines = [f"out of device memory{f' allocating {size.group(1)}' if size else ''} ({first})."]
+    return f"out of device memory{f' allocating {size.group(1)}' if size else ''} ({first})."
+
+
+def out_of_memory_help(message: str) -> str | None:
+    """What to do about a device out-of-memory error from XLA (its message) in training, or None for any other
+    error."""
+    if (what := out_of_memory(message)) is None:
+        return None
+    lines = [what]
     if (os.environ.get(ALLOCATOR_VAR) or "default").lower() in ("default", "bfc"):
         lines.append(f"If `--dry-run` says this run fits, the free memory may be fragmented (XLA needs each step's "
                      f"temporaries in one block): {ALLOCATOR_VAR}={DEFAULT_ALLOCATOR} avoids that.")

@@ -268,6 +268,26 @@ def test_several_devices_split_a_moe_models_experts(moe_two_steps, capsys):
     assert "3 devices do not divide the experts' hidden width 128" in capsys.readouterr().err
 
 
+def test_cli_out_of_device_memory_names_the_allocation_and_what_splits_it(two_steps, capsys, monkeypatch):
+    """Out of device memory while sampling: exit code 5, XLA's allocation quoted, and --devices named; any other
+    runtime error is raised as it was."""
+    errors = []
+
+    def run_fails(*args, **kwargs):
+        raise errors[-1]
+
+    monkeypatch.setattr(sample.Decoder, "run", run_fails)
+    args = [str(two_steps), "--tokens", "8", "--prompt", "x = "]
+    errors.append(jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 93.40GiB "
+                                             "with allocator GPU_0_bfc on device 0."))
+    assert sample.main(args) == 5
+    err = capsys.readouterr().err
+    assert "out of device memory allocating 93.40GiB" in err and "--devices N splits the model over N" in err
+    errors.append(jax.errors.JaxRuntimeError("INTERNAL: an unrelated failure"))
+    with pytest.raises(jax.errors.JaxRuntimeError, match="unrelated"):
+        sample.main(args)
+
+
 def test_cli_several_devices(two_steps, capsys):
     need_devices(2)
     assert sample.main([str(two_steps), "--devices", "2", "--tokens", "8", "--prompt", "x = ", "--temperature",
