@@ -585,7 +585,7 @@ def linear(x: jax.Array, w: jax.Array, *, recipe: str, impl: str = "auto",
                              jnp.dtype(reduce_dtype), fence=fence)
     if split is not None:  # per device: x keeps its leading dims, laid out as the model splits them
         return make(split)(x, w, operands)
-    if recipe == "bf16" and split is None and math.prod(lead) < FEW_ROWS:
+    if recipe == "bf16" and math.prod(lead) < FEW_ROWS:
         return _few_rows(x, w, lambda x8, w: make()(x8, w, operands))
     if recipe == "bf16":  # XLA's dot over x's own dims (_make_linear2d)
         return make()(x, w, operands)
