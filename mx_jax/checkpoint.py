@@ -26,7 +26,9 @@ ahead was tried and dropped: during the compile it slowed the compile as much, a
 
 from __future__ import annotations
 
+import logging
 import pathlib
+import sys
 import threading
 import time
 from typing import Any
@@ -58,6 +60,55 @@ def _install_listener() -> None:
 
 class CheckpointError(RuntimeError):
     """A checkpoint on disk cannot be read or written; the message names the step directory."""
+
+
+def read_failure(err: BaseException) -> str:
+    """'ValueError: OUT_OF_RANGE: Error reading "params.wq/0.0" ...' for an exception Orbax raised reading a step.
+
+    Orbax wraps TensorStore's error (which names the array and file) in a generic Exception whose message ends in
+    the array's whole TensorStore spec, so the first cause in the chain that says more is quoted, its first line,
+    without that spec."""
+    chain = [err]
+    while (nxt := chain[-1].__cause__ or chain[-1].__context__) is not None and len(chain) < 8:
+        chain.append(nxt)
+    said = [(e, str(e).strip().split("See full TensorStore details")[0].strip().splitlines()) for e in chain]
+    e, lines = next(((e, l) for e, l in reversed(said) if l), (err, [""]))
+    return f"{type(e).__name__}: {lines[0][:400]}"
+
+
+def _from_orbax_read(text: str) -> bool:
+    return any(k in text for k in ("orbax/checkpoint", "OCDBT", "TensorStore"))
+
+
+class _AbandonedReads(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = record.getMessage()
+        return not ("exception was never retrieved" in text.split("\n", 1)[0] and _from_orbax_read(text))
+
+
+def quiet_abandoned_reads() -> None:
+    """Keep a failed restore's report to the one error that names the step (idempotent; before restoring).
+
+    Orbax reads each array in its own asyncio tasks and stops at the first failure. The others' exceptions are then
+    never retrieved: asyncio logs each task's and future's (gathered or not), and Python reports each abandoned coroutine's as
+    unraisable, every one with the array's whole TensorStore spec (hundreds of lines after the message that
+    matters); reads still in flight when Orbax closed its event loop end in "Event loop is closed" inside
+    TensorStore's callbacks, also unraisable. Those reports are dropped; every other one passes."""
+    logger = logging.getLogger("asyncio")
+    if not any(isinstance(f, _AbandonedReads) for f in logger.filters):
+        logger.addFilter(_AbandonedReads())
+    if getattr(sys.unraisablehook, "_drops_abandoned_reads", False):
+        return
+    previous = sys.unraisablehook
+
+    def hook(u):
+        closed = isinstance(u.exc_value, RuntimeError) and str(u.exc_value) == "Event loop is closed"
+        code = getattr(u.object, "cr_code", None)
+        if not (closed or (code is not None and _from_orbax_read(code.co_filename + str(u.exc_value)))):
+            previous(u)
+
+    hook._drops_abandoned_reads = True
+    sys.unraisablehook = hook
 
 
 def _path_name(path) -> str:
@@ -93,6 +144,7 @@ class _Manager(ocp.CheckpointManager):
 class Checkpointer:
     def __init__(self, run_dir: str | pathlib.Path, cfg: CkptConfig):
         _install_listener()
+        quiet_abandoned_reads()
         self.dir = pathlib.Path(run_dir).absolute() / "checkpoints"
         self.cfg = cfg
         options = ocp.CheckpointManagerOptions(
@@ -169,9 +221,8 @@ class Checkpointer:
         earlier = [s for s in self.all_steps() if s < step]
         hint = (f"move {self.dir / str(step)} out of {self.dir} to resume from step {earlier[-1]}" if earlier else
                 f"no earlier checkpoint exists; move {self.dir / str(step)} away to start fresh")
-        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
         return CheckpointError(f"cannot read {what} of the checkpoint at {self.dir / str(step)} "
-                               f"({type(err).__name__}: {first[:300]}); {hint}")
+                               f"({read_failure(err)}); {hint}")
 
     def data_state(self, step: int) -> dict:
         """The step's `data` item (iterator position and what the run was trained with), without its arrays."""

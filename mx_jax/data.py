@@ -60,12 +60,14 @@ import dataclasses
 import functools
 import hashlib
 import json
+import lzma
 import pathlib
 import queue
 import sys
 import sysconfig
 import threading
 import time
+import zlib
 from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
@@ -823,7 +825,20 @@ def _no_fields(where: str, names: Sequence[str], text_key: str, noun: str = "fie
 
 def read_records(path: pathlib.Path, text_key: str):
     """Yields (record index or None for a whole-file document, document or example (`_record`), bytes of the file
-    read so far)."""
+    read so far). A file that cannot be read or decompressed (truncated, or not what its name says) stops the
+    conversion with its name."""
+    try:
+        yield from _read_records(path, text_key)
+    except Exception as e:  # noqa: BLE001 -- the decompressors' and pyarrow's own error types among them
+        if not (isinstance(e, (OSError, EOFError, lzma.LZMAError, zlib.error))
+                or type(e).__module__.split(".")[0] in ("zstandard", "zstd", "pyarrow")):
+            raise
+        comp = _file_kind(path)[1]
+        raise SystemExit(f"{path}: cannot be read{f' as {comp[1:]}' if comp else ''} ({type(e).__name__}: "
+                         f"{str(e)[:200]}); is the file whole, and of the kind its name says?") from None
+
+
+def _read_records(path: pathlib.Path, text_key: str):
     kind, comp = _file_kind(path)
     if kind == "parquet":
         try:
@@ -1048,6 +1063,10 @@ def _convert_part(files: Sequence[tuple[str, pathlib.Path]], out_dir: pathlib.Pa
         if not buffers["train"]:
             raise SystemExit(f"no document was held out, and the training shards are already written; raise "
                              f"--val-fraction or --shard-tokens ({st.shard_tokens})")
+        if counts["train"] == len(buffers["train"][-1][0]):
+            raise SystemExit(f"the input's {counts['train']} tokens are one {'packed row' if pack else 'document'}: "
+                             f"held out for evaluation, it would leave nothing to train on; give more documents (a "
+                             f"text file is one, a JSON-lines file one per line)")
         last = buffers["train"].pop()
         for split, sign in (("train", -1), ("val", 1)):
             counts[split] += sign * len(last[0])
@@ -1177,7 +1196,7 @@ def convert(inputs: Sequence[str], out: str, tokenizer: str = "byte", shard_toke
     own = SHARD_PATTERNS if part is None else tuple(p.replace("_*", f"_n{k:03d}_*") for p in SHARD_PATTERNS)
     shard_files = lambda: [f for pattern in own for f in out_dir.glob(pattern)]  # noqa: E731
     done = out_dir / ("meta.json" if part is None else f"meta.part{k:03d}.json")
-    old = sorted(p.name for p in [*shard_files(), done, out_dir / "meta.json"] if p.exists()) \
+    old = sorted({p.name for p in [*shard_files(), done, out_dir / "meta.json"] if p.exists()}) \
         if out_dir.is_dir() else []
     if old:
         listed = ", ".join(old[:4]) + (", ..." if len(old) > 4 else "")

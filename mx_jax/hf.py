@@ -380,6 +380,15 @@ def _path_keys(path) -> list:
 # Import
 
 
+def _open_weights(st, file: pathlib.Path, stack: contextlib.ExitStack):
+    """safetensors' handle on `file`, or an HFFormatError naming it where its header cannot be read."""
+    try:
+        return stack.enter_context(st.safe_open(str(file), framework="np"))
+    except (st.SafetensorError, OSError) as e:
+        raise HFFormatError(f"{file}: not a readable safetensors file ({type(e).__name__}: {e}); is the download "
+                            f"whole?") from None
+
+
 def _weight_files(path: pathlib.Path) -> dict[str, pathlib.Path]:
     """HF key -> the safetensors file holding it (single file, or sharded with an index)."""
     st = _safetensors()
@@ -395,8 +404,8 @@ def _weight_files(path: pathlib.Path) -> dict[str, pathlib.Path]:
         return files
     single = path / SINGLE_FILE
     if single.is_file():
-        with st.safe_open(str(single), framework="np") as f:
-            return {k: single for k in f.keys()}
+        with contextlib.ExitStack() as stack:
+            return {k: single for k in _open_weights(st, single, stack).keys()}
     found = sorted(p.name for p in path.iterdir()) if path.is_dir() else []
     raise HFFormatError(f"{path}: no {SINGLE_FILE} and no {INDEX_FILE} (found {found[:10]}); only safetensors "
                         "checkpoints are read")
@@ -438,7 +447,7 @@ def load_hf_llama(path: str | pathlib.Path, cfg: ModelConfig | None = None) -> t
                                     f"{sorted({f.name for f in files.values()})})")
             file = files[key]
             if file not in handles:
-                handles[file] = stack.enter_context(st.safe_open(str(file), framework="np"))
+                handles[file] = _open_weights(st, file, stack)
             f = handles[file]
             if key not in f.keys():
                 raise HFFormatError(f"{file}: tensor '{key}' is missing (the index names this file)")
@@ -446,7 +455,11 @@ def load_hf_llama(path: str | pathlib.Path, cfg: ModelConfig | None = None) -> t
             if got != want:
                 raise HFFormatError(f"{file}: tensor '{key}' has shape {got}; config.json implies {want}")
             used.add(key)
-            return f.get_tensor(key)
+            try:
+                return f.get_tensor(key)
+            except (st.SafetensorError, OSError) as e:
+                raise HFFormatError(f"{file}: cannot read tensor '{key}' ({type(e).__name__}: {e}); is the "
+                                    f"download whole?") from None
 
         for key, t, i in _hf_keys(out_cfg):
             if key == "lm_head.weight" and tied:

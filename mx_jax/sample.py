@@ -174,9 +174,17 @@ def load_model_state(cfg: TrainConfig, setup: train.Setup, path: pathlib.Path, s
     wanted["params"] = jax.eval_shape(lambda p: with_compute(p, compute_copies(cfg.model, p)), wanted["params"])
     item = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), wanted,
                         {k: shardings[k] for k in wanted})
-    with ocp.PyTreeCheckpointer() as ckpt:
-        out = ckpt.restore(sdir, args=ocp.args.PyTreeRestore(
-            item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item), partial_restore=True))
+    checkpoint.quiet_abandoned_reads()
+    try:
+        with ocp.PyTreeCheckpointer() as ckpt:
+            out = ckpt.restore(sdir, args=ocp.args.PyTreeRestore(
+                item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item), partial_restore=True))
+    except Exception as e:  # noqa: BLE001 -- Orbax raises many types for a damaged directory
+        others = sorted(int(d.name) for d in sdir.parent.parent.iterdir()
+                        if d.name.isdigit() and d != sdir.parent and (d / "state").is_dir())
+        hint = f"--step N reads another (this run has {others})" if others else "the run has no other step"
+        raise checkpoint.CheckpointError(f"cannot read the parameters of the checkpoint at {sdir.parent} "
+                                         f"({checkpoint.read_failure(e)}); {hint}") from e
     return out["params"], out.get("buffers", {})
 
 
@@ -477,6 +485,8 @@ def main(argv: list[str] | None = None) -> int:
                 raise ConfigError(f"--prompts: {args.prompts} is not a file")
         elif args.out is not None and args.choices is None and args.loss is None:
             raise ConfigError("--out goes with --prompts, --choices or --loss")
+        if args.out is not None and not pathlib.Path(args.out).absolute().parent.is_dir():
+            raise ConfigError(f"--out: the directory {pathlib.Path(args.out).absolute().parent} does not exist")
         # bf16 unless asked: the fp8 recipes speed up training GEMMs, here they would only add kernel compiles
         one_device = ["mesh.data=1", "mesh.fsdp=1", "mesh.expert=1", "mesh.context=1"]
         cfg = load_config(str(cfg_file), ["quant.recipe=bf16", *args.overrides, *one_device])
@@ -573,6 +583,9 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as e:  # the record reader's and the chat template's errors name the file and line
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except checkpoint.CheckpointError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 4
     except jax.errors.JaxRuntimeError as e:
         if (what := train.out_of_memory(str(e))) is None:
             raise

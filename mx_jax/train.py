@@ -668,6 +668,11 @@ def train(cfg: TrainConfig, devices: list[jax.Device] | None = None) -> TrainRes
     choice_sets = load_choices(cfg, mesh.shape["context"])  # before anything is written
     text_sets = load_texts(cfg, mesh.shape["context"])
     cfg, documents_note = with_data_documents(cfg, dataset, mesh.shape["context"])
+    saved = pathlib.Path(cfg.run_dir) / "checkpoints"
+    if (cfg.init_from and not pathlib.Path(cfg.init_from).exists()
+            and not (saved.is_dir() and any(d.name.isdigit() for d in saved.iterdir()))):  # (a resume never reads it)
+        raise ConfigError(f"config key 'init_from': {cfg.init_from} does not exist (an HF Llama directory or an mx_jax "
+                          f"run/step directory)")
     run_dir = prepare_run_dir(cfg)
     ckpt = None
     # From here until the last save is committed, a SIGTERM waits for the step in flight and its checkpoint.
@@ -1045,6 +1050,10 @@ def dry_run(cfg: TrainConfig, target: str) -> dict:
     from mx_jax import memory_estimate
 
     cfg = dry_run_documents(cfg)
+    for k in sharding.MESH_AXES:
+        if getattr(cfg.mesh, k) == -1:
+            print(f"mesh   | mesh.{k}=-1 counts as 1 in a dry run (it has no devices to fill): set it, e.g. "
+                  f"mesh.{k}=8, to plan for that many devices", flush=True)
     report = memory_estimate.estimate(cfg)
     print(memory_estimate.format_report(report), flush=True)
     n = report["devices"]
@@ -1226,7 +1235,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--config", help="YAML config (defaults < YAML < key=value overrides)")
     ap.add_argument("--dry-run", action="store_true",
                     help="parameter count and per-device memory: a shape estimate, then an AOT compile of the train "
-                         "step for the configured mesh on faked devices; allocates no model memory")
+                         "step for the configured mesh (on this machine's GPUs where it has enough, else on fake CPU "
+                         "devices; a -1 mesh axis counts as 1); allocates no model memory")
     ap.add_argument("overrides", nargs="*", help="dotted.key=value overrides, e.g. optim.lr_peak=1e-3")
     args = ap.parse_args(argv)
     try:

@@ -355,8 +355,9 @@ def test_convert_reads_json_lines_parquet_and_compressed_inputs(tmp_path, capsys
     for f in (tmp_path / "tok").glob("*.bin"):
         assert f.read_bytes() == (tmp_path / "tok2" / f.name).read_bytes()
     (moved / "g.txt").write_text("a whole file is one document\n")  # chosen by --pattern, text files are read
+    (moved / "h.txt").write_text("and this one another\n")
     meta = data.convert([str(moved)], str(tmp_path / "tok3"), pattern="*.txt")
-    assert meta["files"] == 1 and meta["documents"] == 1
+    assert meta["files"] == 2 and meta["documents"] == 2 and meta["train_tokens"] > 0
 
 
 def test_converter_errors_name_the_file_and_line_and_leave_nothing_behind(tmp_path):
@@ -388,6 +389,24 @@ def test_converter_errors_name_the_file_and_line_and_leave_nothing_behind(tmp_pa
     (src / "d.parquet.gz").write_bytes(b"")
     fails(r"d.parquet.gz: a compressed Parquet file")
     (src / "d.parquet.gz").unlink()
+    (src / "f.jsonl.gz").write_bytes(b'{"text": "not gzip"}\n')  # a file that is not what its name says
+    fails(r"f.jsonl.gz: cannot be read as gz \(BadGzipFile: .*is the file whole")
+    import gzip, lzma
+    for name, packed in (("f.jsonl.gz", gzip.compress(_json_lines(_docs(50, 3)))),
+                         ("f.jsonl.xz", lzma.compress(_json_lines(_docs(50, 3))))):
+        (src / "f.jsonl.gz").unlink(missing_ok=True)
+        (src / name).write_bytes(packed[:len(packed) // 2])  # cut off in the middle, as an interrupted download
+        fails(rf"{name}: cannot be read as {name[-2:]} \(EOFError: Compressed file ended")
+        (src / name).unlink()
+    (src / "g.parquet").write_bytes(b"PAR1 not a parquet file")
+    fails(r"g.parquet: cannot be read \(Arrow\w+: .*is the file whole")
+    (src / "g.parquet").unlink()
+    (src / "h.txt").write_text("one document only")
+    with pytest.raises(SystemExit, match=r"the input's 18 tokens are one document: held out for evaluation, it would "
+                                         r"leave nothing to train on"):
+        data.convert([str(src / "h.txt")], str(out))
+    assert not (tmp_path / "new").exists()
+    (src / "h.txt").unlink()
     fails(r"no input files .* matching --pattern \*.txt", pattern="*.txt")
     (src / "e.jsonl").write_bytes(b'{"text": ""}\n{"text": null}\n')
     meta = data.convert([str(src / "e.jsonl"), str(src / "a.jsonl")], str(out), shard_tokens=2000)

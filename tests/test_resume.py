@@ -207,6 +207,8 @@ def test_unusable_run_dir_and_init_from_are_config_errors(tmp_path, capsys):
         assert train.main([*TINY, "steps=1", *args]) == 2, args
         err = capsys.readouterr().err
         assert named in err and "Traceback" not in err, err
+        if "missing" in args[-1]:  # checked before the run directory is made
+            assert "does not exist" in err and not (tmp_path / "new").exists()
     assert not (tmp_path / "new" / "config.yaml").exists()  # nothing recorded for a run that never started
 
 

@@ -136,10 +136,18 @@ def test_sampling_draws_only_from_the_top_k_and_the_tokenizer_vocab(two_steps):
         hot = sample.generate(setup, params, buffers, prompt, 40, num=4, temperature=5.0, seed=1, vocab_limit=100,
                               top_k=1000)  # a k past the vocabulary keeps every token
         again = sample.generate(setup, params, buffers, prompt, 40, num=4, temperature=5.0, seed=1, vocab_limit=100)
+        top5 = sample.generate(setup, params, buffers, prompt, 40, num=4, temperature=5.0, seed=2, top_k=5)
+        logits, _ = nnx.merge(setup.graphdef, params, buffers)(jnp.asarray(top5), logits_dtype=jnp.float32)
     np.testing.assert_array_equal(greedy, top1)
     assert hot[:, len(prompt):].max() < 100  # ids beyond the tokenizer's vocabulary are never drawn
     assert len({tuple(r) for r in hot}) == 4  # the batch's rows are drawn independently
     np.testing.assert_array_equal(hot, again)  # a seed fixes the draw
+    # each token drawn with top_k=5 is among the 5 largest logits of a teacher-forced forward at its position,
+    # and at temperature 5 the draws are not all the largest one
+    drawn = top5[:, len(prompt):]
+    ranks = (np.asarray(logits)[:, len(prompt) - 1:-1] > np.take_along_axis(
+        np.asarray(logits)[:, len(prompt) - 1:-1], drawn[..., None], -1)).sum(-1)
+    assert ranks.max() <= 4 and (ranks > 0).mean() > 0.3, ranks
 
 
 def test_drawing_stops_once_every_sample_has_ended(two_steps):
@@ -177,6 +185,18 @@ def test_cli_prints_samples_and_names_bad_flags(tmp_path, capsys):
     outside.mkdir()
     assert sample.main([str(outside)]) == 2
     assert "notes/config.yaml does not exist" in capsys.readouterr().err
+    prompts = tmp_path.parent / "prompts.jsonl"
+    prompts.write_text('{"prompt": "x = "}\n')
+    missing = tmp_path.parent / "nodir" / "answers.jsonl"
+    assert sample.main([str(tmp_path), "--prompts", str(prompts), "--out", str(missing)]) == 2
+    assert f"--out: the directory {missing.parent} does not exist" in capsys.readouterr().err  # before any decoding
+    # a damaged step: exit 4, one message naming the step and what was unreadable, not Orbax's reports
+    for f in (tmp_path / "checkpoints" / "2" / "state" / "ocdbt.process_0" / "d").iterdir():
+        f.write_bytes(f.read_bytes()[:10])
+    assert sample.main([str(tmp_path), "--tokens", "4"]) == 4
+    err = capsys.readouterr().err
+    assert f"cannot read the parameters of the checkpoint at {tmp_path / 'checkpoints' / '2'}" in err, err
+    assert "OUT_OF_RANGE" in err and "the run has no other step" in err and len(err) < 1000, err
 
 
 def test_prompts_are_answered_in_file_order_and_exact_answers_counted(two_steps, capsys):
