@@ -217,14 +217,17 @@ def test_lowers_for_h200(config):
         jax.ShapeDtypeStruct((m,), jnp.float32),
         jax.ShapeDtypeStruct((n,), jnp.float32),
     )
+    lowered = []
     for out_dtype in (jnp.bfloat16, jnp.float32):
         cfg = fm.fit_config(config, out_dtype)
         if out_dtype == jnp.float32 and fm.pallas_cover(m, n, k, E4M3, b_dtype, out_dtype, cfg) is not None:
             continue  # e.g. 4 stages leave no room for f32 staging; auto never picks it for f32
         with jax.sharding.use_abstract_mesh(H200):
-            jax.jit(lambda *x: fm.fp8_matmul_pallas(*x, out_dtype=out_dtype, config=cfg)).trace(*shapes).lower(
-                lowering_platforms=("cuda",)
-            )
+            text = jax.jit(lambda *x: fm.fp8_matmul_pallas(*x, out_dtype=out_dtype, config=cfg)).trace(
+                *shapes).lower(lowering_platforms=("cuda",)).as_text()
+        assert "mosaic_gpu" in text
+        lowered.append(out_dtype)
+    assert jnp.bfloat16 in lowered  # bf16 outputs always fit; f32 where the config leaves room
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -27,17 +27,7 @@ from mx_jax.llama import Llama, buffers_of, params_of  # noqa: E402
 from mx_jax.train import train  # noqa: E402
 from tests.helpers import NO_IO, tiny_config  # noqa: E402
 
-# Tiny Llama with GQA (4 query heads on 2 kv heads), head_dim 8 != hidden/heads, and llama3 rope scaling whose
-# original context (16) puts the K/2 = 4 frequencies in all three bands (kept, interpolated, divided by factor).
-HF_CONFIG = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 96, "hidden_size": 48,
-    "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
-    "intermediate_size": 80, "hidden_act": "silu", "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
-    "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                     "original_max_position_embeddings": 16},
-    "max_position_embeddings": 128, "tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False,
-    "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "float32",
-}
+from tests.transformers_golden import HF_CONFIG, MIXTRAL_CONFIG  # noqa: E402
 
 
 def _hf_tensors(c: dict, dtype, seed: int = 0, tied: bool = False) -> dict[str, np.ndarray]:
@@ -232,6 +222,16 @@ def test_missing_wrong_shape_and_unexpected_tensors(tmp_path):
     (tmp_path / "nothing" / "config.json").write_text(json.dumps(HF_CONFIG))
     with pytest.raises(hf.HFFormatError, match="only safetensors"):
         hf.load_hf_llama(tmp_path / "nothing")
+    # a download cut short: the header of one file (single), the data of a shard (sharded)
+    (tmp_path / "nothing" / "model.safetensors").write_bytes(b"\xff" * 64)
+    with pytest.raises(hf.HFFormatError, match=r"nothing/model.safetensors: not a readable safetensors file "
+                                               r"\(SafetensorError: .*is the download whole"):
+        hf.load_hf_llama(tmp_path / "nothing")
+    _write_hf(tmp_path / "cut", HF_CONFIG, tensors, sharded=True)
+    shard = max((tmp_path / "cut").glob("*.safetensors"), key=lambda f: f.stat().st_size)
+    shard.write_bytes(shard.read_bytes()[:shard.stat().st_size // 2])
+    with pytest.raises(hf.HFFormatError, match=rf"{shard.name}: (not a readable safetensors file|cannot read tensor)"):
+        hf.load_hf_llama(tmp_path / "cut")
 
 
 @pytest.mark.parametrize("change, match", [
@@ -336,7 +336,7 @@ def test_init_from_places_hf_and_orbax_params_on_a_mesh(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Against transformers (skipped without torch + transformers, as in CI)
+# Against transformers: its logits kept in tests/data (every run), and a live model (where torch is installed)
 
 
 def _our_logits(params: dict, cfg: ModelConfig, tokens: np.ndarray) -> np.ndarray:
@@ -377,6 +377,20 @@ def _check_against_transformers(tmp_path, arch: str, hf_config: dict) -> None:
         np.testing.assert_allclose(back(torch.as_tensor(tokens)).logits.numpy(), want, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("case", ["llama", "llama_tied", "mixtral"])
+def test_logits_match_those_transformers_computed(tmp_path, case):
+    """The checkpoint tests/transformers_golden.py gave transformers (config.json and safetensors in the Hub's
+    layout, weights drawn again here from their recorded names and shapes), imported: our float32 logits are the
+    ones transformers computed from it (eager attention; the file says which versions)."""
+    from tests import transformers_golden as golden
+
+    want = golden.load()[case]
+    golden.write(tmp_path / "hf", want["config"], golden.weights(want["names"], [tuple(s) for s in want["shapes"]]))
+    params, cfg = hf.load_hf_llama(tmp_path / "hf")
+    assert cfg.vocab_size == want["logits"].shape[-1] and 3 < np.abs(want["logits"]).max() < 10
+    np.testing.assert_allclose(_our_logits(params, cfg, want["tokens"]), want["logits"], atol=1e-4, rtol=0)
+
+
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 def test_logits_match_transformers(tmp_path, tied):
     _check_against_transformers(tmp_path, "Llama", {**HF_CONFIG, "tie_word_embeddings": tied})
@@ -384,12 +398,6 @@ def test_logits_match_transformers(tmp_path, tied):
 
 # ---------------------------------------------------------------------------------------------------------------
 # Mixtral (MixtralForCausalLM): the MoE block's router and experts
-
-MIXTRAL_CONFIG = {**{k: v for k, v in HF_CONFIG.items() if k not in ("attention_bias", "mlp_bias")},
-                  "architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "num_local_experts": 4,
-                  "num_experts_per_tok": 2, "router_aux_loss_coef": 0.02, "sliding_window": None,
-                  "output_router_logits": False, "router_jitter_noise": 0.0, "vocab_size": 256}  # a byte corpus
-
 
 def test_mixtral_maps_router_and_experts_both_ways(tmp_path):
     cfg = hf.config_from_hf(MIXTRAL_CONFIG)

@@ -17,8 +17,17 @@ from tests.helpers import NO_IO, TINY, tiny_config, xla_flags
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-def _losses(run_dir):
-    return [json.loads(l)["loss"] for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
+def _losses(run_dir, key="loss"):
+    return [json.loads(l)[key] for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _assert_same_steps(got_dir, want_dir, steps=None):
+    """Per logged step, the same loss and gradient norm: the loss alone would not show a gradient off by a constant
+    factor (AdamW's update and the clipping are blind to it), e.g. a process-crossing axis summed, not averaged."""
+    for key, rtol in (("loss", 1e-5), ("grad_norm", 1e-4)):
+        want = _losses(want_dir, key)[:steps]
+        assert want and all(v > 0 for v in want)
+        np.testing.assert_allclose(_losses(got_dir, key), want, rtol=rtol, err_msg=key)
 
 
 def _local(n_proc, devices_each, args, log_dir, timeout=300):
@@ -37,7 +46,7 @@ def test_two_processes_match_one_and_share_checkpoints(tmp_path):
     # the same run in one process with 8 devices, uninterrupted to step 5
     straight = train.train(tiny_config(tmp_path / "one", "optim.decay_steps=5", "mesh.data=2", "mesh.fsdp=4",
                                        "steps=5", *NO_IO))
-    np.testing.assert_allclose(_losses(two), _losses(tmp_path / "one")[:3], rtol=1e-5)
+    _assert_same_steps(two, tmp_path / "one", steps=3)
     assert sorted(os.listdir(two / "checkpoints")) == ["3"]
     last = json.loads((two / "metrics.jsonl").read_text().splitlines()[-1])
     assert last["data_ms_max"] >= last["data_ms"] >= 0  # the slowest process's batch building, gathered
@@ -49,21 +58,21 @@ def test_two_processes_match_one_and_share_checkpoints(tmp_path):
     resumed = train.train(tiny_config(two, "optim.decay_steps=5", "mesh.data=1", "mesh.fsdp=8", "steps=5", *NO_IO))
     assert int(resumed.state["step"]) == 5
     assert [json.loads(l)["step"] for l in (two / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4, 5]
-    np.testing.assert_allclose(_losses(two), _losses(tmp_path / "one"), rtol=1e-5)
+    _assert_same_steps(two, tmp_path / "one")
     assert resumed.metrics["loss"] == pytest.approx(straight.metrics["loss"], rel=1e-5)
 
 
 def test_two_processes_sum_the_embedding_and_head_gradients_across_them(tmp_path):
     """data=8 over two processes with 256 tokens per step: the head runs vocab-parallel across the processes and the
-    embedding's sparse partials are all-gathered across them (sharding.head_vocab_axes, embed_lookup); the losses are
-    one device's."""
+    embedding's sparse partials are all-gathered across them (sharding.head_vocab_axes, embed_lookup); the losses and
+    gradient norms are one device's."""
     common = [*TINY, "mesh.data=8", "mesh.fsdp=1", "data.batch_size=8", "steps=3", *NO_IO]
     p = _local(2, 4, [*common, f"run_dir={tmp_path / 'two'}"], tmp_path / "logs")
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
     assert "output head vocab-parallel over data: split on its 256 vocabulary entries, for 256 tokens" in p.stdout
     one = train.train(tiny_config(tmp_path / "one", *common, "mesh.data=1"), devices=jax.devices()[:1])
     assert len(_losses(tmp_path / "two")) == 3
-    np.testing.assert_allclose(_losses(tmp_path / "two"), _losses(tmp_path / "one"), rtol=1e-5)
+    _assert_same_steps(tmp_path / "two", tmp_path / "one")
 
 
 def test_two_processes_run_the_expert_axis_across_them(tmp_path):
@@ -81,7 +90,7 @@ def test_two_processes_run_the_expert_axis_across_them(tmp_path):
     train.train(load_config(str(ROOT / "configs" / "moe_debug.yaml"), [*common, f"run_dir={tmp_path / 'one'}"]),
                 devices=jax.devices()[:2])
     assert len(_losses(tmp_path / "two")) == 3
-    np.testing.assert_allclose(_losses(tmp_path / "two"), _losses(tmp_path / "one"), rtol=1e-5)
+    _assert_same_steps(tmp_path / "two", tmp_path / "one")
 
 
 def test_hsdp_mesh_keeps_fsdp_inside_a_host():

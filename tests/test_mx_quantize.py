@@ -124,7 +124,8 @@ def test_lowers_for_gpu(variant, config):
     shape = (512, 512)
     for mode, elem, dtype in [("floor", E4M3, jnp.bfloat16), ("even", E5M2, jnp.float16)]:
         f = functools.partial(PALLAS[variant], mode=mode, elem_dtype=elem, config=config)
-        jax.jit(f).trace(jax.ShapeDtypeStruct(shape, dtype)).lower(lowering_platforms=("cuda",))
+        text = jax.jit(f).trace(jax.ShapeDtypeStruct(shape, dtype)).lower(lowering_platforms=("cuda",)).as_text()
+        assert "mosaic_gpu" in text, (mode, dtype)  # the kernel, not a fallback
 
 
 def test_pallas_cover():

@@ -4,6 +4,7 @@ names the GPU trace attributes kernels to (a GEMM can be the root of a wrapping 
 import importlib.util
 import os
 import pathlib
+import re
 import sys
 
 import jax
@@ -94,12 +95,17 @@ def test_call_operands_resolve_layouts():
 
 
 def test_replay_times_a_gemm_standalone(capsys):
-    pytest.importorskip("jax")
     small = HLO.replace("8192", "64").replace("14336", "96").replace("4096", "32")
     profile_step.replay_gemms(small, profile_step.gemm_flops(small),
                               {"address_computation.2": (0.5, 2), "custom-call.1": (1.0, 1)}, top=5)
     out = capsys.readouterr().out
-    assert "address_computation.2" in out and "custom-call.1" in out and "total per step" in out
+    rows = {m.group(1): [int(m.group(2))] + [float(v) for v in m.group(3, 4, 5)] for m in re.finditer(
+        r"^  (\S+)\s+(\d+) +([\d.]+) +([\d.]+) +([\d.]+)  ", out, re.M)}
+    assert set(rows) == {"address_computation.2", "custom-call.1"}, out
+    # calls and per-call time in the step as given (0.5 ms over 2 calls), a measured time alone, and their ratio
+    calls, in_step, alone, ratio = rows["address_computation.2"][:4]
+    assert (calls, in_step) == (2, 0.25) and alone > 0 and ratio == pytest.approx(in_step / alone, rel=0.01, abs=0.01)
+    assert "total per step" in out
 
 
 def test_idle_report_sums_gaps_between_kernels(capsys):

@@ -158,8 +158,13 @@ def test_jit_grad_and_leading_dims():
     _, gx2, gw2 = vjp("fp8_rowwise", "auto", x, w, g)
     np.testing.assert_array_equal(np.asarray(gx), np.asarray(gx2))
     np.testing.assert_allclose(np.asarray(gw), np.asarray(gw2), rtol=1e-6)
-    y1 = quant.linear(x[0, 0], w, recipe="fp8_rowwise")  # a single token vector
+    # a single token vector (no leading dims) is its row of the batched product: rowwise scales are per row
+    y1 = quant.linear(x[0, 0], w, recipe="fp8_rowwise")
     assert y1.shape == (w.shape[1],)
+    y = quant.linear(x, w, recipe="fp8_rowwise")
+    np.testing.assert_allclose(np.asarray(y1, np.float32), np.asarray(y[0, 0], np.float32), rtol=1e-2, atol=1e-2)
+    exact = np.asarray(x[0, 0], np.float32) @ np.asarray(w, np.float32)
+    assert np.abs(np.asarray(y1, np.float32) - exact).max() < 0.1 * np.abs(exact).max()  # and near the true product
 
 
 def test_bf16_linear_pads_few_rows_into_a_gemm():

@@ -211,7 +211,7 @@ def test_lowers_for_h200(fn):
             with pytest.raises(NotImplementedError, match="transposed cast lowers for the GPU with jax >= 0.11"):
                 jax.jit(f).trace(x)
             return
-        jax.jit(f).trace(x).lower(lowering_platforms=("cuda",))
+        assert "mosaic_gpu" in jax.jit(f).trace(x).lower(lowering_platforms=("cuda",)).as_text()  # not a fallback
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -1,0 +1,117 @@
+"""transformers' logits for tiny Llama and Mixtral models, kept so that CI (no torch) checks our import against them.
+
+    python tests/transformers_golden.py     # needs numpy, torch, transformers; rewrites tests/data/transformers.npz
+
+test_hf.py checks our logits against a live transformers model where torch and transformers are installed (the GPU
+image has them), and against this file everywhere. Each case's weights are not stored: they are drawn again from
+the names and shapes recorded here, by `weights` (numpy's legacy RandomState, whose streams numpy keeps fixed), so
+the file holds only configs, names, shapes, the token ids and transformers' float32 logits (eager attention).
+Nothing here imports jax or mx_jax, so the script runs in an environment that only has torch.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import sys
+
+import numpy as np
+
+GOLDEN = pathlib.Path(__file__).resolve().parent / "data" / "transformers.npz"
+
+# Tiny Llama with GQA (4 query heads on 2 kv heads), head_dim 8 != hidden/heads, and llama3 rope scaling whose
+# original context (16) puts the K/2 = 4 frequencies in all three bands (kept, interpolated, divided by factor).
+HF_CONFIG = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 96, "hidden_size": 48,
+    "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
+    "intermediate_size": 80, "hidden_act": "silu", "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+    "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                     "original_max_position_embeddings": 16},
+    "max_position_embeddings": 128, "tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False,
+    "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "float32",
+}
+MIXTRAL_CONFIG = {**{k: v for k, v in HF_CONFIG.items() if k not in ("attention_bias", "mlp_bias")},
+                  "architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "num_local_experts": 4,
+                  "num_experts_per_tok": 2, "router_aux_loss_coef": 0.02, "sliding_window": None,
+                  "output_router_logits": False, "router_jitter_noise": 0.0, "vocab_size": 256}  # a byte corpus
+CASES = {  # name: (transformers architecture, config.json)
+    "llama": ("Llama", HF_CONFIG),
+    "llama_tied": ("Llama", {**HF_CONFIG, "tie_word_embeddings": True}),
+    "mixtral": ("Mixtral", MIXTRAL_CONFIG),
+}
+TOKENS = (2, 40)  # 40 positions > the rope scaling's original context of 16
+
+
+def weights(names: list[str], shapes: list[tuple[int, ...]], seed: int = 0) -> dict[str, np.ndarray]:
+    """float32 weights by HF name: norms 1 + 0.5 N(0, 1) (never ones), the rest 0.15 N(0, 1), which gives logits of
+    size ~4, so that a wrong rope band or q/k layout moves them by ~5, not by 5e-3."""
+    rs = np.random.RandomState(seed)
+    out = {}
+    for name, shape in zip(names, shapes):
+        v = rs.standard_normal(shape).astype(np.float32)
+        out[name] = 1 + 0.5 * v if name.endswith("norm.weight") else 0.15 * v
+    return out
+
+
+def tokens(vocab_size: int, seed: int = 1) -> np.ndarray:
+    return np.random.RandomState(seed).randint(0, vocab_size, TOKENS)
+
+
+def load() -> dict[str, dict]:
+    """{case: {"config", "names", "shapes", "tokens", "logits"}} from GOLDEN, and "versions" (what made it)."""
+    with np.load(GOLDEN) as f:
+        index = json.loads(str(f["index"]))
+        return {"versions": index["versions"],
+                **{c: {**index["cases"][c], "tokens": f[f"{c}/tokens"], "logits": f[f"{c}/logits"]}
+                   for c in index["cases"]}}
+
+
+def write(path: pathlib.Path, config: dict, values: dict[str, np.ndarray]) -> None:
+    """An HF checkpoint directory: config.json and one model.safetensors."""
+    from safetensors.numpy import save_file
+
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    save_file(values, str(path / "model.safetensors"), metadata={"format": "pt"})
+
+
+def main() -> int:
+    import tempfile
+
+    import torch
+    import transformers
+    from safetensors import safe_open
+
+    index, arrays = {"versions": {"torch": torch.__version__, "transformers": transformers.__version__},
+                     "cases": {}}, {}
+    tmp = pathlib.Path(tempfile.mkdtemp())
+    for case, (arch, config) in CASES.items():
+        # the names and shapes of the checkpoint format (what save_pretrained writes, what the Hub holds: transformers
+        # 5 keeps Mixtral's experts fused in memory but reads and writes them one matrix per expert)
+        c = {k: v for k, v in config.items() if k not in ("architectures", "model_type", "torch_dtype")}
+        getattr(transformers, f"{arch}ForCausalLM")(getattr(transformers, f"{arch}Config")(**c)).save_pretrained(
+            tmp / f"{case}_layout", safe_serialization=True)
+        names, shapes = [], []
+        for f in sorted((tmp / f"{case}_layout").glob("*.safetensors")):
+            with safe_open(str(f), framework="np") as st:
+                for n in sorted(st.keys()):
+                    names.append(n)
+                    shapes.append(tuple(st.get_slice(n).get_shape()))
+        write(tmp / case, config, weights(names, shapes))
+        model = getattr(transformers, f"{arch}ForCausalLM").from_pretrained(
+            tmp / case, attn_implementation="eager", dtype=torch.float32).eval()
+        ids = tokens(config["vocab_size"])
+        with torch.no_grad():
+            logits = model(torch.as_tensor(ids)).logits.numpy().astype(np.float32)
+        index["cases"][case] = {"config": config, "names": names, "shapes": shapes}
+        arrays[f"{case}/tokens"], arrays[f"{case}/logits"] = ids.astype(np.int32), logits
+        print(f"{case}: {len(names)} tensors, logits {logits.shape}, |logits| max {np.abs(logits).max():.2f}")
+    GOLDEN.parent.mkdir(exist_ok=True)
+    np.savez_compressed(GOLDEN, index=np.asarray(json.dumps(index)), **arrays)
+    print(f"wrote {GOLDEN} ({GOLDEN.stat().st_size:,} bytes) with torch {torch.__version__}, transformers "
+          f"{transformers.__version__}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
