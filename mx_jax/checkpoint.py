@@ -1,7 +1,8 @@
 """Orbax checkpoints: async save that barely pauses training, restore onto any mesh, never a half-written step.
 
-Layout: `<run_dir>/checkpoints/<step>/{state,data}` with `state` the train state (params, optimizer state, step)
-and `data` the iterator position as JSON. A save is two phases:
+Layout: `<run_dir>/checkpoints/<step>/{state,data}` with `state` the train state (params, optimizer state, step, and
+a MoE model's router biases; not the compute copies, which are made again from the params) and `data` the iterator
+position as JSON. A save is two phases:
   1. blocking: Orbax copies the device arrays to host memory (the loop waits for this);
   2. background: a thread writes the files into `<step>.orbax-checkpoint-tmp-<time>/` and renames the directory to
      `<step>/` only when every file is written (an atomic rename on a POSIX filesystem).

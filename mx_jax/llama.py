@@ -619,10 +619,12 @@ def param_count(cfg: ModelConfig) -> int:
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     """Training FLOPs per token: 6 x (matmul parameters a token touches) + causal attention, 6 L T H K (fwd + bwd).
 
-    6N counts the forward (2N) and backward (4N) multiply-adds of every weight matrix except the embedding lookup;
-    a MoE layer counts its router, its top-k routed experts and its shared experts (the active parameters).
-    Attention scores and values add 4 T H K per layer forward, halved by the causal mask, times 3 for fwd+bwd.
-    This is the PaLM/Chinchilla convention with the causal half, as TorchTitan reports it.
+    6N counts the forward (2N) and backward (4N) FLOPs (a multiply-add is 2) of every weight matrix except the
+    embedding lookup; a MoE layer counts its router, its top-k routed experts and its shared experts (the active
+    parameters). Attention scores and values add 4 T H K per layer forward, halved by the causal mask, times 3 for
+    fwd+bwd. PaLM's convention, which TorchTitan reports, counts the whole T x T scores (12 L T H K): this counts
+    the causal half the kernels compute, so at long sequences its TFLOP/s and MFU read lower than TorchTitan's for
+    the same tokens/s (compare tokens/s across stacks).
     """
     d, f, hk, gk = cfg.d_model, cfg.d_ff, cfg.n_heads * cfg.d_head, cfg.n_kv_heads * cfg.d_head
     attn = d * hk * 2 + d * gk * 2

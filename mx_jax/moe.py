@@ -14,8 +14,8 @@ For N tokens x (N,D), E routed experts of hidden width F, top-k:
 Balancing, each optional:
     aux loss   coef * E * sum_e f_e P_e,  f_e = share of the N k assignments that chose e, P_e = mean_n s[n,e]
                (Switch Transformer eq. 4; Mixtral); f carries no gradient and counts choices before any capacity
-               drop. It is 1 at perfect balance (Hugging Face's Mixtral loss is k there: its coefficient acts k
-               times stronger).
+               drop. With softmax scores it is 1 at perfect balance (Hugging Face's Mixtral loss is k there: its
+               coefficient acts k times stronger); sigmoid scores do not sum to 1, so there it is sum_e P_e.
     bias       after each step b_e += rate * sign(mean load - load_e)  (DeepSeek-V3 auxiliary-loss-free balancing),
                applied by the train step outside the gradient; b is a RouterBias variable, not a parameter.
     z-loss     coef * mean_n logsumexp(logits_n)^2                       (ST-MoE eq. 5)

@@ -46,7 +46,8 @@ kernels per 8B layer, 42,167 against 42,876 tokens/s for the scanned 8-layer 8B 
 Weight operands made at the update. A weight's two fp8 operands (`Operands`: wᵀ for out, w for grad_x) depend only
 on the weight, so the train step makes them once per optimizer step from the updated masters (`prequantize`, called
 by llama.compute_copies, one dual cast per fused weight, which reads the parts (w_q, w_k, w_v) where they are
-instead of a concatenated copy) and keeps them in its state instead of the weight's bf16
+instead of a concatenated copy; fp8_rowwise_gw_hp, whose two operands are scaled differently, casts a concatenated
+copy twice) and keeps them in its state instead of the weight's bf16
 copy: 2 bytes per weight either way. Each linear then receives `Prequantized`: a zero "slot" shaped like the weight,
 which only receives the gradient (XLA never builds it), and the operands, which are not differentiated. The
 forward and the rematerialized backward no longer concatenate the fused weights or cast any weight, and a scanned
@@ -91,7 +92,7 @@ MX e4m3, each operand blocked along its own contraction axis (out: x and w along
 grad_w: x and g along T), rceil scales. It lives in mx_jax/mx_linear.py (format: mx_jax/mx_format.py) and
 `linear` hands it over.
 
-Public API: `linear(x, w, *, recipe, impl, operands, w_axes, reduce_dtype)`, `prequantize`, `Operands`,
+Public API: `linear(x, w, *, recipe, impl, operands, w_axes, reduce_dtype, fence)`, `prequantize`, `Operands`,
 `Prequantized`, `RECIPES`, `PREQUANTIZED`, `kernel_support(recipe, k, n)`, `mx_quantize` (the OCP MX cast,
 re-exported from mx_format).
 """
@@ -266,7 +267,8 @@ def prequantize(ws, *, recipe: str, impl: str = "auto", compute_dtype=jnp.bfloat
     is an extra output of AdamW's update fusion, which has the new master in registers (2 bytes written per
     element), and the casts then read the rounded copy twice (2 + 2) and write 1 + 1. Rounding the f32 tiles inside
     the cast kernels instead reads the master twice (4 + 4): 2 bytes more per element (RESULTS.md, session 29).
-    The concatenation of a fused weight is never written: the Pallas casts read each tile from its own weight. With
+    Where one dual cast makes both operands, the concatenation of a fused weight is never written: the Pallas casts
+    read each tile from its own weight (fp8_rowwise_gw_hp's two differently scaled casts read a concatenation). With
     XLA's casts on one device, one layer's concatenated copy exists at a time: weights (..., K, N) with leading layer
     axes are quantized one layer at a time (`lax.map`). batched: the last leading axis is a batch of matrices
     quantized each on its own in one cast (the routed experts' (E, K, N), rowwise only; what mx_jax.grouped_linear's
@@ -460,7 +462,8 @@ def _make_linear2d(recipe_name: str, impl: str, x_dtype: jnp.dtype, w_dtype: jnp
     # Per device (_token_split): the GEMMs and activation casts run inside shard_map over the token axes, each
     # device on its own rows (x (..., K) keeps its leading dims, flattened inside) with the whole weight operands.
     # Residuals leave it stacked on a new leading axis (one entry per device: its xᵀ rows or x, and its own scales),
-    # and so does grad_w (each device's partial sum over its tokens, summed outside in f32) unless it is reduced
+    # and so does grad_w (each device's partial sum over its tokens, summed outside in the reduce dtype: f32, or
+    # model.grad_reduce_dtype where the tokens are split) unless it is reduced
     # inside (module docstring).
     def forward_per_device(x, w, ops):
         x_spec, axes, _ = split

@@ -407,7 +407,7 @@ def section_mxcast(args) -> None:
 def section_indexed(args) -> None:
     from pallas_kernels.bench_indexed import bench_indexed
 
-    bench_indexed(args.quick, args.cpu_smoke, args.config, args.samples, args.batch)
+    bench_indexed(args.quick, args.cpu_smoke, args.config, args.samples, args.batch, dense_only=args.shapes == "dense")
 
 
 def section_grouped(args) -> None:
@@ -434,7 +434,8 @@ def main(argv=None) -> None:
                    help="fp8: sweep the Pallas dual cast over these CastConfigs instead of the cast variants, e.g. "
                         "amax_bm=64,amax_bn=256,cast_bm=64,cast_bn=128 (repeatable)")
     p.add_argument("--cast-shapes", default="", help="fp8: comma-separated RxC cast shapes, e.g. 8192x6144,4096x28672")
-    p.add_argument("--shapes", default="", help="fp8: comma-separated shape labels to run (default: all), e.g. cube")
+    p.add_argument("--shapes", default="", help="fp8: comma-separated shape labels to run (default: all), e.g. cube; "
+                                                "indexed: 'dense' runs its dense products only")
     p.add_argument("--samples", type=int, default=10)
     p.add_argument("--batch", type=int, default=10)
     args = p.parse_args(argv)

@@ -5,8 +5,9 @@
 
 Problems: the routed experts of a decoding step, B tokens x top-k assignments of DeepSeekMoE 16B (E=64 experts of
 2048 x 1408, k=6), Mixtral 8x7B (8 of 4096 x 14336, k=2) and DeepSeek-V3 (256 of 7168 x 2048, k=8), the
-experts each token chose drawn uniformly without repeats per token; then one dense (D, D) projection of B rows (the
-attention's, DeepSeekMoE 16B: D=2048), where the kernel runs with E=1.
+experts each token chose drawn uniformly without repeats per token; then dense projections of B rows, where the
+kernel runs with E=1: DeepSeekMoE 16B's attention (2048 x 2048) and Llama3-8B's (K x N: 4096 x 4096, 4096 x 1024,
+the FFN's 4096 x 14336 and 14336 x 4096). `--shapes dense` runs the dense ones only.
 
 Each path runs L layers in `lax.scan` over stacked random bf16 weights (as the decoder runs them): "gate,up" is
 h = silu(x W_gate) * (x W_up) over the assignments, "down" is h W_down. Columns: microseconds per layer and the
@@ -40,9 +41,11 @@ PROBLEMS = (
     ("mixtral-8x7b", 4096, 14336, 8, 2, (1, 4), 2),
     ("deepseek-v3", 7168, 2048, 256, 8, (1, 8), 1),
 )
-DENSE = (("attention 2048", 2048, (1, 4, 8), 8),)
+DENSE = (("attention 2048", 2048, 2048, (1, 4, 8), 8),  # name, K, N, token counts, layers
+         ("8b wq", 4096, 4096, (1, 8), 4), ("8b wk", 4096, 1024, (1, 8), 8),
+         ("8b gate", 4096, 14336, (1, 8), 2), ("8b down", 14336, 4096, (1, 8), 2))
 SMOKE = (("smoke", 128, 128, 4, 2, (1, 3), 2),)
-SMOKE_DENSE = (("smoke dense", 128, (1,), 2),)
+SMOKE_DENSE = (("smoke dense", 128, 128, (1,), 2),)
 
 
 def _stack(key, shape, layers, sets):
@@ -109,8 +112,11 @@ def _dense_kernel(x, w, *, config, interpret):
                              interpret=interpret)
 
 
-def bench_indexed(quick: bool, smoke: bool, configs: list[str], samples: int, batch: int) -> None:
+def bench_indexed(quick: bool, smoke: bool, configs: list[str], samples: int, batch: int,
+                  dense_only: bool = False) -> None:
     problems, dense = (SMOKE, SMOKE_DENSE) if smoke else (PROBLEMS, DENSE)
+    if dense_only:
+        problems = ()
     if quick and not smoke:
         problems = problems[:1]
     cfgs = [parse_config(c, im.Config) for c in configs] or [None]
@@ -135,10 +141,10 @@ def bench_indexed(quick: bool, smoke: bool, configs: list[str], samples: int, ba
             table.run(problem, "gate,up", up, [(x, wg, wu, i) for i in ids], 2 * r * d * f * 2, layers)
             down = {"xla": functools.partial(im.indexed_matmul, impl="xla"), **_kernels(matmul, cfgs, interpret)}
             table.run(problem, "down", down, [(h, wd, i) for i in ids], r * d * f * 2, layers)
-    for name, d, tokens, layers in dense:
-        w = _stack(jax.random.fold_in(key, 99), (d, d), layers, 2)
+    for name, d, n, tokens, layers in dense:
+        w = _stack(jax.random.fold_in(key, 99), (d, n), layers, 2)
         for b in tokens:
             x = jax.random.normal(jax.random.fold_in(key, 40 + b), (b, d), jnp.float32).astype(jnp.bfloat16)
             paths = {"xla": jnp.dot, "xla, 8 rows": _pad8, **_kernels(_dense_kernel, cfgs, interpret)}
-            table.run(f"{name} B={b}", "dense", paths, [(x, w[i]) for i in range(2)], d * d * 2, layers)
+            table.run(f"{name} B={b}", "dense", paths, [(x, w[i]) for i in range(2)], d * n * 2, layers)
     table.summary()
