@@ -1,7 +1,7 @@
-"""Decoding with the KV cache (mx_jax.sample.Decoder) against decoding without one, on one GPU.
+"""Decoding with the KV cache (mx_jax.sample.Decoder) against decoding without one, on one GPU or split over several.
 
     python benchmarks/bench_decode.py --config configs/llama3_8b.yaml [--batch 1,8,32] [--prompt 512] [--tokens 256]
-        [key=value ...]
+        [--devices N] [key=value ...]
 
 The model is the config's with random weights (bf16 compute copies, as `python -m mx_jax.sample` loads them), B
 copies of a random prompt of P tokens, greedy. Per row of the table:
@@ -10,13 +10,16 @@ copies of a random prompt of P tokens, greedy. Per row of the table:
 - "no cache": what the sampler did before session 63 and the plain way without a cache: each token one forward over
   the whole window of P + tokens positions (rounded up to 128), right-padded, the next token read at its position
   (ms per step, timed over 8 steps after a compiled one);
-- "bound": the step's bytes at 4.8 TB/s (H200 HBM): every GEMM weight once, plus the cache's keys and values once;
+- "bound": the step's bytes per device at 4.8 TB/s (H200 HBM): every GEMM weight once, plus the cache's keys and
+  values once, over the devices;
   of a MoE model's routed experts only the share that B tokens choose under uniform routing, 1 - (1 - k/E)^B
   (an estimate: random weights route unevenly, onto fewer experts, so a MoE step can beat it);
 - tokens/s of both, B / step time, and the share of the first 9 greedy tokens both paths drew alike (random
   weights give nearly flat logits, so bf16 rounding differences between the two attention paths can flip a few),
   and the largest difference of the prefill's last logits from a forward over the prompt, relative to the largest
   logit.
+`--devices N` splits the model over N devices as `python -m mx_jax.sample --devices N` does (`sample.tensor_parallel`,
+the routed experts under `moe.hidden_split`); the no-cache rows then need --no-baseline.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from mx_jax import profiling, sample, sharding, train
+from mx_jax import moe, profiling, sample, sharding, train
 from mx_jax.config import load_config
 from mx_jax.llama import Llama, buffers_of, compute_copies, init_cache, params_of, with_compute
 
@@ -39,13 +42,15 @@ HBM_BYTES_PER_S = 4.8e12
 
 
 def random_state(setup: train.Setup) -> tuple[dict, dict]:
-    """Random parameters with the GEMM weights as their compute copies, and the MoE buffers."""
+    """Random parameters with the GEMM weights and the embedding in the compute dtype, and the MoE buffers."""
     cfg = setup.cfg
 
     def init():
         model = Llama(cfg.model, cfg.quant, rngs=nnx.Rngs(0))
         params = params_of(model)
-        return with_compute(params, compute_copies(cfg.model, params)), buffers_of(model)
+        params = with_compute(params, compute_copies(cfg.model, params))
+        params["embed"] = params["embed"].astype(cfg.model.compute_dtype)  # as sample.load_model_state reads it
+        return params, buffers_of(model)
 
     return jax.jit(init)()
 
@@ -85,8 +90,11 @@ def main() -> None:
     ap.add_argument("--profile", type=int, default=0, help="trace this many steps of the first batch size and "
                     "print where their device time went (mx_jax.profiling.summarize; the prefill is traced too)")
     ap.add_argument("--top", type=int, default=15, help="with --profile: how many of the longest ops to list")
+    ap.add_argument("--devices", type=int, default=1, help="split the model over this many devices (sample --devices)")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
+    if args.devices > 1 and not args.no_baseline:
+        ap.error("--devices N > 1 times the cache path only: add --no-baseline")
     train.apply_default_xla_flags()
     cfg = load_config(args.config, ["quant.recipe=bf16", "mesh.data=1", "mesh.fsdp=1", "mesh.expert=1",
                                     "mesh.context=1", *args.overrides])
@@ -95,10 +103,14 @@ def main() -> None:
     with jax.set_mesh(mesh):
         setup = train.build(cfg, mesh)
         params, buffers = random_state(setup)
+    split = sample.tensor_parallel(setup, jax.local_devices()[:args.devices]) if args.devices > 1 else None
+    if split is not None:
+        params, buffers = jax.device_put(params, split.params), jax.device_put(buffers, split.buffers)
+    with jax.set_mesh(mesh) if split is None else moe.hidden_split(split.mesh):
         weight_bytes = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(params) if a.ndim >= 2)
         expert_bytes = sum(a.size * a.dtype.itemsize for path, a in jax.tree_util.tree_flatten_with_path(params)[0]
                            if re.search(r"\['moe'\]\['w_(gate|up|down)'\]", jax.tree_util.keystr(path)))
-        decoder = sample.Decoder(setup, params, buffers, temperature=0)
+        decoder = sample.Decoder(setup, params, buffers, temperature=0, cache_sharding=split and split.cache)
         old = None if args.no_baseline else no_cache_step(setup)
         m = cfg.model
         for b in map(int, args.batch.split(",")):
@@ -114,8 +126,8 @@ def main() -> None:
                 read = weight_bytes - expert_bytes * (1 - k / e) ** b
             else:
                 read = weight_bytes
-            bound_ms = 1e3 * (read + cache_bytes) / HBM_BYTES_PER_S
-            row = [cfg.model.n_layers, b, args.prompt, length, 1e3 * stats["prefill_s"], step_ms, bound_ms,
+            bound_ms = 1e3 * (read + cache_bytes) / HBM_BYTES_PER_S / args.devices
+            row = [cfg.model.n_layers, args.devices, b, args.prompt, length, 1e3 * stats["prefill_s"], step_ms, bound_ms,
                    b * 1e3 / step_ms]
             if old is not None:
                 tokens = np.zeros((b, length), np.int32)
@@ -139,7 +151,7 @@ def main() -> None:
                 print("\n".join(lines), flush=True)
     print(f"\n{args.config} {' '.join(args.overrides)}: weights {weight_bytes / 1e9:.1f} GB (bf16 GEMM weights), "
           f"prompt {args.prompt}, {args.tokens} tokens, greedy")
-    head = "| layers | B | P | S | prefill ms | cache: ms/step | bound ms | tokens/s |"
+    head = "| layers | devices | B | P | S | prefill ms | cache: ms/step | bound ms | tokens/s |"
     if not args.no_baseline:
         head += " no cache: ms/step | tokens/s | speedup | same tokens | logit error |"
     print(head)

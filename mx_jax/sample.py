@@ -149,10 +149,11 @@ def chat_template_of(cfg: TrainConfig) -> str | None:
 
 def load_model_state(cfg: TrainConfig, setup: train.Setup, path: pathlib.Path, step: int | None,
                      shardings: tuple | None = None) -> tuple[dict, dict]:
-    """(params with the GEMM weights in the compute dtype, MoE buffers) of a checkpoint, placed per `setup` or,
-    given, the (params', buffers') `shardings` (`tensor_parallel`). Orbax casts the float32 masters of the GEMM
-    weights to the compute dtype as it reads them, so a device holds 2 bytes per weight, never the 4 of the masters
-    (Mixtral 8x7B: 93 GB in bf16 against 187 GB in float32), with the train step's rounding (`compute_copies`)."""
+    """(params with the GEMM weights and the embedding in the compute dtype, MoE buffers) of a checkpoint, placed
+    per `setup` or, given, the (params', buffers') `shardings` (`tensor_parallel`). Orbax casts the float32 masters
+    of the GEMM weights to the compute dtype as it reads them, so a device holds 2 bytes per weight, never the 4 of
+    the masters (Mixtral 8x7B: 93 GB in bf16 against 187 GB in float32), with the train step's rounding
+    (`compute_copies`). The embedding too: its lookup casts each row to the compute dtype, the same values."""
     import orbax.checkpoint as ocp
 
     from mx_jax.hf import state_dir
@@ -170,8 +171,10 @@ def load_model_state(cfg: TrainConfig, setup: train.Setup, path: pathlib.Path, s
         raise ConfigError(f"the checkpoint {sdir} does not fit this model ({len(bad)} array(s) differ: "
                           f"{'; '.join(bad[:4])}{'; ...' if len(bad) > 4 else ''}); a key=value override or --config "
                           f"changed the model section of the run's config")
-    # what the decoder reads: each GEMM weight in the compute dtype, the rest (norms, router, embedding) as stored
+    # what the decoder reads: each GEMM weight and the embedding in the compute dtype (the lookup casts its rows to
+    # it: the same values), the rest (norms, router) as stored
     wanted["params"] = jax.eval_shape(lambda p: with_compute(p, compute_copies(cfg.model, p)), wanted["params"])
+    wanted["params"]["embed"] = jax.ShapeDtypeStruct(wanted["params"]["embed"].shape, cfg.model.compute_dtype)
     item = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), wanted,
                         {k: shardings[k] for k in wanted})
     checkpoint.quiet_abandoned_reads()
@@ -203,8 +206,10 @@ class Split(NamedTuple):
 def tensor_parallel(setup: train.Setup, devices: list) -> Split:
     """The layout that splits a model over `devices` for decoding: each weight along its first dimension named in
     TENSOR_SPLIT that the devices divide (W_q, W_k, W_v, W_gate, W_up by output column, W_o and W_down by input
-    row, the routed experts' likewise along their hidden width, the embedding and head by vocabulary), the cache by
-    key/value head; norms, routers and router biases whole on each. XLA's partitioner makes of the dense layers
+    row, the routed experts' likewise along their hidden width, the head by vocabulary), the cache by
+    key/value head; the embedding, norms, routers and router biases whole on each. (Split by vocabulary, the
+embedding's one-row lookups made XLA all-gather the table every step on the GPU: 3.6 of the 8B's 11.3 ms per token
+on 2 H200s, benchmarks/RESULTS.md, session 67.) XLA's partitioner makes of the dense layers
     Megatron's layout: each device attends with its own heads and runs its own part of the hidden layer, then one
     all-reduce sums the attention output's and one the down projection's partial sums. The routed experts run so
     in shard_map, inside `moe.hidden_split(Split.mesh)`, which the decoding must be traced in. A device holds 1/n
@@ -223,6 +228,8 @@ def tensor_parallel(setup: train.Setup, devices: list) -> Split:
     axes = param_axes(nnx.eval_shape(lambda: Llama(cfg, setup.cfg.quant, rngs=nnx.Rngs(0))))
 
     def split(shape, names):
+        if tuple(names) == ("vocab", "embed"):  # read a row per token: whole on each device (in the compute dtype)
+            return NamedSharding(mesh, P())
         at = next((i for i, (a, d) in enumerate(zip(names, shape)) if a in TENSOR_SPLIT and d % n == 0), None)
         return NamedSharding(mesh, P(*("tensor" if i == at else None for i in range(len(shape)))))
 
