@@ -17,16 +17,22 @@
 # (every process saves the same step and exits 143, mx_jax/preemption.py), a second one as SIGKILL.
 # The exit code is the first failing process's (143 after a preemption stop), 0 if all succeeded.
 set -euo pipefail
-if [[ $# -lt 1 || ! "$1" =~ ^[0-9]+$ ]]; then
+if [[ $# -lt 1 || ! "$1" =~ ^[1-9][0-9]*$ ]]; then
   echo "usage: $0 N [--cpu-devices K | --gpus-per-process G] --config configs/X.yaml [key=value ...]" >&2
   exit 2
 fi
 n=$1; shift
 cpu_devices=""
 gpus_each=""
-if [[ "${1:-}" == "--cpu-devices" ]]; then cpu_devices=$2; shift 2; fi
+if [[ "${1:-}" == "--cpu-devices" ]]; then
+  cpu_devices=${2:-}; shift; [[ $# -gt 0 ]] && shift
+  if [[ ! "$cpu_devices" =~ ^[1-9][0-9]*$ ]]; then
+    echo "error: --cpu-devices takes a positive number of fake CPU devices per process, got '$cpu_devices'" >&2
+    exit 2
+  fi
+fi
 if [[ "${1:-}" == "--gpus-per-process" ]]; then
-  gpus_each=$2; shift 2
+  gpus_each=${2:-}; shift; [[ $# -gt 0 ]] && shift
   if [[ -n "${CUDA_VISIBLE_DEVICES:-}" ]]; then
     IFS=, read -r -a gpus <<< "$CUDA_VISIBLE_DEVICES"
   else
@@ -71,5 +77,7 @@ for p in "${pids[@]}"; do
   [[ $rc -ne 0 && $status -eq 0 ]] && status=$rc
   [[ $rc -eq 0 || $rc -eq 143 ]] || stop_all KILL  # a failure stops all; a preemption stop ends each by itself
 done
-[[ $status -eq 0 || $status -eq 143 ]] || echo "a process failed; logs of processes 1..$((n - 1)) in $logdir" >&2
+if [[ $status -ne 0 && $status -ne 143 && $n -gt 1 ]]; then
+  echo "a process failed; logs of processes 1..$((n - 1)) in $logdir" >&2
+fi
 exit $status

@@ -94,42 +94,46 @@ def load(path: str | pathlib.Path, encode: Callable[[str], list[int]], vocab_siz
     if not path.is_file():
         raise ConfigError(f"choices file {path} does not exist")
     contexts, conts, answers, lines = [], [], [], []
-    with open(path) as f:
-        for i, line in enumerate(f):
-            where = f"{path}:{i + 1}"
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except ValueError as e:
-                raise ConfigError(f"{where}: not a JSON object ({e})")
-            if not isinstance(obj, dict):
-                raise ConfigError(f"{where}: a JSON {type(obj).__name__}, not an object")
-            context, choices, answer = _field(obj, _CONTEXT_KEYS, where), obj.get("choices"), _field(obj, _ANSWER_KEYS,
-                                                                                                      where)
-            if not isinstance(context, str):
-                raise ConfigError(f"{where}: the context must be text, got {type(context).__name__}")
-            if not (isinstance(choices, list) and len(choices) >= 2 and all(isinstance(c, str) and c for c in choices)):
-                raise ConfigError(f"{where}: 'choices' must be a list of two or more non-empty texts")
-            if not (isinstance(answer, int) and not isinstance(answer, bool) and 0 <= answer < len(choices)):
-                raise ConfigError(f"{where}: the answer must be the index of one of its {len(choices)} choices, got "
-                                  f"{answer!r}")
-            ctx = encode(context)
-            ids = [encode(c) for c in choices]
-            if not ctx:
-                raise ConfigError(f"{where}: an empty context (a choice's first token needs one before it)")
-            bad = max((max(t) for t in [ctx, *ids] if t), default=0)
-            if bad >= vocab_size:
-                raise ConfigError(f"{where}: token id {bad} is outside the model's vocabulary "
-                                  f"(model.vocab_size={vocab_size}); is the tokenizer the run's?")
-            longest = max(map(len, ids))
-            if longest >= max_len:
-                raise ConfigError(f"{where}: a choice of {longest} tokens leaves no room for its context in rows of "
-                                  f"{max_len} (data.seq_len)")
-            contexts.append(ctx)
-            conts.append((ids, [len(c) for c in choices]))
-            answers.append(answer)
-            lines.append(i + 1)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"choices file {path} is not UTF-8 text (byte {e.start}: {e.reason}); a choices file holds "
+                          f"JSON lines") from None
+    for i, line in enumerate(text.split("\n")):  # (not splitlines: JSON text may hold U+2028)
+        where = f"{path}:{i + 1}"
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except ValueError as e:
+            raise ConfigError(f"{where}: not a JSON object ({e})")
+        if not isinstance(obj, dict):
+            raise ConfigError(f"{where}: a JSON {type(obj).__name__}, not an object")
+        context, choices, answer = _field(obj, _CONTEXT_KEYS, where), obj.get("choices"), _field(obj, _ANSWER_KEYS,
+                                                                                                  where)
+        if not isinstance(context, str):
+            raise ConfigError(f"{where}: the context must be text, got {type(context).__name__}")
+        if not (isinstance(choices, list) and len(choices) >= 2 and all(isinstance(c, str) and c for c in choices)):
+            raise ConfigError(f"{where}: 'choices' must be a list of two or more non-empty texts")
+        if not (isinstance(answer, int) and not isinstance(answer, bool) and 0 <= answer < len(choices)):
+            raise ConfigError(f"{where}: the answer must be the index of one of its {len(choices)} choices, got "
+                              f"{answer!r}")
+        ctx = encode(context)
+        ids = [encode(c) for c in choices]
+        if not ctx:
+            raise ConfigError(f"{where}: an empty context (a choice's first token needs one before it)")
+        bad = max((max(t) for t in [ctx, *ids] if t), default=0)
+        if bad >= vocab_size:
+            raise ConfigError(f"{where}: token id {bad} is outside the model's vocabulary "
+                              f"(model.vocab_size={vocab_size}); is the tokenizer the run's?")
+        longest = max(map(len, ids))
+        if longest >= max_len:
+            raise ConfigError(f"{where}: a choice of {longest} tokens leaves no room for its context in rows of "
+                              f"{max_len} (data.seq_len)")
+        contexts.append(ctx)
+        conts.append((ids, [len(c) for c in choices]))
+        answers.append(answer)
+        lines.append(i + 1)
     if not answers:
         raise ConfigError(f"choices file {path} holds no records")
     # rows hold context + choice minus the last token (inputs) and the same shifted by one (targets)

@@ -113,11 +113,14 @@ def embedded_corpus() -> dict[str, np.ndarray]:
     return {k: np.frombuffer(b"".join(v), dtype=np.uint8) for k, v in parts.items()}
 
 
+PATH_KEY = "config key 'data.path': "  # how the shard readers' errors begin
+
+
 def read_meta(d: pathlib.Path) -> dict:
     """`<d>/meta.json`, checked: dtype uint16/uint32 and a positive integer vocab_size."""
     meta_file = d / "meta.json"
     if not meta_file.is_file():
-        raise ConfigError(f"config key 'data.path': {meta_file} not found (write shards with "
+        raise ConfigError(f"{PATH_KEY}{meta_file} not found (write shards with "
                           f"`python -m mx_jax.data convert`)")
     meta = read_json_object(meta_file)
     if meta.get("dtype") not in ("uint16", "uint32"):
@@ -147,7 +150,7 @@ def load_shards(path: str, split: str) -> tuple[list[np.ndarray], list[pathlib.P
     vocab = meta["vocab_size"]
     files = sorted(d.glob(f"{split}_*.bin"))
     if not files:
-        raise ConfigError(f"config key 'data.path': no {split}_*.bin shards in {d}")
+        raise ConfigError(f"{PATH_KEY}no {split}_*.bin shards in {d}")
     arrays = []
     for f in files:
         size = f.stat().st_size
@@ -504,14 +507,18 @@ def _open_mixture(cfg: DataConfig) -> Dataset:
     names = mixture_names([p for _, p in entries])
     train, val, metas = [], [], []
     for (_, path), name in zip(entries, names):
-        check_packed(path, cfg.seq_len)
-        arrays, files, vocab = load_shards(path, "train")
-        train.append(Windows(arrays, cfg.seq_len, f"train split of {path}", vocab, files,
-                             load_masks(path, files, arrays)))
-        arrays, files, _ = load_shards(path, "val")
-        val.append(Windows(arrays, cfg.seq_len, f"held-out split of {path}", vocab, files,
-                           load_masks(path, files, arrays)))
-        meta = read_meta(pathlib.Path(path))
+        try:
+            check_packed(path, cfg.seq_len)
+            arrays, files, vocab = load_shards(path, "train")
+            train.append(Windows(arrays, cfg.seq_len, f"train split of {path}", vocab, files,
+                                 load_masks(path, files, arrays)))
+            arrays, files, _ = load_shards(path, "val")
+            val.append(Windows(arrays, cfg.seq_len, f"held-out split of {path}", vocab, files,
+                               load_masks(path, files, arrays)))
+            meta = read_meta(pathlib.Path(path))
+        except ConfigError as e:  # the shard readers name data.path, which a mixture does not set
+            raise ConfigError(f"config key 'data.mixture', source {path}: "
+                              f"{str(e).removeprefix(PATH_KEY)}") from None
         metas.append((path, vocab, meta.get("tokenizer"), eos_of(meta)))
     if len({(v, t) for _, v, t, _ in metas}) > 1:
         raise ConfigError("config key 'data.mixture': the sources were tokenized differently (vocab_size, tokenizer in "

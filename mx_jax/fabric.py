@@ -560,12 +560,29 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--target-nodes", type=int, default=16)
     args = ap.parse_args(argv)
+    for flag, values, low in (("--nodes", args.nodes, 1), ("--gpus-per-node", [args.gpus_per_node], 1),
+                              ("--tokens-per-gpu", [args.tokens_per_gpu], 1),
+                              ("--bytes-per-element", [args.bytes_per_element], 1),
+                              ("--target-nodes", [args.target_nodes], 1)):
+        if min(values) < low:
+            ap.error(f"{flag} must be >= {low}, got {min(values)}")
+    for flag, value in (("--nvlink-gbps", args.nvlink_gbps), ("--nic-gbps", args.nic_gbps),
+                        ("--oversubscription", args.oversubscription)):
+        if not value > 0:
+            ap.error(f"{flag} must be > 0, got {value}")
+    if args.target_nodes not in args.nodes:
+        ap.error(f"--target-nodes {args.target_nodes} is not among --nodes {args.nodes}: its breakdown needs it")
+    if args.out and args.out.exists() and not args.out.is_dir():
+        ap.error(f"--out {args.out} exists and is not a directory")
 
     t0 = time.perf_counter()
     base = {"gpus_per_node": args.gpus_per_node, "nvlink_gbps": args.nvlink_gbps, "nic_gbps": args.nic_gbps,
             "fabric": args.fabric, "pxn": not args.no_pxn, "spine_oversubscription": args.oversubscription}
-    rows = sweep(args.nodes, base, tokens_per_gpu=args.tokens_per_gpu, bytes_per_element=args.bytes_per_element,
-                 seed=args.seed, zipf=args.zipf)
+    try:  # what the model itself refuses (e.g. a node count the experts cannot be spread over)
+        rows = sweep(args.nodes, base, tokens_per_gpu=args.tokens_per_gpu, bytes_per_element=args.bytes_per_element,
+                     seed=args.seed, zipf=args.zipf)
+    except ValueError as e:
+        ap.error(str(e))
     for r in rows:
         r.update(nvlink_gbps=args.nvlink_gbps, nic_gbps=args.nic_gbps, pxn=not args.no_pxn, fabric=args.fabric)
     topo = Topology(n_nodes=args.target_nodes, **base)

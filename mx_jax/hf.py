@@ -67,8 +67,10 @@ import json
 import math
 import pathlib
 import re
+import os
 import shutil
 import sys
+import tempfile
 import warnings
 from typing import Any, Iterator
 
@@ -497,7 +499,8 @@ def export_hf_llama(params: dict, cfg: ModelConfig, path: str | pathlib.Path, *,
     One `model.safetensors` when the weights fit in max_shard_bytes, else `model-0000k-of-0000n.safetensors` shards
     plus `model.safetensors.index.json`. dtype: "bfloat16" (HF's usual), "float32" or "float16". hf_config: a
     config.json to start from (its architecture keys are overwritten). An existing checkpoint in `path` is an
-    error unless overwrite=True, which removes its safetensors files first.
+    error unless overwrite=True, which replaces its safetensors files once the new ones are whole (they are written
+    beside `path` first: an export that stops leaves `path` as it was).
     """
     _safetensors()
     import safetensors.numpy as stnp
@@ -507,14 +510,14 @@ def export_hf_llama(params: dict, cfg: ModelConfig, path: str | pathlib.Path, *,
     if max_shard_bytes <= 0:
         raise ValueError(f"export_hf_llama: max_shard_bytes must be positive, got {max_shard_bytes}")
     check_params(params, cfg)
+    config = config_to_hf(cfg, dtype, hf_config)  # refuses what HF cannot hold before anything is written
     np_dtype = np.dtype(jax.numpy.dtype(dtype))
     path = pathlib.Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    old = sorted(path.glob("model*.safetensors")) + sorted(path.glob(INDEX_FILE))
+    if path.exists() and not path.is_dir():
+        raise FileExistsError(f"{path} exists and is not a directory")
+    old = sorted(path.glob("model*.safetensors")) + sorted(path.glob(INDEX_FILE)) if path.is_dir() else []
     if old and not overwrite:
         raise FileExistsError(f"{path} already holds {[p.name for p in old]}; pass overwrite=True (--overwrite)")
-    for p in old:
-        p.unlink()
 
     # Plan shards from shapes alone, greedily in HF's key order; a tensor larger than the limit gets its own shard.
     shapes = param_shapes(cfg)
@@ -531,24 +534,39 @@ def export_hf_llama(params: dict, cfg: ModelConfig, path: str | pathlib.Path, *,
         total += nbytes
     n = len(shards)
     names = [SINGLE_FILE] if n == 1 else [f"model-{k + 1:05d}-of-{n:05d}.safetensors" for k in range(n)]
-    written = []
-    weight_map = {}
-    for name, shard in zip(names, shards):
-        tensors = {}
-        for key, t, i in shard:
-            x = _host(_get(params, t.path)[i], np_dtype)
-            tensors[key] = np.ascontiguousarray(x.T if t.transpose else x)
-            weight_map[key] = name
-        stnp.save_file(tensors, str(path / name), metadata={"format": "pt"})  # transformers checks "format"
-        del tensors
-        written.append(path / name)
-    if n > 1:
-        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-        (path / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
-        written.append(path / INDEX_FILE)
-    (path / "config.json").write_text(json.dumps(config_to_hf(cfg, dtype, hf_config), indent=2) + "\n")
-    written.append(path / "config.json")
-    return written
+    # Everything is written into a staging directory beside `path` and moved in once whole, so an export that
+    # stops (an error, a kill) leaves `path` as it was; an old export is removed only then.
+    path.parent.mkdir(parents=True, exist_ok=True)
+    staging = pathlib.Path(tempfile.mkdtemp(prefix=f".{path.name}.partial-", dir=path.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    try:
+        weight_map = {}
+        for name, shard in zip(names, shards):
+            tensors = {}
+            for key, t, i in shard:
+                x = _host(_get(params, t.path)[i], np_dtype)
+                tensors[key] = np.ascontiguousarray(x.T if t.transpose else x)
+                weight_map[key] = name
+            stnp.save_file(tensors, str(staging / name), metadata={"format": "pt"})  # transformers checks "format"
+            del tensors
+        if n > 1:
+            index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+            (staging / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+        (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        for f in staging.iterdir():  # safetensors writes 0600: the files get the mode the umask gives
+            f.chmod(0o666 & ~umask)
+        files = [*names, *([INDEX_FILE] if n > 1 else []), "config.json"]
+        if not path.exists():
+            staging.rename(path)
+        else:
+            for p in old:
+                p.unlink()
+            for f in files:
+                (staging / f).replace(path / f)
+        return [path / f for f in files]
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -560,10 +578,12 @@ def state_dir(path: str | pathlib.Path, step: int | None = None) -> pathlib.Path
     """The Orbax `state` directory for a run dir, its checkpoints dir, a step dir, or a state dir (latest step
     unless `step`)."""
     p = pathlib.Path(path).absolute()
-    if p.name == "state" and (p / "_METADATA").exists():
-        return p
-    if (p / "state").is_dir():
-        return p / "state"
+    given = p if p.name == "state" and (p / "_METADATA").exists() else p / "state" if (p / "state").is_dir() else None
+    if given is not None:  # a step's own directory: --step may only name that step
+        if step is not None and given.parent.name != str(step):
+            raise FileNotFoundError(f"{path} is the checkpoint of step {given.parent.name}, not of step {step}: pass "
+                                    f"the run directory to choose a step")
+        return given
     root = p / "checkpoints" if (p / "checkpoints").is_dir() else p
     steps = sorted(int(d.name) for d in root.iterdir() if d.name.isdigit() and (d / "state").is_dir()) \
         if root.is_dir() else []

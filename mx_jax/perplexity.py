@@ -72,14 +72,16 @@ def windows(seq: list[int], first: int, t: int, stride: int) -> list[tuple[int, 
 
 def load(path: str | pathlib.Path, encode: Callable[[str], list[int]], vocab_size: int, seq_len: int, *,
          eos_id: int | None = None, stride: int = 0, batch: int = 1, text_key: str = "text",
-         chat_template: str | None = None, tokenizer: str = "byte", multiple: int = ROW_MULTIPLE) -> TextSet:
+         chat_template: str | None = None, tokenizer: str = "byte", multiple: int = ROW_MULTIPLE,
+         flag: str = "--loss") -> TextSet:
     """The rows of a text file (module docstring): rows of seq_len tokens, windows `stride` apart (0: seq_len), R a
-    multiple of `batch`. chat_template (with the `tokenizer` spec): how chat records are rendered (the data's)."""
+    multiple of `batch`. chat_template (with the `tokenizer` spec): how chat records are rendered (the data's).
+    flag: what errors about the file are said of ("--loss" for the sampler, the config key for the trainer)."""
     from mx_jax import data
 
     path = pathlib.Path(path)
     if not path.is_file():
-        raise ConfigError(f"--loss: {path} is not a file")
+        raise ConfigError(f"{flag}: {path} is not a file")
     stride = stride or seq_len
     if not 1 <= stride <= seq_len:
         raise ConfigError(f"--stride: must be between 1 and data.seq_len={seq_len}, got {stride}")
@@ -114,7 +116,7 @@ def load(path: str | pathlib.Path, encode: Callable[[str], list[int]], vocab_siz
         tokens.append(sum(scored))
         nbytes.append(sum(len(t.encode()) for t, trained in segs if trained))
     if not pieces:
-        raise ConfigError(f"--loss: {path} holds no text to score")
+        raise ConfigError(f"{flag}: {path} holds no text to score")
     # windows from the first scored token to the last (a chat's closing context scores nothing)
     rows = [(d, s, e, f) for d, (seq, scored) in enumerate(pieces)
             for s, e, f in windows(seq[:len(scored) - int(np.argmax(scored[::-1]))], int(np.argmax(scored)), seq_len,
@@ -153,15 +155,15 @@ def summary(ts: TextSet, scores: np.ndarray) -> dict[str, float]:
 
 def load_files(paths: str, encode: Callable[[str], list[int]], vocab_size: int, seq_len: int, *,
                eos_id: int | None = None, stride: int = 0, batch: int = 1, text_key: str = "text",
-               chat_template: str | None = None, tokenizer: str = "byte", multiple: int = ROW_MULTIPLE
-               ) -> list[TextSet]:
+               chat_template: str | None = None, tokenizer: str = "byte", multiple: int = ROW_MULTIPLE,
+               flag: str = "--loss") -> list[TextSet]:
     """`load` of each file of a comma-separated list; their names (file stems, the metrics' suffixes) must differ."""
     files = [f for f in (p.strip() for p in paths.split(",")) if f]
     stems = [pathlib.Path(f).stem for f in files]
     if len(set(stems)) < len(stems):
         raise ConfigError(f"the files {', '.join(files)} must have different names (their metrics are named so)")
     return [load(f, encode, vocab_size, seq_len, eos_id=eos_id, stride=stride, batch=batch, text_key=text_key,
-                 chat_template=chat_template, tokenizer=tokenizer, multiple=multiple) for f in files]
+                 chat_template=chat_template, tokenizer=tokenizer, multiple=multiple, flag=flag) for f in files]
 
 
 def metrics(sets: list[TextSet], scores: list[np.ndarray]) -> dict[str, float]:

@@ -365,9 +365,10 @@ def load_texts(cfg: TrainConfig, context: int = 1) -> list[perplexity.TextSet]:
         return perplexity.load_files(cfg.log.eval_texts, Tokenizer(spec).encode, cfg.model.vocab_size,
                                      cfg.data.seq_len, eos_id=eos_of_run(cfg), batch=cfg.data.batch_size,
                                      chat_template=chat_template_of(cfg), tokenizer=spec,
-                                     multiple=choices.ROW_MULTIPLE * context)
+                                     multiple=choices.ROW_MULTIPLE * context, flag="config key 'log.eval_texts'")
     except (ConfigError, SystemExit) as e:  # (the record reader's errors are SystemExit, naming file and line)
-        raise ConfigError(f"config key 'log.eval_texts': {e}")
+        said = re.sub(r"; name the text \w+ with --text-key", "", str(e))  # the converter's flag: not a config key
+        raise ConfigError(said if said.startswith("config key") else f"config key 'log.eval_texts': {said}") from None
 
 
 def make_row_scores(setup: Setup, cs: choices.ChoiceSet | perplexity.TextSet):
@@ -1099,8 +1100,10 @@ def init_distributed() -> None:
     coordinator = os.environ.get("MX_JAX_COORDINATOR")
     if not coordinator:
         return
-    if os.environ.get("MX_JAX_CPU_DEVICES"):
-        jax.config.update("jax_num_cpu_devices", int(os.environ["MX_JAX_CPU_DEVICES"]))
+    if cpu := os.environ.get("MX_JAX_CPU_DEVICES"):
+        if not cpu.isdigit() or int(cpu) < 1:
+            raise ConfigError(f"MX_JAX_CPU_DEVICES={cpu!r}: must be a positive number of CPU devices")
+        jax.config.update("jax_num_cpu_devices", int(cpu))
     jax.distributed.initialize(coordinator_address=coordinator,
                                num_processes=int(os.environ["MX_JAX_NUM_PROCESSES"]),
                                process_id=int(os.environ["MX_JAX_PROCESS_ID"]))

@@ -61,6 +61,16 @@ def test_bad_records_are_named_with_their_line(tmp_path, record, message):
         choices.load(path, _byte, 128, 32)
 
 
+def test_a_file_that_is_not_utf8_is_named_and_a_line_separator_inside_a_text_is_not_a_line(tmp_path):
+    (tmp_path / "bin.jsonl").write_bytes(b"\xc2\x00\xff binary")
+    with pytest.raises(ConfigError, match=r"bin.jsonl is not UTF-8 text \(byte 0"):
+        choices.load(tmp_path / "bin.jsonl", _byte, 256, 64)
+    record = {"context": "a\u2028b", "choices": ["c", "d"], "answer": 1}  # U+2028, which JSON writes unescaped
+    (tmp_path / "sep.jsonl").write_text(json.dumps(record, ensure_ascii=False) + "\n", encoding="utf-8")
+    assert choices.load(tmp_path / "sep.jsonl", lambda t: _byte(t.encode("ascii", "replace").decode()), 256,
+                        64).records == 1
+
+
 def test_several_files_need_different_names(tmp_path):
     (tmp_path / "a").mkdir()
     one, two = _write(tmp_path / "c.jsonl", RECORDS), _write(tmp_path / "a" / "c.jsonl", RECORDS)

@@ -472,6 +472,9 @@ def test_mixture_dataset_batches_and_errors(tmp_path):
     c = _source(tmp_path, "big", ord("c"), vocab=1000)
     with pytest.raises(ConfigError, match="tokenized differently"):
         data.open_dataset(DataConfig(source="bin", mixture=(f"1:{a}", f"1:{c}"), seq_len=16))
+    with pytest.raises(ConfigError, match=rf"^config key 'data.mixture', source {tmp_path}/gone: "
+                                          rf"{tmp_path}/gone/meta.json not found"):  # not data.path, which is unset
+        data.open_dataset(DataConfig(source="bin", mixture=(f"1:{a}", f"1:{tmp_path}/gone"), seq_len=16))
     assert data.mixture_names(["/x/data/web", "/y/data/web", "/z/code"]) == ["x/data/web", "y/data/web", "z/code"]
 
 

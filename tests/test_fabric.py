@@ -193,3 +193,16 @@ def test_cli_writes_table_and_png(tmp_path):
     assert "| deepseek | 4 | 32 |" in page and "| mixtral | 2 | 16 |" in page
     assert "python -m mx_jax.fabric --nodes 2 4" in page
     assert (tmp_path / "fabric.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--nodes", "0"], "--nodes must be >= 1, got 0"),
+    (["--nic-gbps", "0"], "--nic-gbps must be > 0"),
+    (["--tokens-per-gpu", "0"], "--tokens-per-gpu must be >= 1"),
+    (["--nodes", "2", "4"], "--target-nodes 16 is not among --nodes [2, 4]"),
+    (["--nodes", "3", "--target-nodes", "3"], "n_experts=256 must be divisible by n_nodes=3"),
+])
+def test_cli_refuses_bad_arguments_by_name(args, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        fabric.main(["--tokens-per-gpu", "32", *args])
+    assert e.value.code == 2 and message in capsys.readouterr().err

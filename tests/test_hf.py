@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import pathlib
 
 import jax
@@ -264,6 +265,12 @@ def test_bad_config_json_names_the_file(tmp_path, text, match):
         hf.load_hf_llama(tmp_path)
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def test_export_checks_params_and_existing_files(tmp_path):
     cfg = hf.config_from_hf(HF_CONFIG)
     params = jax.tree.map(lambda s: np.random.default_rng(0).standard_normal(s).astype(np.float32),
@@ -278,6 +285,32 @@ def test_export_checks_params_and_existing_files(tmp_path):
         hf.export_hf_llama(params, cfg, tmp_path / "out")
     hf.export_hf_llama(params, cfg, tmp_path / "out", dtype="float32", max_shard_bytes=50_000, overwrite=True)
     assert not (tmp_path / "out" / hf.SINGLE_FILE).exists()  # the old single file went away
+    before = {f.name: f.read_bytes() for f in (tmp_path / "out").iterdir()}
+    assert all((f.stat().st_mode & 0o777) == (0o666 & ~_umask()) for f in (tmp_path / "out").iterdir())
+    # an export that fails once writing has begun leaves the old one whole, and nothing beside it
+    calls = []
+
+    def fails_late(x, dtype):
+        calls.append(1)
+        if len(calls) > 5:
+            raise OSError("disk full")
+        return np.asarray(x, dtype)
+
+    import unittest.mock
+    with unittest.mock.patch.object(hf, "_host", fails_late), pytest.raises(OSError, match="disk full"):
+        hf.export_hf_llama(params, cfg, tmp_path / "out", max_shard_bytes=20_000, overwrite=True)
+    assert {f.name: f.read_bytes() for f in (tmp_path / "out").iterdir()} == before
+    assert sorted(f.name for f in tmp_path.iterdir()) == ["out"]
+    # a model HF cannot hold is refused before anything is written, an old export or not
+    biased = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, n_experts=4, top_k=2, bias_update_rate=0.01))
+    moe_params = jax.tree.map(lambda sh: np.zeros(sh, np.float32), hf.param_shapes(biased),
+                              is_leaf=lambda x: isinstance(x, tuple))
+    with pytest.raises(ConfigError, match="bias_update_rate"):
+        hf.export_hf_llama(moe_params, biased, tmp_path / "out", overwrite=True)
+    assert {f.name: f.read_bytes() for f in (tmp_path / "out").iterdir()} == before
+    with pytest.raises(ConfigError, match="bias_update_rate"):
+        hf.export_hf_llama(moe_params, biased, tmp_path / "new")
+    assert not (tmp_path / "new").exists()
     with pytest.raises(ConfigError, match="model.moe.n_shared.*Mixtral-style"):  # DeepSeek-style: no HF mapping
         hf.export_hf_llama(params, dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, n_experts=4, n_shared=1)),
                            tmp_path / "moe")
@@ -298,6 +331,9 @@ def test_cli_import_export_through_orbax(tmp_path):
     assert json.loads((tmp_path / "out" / "config.json").read_text()) == c  # hf_config.json carried the rest
     assert hf.main(["export", str(tmp_path / "ckpt"), str(tmp_path / "out")]) == 2  # exists, no --overwrite
     assert hf.main(["export", str(tmp_path / "ckpt"), str(tmp_path / "out"), "--step", "7"]) == 2
+    step_dir = tmp_path / "ckpt" / "checkpoints" / "0"  # a step's directory and another --step: refused
+    assert hf.main(["export", str(step_dir), str(tmp_path / "out2"), "--step", "5"]) == 2
+    assert not (tmp_path / "out2").exists()
     before = (tmp_path / "ckpt" / "config.yaml").read_text()
     assert hf.main(["import", str(tmp_path / "src"), str(tmp_path / "ckpt")]) == 2  # a run dir is never overwritten
     assert (tmp_path / "ckpt" / "config.yaml").read_text() == before

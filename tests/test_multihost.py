@@ -116,6 +116,23 @@ def test_local_launcher_returns_the_processes_exit_code(tmp_path):
     assert "config key 'model.d_model'" in p.stderr
 
 
+def test_local_launcher_refuses_bad_counts(tmp_path):
+    """A process count or --cpu-devices that is not a positive number stops the launcher before any process starts
+    (0 processes ran nothing and exited 0; --cpu-devices 0 crashed jax, 'abc' raised a traceback)."""
+    for args, message in ((["0", "--config", "x.yaml"], "usage:"),
+                          (["1", "--cpu-devices"], "--cpu-devices takes a positive number"),
+                          (["1", "--cpu-devices", "abc", "--config", "x.yaml"], "got 'abc'"),
+                          (["1", "--cpu-devices", "0", "--config", "x.yaml"], "got '0'")):
+        p = subprocess.run(["bash", "launch/local.sh", *args], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                           env={**os.environ, "MX_JAX_LOG_DIR": str(tmp_path / "logs")})
+        assert p.returncode == 2 and message in p.stderr, (args, p.returncode, p.stderr)
+    env = {**os.environ, "MX_JAX_COORDINATOR": "127.0.0.1:1", "MX_JAX_NUM_PROCESSES": "1", "MX_JAX_PROCESS_ID": "0",
+           "MX_JAX_CPU_DEVICES": "two"}  # as a hand-written launcher might set it
+    p = subprocess.run([sys.executable, "-m", "mx_jax.train", *TINY, f"run_dir={tmp_path / 'run'}"], cwd=ROOT,
+                       env={**env, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and "MX_JAX_CPU_DEVICES='two': must be a positive number" in p.stderr, p.stderr[-2000:]
+
+
 def test_local_launcher_gives_each_process_its_gpus(tmp_path):
     """--gpus-per-process G hands process i the i-th G entries of CUDA_VISIBLE_DEVICES; asking for more GPUs than
     there are is an error naming the count. A stand-in `python` on PATH reports what each process was given."""

@@ -145,6 +145,13 @@ def test_the_trainer_measures_the_texts_at_each_eval_on_its_mesh_as_sample_does(
     with pytest.raises(ConfigError, match="config key 'log.eval_texts': .*a chat record"):
         train.train(tiny_config(tmp_path / "other", f"log.eval_texts={bad}"))
     assert not (tmp_path / "other").exists()
+    # the trainer's errors name its config key, not the sampler's flags
+    nobody = _docs(tmp_path, [{"body": "x"}])
+    for value, message in ((tmp_path / "none.jsonl", r"^config key 'log.eval_texts': .*none.jsonl is not a file$"),
+                           (nobody, r"^config key 'log.eval_texts': .*no 'text' field, nor .*\(has: body\)$")):
+        with pytest.raises(ConfigError, match=message) as e:
+            train.train(tiny_config(tmp_path / "other", f"log.eval_texts={value}"))
+        assert "--" not in str(e.value), e.value
 
 
 def test_chat_records_score_their_replies_as_the_converter_marks_them(tmp_path):
