@@ -125,6 +125,13 @@ MGPU_COLLECTIVE_PRELAUNCH_BARRIER = JAX_VERSION >= (0, 11, 0)
 MGPU_REMOTE_LOAD = JAX_VERSION >= (0, 11, 1)
 
 
+def varying_axes(x) -> set:
+    """The shard_map axes along which x varies (jax's check_vma typing), empty outside shard_map. Read from the
+    aval's `mat.varying` where this jax has it (0.10.2 and 0.11.2 both do); a jax without it gives the empty set,
+    and the kernels' outputs then get no pcast."""
+    return set(getattr(getattr(jax.typeof(x), "mat", None), "varying", None) or ())
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # cuDNN flash attention with its softmax statistics (mx_jax/context_parallel.py)
 # ---------------------------------------------------------------------------------------------------------------

@@ -318,15 +318,10 @@ def all_to_all_pallas(x: jax.Array, axis_name: str, *, rows: jax.Array | None = 
         kernel_name="all_to_all",
     )(flat, rows.astype(jnp.int32))
     # A Mosaic-GPU kernel's output carries no varying axes; inside shard_map (check_vma) it varies like x.
-    missing = _varying_axes(x) - _varying_axes(out)
+    missing = compat.varying_axes(x) - compat.varying_axes(out)
     out = lax.pcast(out, tuple(sorted(missing)), to="varying") if missing else out
     out = out.reshape(x.shape)
     return out.astype(jnp.bool_) if x.dtype == jnp.bool_ else out
-
-
-def _varying_axes(x) -> set:
-    """shard_map axes along which x varies (jax's check_vma typing); empty outside shard_map."""
-    return set(getattr(getattr(jax.typeof(x), "mat", None), "varying", None) or ())
 
 
 # --------------------------------------------------------------------------------------------------------------

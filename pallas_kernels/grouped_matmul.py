@@ -984,11 +984,6 @@ def _tgmm_aligned(dtype, config: TileConfig) -> bool:
     return jnp.dtype(dtype) in FP8_DTYPES or config.tgmm_layout == "aligned"
 
 
-def _varying_axes(x) -> set:
-    """shard_map axes along which x varies (jax's check_vma typing); empty outside shard_map."""
-    return set(getattr(getattr(jax.typeof(x), "mat", None), "varying", None) or ())
-
-
 def _launch(body, out_type, work_items: int, args, interpret, cluster_size: int = 1, name: str = "gmm",
             queue_slots: bool = False):
     """Run the persistent kernel `body` on min(#SMs / cluster, work_items) CTAs. `queue_slots`: the kernel also
@@ -1015,7 +1010,7 @@ def _launch(body, out_type, work_items: int, args, interpret, cluster_size: int 
     if queue_slots:
         out = out[0]
     # A Mosaic-GPU kernel's output carries no varying axes; inside shard_map (check_vma) it varies like its inputs.
-    missing = set().union(*map(_varying_axes, args)) - _varying_axes(out)
+    missing = set().union(*map(compat.varying_axes, args)) - compat.varying_axes(out)
     return jax.lax.pcast(out, tuple(sorted(missing)), to="varying") if missing else out
 
 

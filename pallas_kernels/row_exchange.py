@@ -290,7 +290,7 @@ def move_pallas(a: jax.Array, items: Items, out_rows: int, mode: Mode, axis_name
         kernel_name=f"rows_{mode}",
     )(a.reshape(-1), i32(items.src), i32(items.peer), i32(items.dst), i32(items.zero), counts,
       jnp.zeros((items.chunk * d,), a.dtype))
-    missing = a2a._varying_axes(a) - a2a._varying_axes(out)
+    missing = compat.varying_axes(a) - compat.varying_axes(out)
     out = lax.pcast(out, tuple(sorted(missing)), to="varying") if missing else out
     return out.reshape((out_rows,) + a.shape[1:])
 
