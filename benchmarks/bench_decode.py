@@ -127,8 +127,8 @@ def main() -> None:
             else:
                 read = weight_bytes
             bound_ms = 1e3 * (read + cache_bytes) / HBM_BYTES_PER_S / args.devices
-            row = [cfg.model.n_layers, args.devices, b, args.prompt, length, 1e3 * stats["prefill_s"], step_ms, bound_ms,
-                   b * 1e3 / step_ms]
+            row = [cfg.model.n_layers, args.devices, b, args.prompt, length, 1e3 * stats["prefill_s"], step_ms,
+                   bound_ms, b * 1e3 / step_ms]
             if old is not None:
                 tokens = np.zeros((b, length), np.int32)
                 tokens[:, :len(prompt)] = prompt

@@ -91,9 +91,9 @@ def quiet_abandoned_reads() -> None:
     """Keep a failed restore's report to the one error that names the step (idempotent; before restoring).
 
     Orbax reads each array in its own asyncio tasks and stops at the first failure. The others' exceptions are then
-    never retrieved: asyncio logs each task's and future's (gathered or not), and Python reports each abandoned coroutine's as
-    unraisable, every one with the array's whole TensorStore spec (hundreds of lines after the message that
-    matters); reads still in flight when Orbax closed its event loop end in "Event loop is closed" inside
+    never retrieved: asyncio logs each task's and future's (gathered or not), and Python reports each abandoned
+    coroutine's as unraisable, every one with the array's whole TensorStore spec (hundreds of lines after the
+    message that matters); reads still in flight when Orbax closed its event loop end in "Event loop is closed" inside
     TensorStore's callbacks, also unraisable. Those reports are dropped; every other one passes."""
     logger = logging.getLogger("asyncio")
     if not any(isinstance(f, _AbandonedReads) for f in logger.filters):

@@ -65,9 +65,9 @@ import contextlib
 import dataclasses
 import json
 import math
+import os
 import pathlib
 import re
-import os
 import shutil
 import sys
 import tempfile

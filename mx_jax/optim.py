@@ -7,8 +7,8 @@
           = lr_peak                                                 for warmup <= s < c
           = lr_peak * (r + (1 - r) * (1 - sqrt(q)))                 q = (s - c) / (decay - c), clipped
             with c = max(warmup, decay - round(cooldown_fraction * decay)) where the cooldown starts
-    with r = lr_final_ratio and decay = optim.decay_steps or the run's steps. Updates: g <- g * min(1, m / ||g||_2), m = grad_clip_norm;
-    AdamW(b1, b2, eps, wd) (Loshchilov & Hutter).
+    with r = lr_final_ratio and decay = optim.decay_steps or the run's steps. Updates: g <- g * min(1, m / ||g||_2)
+    with m = grad_clip_norm; AdamW(b1, b2, eps, wd) (Loshchilov & Hutter).
 
 WSD keeps the peak until a short cooldown at the end (the "1 - sqrt" shape, which Hagele et al. 2024, "Scaling Laws
 and Compute-Optimal Training Beyond Fixed Training Durations", found to match or beat cosine). Its learning rate

@@ -1,11 +1,11 @@
 """Stop on SIGTERM with a checkpoint: what a cluster scheduler's preemption or time limit needs.
 
-SLURM (`--signal=TERM@300`, as launch/slurm.sbatch asks, preemption, `scancel`) and Kubernetes send SIGTERM and kill the job a grace period
-later. Without a handler Python dies at once and the run loses every step since its last checkpoint. With one, the
-loop asks `reached(step)` after each step it dispatches; the first step at which it is True is saved (even off the
-`ckpt.every_steps` schedule), the loop stops, every save in flight is committed, and `python -m mx_jax.train`
-exits with `EXIT_CODE` (143 = 128 + SIGTERM, what a shell reports for a process SIGTERM ended). Running the same
-command again resumes from that step.
+SLURM (`--signal=TERM@300`, as launch/slurm.sbatch asks, preemption, `scancel`) and Kubernetes send SIGTERM and kill
+the job a grace period later. Without a handler Python dies at once and the run loses every step since its last
+checkpoint. With one, the loop asks `reached(step)` after each step it dispatches; the first step at which it is
+True is saved (even off the `ckpt.every_steps` schedule), the loop stops, every save in flight is committed, and
+`python -m mx_jax.train` exits with `EXIT_CODE` (143 = 128 + SIGTERM, what a shell reports for a process SIGTERM
+ended). Running the same command again resumes from that step.
 
 All processes of a multi-host run must save the *same* step, but the signal reaches them at different times (or
 only one of them). There jax's preemption service agrees on it: `jax.distributed.initialize` installs its own

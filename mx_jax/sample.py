@@ -206,14 +206,14 @@ class Split(NamedTuple):
 def tensor_parallel(setup: train.Setup, devices: list) -> Split:
     """The layout that splits a model over `devices` for decoding: each weight along its first dimension named in
     TENSOR_SPLIT that the devices divide (W_q, W_k, W_v, W_gate, W_up by output column, W_o and W_down by input
-    row, the routed experts' likewise along their hidden width, the head by vocabulary), the cache by
-    key/value head; the embedding, norms, routers and router biases whole on each. (Split by vocabulary, the
-embedding's one-row lookups made XLA all-gather the table every step on the GPU: 3.6 of the 8B's 11.3 ms per token
-on 2 H200s, benchmarks/RESULTS.md, session 67.) XLA's partitioner makes of the dense layers
-    Megatron's layout: each device attends with its own heads and runs its own part of the hidden layer, then one
-    all-reduce sums the attention output's and one the down projection's partial sums. The routed experts run so
-    in shard_map, inside `moe.hidden_split(Split.mesh)`, which the decoding must be traced in. A device holds 1/n
-    of the weights and reads 1/n of them per token."""
+    row, the routed experts' likewise along their hidden width, the head by vocabulary), the cache by key/value head;
+    the embedding, norms, routers and router biases whole on each. (Split by vocabulary, the embedding's one-row
+    lookups made XLA all-gather the table every step on the GPU: 3.6 of the 8B's 11.3 ms per token on 2 H200s,
+    benchmarks/RESULTS.md, session 67.) XLA's partitioner makes of the dense layers Megatron's layout: each device
+    attends with its own heads and runs its own part of the hidden layer, then one all-reduce sums the attention
+    output's and one the down projection's partial sums. The routed experts run so in shard_map, inside
+    `moe.hidden_split(Split.mesh)`, which the decoding must be traced in. A device holds 1/n of the weights and reads
+    1/n of them per token."""
     from jax.sharding import NamedSharding, PartitionSpec as P
 
     from mx_jax.llama import Llama, param_axes

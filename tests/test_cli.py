@@ -44,8 +44,8 @@ def test_nan_loss_stops_and_names_the_step(tmp_path):
     p = _run([*TINY, f"run_dir={tmp_path}", "steps=30", "optim.lr_peak=1e6", "optim.warmup_steps=0",
               "optim.grad_clip_norm=0", "ckpt.every_steps=0"])
     assert p.returncode == 3, p.stdout[-2000:] + p.stderr[-2000:]
-    assert re.search(r"error: (loss|grad norm) is (nan|-?inf) at step \d+: stopping \(no checkpoint written", p.stderr), \
-        p.stderr[-2000:]
+    stop = r"error: (loss|grad norm) is (nan|-?inf) at step \d+: stopping \(no checkpoint written"
+    assert re.search(stop, p.stderr), p.stderr[-2000:]
     assert not (tmp_path / "checkpoints").exists() or not any(
         n.isdigit() for n in os.listdir(tmp_path / "checkpoints"))
 
