@@ -562,6 +562,12 @@ def checkpoint_record(cfg: TrainConfig, position: int, train_windows: int | list
     return record
 
 
+def _opt_state_shifted(shapes: dict[str, tuple], by: int) -> dict[str, tuple]:
+    """{array name: shape} with each "opt_state.<i>." name's chain index moved by `by`."""
+    return {re.sub(r"^opt_state\.(\d+)\.", lambda m: f"opt_state.{int(m.group(1)) + by}.", k): v
+            for k, v in shapes.items()}
+
+
 def check_resumable(cfg: TrainConfig, saved: dict, train_windows: int | list[int], saved_shapes: dict,
                     wanted_shapes: dict, where: str) -> None:
     """ConfigError naming the keys when this config cannot continue the checkpoint `saved` (its data item)."""
@@ -601,6 +607,14 @@ def check_resumable(cfg: TrainConfig, saved: dict, train_windows: int | list[int
                 "the checkpoint at {} is a different model: {}".format(
                     where, "; ".join(f"config key 'model.{k}' is {theirs[k]!r} there, {ours[k]!r} here" for k in diff)))
     bad = checkpoint.shape_mismatches(saved_shapes, wanted_shapes)
+    for by, was in ((1, "off"), (-1, "on")):
+        # optim.make_optimizer chains the clipping before AdamW only where grad_clip_norm > 0, so turning it on or
+        # off moves AdamW's state one place along opt_state: the same arrays under other names
+        if bad and not checkpoint.shape_mismatches(_opt_state_shifted(saved_shapes, by), wanted_shapes):
+            raise ConfigError(f"config key 'optim.grad_clip_norm': the checkpoint at {where} was trained with "
+                              f"gradient clipping {was}, this run turns it {'on' if was == 'off' else 'off'}, which "
+                              f"changes the optimizer state's layout; keep it {'0' if was == 'off' else 'positive'} "
+                              f"(a positive value may change on resume), or start a new run_dir")
     if bad:
         raise ConfigError(f"the checkpoint at {where} does not fit this model's state ({len(bad)} array(s) differ: "
                           f"{'; '.join(bad[:4])}{'; ...' if len(bad) > 4 else ''}); compare the model and optim "
