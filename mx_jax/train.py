@@ -568,6 +568,18 @@ def _opt_state_shifted(shapes: dict[str, tuple], by: int) -> dict[str, tuple]:
             for k, v in shapes.items()}
 
 
+def clip_toggled(saved_shapes: dict[str, tuple], wanted_shapes: dict[str, tuple]) -> int:
+    """+1 where the checkpoint was trained without gradient clipping and this run clips, -1 the reverse, else 0.
+
+    optim.make_optimizer chains the clipping (whose state holds no arrays) before AdamW only where
+    optim.grad_clip_norm > 0, so turning it on or off moves AdamW's state one place along opt_state: the same arrays
+    under other names (`_restore` restores them under the checkpoint's names and moves them)."""
+    if not checkpoint.shape_mismatches(saved_shapes, wanted_shapes):
+        return 0
+    return next((by for by in (1, -1)
+                 if not checkpoint.shape_mismatches(_opt_state_shifted(saved_shapes, by), wanted_shapes)), 0)
+
+
 def check_resumable(cfg: TrainConfig, saved: dict, train_windows: int | list[int], saved_shapes: dict,
                     wanted_shapes: dict, where: str) -> None:
     """ConfigError naming the keys when this config cannot continue the checkpoint `saved` (its data item)."""
@@ -607,14 +619,8 @@ def check_resumable(cfg: TrainConfig, saved: dict, train_windows: int | list[int
                 "the checkpoint at {} is a different model: {}".format(
                     where, "; ".join(f"config key 'model.{k}' is {theirs[k]!r} there, {ours[k]!r} here" for k in diff)))
     bad = checkpoint.shape_mismatches(saved_shapes, wanted_shapes)
-    for by, was in ((1, "off"), (-1, "on")):
-        # optim.make_optimizer chains the clipping before AdamW only where grad_clip_norm > 0, so turning it on or
-        # off moves AdamW's state one place along opt_state: the same arrays under other names
-        if bad and not checkpoint.shape_mismatches(_opt_state_shifted(saved_shapes, by), wanted_shapes):
-            raise ConfigError(f"config key 'optim.grad_clip_norm': the checkpoint at {where} was trained with "
-                              f"gradient clipping {was}, this run turns it {'on' if was == 'off' else 'off'}, which "
-                              f"changes the optimizer state's layout; keep it {'0' if was == 'off' else 'positive'} "
-                              f"(a positive value may change on resume), or start a new run_dir")
+    if bad and clip_toggled(saved_shapes, wanted_shapes):
+        return
     if bad:
         raise ConfigError(f"the checkpoint at {where} does not fit this model's state ({len(bad)} array(s) differ: "
                           f"{'; '.join(bad[:4])}{'; ...' if len(bad) > 4 else ''}); compare the model and optim "
@@ -654,8 +660,18 @@ def _restore(cfg: TrainConfig, setup: Setup, ckpt: checkpoint.Checkpointer, star
     where = ckpt.dir / str(start)
     saved = ckpt.data_state(start)
     target = saved_part(abstract_state(setup))
-    check_resumable(cfg, saved, train_windows, ckpt.saved_shapes(start), checkpoint.array_shapes(target), str(where))
+    saved_shapes, wanted_shapes = ckpt.saved_shapes(start), checkpoint.array_shapes(target)
+    check_resumable(cfg, saved, train_windows, saved_shapes, wanted_shapes, str(where))
+    toggled = clip_toggled(saved_shapes, wanted_shapes)
+    if toggled:  # the optimizer chain as the checkpoint has it: (clip, AdamW) or (AdamW,); the clip holds no arrays
+        opt = target["opt_state"]
+        target = {**target, "opt_state": opt[1:] if toggled > 0 else (optax.EmptyState(), *opt)}
+        log(f"resume | gradient clipping turned {'on' if toggled > 0 else 'off'} (optim.grad_clip_norm="
+            f"{cfg.optim.grad_clip_norm}): AdamW's moments continue")
     state = ckpt.restore(start, target)
+    if toggled:
+        opt = state["opt_state"]
+        state = {**state, "opt_state": (optax.EmptyState(), *opt) if toggled > 0 else opt[1:]}
     if int(state["step"]) != start:
         raise checkpoint.CheckpointError(f"{where} holds the state of step {int(state['step'])}, not {start}: it was "
                                          f"copied or renamed; move it out of {ckpt.dir}")

@@ -11,6 +11,7 @@ import time
 
 import jax
 import numpy as np
+import pytest
 
 from mx_jax import train
 from tests.helpers import NO_EVAL, NO_IO, TINY, tiny_config, xla_flags
@@ -144,8 +145,6 @@ def test_resume_refuses_a_different_run_and_touches_nothing(tmp_path, capsys):
         ("seed=1", "'seed': the checkpoint at"),  # would change the data order
         ("data.seq_len=16", "'data.seq_len'"),
         ("steps=1", "'steps': 1, but"),  # below the committed step
-        # clipping on -> off moves AdamW's state along the optimizer chain: named, not 52 arrays "missing"
-        ("optim.grad_clip_norm=0", "'optim.grad_clip_norm': the checkpoint at"),
     ]:
         assert train.main([*base, "steps=4", override]) == 2, override
         assert named in capsys.readouterr().err, override
@@ -158,6 +157,37 @@ def test_resume_refuses_a_different_run_and_touches_nothing(tmp_path, capsys):
     # another mesh.context sets another).
     assert train.main([*base, "steps=4", "model.remat=full", "model.scan_layers=false", "model.max_documents=4"]) == 0
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["2", "4"]
+
+
+@pytest.mark.parametrize("before, after", [("1.0", "0"), ("0", "1e30")], ids=["off", "on"])
+def test_gradient_clipping_may_be_turned_on_or_off_on_resume(tmp_path, capsys, before, after):
+    """optim.grad_clip_norm between 0 and a positive bound moves AdamW's state one place along the optimizer chain
+    (the clipping's state holds no arrays). The resume restores it under the checkpoint's layout and moves it: the
+    step after it is that of a resume which keeps the checkpoint's layout with the same effect (a bound of 1e30 never
+    clips; 0 has no clipping at all): the same loss and gradient norm, and the same update up to float32 rounding
+    (the two programs fuse AdamW differently). Restarted moments would move the weights by ~lr, not by 1e-9."""
+    import shutil
+
+    over = ("ckpt.every_steps=2", "mesh.fsdp=1", NO_EVAL)
+
+    def run(name, *more):
+        return train.train(tiny_config(tmp_path / name, *over, *more), devices=jax.devices()[:1])
+
+    run("a", "steps=2", f"optim.grad_clip_norm={before}")
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    toggled = run("a", "steps=3", f"optim.grad_clip_norm={after}")
+    assert f"resume | gradient clipping turned {'off' if after == '0' else 'on'}" in capsys.readouterr().out
+    kept = run("b", "steps=3", f"optim.grad_clip_norm={'1e30' if after == '0' else '0'}")
+    assert "gradient clipping turned" not in capsys.readouterr().out
+    for key in ("loss", "grad_norm"):
+        assert toggled.metrics[key] == kept.metrics[key], key
+    for x, y in zip(jax.tree.leaves(toggled.state["params"]), jax.tree.leaves(kept.state["params"]), strict=True):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-7)
+    adam = lambda st: next(s for s in jax.tree.leaves(st["opt_state"], is_leaf=lambda s: hasattr(s, "mu"))  # noqa
+                           if hasattr(s, "mu"))
+    assert int(adam(toggled.state).count) == 3  # AdamW's moments continued, not restarted
+    for x, y in zip(jax.tree.leaves(adam(toggled.state).nu), jax.tree.leaves(adam(kept.state).nu), strict=True):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-12)
 
 
 def test_checkpoint_without_a_model_record_is_checked_by_shapes(tmp_path, capsys):
