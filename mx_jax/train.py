@@ -569,20 +569,20 @@ def _opt_state_shifted(shapes: dict[str, tuple], by: int) -> dict[str, tuple]:
 
 
 def clip_toggled(saved_shapes: dict[str, tuple], wanted_shapes: dict[str, tuple]) -> int:
-    """+1 where the checkpoint was trained without gradient clipping and this run clips, -1 the reverse, else 0.
+    """For a checkpoint whose arrays differ from this run's: +1 where it was trained without gradient clipping and
+    this run clips, -1 the reverse, else 0.
 
     optim.make_optimizer chains the clipping (whose state holds no arrays) before AdamW only where
     optim.grad_clip_norm > 0, so turning it on or off moves AdamW's state one place along opt_state: the same arrays
     under other names (`_restore` restores them under the checkpoint's names and moves them)."""
-    if not checkpoint.shape_mismatches(saved_shapes, wanted_shapes):
-        return 0
     return next((by for by in (1, -1)
                  if not checkpoint.shape_mismatches(_opt_state_shifted(saved_shapes, by), wanted_shapes)), 0)
 
 
 def check_resumable(cfg: TrainConfig, saved: dict, train_windows: int | list[int], saved_shapes: dict,
-                    wanted_shapes: dict, where: str) -> None:
-    """ConfigError naming the keys when this config cannot continue the checkpoint `saved` (its data item)."""
+                    wanted_shapes: dict, where: str) -> int:
+    """ConfigError naming the keys when this config cannot continue the checkpoint `saved` (its data item); else
+    `clip_toggled` of its arrays (0 where they are this run's)."""
     mine = checkpoint_record(cfg, 0, train_windows)
 
     def source(record: dict) -> str:
@@ -619,12 +619,12 @@ def check_resumable(cfg: TrainConfig, saved: dict, train_windows: int | list[int
                 "the checkpoint at {} is a different model: {}".format(
                     where, "; ".join(f"config key 'model.{k}' is {theirs[k]!r} there, {ours[k]!r} here" for k in diff)))
     bad = checkpoint.shape_mismatches(saved_shapes, wanted_shapes)
-    if bad and clip_toggled(saved_shapes, wanted_shapes):
-        return
-    if bad:
+    toggled = clip_toggled(saved_shapes, wanted_shapes) if bad else 0
+    if bad and not toggled:
         raise ConfigError(f"the checkpoint at {where} does not fit this model's state ({len(bad)} array(s) differ: "
                           f"{'; '.join(bad[:4])}{'; ...' if len(bad) > 4 else ''}); compare the model and optim "
                           f"sections with the run_dir's config.yaml")
+    return toggled
 
 
 def prepare_run_dir(cfg: TrainConfig) -> pathlib.Path:
@@ -661,8 +661,7 @@ def _restore(cfg: TrainConfig, setup: Setup, ckpt: checkpoint.Checkpointer, star
     saved = ckpt.data_state(start)
     target = saved_part(abstract_state(setup))
     saved_shapes, wanted_shapes = ckpt.saved_shapes(start), checkpoint.array_shapes(target)
-    check_resumable(cfg, saved, train_windows, saved_shapes, wanted_shapes, str(where))
-    toggled = clip_toggled(saved_shapes, wanted_shapes)
+    toggled = check_resumable(cfg, saved, train_windows, saved_shapes, wanted_shapes, str(where))
     if toggled:  # the optimizer chain as the checkpoint has it: (clip, AdamW) or (AdamW,); the clip holds no arrays
         opt = target["opt_state"]
         target = {**target, "opt_state": opt[1:] if toggled > 0 else (optax.EmptyState(), *opt)}
