@@ -553,6 +553,19 @@ def _open_mixture(cfg: DataConfig) -> Dataset:
 COMPRESSED = (".gz", ".bz2", ".xz", ".zst", ".zstd")
 JSON_LINES = (".jsonl", ".ndjson", ".json")
 EOS_CANDIDATES = ("<|end_of_text|>", "<|endoftext|>", "</s>", "<eos>")  # Llama 3, GPT-2/Qwen, Llama 2/Mistral, Gemma
+
+
+def declared_eos(tokenizer: pathlib.Path) -> str | None:
+    """The eos_token of the tokenizer_config.json beside a tokenizer.json (DeepSeek's "<｜end▁of▁sentence｜>", say):
+    `--eos auto`'s choice where none of EOS_CANDIDATES is a token. Checked after them, because a chat model's
+    declares its end of turn ("<|eot_id|>", "<|im_end|>"), not the end of a document."""
+    config = tokenizer.parent / "tokenizer_config.json"
+    try:
+        eos = json.loads(config.read_text(encoding="utf-8")).get("eos_token") if config.is_file() else None
+    except (OSError, ValueError, AttributeError):
+        return None
+    eos = eos.get("content") if isinstance(eos, dict) else eos
+    return eos if isinstance(eos, str) else None
 ENCODE_BATCH_BYTES = 8 << 20  # documents tokenized together (tokenizers' encode_batch runs them on all cores)
 
 
@@ -580,10 +593,11 @@ class _Encoder:
         if eos == "none":
             self.eos_id = None
         elif eos == "auto":
-            found = [t for t in EOS_CANDIDATES if self._tok.token_to_id(t) is not None]
+            found = [t for t in (*EOS_CANDIDATES, declared_eos(path)) if t and self._tok.token_to_id(t) is not None]
             if not found:
-                raise SystemExit(f"--eos auto: {spec} has none of the end-of-text tokens {', '.join(EOS_CANDIDATES)}; "
-                                 f"name its token with --eos TOKEN, or pass --eos none to join documents unmarked")
+                raise SystemExit(f"--eos auto: {spec} has none of the end-of-text tokens {', '.join(EOS_CANDIDATES)}, "
+                                 f"and no tokenizer_config.json beside it names one of its tokens as eos_token; name "
+                                 f"its token with --eos TOKEN, or pass --eos none to join documents unmarked")
             self.eos_id = self._tok.token_to_id(found[0])
         else:
             self.eos_id = self._tok.token_to_id(eos)

@@ -1,8 +1,10 @@
-"""Hugging Face Llama and Mixtral checkpoints in and out: safetensors + config.json <-> the mx_jax parameter tree.
+"""Hugging Face Llama, Mixtral and DeepSeekMoE checkpoints in and out: safetensors + config.json <-> mx_jax params.
 
     python -m mx_jax.hf import HF_DIR OUT_DIR              # -> OUT_DIR/checkpoints/0/state + OUT_DIR/config.yaml
+                                                           # (+ OUT_DIR/hf_config.json and the other SIDECARS)
     python -m mx_jax.hf export RUN_DIR HF_OUT [--step N]   # a trainer checkpoint -> config.json + safetensors,
-                                                           # and the data's tokenizer files (export_tokenizer)
+                                                           # the data's tokenizer files (export_tokenizer) and the
+                                                           # model's sidecars (export_base)
 
 Layout. HF stores every linear as a torch `nn.Linear` weight (out, in) and computes y = x W^T; mx_jax stores
 (in, out) and computes y = x W, so each linear is transposed once on the way in and once on the way out. The
@@ -51,8 +53,29 @@ Mixtral (MixtralForCausalLM, `model_type: mixtral`): every layer's MLP rows abov
     model.layers.{i}.block_sparse_moe.experts.{j}.w2.weight (D, F)  blocks.moe.w_down  (L, E, F, D)  transposed
 
 and HF's routing (softmax over the router logits, top-k, the k weights renormalized) is moe.py's score=softmax,
-normalize_top_k=True. Other MoE layouts (shared experts, sigmoid scores, dense first layers, trained router
-biases: DeepSeek-style) have no HF counterpart here and are refused naming the config key.
+normalize_top_k=True.
+
+DeepSeekMoE (DeepseekForCausalLM, `model_type: deepseek`: deepseek-ai/deepseek-moe-16b-base and -chat, whose
+modeling code ships with the checkpoint; vLLM and SGLang load it natively): the first `first_k_dense_replace` layers
+keep the dense MLP above (mx_jax's `dense_blocks` stack, model.moe.n_dense_first), the others hold
+
+    model.layers.{i}.mlp.gate.weight                        (E, D)   blocks.moe.router         (L', D, E)     transp.
+    model.layers.{i}.mlp.experts.{j}.gate_proj.weight       (F, D)   blocks.moe.w_gate         (L', E, D, F)  transp.
+    model.layers.{i}.mlp.experts.{j}.up_proj.weight         (F, D)   blocks.moe.w_up           (L', E, D, F)  transp.
+    model.layers.{i}.mlp.experts.{j}.down_proj.weight       (D, F)   blocks.moe.w_down         (L', E, F, D)  transp.
+    model.layers.{i}.mlp.shared_experts.gate_proj.weight    (S F, D) blocks.moe.shared.w_gate  (L', D, S F)   transp.
+    model.layers.{i}.mlp.shared_experts.up_proj.weight      (S F, D) blocks.moe.shared.w_up    (L', D, S F)   transp.
+    model.layers.{i}.mlp.shared_experts.down_proj.weight    (D, S F) blocks.moe.shared.w_down  (L', S F, D)   transp.
+
+with L' = L - n_dense_first, F = moe_intermediate_size (model.moe.d_expert) and S = n_shared_experts. DeepSeek runs
+its S shared experts as one MLP S F wide, and so does moe.py: the sum of S SwiGLU experts is one SwiGLU over their
+concatenated columns, sum_s (silu(x G_s) * x U_s) D_s = (silu(x [G_1..G_S]) * x [U_1..U_S]) [D_1; ..; D_S].
+Its `MoEGate` is moe.py's router: softmax over x W_r^T, top-k, the k weights renormalized only when
+`norm_topk_prob` (false for the 16B), and the shared experts added unweighted. `aux_loss_alpha` is
+model.moe.aux_loss_coef as it is: both losses are alpha x 1 at balance (DeepSeek's `seq_aux` computes it per
+sequence, moe.py over each device's tokens). The attention, norms and RoPE are Llama's (head_dim = D / heads, no
+rope scaling). Other MoE layouts (sigmoid scores and trained router biases, which are DeepSeek-V3's beside an
+attention mx_jax does not have; MoE layers every N-th) have no HF counterpart here and are refused naming the key.
 
 Trainer hook: `init_from(path, model_cfg, param_shardings)` returns parameters from an HF directory or an mx_jax
 checkpoint, placed on the mesh (the config key `init_from` calls it on a fresh start).
@@ -131,13 +154,64 @@ MIXTRAL_MLP: tuple[_Tensor, ...] = (
 )
 
 
+# DeepSeekMoE (DeepseekForCausalLM): a MoE layer's `mlp` holds the router `gate` (E, D), the routed experts and, with
+# n_shared_experts, one MLP S x moe_intermediate_size wide for the shared experts.
+DEEPSEEK_MLP: tuple[_Tensor, ...] = (
+    _Tensor("model.layers.{i}.mlp.gate.weight", ("blocks", "moe", "router"), True),
+    _Tensor("model.layers.{i}.mlp.experts.{j}.gate_proj.weight", ("blocks", "moe", "w_gate"), True),
+    _Tensor("model.layers.{i}.mlp.experts.{j}.up_proj.weight", ("blocks", "moe", "w_up"), True),
+    _Tensor("model.layers.{i}.mlp.experts.{j}.down_proj.weight", ("blocks", "moe", "w_down"), True),
+)
+DEEPSEEK_SHARED: tuple[_Tensor, ...] = (
+    _Tensor("model.layers.{i}.mlp.shared_experts.gate_proj.weight", ("blocks", "moe", "shared", "w_gate"), True),
+    _Tensor("model.layers.{i}.mlp.shared_experts.up_proj.weight", ("blocks", "moe", "shared", "w_up"), True),
+    _Tensor("model.layers.{i}.mlp.shared_experts.down_proj.weight", ("blocks", "moe", "shared", "w_down"), True),
+)
+_DENSE_MLP = tuple(t for t in LAYOUT if t.path[:2] == ("blocks", "mlp"))
+_BEFORE_MLP = tuple(t for t in LAYOUT if t.per_layer and t.path[:2] != ("blocks", "mlp"))
+
+
+def moe_style(cfg: ModelConfig) -> str:
+    """"" for a dense Llama, "mixtral" or "deepseek" for the HF MoE layout that holds cfg's MoE layers; a ConfigError
+    naming the key where neither does. Mixtral: every layer MoE, no shared experts, softmax routing with the top-k
+    weights renormalized, experts as wide as model.d_ff. DeepSeekMoE: softmax routing, every layer after the dense
+    first ones MoE, head_dim = d_model / n_heads."""
+    m = cfg.moe
+    if not m.n_experts:
+        return ""
+    if (m.n_shared, m.every_n_layers, m.n_dense_first, m.score, m.normalize_top_k, m.d_expert or cfg.d_ff) == \
+            (0, 1, 0, "softmax", True, cfg.d_ff):
+        return "mixtral"
+    for key, value, want in (("moe.every_n_layers", m.every_n_layers, 1), ("moe.score", m.score, "softmax"),
+                             ("head_dim", cfg.d_head, cfg.d_model // cfg.n_heads)):
+        if value != want:
+            raise ConfigError(f"config key 'model.{key}': {value!r}; HF interop covers dense Llama, Mixtral-style and "
+                              f"DeepSeekMoE-style models, which have {key}={want!r}")
+    return "deepseek"
+
+
+def _n_dense_first(cfg: ModelConfig) -> int:
+    return cfg.moe.n_dense_first if cfg.moe.n_experts else 0
+
+
 def layout(cfg: ModelConfig) -> tuple[_Tensor, ...]:
-    """LAYOUT for a dense Llama; for a Mixtral-style MoE, LAYOUT with the MLP tensors replaced by MIXTRAL_MLP."""
-    _check_supported(cfg)
-    if not cfg.moe.n_experts:
-        return LAYOUT
-    mlp = [k for k, t in enumerate(LAYOUT) if t.path[:2] == ("blocks", "mlp")]
-    return LAYOUT[:mlp[0]] + MIXTRAL_MLP + LAYOUT[mlp[-1] + 1:]
+    """Every tensor of the model of cfg once (layer tensors with "{i}", expert tensors with "{j}"), each path in the
+    mx_jax tree: LAYOUT for a dense Llama; for a MoE its MLP tensors replaced by MIXTRAL_MLP or DEEPSEEK_MLP (+
+    DEEPSEEK_SHARED), and DeepSeek's dense first layers under `dense_blocks`."""
+    layers = tuple(dict.fromkeys(t for i in range(cfg.n_layers) for t in _layer_layout(cfg, i)[2]))
+    return LAYOUT[:1] + layers + tuple(t for t in LAYOUT[1:] if not t.per_layer)
+
+
+def _layer_layout(cfg: ModelConfig, i: int) -> tuple[str, int, tuple[_Tensor, ...]]:
+    """(stack, index in it, tensors) of HF layer i: the first model.moe.n_dense_first layers are the `dense_blocks`
+    stack of dense MLPs, the rest the `blocks` stack."""
+    style, n_first = moe_style(cfg), _n_dense_first(cfg)
+    if i < n_first:
+        dense = tuple(dataclasses.replace(t, path=("dense_blocks", *t.path[1:])) for t in (*_BEFORE_MLP, *_DENSE_MLP))
+        return "dense_blocks", i, dense
+    mlp = {"": _DENSE_MLP, "mixtral": MIXTRAL_MLP,
+           "deepseek": DEEPSEEK_MLP + (DEEPSEEK_SHARED if cfg.moe.n_shared else ())}[style]
+    return "blocks", i - n_first, _BEFORE_MLP + mlp
 
 
 # Buffers some older HF checkpoints saved; recomputed from the config, so they are skipped.
@@ -173,13 +247,18 @@ def config_from_hf(hf: dict, source: str = "config.json") -> ModelConfig:
 
     archs = hf.get("architectures") or []
     if "model_type" not in hf and any(a != "LlamaForCausalLM" for a in archs):
-        raise HFFormatError(f"{source}: no model_type, and architectures is {archs}; only LlamaForCausalLM and "
-                            f"MixtralForCausalLM map to mx_jax")
+        raise HFFormatError(f"{source}: no model_type, and architectures is {archs}; only LlamaForCausalLM, "
+                            f"MixtralForCausalLM and DeepseekForCausalLM map to mx_jax")
     model_type = hf.get("model_type", "llama")
-    if model_type not in ("llama", "mixtral"):
-        raise HFFormatError(f"{source}: model_type is {model_type!r}; only 'llama' (LlamaForCausalLM) and 'mixtral' "
-                            f"(MixtralForCausalLM) map to mx_jax")
+    if model_type not in ("llama", "mixtral", "deepseek"):
+        raise HFFormatError(f"{source}: model_type is {model_type!r}; only 'llama' (LlamaForCausalLM), 'mixtral' "
+                            f"(MixtralForCausalLM) and 'deepseek' (DeepseekForCausalLM, DeepSeekMoE) map to mx_jax")
     moe = MoEConfig()
+    d_model, n_heads = int(get("hidden_size")), int(get("num_attention_heads"))
+    head_dim = int(get("head_dim", d_model // n_heads))
+    if model_type == "deepseek":
+        head_dim = d_model // n_heads  # DeepSeek's attention has no head_dim key of its own
+        moe = _deepseek_moe(hf, source, int(get("num_hidden_layers")))
     if model_type == "mixtral":
         if hf.get("sliding_window") is not None:
             raise HFFormatError(f"{source}: sliding_window={hf['sliding_window']} is not supported (mx_jax attends "
@@ -209,8 +288,6 @@ def config_from_hf(hf: dict, source: str = "config.json") -> ModelConfig:
         scaling = RopeScaling()
     else:
         raise HFFormatError(f"{source}: rope_scaling type {rope_type!r} is not supported (only 'llama3' and none)")
-    d_model, n_heads = int(get("hidden_size")), int(get("num_attention_heads"))
-    head_dim = int(get("head_dim", d_model // n_heads))
     return ModelConfig(
         vocab_size=int(get("vocab_size")),
         d_model=d_model,
@@ -226,16 +303,37 @@ def config_from_hf(hf: dict, source: str = "config.json") -> ModelConfig:
     )
 
 
+def _deepseek_moe(hf: dict, source: str, n_layers: int) -> MoEConfig:
+    """The MoE of a DeepseekConfig (config.json of model_type deepseek); MoEConfig() where every layer is dense."""
+    first = int(hf.get("first_k_dense_replace") or 0)
+    if hf.get("n_routed_experts") is None or first >= n_layers:
+        return MoEConfig()
+    for key, want in (("moe_layer_freq", 1), ("scoring_func", "softmax"), ("topk_method", "greedy")):
+        if hf.get(key, want) != want:
+            raise HFFormatError(f"{source}: {key}={hf[key]!r} is not supported (mx_jax maps DeepSeekMoE with "
+                                f"{key}={want!r})")
+    for key in ("num_experts_per_tok", "moe_intermediate_size"):
+        if hf.get(key) is None:
+            raise HFFormatError(f"{source}: missing key '{key}'")
+    return MoEConfig(n_experts=int(hf["n_routed_experts"]), top_k=int(hf["num_experts_per_tok"]),
+                     d_expert=int(hf["moe_intermediate_size"]), n_shared=int(hf.get("n_shared_experts") or 0),
+                     n_dense_first=first, score="softmax", normalize_top_k=bool(hf.get("norm_topk_prob", False)),
+                     aux_loss_coef=float(hf.get("aux_loss_alpha", 0.001)))  # alpha x 1 at balance in both
+
+
 def config_to_hf(cfg: ModelConfig, dtype: str, base: dict | None = None) -> dict:
     """ModelConfig -> config.json for LlamaForCausalLM (MixtralForCausalLM for an MoE). `base` (an imported
     config.json) keeps its other keys (token ids, max_position_embeddings, ...); the architecture keys are
     overwritten."""
-    _check_supported(cfg)
+    style = moe_style(cfg)
     if cfg.moe.bias_update_rate > 0:
         raise ConfigError("config key 'model.moe.bias_update_rate': the router biases it trains change which experts "
-                          "are chosen, and HF Mixtral has no place for them")
+                          "are chosen, and neither HF Mixtral nor DeepSeekMoE has a place for them")
     sc = cfg.rope_scaling
     scaled = sc.factor > 1.0
+    if style == "deepseek" and scaled:
+        raise ConfigError("config key 'model.rope_scaling': DeepSeekMoE's code scales RoPE linearly or by dynamic NTK, "
+                          "not as Llama 3.1 does")
     out = dict(base or {})
     out.pop("rope_parameters", None)  # transformers 5 name; rope_scaling below is read by 4.x and 5.x alike
     out.update({
@@ -264,42 +362,53 @@ def config_to_hf(cfg: ModelConfig, dtype: str, base: dict | None = None) -> dict
         out.setdefault("eos_token_id", cfg.eos_id)
     if "dtype" in out:  # transformers 5 writes `dtype` instead of `torch_dtype`
         out["dtype"] = dtype
-    if cfg.moe.n_experts:
+    m = cfg.moe
+    if style == "mixtral":
         out.update({"architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
-                    "num_local_experts": cfg.moe.n_experts, "num_experts_per_tok": cfg.moe.top_k,
-                    "router_aux_loss_coef": cfg.moe.aux_loss_coef / cfg.moe.top_k, "output_router_logits": False,
+                    "num_local_experts": m.n_experts, "num_experts_per_tok": m.top_k,
+                    "router_aux_loss_coef": m.aux_loss_coef / m.top_k, "output_router_logits": False,
                     "router_jitter_noise": 0.0, "sliding_window": None})
+    elif style == "deepseek":  # DeepseekConfig's keys; it derives head_dim from hidden_size / heads
+        for key in ("head_dim", "mlp_bias", "num_local_experts", "router_aux_loss_coef", "output_router_logits",
+                    "router_jitter_noise", "sliding_window"):
+            out.pop(key, None)
+        out.update({"architectures": ["DeepseekForCausalLM"], "model_type": "deepseek",
+                    "n_routed_experts": m.n_experts, "num_experts_per_tok": m.top_k,
+                    "moe_intermediate_size": m.d_expert or cfg.d_ff, "n_shared_experts": m.n_shared or None,
+                    "first_k_dense_replace": m.n_dense_first, "moe_layer_freq": 1, "scoring_func": "softmax",
+                    "norm_topk_prob": m.normalize_top_k, "aux_loss_alpha": m.aux_loss_coef, "pretraining_tp": 1})
+        out.setdefault("seq_aux", True)
     return out
 
 
-def _check_supported(cfg: ModelConfig) -> None:
-    """ConfigError naming the key unless cfg is a dense Llama or a Mixtral-style MoE (every layer, no shared
-    experts, softmax routing with renormalized top-k weights, experts as wide as model.d_ff)."""
-    m = cfg.moe
-    if not m.n_experts:
-        return
-    for key, value, want in (("n_shared", m.n_shared, 0), ("every_n_layers", m.every_n_layers, 1),
-                             ("n_dense_first", m.n_dense_first, 0), ("score", m.score, "softmax"),
-                             ("normalize_top_k", m.normalize_top_k, True), ("d_expert", m.d_expert or cfg.d_ff,
-                                                                             cfg.d_ff)):
-        if value != want:
-            raise ConfigError(f"config key 'model.moe.{key}': {value!r}; HF interop covers dense Llama and "
-                              f"Mixtral-style MoE models ({key}={want!r})")
+# MoEConfig fields that set parameter shapes (d_expert as the width it gives, with d_ff for 0).
+_MOE_SHAPE_FIELDS = ("n_experts", "top_k", "d_expert", "n_shared", "n_dense_first")
+
+
+def _moe_field(cfg: ModelConfig, f: str) -> Any:
+    if f == "d_expert":
+        return cfg.moe.d_expert or cfg.d_ff if cfg.moe.n_experts else 0
+    return _n_dense_first(cfg) if f == "n_dense_first" else getattr(cfg.moe, f) if cfg.moe.n_experts else 0
 
 
 def _merge_config(hf_cfg: ModelConfig, cfg: ModelConfig | None, source: str) -> ModelConfig:
     """cfg's values win; shape fields must agree with the checkpoint, numeric ones may differ (with a warning)."""
     if cfg is None:
         return hf_cfg
-    _check_supported(cfg)
+    moe_style(cfg)
     for f in _SHAPE_FIELDS:
         if getattr(cfg, f) != getattr(hf_cfg, f):
             raise ConfigError(f"config key 'model.{f}': {getattr(cfg, f)} does not match the checkpoint's "
                               f"{getattr(hf_cfg, f)} ({source})")
-    for f in ("n_experts", "top_k"):
-        if getattr(cfg.moe, f) != getattr(hf_cfg.moe, f):
-            raise ConfigError(f"config key 'model.moe.{f}': {getattr(cfg.moe, f)} does not match the checkpoint's "
-                              f"{getattr(hf_cfg.moe, f)} ({source})")
+    for f in _MOE_SHAPE_FIELDS:
+        if _moe_field(cfg, f) != _moe_field(hf_cfg, f):
+            raise ConfigError(f"config key 'model.moe.{f}': {_moe_field(cfg, f)} does not match the checkpoint's "
+                              f"{_moe_field(hf_cfg, f)} ({source})")
+    for f in ("score", "normalize_top_k"):
+        if cfg.moe.n_experts and getattr(cfg.moe, f) != getattr(hf_cfg.moe, f):
+            warnings.warn(f"model.moe.{f}={getattr(cfg.moe, f)} differs from the checkpoint's "
+                          f"{getattr(hf_cfg.moe, f)} ({source}); using model.moe.{f}={getattr(cfg.moe, f)}",
+                          stacklevel=3)
     for f in _NUMERIC_FIELDS:
         if getattr(cfg, f) != getattr(hf_cfg, f):
             warnings.warn(f"model.{f}={getattr(cfg, f)} differs from the checkpoint's {getattr(hf_cfg, f)} "
@@ -312,17 +421,28 @@ def _merge_config(hf_cfg: ModelConfig, cfg: ModelConfig | None, source: str) -> 
 
 
 def param_shapes(cfg: ModelConfig) -> dict:
-    """The mx_jax params tree of a dense Llama or a Mixtral-style MoE as nested dicts of shapes (what
-    llama.params_of returns)."""
-    _check_supported(cfg)
-    L, D, V, F, E = cfg.n_layers, cfg.d_model, cfg.vocab_size, cfg.d_ff, cfg.moe.n_experts
+    """The mx_jax params tree of a dense Llama, a Mixtral-style or a DeepSeekMoE-style MoE as nested dicts of shapes
+    (what llama.params_of returns)."""
+    moe_style(cfg)
+    D, V, F, m = cfg.d_model, cfg.vocab_size, cfg.d_ff, cfg.moe
     HK, GK = cfg.n_heads * cfg.d_head, cfg.n_kv_heads * cfg.d_head
-    mlp = ({"moe": {"router": (L, D, E), "w_gate": (L, E, D, F), "w_up": (L, E, D, F), "w_down": (L, E, F, D)}}
-           if E else {"mlp": {"w_gate": (L, D, F), "w_up": (L, D, F), "w_down": (L, F, D)}})
+
+    def stack(n: int, moe: bool) -> dict:
+        if moe:
+            E, Fe, Fs = m.n_experts, m.d_expert or F, m.n_shared * (m.d_expert or F)
+            shared = {"shared": {"w_gate": (n, D, Fs), "w_up": (n, D, Fs), "w_down": (n, Fs, D)}} if Fs else {}
+            mlp = {"moe": {"router": (n, D, E), "w_gate": (n, E, D, Fe), "w_up": (n, E, D, Fe),
+                           "w_down": (n, E, Fe, D), **shared}}
+        else:
+            mlp = {"mlp": {"w_gate": (n, D, F), "w_up": (n, D, F), "w_down": (n, F, D)}}
+        return {"attn_norm": {"scale": (n, D)}, "mlp_norm": {"scale": (n, D)},
+                "attn": {"wq": (n, D, HK), "wk": (n, D, GK), "wv": (n, D, GK), "wo": (n, HK, D)}, **mlp}
+
+    n_first = _n_dense_first(cfg)
     return {
         "embed": (V, D),
-        "blocks": {"attn_norm": {"scale": (L, D)}, "mlp_norm": {"scale": (L, D)},
-                   "attn": {"wq": (L, D, HK), "wk": (L, D, GK), "wv": (L, D, GK), "wo": (L, HK, D)}, **mlp},
+        **({"dense_blocks": stack(n_first, False)} if n_first else {}),
+        "blocks": stack(cfg.n_layers - n_first, m.n_experts > 0),
         "final_norm": {"scale": (D,)},
         "head": (D, V),
     }
@@ -346,17 +466,17 @@ def _hf_shape(t: _Tensor, shape: tuple[int, ...]) -> tuple[int, ...]:
 
 
 def _hf_keys(cfg: ModelConfig) -> Iterator[tuple[str, _Tensor, tuple[int, ...]]]:
-    """(HF key, layout entry, index into the stacked array: () or (layer,) or (layer, expert)) in HF's order:
-    embedding, layer 0's tensors (expert by expert), layer 1's, ..., head."""
-    lay = layout(cfg)
-    yield from ((t.hf, t, ()) for t in lay[:1])
+    """(HF key, layout entry, index into the stacked array: () or (layer,) or (layer, expert), the layer counted in
+    its stack) in HF's order: embedding, layer 0's tensors (expert by expert), layer 1's, ..., final norm, head."""
+    yield LAYOUT[0].hf, LAYOUT[0], ()
     for i in range(cfg.n_layers):
-        for t in lay:
+        _, k, tensors = _layer_layout(cfg, i)
+        for t in tensors:
             if t.per_expert:
-                yield from ((t.hf.format(i=i, j=j), t, (i, j)) for j in range(cfg.moe.n_experts))
-            elif t.per_layer:
-                yield t.hf.format(i=i), t, (i,)
-    yield from ((t.hf, t, ()) for t in lay[1:] if not t.per_layer)
+                yield from ((t.hf.format(i=i, j=j), t, (k, j)) for j in range(cfg.moe.n_experts))
+            else:
+                yield t.hf.format(i=i), t, (k,)
+    yield from ((t.hf, t, ()) for t in LAYOUT[1:] if not t.per_layer)
 
 
 def check_params(params: dict, cfg: ModelConfig) -> None:
@@ -493,12 +613,14 @@ def _host(x: Any, dtype: np.dtype) -> np.ndarray:
 
 def export_hf_llama(params: dict, cfg: ModelConfig, path: str | pathlib.Path, *, dtype: str = "bfloat16",
                     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, hf_config: dict | None = None,
-                    overwrite: bool = False) -> list[pathlib.Path]:
+                    overwrite: bool = False, extra_files: dict[str, pathlib.Path] | None = None
+                    ) -> list[pathlib.Path]:
     """Write params (numpy or addressable jax arrays) as an HF Llama directory; returns the files written.
 
     One `model.safetensors` when the weights fit in max_shard_bytes, else `model-0000k-of-0000n.safetensors` shards
     plus `model.safetensors.index.json`. dtype: "bfloat16" (HF's usual), "float32" or "float16". hf_config: a
-    config.json to start from (its architecture keys are overwritten). An existing checkpoint in `path` is an
+    config.json to start from (its architecture keys are overwritten). extra_files: {name in `path`: file to copy},
+    moved in with the weights (generation_config.json, a model's own code). An existing checkpoint in `path` is an
     error unless overwrite=True, which replaces its safetensors files once the new ones are whole (they are written
     beside `path` first: an export that stops leaves `path` as it was).
     """
@@ -554,9 +676,11 @@ def export_hf_llama(params: dict, cfg: ModelConfig, path: str | pathlib.Path, *,
             index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
             (staging / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
         (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        for name, src in (extra_files or {}).items():
+            shutil.copyfile(src, staging / name)
         for f in staging.iterdir():  # safetensors writes 0600: the files get the mode the umask gives
             f.chmod(0o666 & ~umask)
-        files = [*names, *([INDEX_FILE] if n > 1 else []), "config.json"]
+        files = [*names, *([INDEX_FILE] if n > 1 else []), "config.json", *(extra_files or {})]
         if not path.exists():
             staging.rename(path)
         else:
@@ -721,6 +845,58 @@ def export_tokenizer(cfg_file: pathlib.Path, out: pathlib.Path) -> str:
     return f"tokenizer: {', '.join(copied)} from {src.parent}"
 
 
+# Files beside an HF model's weights that an exported copy carries too: its generation defaults (the end-of-turn
+# ids a chat model stops at, sampling settings) and, for a model whose code ships with the checkpoint (config.json's
+# auto_map: DeepSeekMoE), that code. `import` keeps them in OUT as hf_<name>, beside hf_config.json.
+SIDECARS = ("generation_config.json",)
+
+
+def code_files(config: dict) -> list[str]:
+    """The Python files config.json's auto_map names ("modeling_deepseek.DeepseekForCausalLM" -> modeling_deepseek.py;
+    "repo--module.Class" names module.py of another repository)."""
+    refs = [r for v in (config.get("auto_map") or {}).values() for r in (v if isinstance(v, list) else [v])]
+    return sorted({r.split("--")[-1].rsplit(".", 1)[0] + ".py" for r in refs if isinstance(r, str) and "." in r})
+
+
+def _init_from_of(cfg_file: pathlib.Path) -> pathlib.Path | None:
+    try:
+        init = load_config(str(cfg_file)).init_from if cfg_file.is_file() else ""
+    except ConfigError:
+        return None
+    return pathlib.Path(init) if init and pathlib.Path(init).exists() else None
+
+
+def export_base(run_dir: pathlib.Path, cfg_file: pathlib.Path, hf_config: str | None
+                ) -> tuple[dict | None, dict[str, pathlib.Path], str]:
+    """(config.json to start from, {name: file} to put beside the weights, the file it came from) for an export of
+    the run in run_dir: --hf-config; else the run's hf_config.json (`import` writes it); else that of the model the
+    run started from (config key init_from): an HF directory's config.json, or an imported or trained run's
+    hf_config.json. The sidecars come from beside it. A model's own code that is not there is left out, and so is
+    config.json's auto_map naming it."""
+    if hf_config:
+        candidates = [pathlib.Path(hf_config)]
+        if not candidates[0].is_file():
+            raise FileNotFoundError(f"--hf-config {hf_config} does not exist")
+    else:
+        candidates = [run_dir / "hf_config.json"]
+        init = _init_from_of(cfg_file)
+        if init is not None:
+            candidates.append(init / "config.json" if is_hf_dir(init)
+                              else _run_dir_of(init.absolute()) / "hf_config.json")
+    for f in candidates:
+        if not f.is_file():
+            continue
+        base = read_json_object(f, HFFormatError)
+        prefix = "hf_" if f.name == "hf_config.json" else ""
+        extra = {n: f.parent / (prefix + n) for n in (*SIDECARS, *code_files(base))
+                 if (f.parent / (prefix + n)).is_file()}
+        if any(n not in extra for n in code_files(base)):
+            base.pop("auto_map")
+            extra = {n: p for n, p in extra.items() if n in SIDECARS}
+        return base, extra, str(f)
+    return None, {}, ""
+
+
 def _run_dir_of(path: pathlib.Path) -> pathlib.Path:
     """The run dir above a step / state / checkpoints dir, where config.yaml lives."""
     for p in (path, *path.parents):
@@ -758,26 +934,36 @@ def main(argv: list[str] | None = None) -> int:
             target = save_params(params, out, args.step)
             arch = {k: v for k, v in to_dict(cfg).items() if k in _ARCH_KEYS}
             if cfg.moe.n_experts:
-                arch["moe"] = {k: getattr(cfg.moe, k) for k in ("n_experts", "top_k", "aux_loss_coef")}
+                keys = ("n_experts", "top_k", "aux_loss_coef")
+                if moe_style(cfg) == "deepseek":
+                    keys += ("d_expert", "n_shared", "n_dense_first", "normalize_top_k")
+                arch["moe"] = {k: getattr(cfg.moe, k) for k in keys}
             (out / "config.yaml").write_text(yaml.safe_dump({"model": arch}, sort_keys=False))
             shutil.copyfile(src / "config.json", out / "hf_config.json")
+            for name in (*SIDECARS, *code_files(read_hf_config(src))):  # what an export puts back beside the weights
+                if (src / name).is_file():
+                    shutil.copyfile(src / name, out / f"hf_{name}")
             n = sum(x.size for x in jax.tree.leaves(params))
             print(f"imported {n / 1e6:,.1f} M parameters -> {target}; the model section is in {out / 'config.yaml'}")
         else:
             ckpt = pathlib.Path(args.checkpoint)
             run_dir = _run_dir_of(ckpt.absolute())
             cfg = _model_config_of(run_dir, args.config)
-            hf_base = pathlib.Path(args.hf_config) if args.hf_config else run_dir / "hf_config.json"
-            if args.hf_config and not hf_base.is_file():
-                raise FileNotFoundError(f"--hf-config {hf_base} does not exist")
-            base = read_json_object(hf_base, HFFormatError) if hf_base.is_file() else None
+            cfg_file = pathlib.Path(args.config) if args.config else run_dir / "config.yaml"
+            base, extra, source = export_base(run_dir, cfg_file, args.hf_config)
             params = load_params(ckpt, cfg, step=args.step, dtype=args.dtype)
             files = export_hf_llama(params, cfg, args.hf_dir, dtype=args.dtype,
                                     max_shard_bytes=int(args.max_shard_bytes), hf_config=base,
-                                    overwrite=args.overwrite)
+                                    overwrite=args.overwrite, extra_files=extra)
             print(f"exported {state_dir(ckpt, args.step)} -> {', '.join(f.name for f in files)} in {args.hf_dir}")
-            print(export_tokenizer(pathlib.Path(args.config) if args.config else run_dir / "config.yaml",
-                                   pathlib.Path(args.hf_dir)))
+            if source:
+                print(f"config.json: the keys it does not set from {source}"
+                      + (f"; {', '.join(extra)} from beside it" if extra else ""))
+            if moe_style(cfg) == "deepseek" and not (base or {}).get("auto_map"):
+                print("DeepseekForCausalLM: vLLM and SGLang load it as it is; transformers needs the model's own code "
+                      "(configuration_deepseek.py and modeling_deepseek.py from deepseek-ai/deepseek-moe-16b-base, "
+                      "and its config.json's auto_map)")
+            print(export_tokenizer(cfg_file, pathlib.Path(args.hf_dir)))
     except (ConfigError, HFFormatError, FileExistsError, FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

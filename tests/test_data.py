@@ -291,6 +291,13 @@ def test_a_tokenizer_without_an_end_of_text_token_needs_eos_named(tmp_path):
     bare = data.convert([str(src)], str(tmp_path / "d"), tokenizer=tj, eos="none")
     assert bare["eos_id"] is None and sep["eos_id"] is not None
     assert sep["train_tokens"] + sep["val_tokens"] == bare["train_tokens"] + bare["val_tokens"] + len(docs)
+    # the tokenizer_config.json beside it names its eos_token (DeepSeek's tokenizer has none of the usual names)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": {"content": "<|sep|>"}}))
+    declared = data.convert([str(src)], str(tmp_path / "e"), tokenizer=tj)
+    assert declared["eos_id"] == sep["eos_id"]
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|not-a-token|>"}))
+    with pytest.raises(SystemExit, match="no tokenizer_config.json beside it names one of its tokens"):
+        data.convert([str(src)], str(tmp_path / "f"), tokenizer=tj)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
-"""HF Llama and Mixtral interop: exact round trips of checkpoints the test writes in HF layout, the key/shape errors,
-Orbax import/export, and (when torch and transformers are installed) logits against transformers' LlamaForCausalLM
-and MixtralForCausalLM."""
+"""HF Llama, Mixtral and DeepSeekMoE interop: exact round trips of checkpoints the test writes in HF layout, the
+key/shape errors, Orbax import/export, and logits against transformers' LlamaForCausalLM and MixtralForCausalLM and
+DeepSeekMoE's published model (kept in tests/data; live where torch and transformers are installed)."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ from mx_jax.llama import Llama, buffers_of, params_of  # noqa: E402
 from mx_jax.train import train  # noqa: E402
 from tests.helpers import NO_IO, tiny_config  # noqa: E402
 
-from tests.transformers_golden import HF_CONFIG, MIXTRAL_CONFIG  # noqa: E402
+from tests.transformers_golden import DEEPSEEK_CONFIG, HF_CONFIG, MIXTRAL_CONFIG  # noqa: E402
 
 
 def _hf_tensors(c: dict, dtype, seed: int = 0, tied: bool = False) -> dict[str, np.ndarray]:
@@ -311,9 +311,10 @@ def test_export_checks_params_and_existing_files(tmp_path):
     with pytest.raises(ConfigError, match="bias_update_rate"):
         hf.export_hf_llama(moe_params, biased, tmp_path / "new")
     assert not (tmp_path / "new").exists()
-    with pytest.raises(ConfigError, match="model.moe.n_shared.*Mixtral-style"):  # DeepSeek-style: no HF mapping
-        hf.export_hf_llama(params, dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, n_experts=4, n_shared=1)),
-                           tmp_path / "moe")
+    sigmoid = dataclasses.replace(cfg.moe, n_experts=4, n_shared=1, score="sigmoid")  # DeepSeek-V3's: no HF mapping
+    with pytest.raises(ConfigError, match="model.moe.score.*DeepSeekMoE-style"):
+        hf.export_hf_llama(params, dataclasses.replace(cfg, moe=sigmoid), tmp_path / "moe")
+    assert not (tmp_path / "moe").exists()
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -413,7 +414,7 @@ def _check_against_transformers(tmp_path, arch: str, hf_config: dict) -> None:
         np.testing.assert_allclose(back(torch.as_tensor(tokens)).logits.numpy(), want, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("case", ["llama", "llama_tied", "mixtral"])
+@pytest.mark.parametrize("case", ["llama", "llama_tied", "mixtral", "deepseek", "deepseek_top_k_normalized"])
 def test_logits_match_those_transformers_computed(tmp_path, case):
     """The checkpoint tests/transformers_golden.py gave transformers (config.json and safetensors in the Hub's
     layout, weights drawn again here from their recorded names and shapes), imported: our float32 logits are the
@@ -494,3 +495,169 @@ def test_router_biases_block_export(tmp_path):
 
 def test_mixtral_logits_match_transformers(tmp_path):
     _check_against_transformers(tmp_path, "Mixtral", MIXTRAL_CONFIG)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# DeepSeekMoE (DeepseekForCausalLM): dense first layers, routed experts of their own width, shared experts
+
+
+def _deepseek_cfg() -> ModelConfig:
+    return hf.config_from_hf(DEEPSEEK_CONFIG)
+
+
+DEEPSEEK_TRAIN = ("model.vocab_size=256", "model.d_model=48", "model.n_layers=3", "model.n_heads=4",
+                  "model.n_kv_heads=2", "model.d_ff=80", "model.moe.n_experts=6", "model.moe.top_k=3",
+                  "model.moe.d_expert=24", "model.moe.n_shared=2", "model.moe.n_dense_first=1",
+                  "model.moe.normalize_top_k=false", "model.rope_theta=10000", "model.norm_eps=1e-6")
+
+
+def test_deepseek_config_maps_both_ways():
+    cfg = _deepseek_cfg()
+    m = cfg.moe
+    assert (m.n_experts, m.top_k, m.d_expert, m.n_shared, m.n_dense_first, m.score, m.normalize_top_k,
+            m.aux_loss_coef) == (6, 3, 24, 2, 1, "softmax", False, 0.001)
+    assert (cfg.d_ff, cfg.d_head, cfg.head_dim) == (80, 12, 0)
+    assert hf.moe_style(cfg) == "deepseek"
+    assert hf.config_to_hf(cfg, "float32", DEEPSEEK_CONFIG) == DEEPSEEK_CONFIG
+    fresh = hf.config_to_hf(cfg, "float32")  # without a base: every key DeepSeek's code reads
+    assert hf.config_from_hf(fresh) == cfg and "head_dim" not in fresh and fresh["n_shared_experts"] == 2
+    none = hf.config_from_hf({**DEEPSEEK_CONFIG, "n_shared_experts": None, "first_k_dense_replace": 0})
+    assert (none.moe.n_shared, none.moe.n_dense_first) == (0, 0)
+    assert hf.config_to_hf(none, "float32")["n_shared_experts"] is None
+    dense = hf.config_from_hf({**DEEPSEEK_CONFIG, "n_routed_experts": None})  # DeepSeek's dense models
+    assert dense.moe.n_experts == 0 and dense.d_ff == 80
+    # the shapes the model builds
+    abstract = nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0)))
+    assert jax.tree.map(lambda x: tuple(x.shape), params_of(abstract)) == hf.param_shapes(cfg)
+
+
+@pytest.mark.parametrize("change, match", [
+    ({"moe_layer_freq": 2}, "moe_layer_freq=2"),
+    ({"scoring_func": "sigmoid"}, "scoring_func='sigmoid'"),
+    ({"topk_method": "group_limited_greedy"}, "topk_method='group_limited_greedy'"),
+    ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "'linear' is not supported"),
+    ({"moe_intermediate_size": None}, "missing key 'moe_intermediate_size'"),
+])
+def test_unsupported_deepseek_configs_are_refused(change, match):
+    with pytest.raises(hf.HFFormatError, match=match):
+        hf.config_from_hf({**DEEPSEEK_CONFIG, **change})
+
+
+def test_deepseek_export_names_each_tensor_and_reads_back(tmp_path):
+    cfg = _deepseek_cfg()
+    rng = np.random.default_rng(0)
+    params = jax.tree.map(lambda s: rng.standard_normal(s).astype(np.float32), hf.param_shapes(cfg),
+                          is_leaf=lambda x: isinstance(x, tuple))
+    hf.export_hf_llama(params, cfg, tmp_path / "hf", dtype="float32", max_shard_bytes=60_000)
+    written = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert written["model_type"] == "deepseek" and written["architectures"] == ["DeepseekForCausalLM"]
+    index = json.loads((tmp_path / "hf" / hf.INDEX_FILE).read_text())["weight_map"]
+    # embedding, norm, head; layer 0 dense (9); layers 1-2: attention and norms (6), router, 6 x 3 experts, 3 shared
+    assert len(index) == 3 + 9 + 2 * (6 + 1 + 18 + 3)
+    moe, dense = params["blocks"]["moe"], params["dense_blocks"]
+    for key, want in (("model.layers.0.mlp.up_proj.weight", dense["mlp"]["w_up"][0].T),  # written out by hand
+                      ("model.layers.0.self_attn.k_proj.weight", dense["attn"]["wk"][0].T),
+                      ("model.layers.1.self_attn.q_proj.weight", params["blocks"]["attn"]["wq"][0].T),
+                      ("model.layers.2.input_layernorm.weight", params["blocks"]["attn_norm"]["scale"][1]),
+                      ("model.layers.2.mlp.gate.weight", moe["router"][1].T),
+                      ("model.layers.1.mlp.experts.5.gate_proj.weight", moe["w_gate"][0, 5].T),
+                      ("model.layers.2.mlp.experts.1.down_proj.weight", moe["w_down"][1, 1].T),
+                      ("model.layers.1.mlp.shared_experts.up_proj.weight", moe["shared"]["w_up"][0].T),
+                      ("model.layers.2.mlp.shared_experts.down_proj.weight", moe["shared"]["w_down"][1].T)):
+        with safe_open(str(tmp_path / "hf" / index[key]), framework="np") as f:
+            np.testing.assert_array_equal(f.get_tensor(key), want)
+    back, cfg2 = hf.load_hf_llama(tmp_path / "hf")
+    assert cfg2 == cfg
+    jax.tree.map(np.testing.assert_array_equal, back, params)
+    with pytest.raises(ConfigError, match="model.moe.n_shared"):  # a config must match the checkpoint's shapes
+        hf.load_hf_llama(tmp_path / "hf", dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, n_shared=1)))
+    with pytest.raises(ConfigError, match="model.rope_scaling"):  # DeepSeek's code has no Llama 3.1 scaling
+        hf.config_to_hf(dataclasses.replace(cfg, rope_scaling=RopeScaling(factor=8.0)), "float32")
+
+
+def _deepseek_dir(path: pathlib.Path, code: bool) -> dict:
+    """The golden DeepSeekMoE checkpoint in `path`, with a generation_config.json and, with `code`, the model's code
+    that its config.json's auto_map names (stand-ins: the files are copied, not run)."""
+    from tests import transformers_golden as golden
+
+    want = golden.load()["deepseek"]
+    config = dict(want["config"])
+    if code:
+        config["auto_map"] = {"AutoConfig": "configuration_deepseek.DeepseekConfig",
+                              "AutoModelForCausalLM": "modeling_deepseek.DeepseekForCausalLM"}
+    golden.write(path, config, golden.weights(want["names"], [tuple(s) for s in want["shapes"]]))
+    (path / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": [2, 7]}))
+    if code:
+        for name in ("configuration_deepseek.py", "modeling_deepseek.py"):
+            (path / name).write_text(f"# {name}\n")
+    return want
+
+
+def test_deepseek_import_train_and_export_keep_the_model_files(tmp_path, capsys):
+    """hf import keeps the model's code and generation defaults; a run started from the HF directory itself
+    (init_from) exports with that directory's config.json keys and files; without the code, the export says what
+    transformers needs."""
+    want = _deepseek_dir(tmp_path / "hf", code=True)
+    assert hf.main(["import", str(tmp_path / "hf"), str(tmp_path / "imported")]) == 0
+    model = yaml.safe_load((tmp_path / "imported" / "config.yaml").read_text())["model"]
+    assert model["moe"] == {"n_experts": 6, "top_k": 3, "aux_loss_coef": 0.001, "d_expert": 24, "n_shared": 2,
+                            "n_dense_first": 1, "normalize_top_k": False}
+    assert sorted(f.name for f in (tmp_path / "imported").glob("hf_*")) == [
+        "hf_config.json", "hf_configuration_deepseek.py", "hf_generation_config.json", "hf_modeling_deepseek.py"]
+    assert hf.main(["export", str(tmp_path / "imported"), str(tmp_path / "out"), "--dtype", "float32"]) == 0
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["auto_map"]["AutoConfig"] == \
+        "configuration_deepseek.DeepseekConfig"
+    for name in ("generation_config.json", "modeling_deepseek.py", "configuration_deepseek.py"):
+        assert (tmp_path / "out" / name).read_bytes() == (tmp_path / "hf" / name).read_bytes(), name
+    _assert_same_tensors(_read_all(tmp_path / "out"), _read_all(tmp_path / "hf"))
+    params, cfg = hf.load_hf_llama(tmp_path / "out")
+    np.testing.assert_allclose(_our_logits(params, cfg, want["tokens"]), want["logits"], atol=1e-4, rtol=0)
+
+    # a run from the HF directory: its MoE layers on an expert axis, exported with the directory's keys and files
+    result = train(tiny_config(tmp_path / "run", *DEEPSEEK_TRAIN, f"init_from={tmp_path / 'hf'}", "steps=1",
+                               "optim.warmup_steps=0", "mesh.data=4", "mesh.fsdp=1", "mesh.expert=2",
+                               "ckpt.async_save=false", "log.eval_every_steps=-1"))
+    assert np.isfinite(result.metrics["loss"])
+    capsys.readouterr()
+    assert hf.main(["export", str(tmp_path / "run"), str(tmp_path / "run_out"), "--dtype", "float32"]) == 0
+    assert f"from {tmp_path / 'hf' / 'config.json'}" in capsys.readouterr().out
+    written = json.loads((tmp_path / "run_out" / "config.json").read_text())
+    assert (written["bos_token_id"], written["max_position_embeddings"], written["model_type"]) == (1, 128, "deepseek")
+    assert (tmp_path / "run_out" / "modeling_deepseek.py").is_file()
+    back, _ = hf.load_hf_llama(tmp_path / "run_out")
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(a, np.asarray(b)), back, result.state["params"])
+
+    # the same model without its code: no auto_map naming files that are not there, and a note
+    _deepseek_dir(tmp_path / "bare", code=False)
+    assert hf.main(["import", str(tmp_path / "bare"), str(tmp_path / "bare_imported")]) == 0
+    capsys.readouterr()
+    assert hf.main(["export", str(tmp_path / "bare_imported"), str(tmp_path / "bare_out")]) == 0
+    assert "transformers needs the model's own code" in capsys.readouterr().out
+    assert "auto_map" not in json.loads((tmp_path / "bare_out" / "config.json").read_text())
+    assert (tmp_path / "bare_out" / "generation_config.json").is_file()
+
+
+def test_deepseek_logits_match_its_published_model(tmp_path):
+    """Live, where torch and transformers are installed: a random DeepSeekMoE (transformers_golden.deepseek_model),
+    imported from its state dict under the checkpoint's names, gives our logits; our export loads back into it
+    (strict: every name, no other) with the same logits."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from tests import transformers_golden as golden
+
+    torch.manual_seed(0)
+    ref = golden.deepseek_model(DEEPSEEK_CONFIG)
+    values = golden.weights(sorted(ref.state_dict()), [tuple(v.shape) for _, v in sorted(ref.state_dict().items())])
+    ref.load_state_dict({k: torch.from_numpy(v) for k, v in values.items()}, strict=True)
+    ref.config._attn_implementation = "eager"
+    ref = ref.float().eval()
+    golden.write(tmp_path / "hf", DEEPSEEK_CONFIG, values)
+    tokens = np.random.default_rng(0).integers(0, DEEPSEEK_CONFIG["vocab_size"], (2, 40))
+    with torch.no_grad():
+        want = ref(torch.as_tensor(tokens)).logits.numpy()
+    params, cfg = hf.load_hf_llama(tmp_path / "hf")
+    np.testing.assert_allclose(_our_logits(params, cfg, tokens), want, atol=1e-4, rtol=0)
+    hf.export_hf_llama(params, cfg, tmp_path / "ours", dtype="float32")
+    ref.load_state_dict({k: torch.from_numpy(v.copy()) for k, v in _read_all(tmp_path / "ours").items()}, strict=True)
+    with torch.no_grad():
+        np.testing.assert_allclose(ref(torch.as_tensor(tokens)).logits.numpy(), want, atol=1e-5, rtol=1e-5)

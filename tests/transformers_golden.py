@@ -1,4 +1,5 @@
-"""transformers' logits for tiny Llama and Mixtral models, kept so that CI (no torch) checks our import against them.
+"""transformers' logits for tiny Llama, Mixtral and DeepSeekMoE models, kept so that CI (no torch) checks our import
+against them.
 
     python tests/transformers_golden.py     # needs numpy, torch, transformers; rewrites tests/data/transformers.npz
 
@@ -34,10 +35,25 @@ MIXTRAL_CONFIG = {**{k: v for k, v in HF_CONFIG.items() if k not in ("attention_
                   "architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "num_local_experts": 4,
                   "num_experts_per_tok": 2, "router_aux_loss_coef": 0.02, "sliding_window": None,
                   "output_router_logits": False, "router_jitter_noise": 0.0, "vocab_size": 256}  # a byte corpus
+# DeepSeekMoE (deepseek-ai/deepseek-moe-16b-base's config.json keys): a dense first layer, then 6 routed experts of
+# width 24 (top-3, weights not renormalized) and 2 shared ones; GQA, which its attention allows though the 16B has none.
+# The vocabulary of a byte corpus, so that a trainer run starts from it.
+DEEPSEEK_CONFIG = {
+    "architectures": ["DeepseekForCausalLM"], "model_type": "deepseek", "vocab_size": 256, "hidden_size": 48,
+    "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 80,
+    "moe_intermediate_size": 24, "n_routed_experts": 6, "num_experts_per_tok": 3, "n_shared_experts": 2,
+    "first_k_dense_replace": 1, "moe_layer_freq": 1, "scoring_func": "softmax", "norm_topk_prob": False,
+    "aux_loss_alpha": 0.001, "seq_aux": True, "hidden_act": "silu", "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+    "rope_scaling": None, "max_position_embeddings": 128, "attention_bias": False, "tie_word_embeddings": False,
+    "pretraining_tp": 1, "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "float32",
+}
 CASES = {  # name: (transformers architecture, config.json)
     "llama": ("Llama", HF_CONFIG),
     "llama_tied": ("Llama", {**HF_CONFIG, "tie_word_embeddings": True}),
     "mixtral": ("Mixtral", MIXTRAL_CONFIG),
+    "deepseek": ("Deepseek", DEEPSEEK_CONFIG),
+    "deepseek_top_k_normalized": ("Deepseek", {**DEEPSEEK_CONFIG, "norm_topk_prob": True, "n_shared_experts": None,
+                                               "first_k_dense_replace": 0}),
 }
 TOKENS = (2, 40)  # 40 positions > the rope scaling's original context of 16
 
@@ -75,6 +91,57 @@ def write(path: pathlib.Path, config: dict, values: dict[str, np.ndarray]) -> No
     save_file(values, str(path / "model.safetensors"), metadata={"format": "pt"})
 
 
+def deepseek_model(config: dict):
+    """DeepSeekMoE as transformers loads deepseek-ai/deepseek-moe-16b-base (its modeling_deepseek.py, in eval):
+    transformers' Llama, whose attention, norms and RoPE that file copies, with each MoE layer's `mlp` replaced by the
+    block below under the checkpoint's names. transformers has no DeepSeekMoE class of its own, and the checkpoint's
+    code does not run on transformers 5."""
+    import torch
+    import transformers
+    from torch import nn
+
+    class MLP(nn.Module):
+        def __init__(self, d: int, f: int):
+            super().__init__()
+            self.gate_proj, self.up_proj = nn.Linear(d, f, bias=False), nn.Linear(d, f, bias=False)
+            self.down_proj = nn.Linear(f, d, bias=False)
+
+        def forward(self, x):
+            return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+
+    class MoE(nn.Module):
+        """MoEGate: scores = softmax(x gate.weight^T), the top-k scores as weights (divided by their sum only with
+        norm_topk_prob); DeepseekMoE: the chosen experts' outputs times their weights, plus the shared experts' MLP
+        (n_shared_experts x moe_intermediate_size wide) of the same input."""
+
+        def __init__(self, c: dict):
+            super().__init__()
+            d, f, self.k, self.norm = c["hidden_size"], c["moe_intermediate_size"], c["num_experts_per_tok"], \
+                c["norm_topk_prob"]
+            self.gate = nn.Linear(d, c["n_routed_experts"], bias=False)
+            self.experts = nn.ModuleList(MLP(d, f) for _ in range(c["n_routed_experts"]))
+            self.shared_experts = MLP(d, f * c["n_shared_experts"]) if c["n_shared_experts"] else None
+
+        def forward(self, x):
+            w, idx = torch.topk(self.gate(x).softmax(dim=-1), k=self.k, dim=-1)
+            if self.norm:
+                w = w / w.sum(dim=-1, keepdim=True)
+            y = sum((w * (idx == e)).sum(dim=-1, keepdim=True) * expert(x) for e, expert in enumerate(self.experts))
+            return y if self.shared_experts is None else y + self.shared_experts(x)
+
+    c = config
+    llama = transformers.LlamaConfig(
+        vocab_size=c["vocab_size"], hidden_size=c["hidden_size"], num_hidden_layers=c["num_hidden_layers"],
+        num_attention_heads=c["num_attention_heads"], num_key_value_heads=c["num_key_value_heads"],
+        intermediate_size=c["intermediate_size"], rms_norm_eps=c["rms_norm_eps"], rope_theta=c["rope_theta"],
+        max_position_embeddings=c["max_position_embeddings"], tie_word_embeddings=False)
+    model = transformers.LlamaForCausalLM(llama)
+    for i, layer in enumerate(model.model.layers):
+        if i >= c["first_k_dense_replace"] and i % c["moe_layer_freq"] == 0:
+            layer.mlp = MoE(c)
+    return model
+
+
 def main() -> int:
     import tempfile
 
@@ -86,20 +153,30 @@ def main() -> int:
                      "cases": {}}, {}
     tmp = pathlib.Path(tempfile.mkdtemp())
     for case, (arch, config) in CASES.items():
-        # the names and shapes of the checkpoint format (what save_pretrained writes, what the Hub holds: transformers
-        # 5 keeps Mixtral's experts fused in memory but reads and writes them one matrix per expert)
-        c = {k: v for k, v in config.items() if k not in ("architectures", "model_type", "torch_dtype")}
-        getattr(transformers, f"{arch}ForCausalLM")(getattr(transformers, f"{arch}Config")(**c)).save_pretrained(
-            tmp / f"{case}_layout", safe_serialization=True)
-        names, shapes = [], []
-        for f in sorted((tmp / f"{case}_layout").glob("*.safetensors")):
-            with safe_open(str(f), framework="np") as st:
-                for n in sorted(st.keys()):
-                    names.append(n)
-                    shapes.append(tuple(st.get_slice(n).get_shape()))
-        write(tmp / case, config, weights(names, shapes))
-        model = getattr(transformers, f"{arch}ForCausalLM").from_pretrained(
-            tmp / case, attn_implementation="eager", dtype=torch.float32).eval()
+        if arch == "Deepseek":  # the checkpoint's names are the module's (tensors by name, strict)
+            model = deepseek_model(config)
+            names = sorted(model.state_dict())
+            shapes = [tuple(model.state_dict()[n].shape) for n in names]
+            values = weights(names, shapes)
+            model.load_state_dict({n: torch.from_numpy(v) for n, v in values.items()}, strict=True)
+            model.config._attn_implementation = "eager"
+            model = model.float().eval()
+            write(tmp / case, config, values)
+        else:
+            # the names and shapes of the checkpoint format (what save_pretrained writes, what the Hub holds:
+            # transformers 5 keeps Mixtral's experts fused in memory but reads and writes them one matrix per expert)
+            c = {k: v for k, v in config.items() if k not in ("architectures", "model_type", "torch_dtype")}
+            getattr(transformers, f"{arch}ForCausalLM")(getattr(transformers, f"{arch}Config")(**c)).save_pretrained(
+                tmp / f"{case}_layout", safe_serialization=True)
+            names, shapes = [], []
+            for f in sorted((tmp / f"{case}_layout").glob("*.safetensors")):
+                with safe_open(str(f), framework="np") as st:
+                    for n in sorted(st.keys()):
+                        names.append(n)
+                        shapes.append(tuple(st.get_slice(n).get_shape()))
+            write(tmp / case, config, weights(names, shapes))
+            model = getattr(transformers, f"{arch}ForCausalLM").from_pretrained(
+                tmp / case, attn_implementation="eager", dtype=torch.float32).eval()
         ids = tokens(config["vocab_size"])
         with torch.no_grad():
             logits = model(torch.as_tensor(ids)).logits.numpy().astype(np.float32)
