@@ -165,6 +165,10 @@ def load_model_state(cfg: TrainConfig, setup: train.Setup, path: pathlib.Path, s
     wanted = {k: v for k, v in wanted.items() if jax.tree.leaves(v)}  # a dense model has no buffers
     on_disk = ocp.PyTreeCheckpointHandler().metadata(sdir)
     on_disk = getattr(on_disk, "tree", on_disk)
+    fresh = {}
+    if "buffers" in wanted and "buffers" not in on_disk:  # parameters alone (`hf import`): the biases a run starts with
+        fresh = jax.tree.map(lambda s, sh: jax.device_put(jnp.zeros(s.shape, s.dtype), sh), wanted.pop("buffers"),
+                             shardings["buffers"])
     saved = checkpoint.array_shapes({k: on_disk.get(k, {}) for k in wanted})
     bad = checkpoint.shape_mismatches(saved, checkpoint.array_shapes(wanted))
     if bad:
@@ -188,7 +192,7 @@ def load_model_state(cfg: TrainConfig, setup: train.Setup, path: pathlib.Path, s
         hint = f"--step N reads another (this run has {others})" if others else "the run has no other step"
         raise checkpoint.CheckpointError(f"cannot read the parameters of the checkpoint at {sdir.parent} "
                                          f"({checkpoint.read_failure(e)}); {hint}") from e
-    return out["params"], out.get("buffers", {})
+    return out["params"], out.get("buffers", fresh)
 
 
 LOSS_TOKENS = 32768  # --loss's default windows per forward: this many tokens' worth (the logits are B x T x V)

@@ -613,6 +613,22 @@ def test_deepseek_import_train_and_export_keep_the_model_files(tmp_path, capsys)
     params, cfg = hf.load_hf_llama(tmp_path / "out")
     np.testing.assert_allclose(_our_logits(params, cfg, want["tokens"]), want["logits"], atol=1e-4, rtol=0)
 
+    # the sampler reads the imported parameters, which come without router biases, and decodes greedily what the
+    # forward's argmax gives (it stopped at 'buffers.blocks.moe.bias: in this model, not in the checkpoint')
+    from mx_jax import sample, sharding, train as train_mod
+
+    scfg = sample.load_config(str(tmp_path / "imported" / "config.yaml"), ["mesh.data=1", "mesh.fsdp=1"])
+    mesh = sharding.make_mesh(scfg.mesh, jax.devices()[:1])
+    setup = train_mod.build(scfg, mesh)
+    params, buffers = sample.load_model_state(scfg, setup, tmp_path / "imported", None)
+    assert [float(np.abs(b).max()) for b in jax.tree.leaves(buffers)] == [0.0]
+    prompt = list(b"def f(x):")
+    with jax.set_mesh(mesh):
+        out = sample.generate(setup, params, buffers, prompt, 6, temperature=0)
+        logits, _ = nnx.merge(setup.graphdef, params, buffers)(jnp.asarray(out), logits_dtype=jnp.float32)
+    np.testing.assert_array_equal(out[:, len(prompt):], np.argmax(np.asarray(logits), -1)[:, len(prompt) - 1:-1])
+    assert sample.main([str(tmp_path / "imported"), "--tokens", "4", "--temperature", "0"]) == 0
+
     # a run from the HF directory: its MoE layers on an expert axis, exported with the directory's keys and files
     result = train(tiny_config(tmp_path / "run", *DEEPSEEK_TRAIN, f"init_from={tmp_path / 'hf'}", "steps=1",
                                "optim.warmup_steps=0", "mesh.data=4", "mesh.fsdp=1", "mesh.expert=2",
