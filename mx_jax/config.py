@@ -83,6 +83,9 @@ class ModelConfig:
     n_heads: int = 8
     n_kv_heads: int = 4
     head_dim: int = 0  # 0 = d_model // n_heads
+    # RMSNorm over each head's query and key before RoPE, with a learned (head_dim,) scale each per layer (Qwen3,
+    # OLMo 2's per-head form): q_h <- q_h / rms(q_h) * s_q, k_h <- k_h / rms(k_h) * s_k (layers.Attention)
+    qk_norm: bool = False
     d_ff: int = 768
     rope_theta: float = 500_000.0
     rope_scaling: RopeScaling = RopeScaling()

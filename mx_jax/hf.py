@@ -167,27 +167,40 @@ DEEPSEEK_SHARED: tuple[_Tensor, ...] = (
     _Tensor("model.layers.{i}.mlp.shared_experts.up_proj.weight", ("blocks", "moe", "shared", "w_up"), True),
     _Tensor("model.layers.{i}.mlp.shared_experts.down_proj.weight", ("blocks", "moe", "shared", "w_down"), True),
 )
+# Qwen3 (Qwen3ForCausalLM, Qwen3MoeForCausalLM): each layer's per-head RMSNorm scales of q and k (model.qk_norm); its
+# MoE layers are named as DeepSeekMoE's, without shared experts.
+QK_NORMS: tuple[_Tensor, ...] = (
+    _Tensor("model.layers.{i}.self_attn.q_norm.weight", ("blocks", "attn", "q_norm", "scale"), False),
+    _Tensor("model.layers.{i}.self_attn.k_norm.weight", ("blocks", "attn", "k_norm", "scale"), False),
+)
 _DENSE_MLP = tuple(t for t in LAYOUT if t.path[:2] == ("blocks", "mlp"))
 _BEFORE_MLP = tuple(t for t in LAYOUT if t.per_layer and t.path[:2] != ("blocks", "mlp"))
 
 
-def moe_style(cfg: ModelConfig) -> str:
-    """"" for a dense Llama, "mixtral" or "deepseek" for the HF MoE layout that holds cfg's MoE layers; a ConfigError
-    naming the key where neither does. Mixtral: every layer MoE, no shared experts, softmax routing with the top-k
-    weights renormalized, experts as wide as model.d_ff. DeepSeekMoE: softmax routing, every layer after the dense
-    first ones MoE, head_dim = d_model / n_heads."""
+def model_type(cfg: ModelConfig) -> str:
+    """The HF model_type that holds cfg, or a ConfigError naming the key where none does:
+    - "llama": dense; "qwen3": dense with model.qk_norm;
+    - "mixtral": every layer MoE, no shared experts, softmax routing with the top-k weights renormalized, experts as
+      wide as model.d_ff (and no qk_norm);
+    - "deepseek" (DeepSeekMoE): softmax routing, every layer after the dense first ones MoE, head_dim = d_model /
+      n_heads;
+    - "qwen3_moe": with model.qk_norm, softmax routing, every layer after the dense first ones MoE, no shared
+      experts."""
     m = cfg.moe
     if not m.n_experts:
-        return ""
-    if (m.n_shared, m.every_n_layers, m.n_dense_first, m.score, m.normalize_top_k, m.d_expert or cfg.d_ff) == \
-            (0, 1, 0, "softmax", True, cfg.d_ff):
+        return "qwen3" if cfg.qk_norm else "llama"
+    if not cfg.qk_norm and (m.n_shared, m.every_n_layers, m.n_dense_first, m.score, m.normalize_top_k,
+                            m.d_expert or cfg.d_ff) == (0, 1, 0, "softmax", True, cfg.d_ff):
         return "mixtral"
-    for key, value, want in (("moe.every_n_layers", m.every_n_layers, 1), ("moe.score", m.score, "softmax"),
-                             ("head_dim", cfg.d_head, cfg.d_model // cfg.n_heads)):
+    name, wants = ("Qwen3-MoE", (("moe.every_n_layers", m.every_n_layers, 1), ("moe.score", m.score, "softmax"),
+                                 ("moe.n_shared", m.n_shared, 0))) if cfg.qk_norm else \
+        ("DeepSeekMoE", (("moe.every_n_layers", m.every_n_layers, 1), ("moe.score", m.score, "softmax"),
+                         ("head_dim", cfg.d_head, cfg.d_model // cfg.n_heads)))
+    for key, value, want in wants:
         if value != want:
-            raise ConfigError(f"config key 'model.{key}': {value!r}; HF interop covers dense Llama, Mixtral-style and "
-                              f"DeepSeekMoE-style models, which have {key}={want!r}")
-    return "deepseek"
+            raise ConfigError(f"config key 'model.{key}': {value!r}; HF interop covers dense Llama and Qwen3, and "
+                              f"Mixtral-, DeepSeekMoE- and Qwen3-MoE-style models ({name} has {key}={want!r})")
+    return "qwen3_moe" if cfg.qk_norm else "deepseek"
 
 
 def _n_dense_first(cfg: ModelConfig) -> int:
@@ -205,13 +218,16 @@ def layout(cfg: ModelConfig) -> tuple[_Tensor, ...]:
 def _layer_layout(cfg: ModelConfig, i: int) -> tuple[str, int, tuple[_Tensor, ...]]:
     """(stack, index in it, tensors) of HF layer i: the first model.moe.n_dense_first layers are the `dense_blocks`
     stack of dense MLPs, the rest the `blocks` stack."""
-    style, n_first = moe_style(cfg), _n_dense_first(cfg)
+    kind, n_first = model_type(cfg), _n_dense_first(cfg)
+    before = _BEFORE_MLP + (QK_NORMS if cfg.qk_norm else ())
     if i < n_first:
-        dense = tuple(dataclasses.replace(t, path=("dense_blocks", *t.path[1:])) for t in (*_BEFORE_MLP, *_DENSE_MLP))
+        dense = tuple(dataclasses.replace(t, path=("dense_blocks", *t.path[1:])) for t in (*before, *_DENSE_MLP))
         return "dense_blocks", i, dense
-    mlp = {"": _DENSE_MLP, "mixtral": MIXTRAL_MLP,
-           "deepseek": DEEPSEEK_MLP + (DEEPSEEK_SHARED if cfg.moe.n_shared else ())}[style]
-    return "blocks", i - n_first, _BEFORE_MLP + mlp
+    if kind in ("llama", "qwen3"):
+        mlp = _DENSE_MLP
+    else:
+        mlp = MIXTRAL_MLP if kind == "mixtral" else DEEPSEEK_MLP + (DEEPSEEK_SHARED if cfg.moe.n_shared else ())
+    return "blocks", i - n_first, before + mlp
 
 
 # Buffers some older HF checkpoints saved; recomputed from the config, so they are skipped.
@@ -231,10 +247,11 @@ def _safetensors():
 # config.json <-> ModelConfig
 
 # ModelConfig fields that set parameter shapes: a given cfg must agree with config.json on these.
-_SHAPE_FIELDS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_head", "d_ff")
+_SHAPE_FIELDS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_head", "d_ff", "qk_norm")
 _NUMERIC_FIELDS = ("rope_theta", "rope_scaling", "norm_eps")
 # The ModelConfig keys config.json determines (what `import` writes into OUT/config.yaml).
-_ARCH_KEYS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff", *_NUMERIC_FIELDS)
+_ARCH_KEYS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff", "qk_norm",
+              *_NUMERIC_FIELDS)
 
 
 def config_from_hf(hf: dict, source: str = "config.json") -> ModelConfig:
@@ -248,17 +265,28 @@ def config_from_hf(hf: dict, source: str = "config.json") -> ModelConfig:
     archs = hf.get("architectures") or []
     if "model_type" not in hf and any(a != "LlamaForCausalLM" for a in archs):
         raise HFFormatError(f"{source}: no model_type, and architectures is {archs}; only LlamaForCausalLM, "
-                            f"MixtralForCausalLM and DeepseekForCausalLM map to mx_jax")
+                            f"MixtralForCausalLM, DeepseekForCausalLM, Qwen3ForCausalLM and Qwen3MoeForCausalLM map "
+                            f"to mx_jax")
     model_type = hf.get("model_type", "llama")
-    if model_type not in ("llama", "mixtral", "deepseek"):
+    if model_type not in ("llama", "mixtral", "deepseek", "qwen3", "qwen3_moe"):
         raise HFFormatError(f"{source}: model_type is {model_type!r}; only 'llama' (LlamaForCausalLM), 'mixtral' "
-                            f"(MixtralForCausalLM) and 'deepseek' (DeepseekForCausalLM, DeepSeekMoE) map to mx_jax")
+                            f"(MixtralForCausalLM), 'deepseek' (DeepseekForCausalLM, DeepSeekMoE), 'qwen3' "
+                            f"(Qwen3ForCausalLM) and 'qwen3_moe' (Qwen3MoeForCausalLM) map to mx_jax")
     moe = MoEConfig()
     d_model, n_heads = int(get("hidden_size")), int(get("num_attention_heads"))
     head_dim = int(get("head_dim", d_model // n_heads))
     if model_type == "deepseek":
         head_dim = d_model // n_heads  # DeepSeek's attention has no head_dim key of its own
         moe = _deepseek_moe(hf, source, int(get("num_hidden_layers")))
+    if model_type in ("qwen3", "qwen3_moe"):
+        if hf.get("use_sliding_window"):
+            raise HFFormatError(f"{source}: use_sliding_window=true is not supported (mx_jax attends to the whole "
+                                f"causal context)")
+        if any(t != "full_attention" for t in hf.get("layer_types") or ()):
+            raise HFFormatError(f"{source}: layer_types {sorted(set(hf['layer_types']))}: only full_attention layers "
+                                f"are supported")
+    if model_type == "qwen3_moe":
+        moe = _qwen3_moe(hf, source, int(get("num_hidden_layers")))
     if model_type == "mixtral":
         if hf.get("sliding_window") is not None:
             raise HFFormatError(f"{source}: sliding_window={hf['sliding_window']} is not supported (mx_jax attends "
@@ -299,6 +327,7 @@ def config_from_hf(hf: dict, source: str = "config.json") -> ModelConfig:
         rope_theta=float(rope.get("rope_theta") or get("rope_theta", 10000.0)),  # HF LlamaConfig's default
         rope_scaling=scaling,
         norm_eps=float(get("rms_norm_eps", 1e-6)),  # HF LlamaConfig's default
+        qk_norm=model_type in ("qwen3", "qwen3_moe"),
         moe=moe,
     )
 
@@ -321,19 +350,47 @@ def _deepseek_moe(hf: dict, source: str, n_layers: int) -> MoEConfig:
                      aux_loss_coef=float(hf.get("aux_loss_alpha", 0.001)))  # alpha x 1 at balance in both
 
 
+def _qwen3_moe(hf: dict, source: str, n_layers: int) -> MoEConfig:
+    """The MoE of a Qwen3MoeConfig: its `mlp_only_layers` must be the first layers (model.moe.n_dense_first), and
+    `decoder_sparse_step` 1. HF's balancing loss is top_k at balance, ours 1 (moe.py): coefficient x top_k."""
+    dense = sorted(int(i) for i in hf.get("mlp_only_layers") or ())
+    if dense != list(range(len(dense))):
+        raise HFFormatError(f"{source}: mlp_only_layers={dense} is not supported (only the first layers may be dense)")
+    if hf.get("decoder_sparse_step", 1) != 1:
+        raise HFFormatError(f"{source}: decoder_sparse_step={hf['decoder_sparse_step']} is not supported (mx_jax maps "
+                            f"Qwen3-MoE with every layer after the dense ones MoE)")
+    n_experts = hf.get("num_experts") or hf.get("num_local_experts")  # the Hub's name; transformers 5 writes the other
+    if not n_experts or len(dense) >= n_layers:
+        return MoEConfig()
+    for key in ("num_experts_per_tok", "moe_intermediate_size"):
+        if hf.get(key) is None:
+            raise HFFormatError(f"{source}: missing key '{key}'")
+    top_k = int(hf["num_experts_per_tok"])
+    return MoEConfig(n_experts=int(n_experts), top_k=top_k, d_expert=int(hf["moe_intermediate_size"]),
+                     n_dense_first=len(dense), score="softmax", normalize_top_k=bool(hf.get("norm_topk_prob", False)),
+                     aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.001)) * top_k)
+
+
+# The keys of a base config.json kept whatever its architecture.
+_GENERIC_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id", "max_position_embeddings", "initializer_range",
+                 "transformers_version")
+
+
 def config_to_hf(cfg: ModelConfig, dtype: str, base: dict | None = None) -> dict:
-    """ModelConfig -> config.json for LlamaForCausalLM (MixtralForCausalLM for an MoE). `base` (an imported
-    config.json) keeps its other keys (token ids, max_position_embeddings, ...); the architecture keys are
-    overwritten."""
-    style = moe_style(cfg)
+    """ModelConfig -> config.json of the architecture `model_type` names. `base` (an imported config.json) keeps its
+    other keys (token ids, max_position_embeddings, ...), or only _GENERIC_KEYS where it describes another
+    model_type; the architecture keys are overwritten."""
+    kind = model_type(cfg)
     if cfg.moe.bias_update_rate > 0:
         raise ConfigError("config key 'model.moe.bias_update_rate': the router biases it trains change which experts "
-                          "are chosen, and neither HF Mixtral nor DeepSeekMoE has a place for them")
+                          "are chosen, and no HF MoE mapped here has a place for them")
     sc = cfg.rope_scaling
     scaled = sc.factor > 1.0
-    if style == "deepseek" and scaled:
+    if kind == "deepseek" and scaled:
         raise ConfigError("config key 'model.rope_scaling': DeepSeekMoE's code scales RoPE linearly or by dynamic NTK, "
                           "not as Llama 3.1 does")
+    if base and base.get("model_type", "llama") != kind:  # another architecture's keys would not describe this one
+        base = {k: v for k, v in base.items() if k in _GENERIC_KEYS}
     out = dict(base or {})
     out.pop("rope_parameters", None)  # transformers 5 name; rope_scaling below is read by 4.x and 5.x alike
     out.update({
@@ -363,21 +420,30 @@ def config_to_hf(cfg: ModelConfig, dtype: str, base: dict | None = None) -> dict
     if "dtype" in out:  # transformers 5 writes `dtype` instead of `torch_dtype`
         out["dtype"] = dtype
     m = cfg.moe
-    if style == "mixtral":
+    if kind == "mixtral":
         out.update({"architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
                     "num_local_experts": m.n_experts, "num_experts_per_tok": m.top_k,
                     "router_aux_loss_coef": m.aux_loss_coef / m.top_k, "output_router_logits": False,
                     "router_jitter_noise": 0.0, "sliding_window": None})
-    elif style == "deepseek":  # DeepseekConfig's keys; it derives head_dim from hidden_size / heads
-        for key in ("head_dim", "mlp_bias", "num_local_experts", "router_aux_loss_coef", "output_router_logits",
-                    "router_jitter_noise", "sliding_window"):
-            out.pop(key, None)
+    elif kind == "deepseek":  # DeepseekConfig's keys; it derives head_dim from hidden_size / heads
+        for key in ("head_dim", "mlp_bias"):
+            out.pop(key)
         out.update({"architectures": ["DeepseekForCausalLM"], "model_type": "deepseek",
                     "n_routed_experts": m.n_experts, "num_experts_per_tok": m.top_k,
                     "moe_intermediate_size": m.d_expert or cfg.d_ff, "n_shared_experts": m.n_shared or None,
                     "first_k_dense_replace": m.n_dense_first, "moe_layer_freq": 1, "scoring_func": "softmax",
                     "norm_topk_prob": m.normalize_top_k, "aux_loss_alpha": m.aux_loss_coef, "pretraining_tp": 1})
         out.setdefault("seq_aux", True)
+    elif kind in ("qwen3", "qwen3_moe"):
+        out.pop("mlp_bias")
+        out.update({"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "use_sliding_window": False,
+                    "sliding_window": None, "max_window_layers": cfg.n_layers})
+        if kind == "qwen3_moe":  # HF's balancing loss is top_k at balance, as Mixtral's
+            out.update({"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+                        "num_experts": m.n_experts, "num_experts_per_tok": m.top_k,
+                        "moe_intermediate_size": m.d_expert or cfg.d_ff, "norm_topk_prob": m.normalize_top_k,
+                        "decoder_sparse_step": 1, "mlp_only_layers": list(range(m.n_dense_first)),
+                        "router_aux_loss_coef": m.aux_loss_coef / m.top_k, "output_router_logits": False})
     return out
 
 
@@ -395,7 +461,7 @@ def _merge_config(hf_cfg: ModelConfig, cfg: ModelConfig | None, source: str) -> 
     """cfg's values win; shape fields must agree with the checkpoint, numeric ones may differ (with a warning)."""
     if cfg is None:
         return hf_cfg
-    moe_style(cfg)
+    model_type(cfg)
     for f in _SHAPE_FIELDS:
         if getattr(cfg, f) != getattr(hf_cfg, f):
             raise ConfigError(f"config key 'model.{f}': {getattr(cfg, f)} does not match the checkpoint's "
@@ -421,9 +487,9 @@ def _merge_config(hf_cfg: ModelConfig, cfg: ModelConfig | None, source: str) -> 
 
 
 def param_shapes(cfg: ModelConfig) -> dict:
-    """The mx_jax params tree of a dense Llama, a Mixtral-style or a DeepSeekMoE-style MoE as nested dicts of shapes
-    (what llama.params_of returns)."""
-    moe_style(cfg)
+    """The mx_jax params tree of a model `model_type` maps, as nested dicts of shapes (what llama.params_of
+    returns)."""
+    model_type(cfg)
     D, V, F, m = cfg.d_model, cfg.vocab_size, cfg.d_ff, cfg.moe
     HK, GK = cfg.n_heads * cfg.d_head, cfg.n_kv_heads * cfg.d_head
 
@@ -435,8 +501,9 @@ def param_shapes(cfg: ModelConfig) -> dict:
                            "w_down": (n, E, Fe, D), **shared}}
         else:
             mlp = {"mlp": {"w_gate": (n, D, F), "w_up": (n, D, F), "w_down": (n, F, D)}}
+        qk = {"q_norm": {"scale": (n, cfg.d_head)}, "k_norm": {"scale": (n, cfg.d_head)}} if cfg.qk_norm else {}
         return {"attn_norm": {"scale": (n, D)}, "mlp_norm": {"scale": (n, D)},
-                "attn": {"wq": (n, D, HK), "wk": (n, D, GK), "wv": (n, D, GK), "wo": (n, HK, D)}, **mlp}
+                "attn": {"wq": (n, D, HK), "wk": (n, D, GK), "wv": (n, D, GK), "wo": (n, HK, D), **qk}, **mlp}
 
     n_first = _n_dense_first(cfg)
     return {
@@ -935,7 +1002,7 @@ def main(argv: list[str] | None = None) -> int:
             arch = {k: v for k, v in to_dict(cfg).items() if k in _ARCH_KEYS}
             if cfg.moe.n_experts:
                 keys = ("n_experts", "top_k", "aux_loss_coef")
-                if moe_style(cfg) == "deepseek":
+                if model_type(cfg) != "mixtral":
                     keys += ("d_expert", "n_shared", "n_dense_first", "normalize_top_k")
                 arch["moe"] = {k: getattr(cfg.moe, k) for k in keys}
             (out / "config.yaml").write_text(yaml.safe_dump({"model": arch}, sort_keys=False))
@@ -959,7 +1026,7 @@ def main(argv: list[str] | None = None) -> int:
             if source:
                 print(f"config.json: the keys it does not set from {source}"
                       + (f"; {', '.join(extra)} from beside it" if extra else ""))
-            if moe_style(cfg) == "deepseek" and not (base or {}).get("auto_map"):
+            if model_type(cfg) == "deepseek" and not (base or {}).get("auto_map"):
                 print("DeepseekForCausalLM: vLLM and SGLang load it as it is; transformers needs the model's own code "
                       "(configuration_deepseek.py and modeling_deepseek.py from deepseek-ai/deepseek-moe-16b-base, "
                       "and its config.json's auto_map)")

@@ -21,6 +21,8 @@ RoPE:      (x1, x2) -> (x1 cos(p w) - x2 sin(p w), x2 cos(p w) + x1 sin(p w)), w
            Llama 3.1 scaling divides w_i by `factor` for wavelengths longer than original_max_len/low_freq_factor,
            keeps those shorter than original_max_len/high_freq_factor, and interpolates smoothly in between.
 Attention: softmax(q k^T / sqrt(K) + causal mask) v with G key/value heads shared by H/G query heads each.
+           model.qk_norm (Qwen3): each head's q and k go through RMSNorm over K (the `rms_norm` above, scales s_q and
+           s_k of shape (K,) per layer) before RoPE.
            cuDNN flash attention on GPU (the kernels of jax.nn.dot_product_attention(implementation="cudnn"),
            through context_parallel.cudnn_causal_attention, whose residuals remat policies can keep), XLA elsewhere.
            With a `context` mesh axis the sequence is split in load-balanced zigzag chunks; each shard all-gathers
@@ -319,6 +321,8 @@ class Attention(nnx.Module):
         self.recipes, self.impl, self.scanned, self.reduce = recipes, impl, cfg.scan_layers, cfg.grad_reduce_dtype
         self.attention = attention_impl(cfg.attention, cfg.compute_dtype, k)
         self.max_documents = cfg.max_documents
+        if cfg.qk_norm:  # per-head RMSNorm of q and k before RoPE (config.ModelConfig.qk_norm)
+            self.q_norm, self.k_norm = RMSNorm(k, cfg.norm_eps, pd), RMSNorm(k, cfg.norm_eps, pd)
 
     def _qkv(self, x: jax.Array, pos: Positions, inv_freq: jax.Array,
              fused: bool = True) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -331,6 +335,8 @@ class Attention(nnx.Module):
         q = q.reshape(b, t, self.n_heads, self.head_dim)
         k = k.reshape(b, t, self.n_kv_heads, self.head_dim)
         v = v.reshape(b, t, self.n_kv_heads, self.head_dim)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
         return apply_rope(q, pos.rope, inv_freq), apply_rope(k, pos.rope, inv_freq), v
 
     def _out(self, o: jax.Array) -> jax.Array:

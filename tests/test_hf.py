@@ -1,5 +1,5 @@
-"""HF Llama, Mixtral and DeepSeekMoE interop: exact round trips of checkpoints the test writes in HF layout, the
-key/shape errors, Orbax import/export, and logits against transformers' LlamaForCausalLM and MixtralForCausalLM and
+"""HF Llama, Mixtral, DeepSeekMoE and Qwen3 interop: exact round trips of checkpoints the test writes in HF layout, the
+key/shape errors, Orbax import/export, and logits against transformers' Llama, Mixtral, Qwen3 and Qwen3-MoE models and
 DeepSeekMoE's published model (kept in tests/data; live where torch and transformers are installed)."""
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ from mx_jax.llama import Llama, buffers_of, params_of  # noqa: E402
 from mx_jax.train import train  # noqa: E402
 from tests.helpers import NO_IO, tiny_config  # noqa: E402
 
-from tests.transformers_golden import DEEPSEEK_CONFIG, HF_CONFIG, MIXTRAL_CONFIG  # noqa: E402
+from tests.transformers_golden import (DEEPSEEK_CONFIG, HF_CONFIG, MIXTRAL_CONFIG, QWEN3_CONFIG,  # noqa: E402
+                                       QWEN3_MOE_CONFIG)
 
 
 def _hf_tensors(c: dict, dtype, seed: int = 0, tied: bool = False) -> dict[str, np.ndarray]:
@@ -312,7 +313,7 @@ def test_export_checks_params_and_existing_files(tmp_path):
         hf.export_hf_llama(moe_params, biased, tmp_path / "new")
     assert not (tmp_path / "new").exists()
     sigmoid = dataclasses.replace(cfg.moe, n_experts=4, n_shared=1, score="sigmoid")  # DeepSeek-V3's: no HF mapping
-    with pytest.raises(ConfigError, match="model.moe.score.*DeepSeekMoE-style"):
+    with pytest.raises(ConfigError, match="model.moe.score.*DeepSeekMoE has moe.score='softmax'"):
         hf.export_hf_llama(params, dataclasses.replace(cfg, moe=sigmoid), tmp_path / "moe")
     assert not (tmp_path / "moe").exists()
 
@@ -414,7 +415,8 @@ def _check_against_transformers(tmp_path, arch: str, hf_config: dict) -> None:
         np.testing.assert_allclose(back(torch.as_tensor(tokens)).logits.numpy(), want, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("case", ["llama", "llama_tied", "mixtral", "deepseek", "deepseek_top_k_normalized"])
+@pytest.mark.parametrize("case", ["llama", "llama_tied", "mixtral", "deepseek", "deepseek_top_k_normalized", "qwen3",
+                                  "qwen3_moe"])
 def test_logits_match_those_transformers_computed(tmp_path, case):
     """The checkpoint tests/transformers_golden.py gave transformers (config.json and safetensors in the Hub's
     layout, weights drawn again here from their recorded names and shapes), imported: our float32 logits are the
@@ -517,7 +519,7 @@ def test_deepseek_config_maps_both_ways():
     assert (m.n_experts, m.top_k, m.d_expert, m.n_shared, m.n_dense_first, m.score, m.normalize_top_k,
             m.aux_loss_coef) == (6, 3, 24, 2, 1, "softmax", False, 0.001)
     assert (cfg.d_ff, cfg.d_head, cfg.head_dim) == (80, 12, 0)
-    assert hf.moe_style(cfg) == "deepseek"
+    assert hf.model_type(cfg) == "deepseek"
     assert hf.config_to_hf(cfg, "float32", DEEPSEEK_CONFIG) == DEEPSEEK_CONFIG
     fresh = hf.config_to_hf(cfg, "float32")  # without a base: every key DeepSeek's code reads
     assert hf.config_from_hf(fresh) == cfg and "head_dim" not in fresh and fresh["n_shared_experts"] == 2
@@ -677,3 +679,50 @@ def test_deepseek_logits_match_its_published_model(tmp_path):
     ref.load_state_dict({k: torch.from_numpy(v.copy()) for k, v in _read_all(tmp_path / "ours").items()}, strict=True)
     with torch.no_grad():
         np.testing.assert_allclose(ref(torch.as_tensor(tokens)).logits.numpy(), want, atol=1e-5, rtol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Qwen3 and Qwen3-MoE: per-head q and k norms (model.qk_norm); MoE layers named as DeepSeekMoE's, no shared experts
+
+
+def test_qwen3_configs_map_both_ways():
+    cfg = hf.config_from_hf(QWEN3_CONFIG)
+    assert (cfg.qk_norm, cfg.d_head, cfg.head_dim, cfg.moe.n_experts) == (True, 16, 16, 0)
+    assert hf.model_type(cfg) == "qwen3"
+    assert hf.config_to_hf(cfg, "float32", QWEN3_CONFIG) == {**QWEN3_CONFIG, "tie_word_embeddings": False}
+    moe = hf.config_from_hf(QWEN3_MOE_CONFIG)
+    m = moe.moe
+    assert (m.n_experts, m.top_k, m.d_expert, m.n_shared, m.n_dense_first, m.normalize_top_k, m.aux_loss_coef) == \
+        (6, 3, 24, 0, 1, True, pytest.approx(0.003))  # HF's coefficient x top_k, as Mixtral's
+    assert hf.model_type(moe) == "qwen3_moe"
+    assert hf.config_to_hf(moe, "float32", QWEN3_MOE_CONFIG) == QWEN3_MOE_CONFIG
+    renamed = {**{k: v for k, v in QWEN3_MOE_CONFIG.items() if k != "num_experts"}, "num_local_experts": 6}
+    assert hf.config_from_hf(renamed) == moe  # transformers 5 writes num_experts so
+    for c in (cfg, moe):  # the shapes the model builds, q_norm and k_norm included
+        abstract = nnx.eval_shape(lambda c=c: Llama(c, rngs=nnx.Rngs(0)))
+        shapes = hf.param_shapes(c)
+        assert jax.tree.map(lambda x: tuple(x.shape), params_of(abstract)) == shapes
+        assert shapes["blocks"]["attn"]["q_norm"]["scale"] == (3 - c.moe.n_dense_first, 16)
+    # a base of another architecture gives its token ids, not its keys
+    assert hf.config_to_hf(moe, "float32", MIXTRAL_CONFIG)["model_type"] == "qwen3_moe"
+    assert "num_local_experts" not in hf.config_to_hf(moe, "float32", MIXTRAL_CONFIG)
+    shared = dataclasses.replace(moe, moe=dataclasses.replace(m, n_shared=1))
+    with pytest.raises(ConfigError, match="model.moe.n_shared.*Qwen3-MoE has moe.n_shared=0"):
+        hf.config_to_hf(shared, "float32")
+
+
+@pytest.mark.parametrize("change, match", [
+    ({"use_sliding_window": True}, "use_sliding_window=true"),
+    ({"layer_types": ["full_attention", "sliding_attention", "full_attention"]}, "sliding_attention"),
+    ({"decoder_sparse_step": 2}, "decoder_sparse_step=2"),
+    ({"mlp_only_layers": [1]}, r"mlp_only_layers=\[1\]"),
+])
+def test_unsupported_qwen3_configs_are_refused(change, match):
+    with pytest.raises(hf.HFFormatError, match=match):
+        hf.config_from_hf({**QWEN3_MOE_CONFIG, **change})
+
+
+@pytest.mark.parametrize("arch, config", [("Qwen3", QWEN3_CONFIG), ("Qwen3Moe", QWEN3_MOE_CONFIG)],
+                         ids=["qwen3", "qwen3_moe"])
+def test_qwen3_logits_match_transformers(tmp_path, arch, config):
+    _check_against_transformers(tmp_path, arch, config)

@@ -87,6 +87,38 @@ def test_every_parameter_has_its_pinned_partition_spec():
     }
 
 
+def test_qk_norm_normalizes_each_heads_query_and_key_before_rope():
+    """model.qk_norm (Qwen3): q and k of every head divided by their RMS over the head dimension and scaled by the
+    layer's (K,) scales, then rotated; the scales are replicated parameters that get gradients."""
+    from mx_jax.layers import Attention
+
+    cfg = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, d_ff=48,
+                      qk_norm=True, compute_dtype="float32", norm_eps=1e-6)
+    attn = Attention(cfg, dict.fromkeys(("wq", "wk", "wv", "wo"), "bf16"), "auto", rngs=nnx.Rngs(0))
+    rng = np.random.default_rng(0)
+    s_q, s_k = (1 + 0.5 * rng.standard_normal(16)).astype(np.float32), rng.standard_normal(16).astype(np.float32)
+    attn.q_norm.scale[...], attn.k_norm.scale[...] = jnp.asarray(s_q), jnp.asarray(s_k)
+    x = rng.standard_normal((2, 8, 32)).astype(np.float32)
+    inv_freq = rope_inv_freq(16, cfg.rope_theta, cfg.rope_scaling)
+    q, k, v = attn._qkv(jnp.asarray(x), Positions(jnp.arange(8)), inv_freq)
+
+    def by_hand(w, scale, heads):
+        h = (x.astype(np.float64) @ np.asarray(w[...], np.float64)).reshape(2, 8, heads, 16)
+        h = h / np.sqrt(np.mean(h * h, axis=-1, keepdims=True) + 1e-6) * scale
+        return np.asarray(apply_rope(jnp.asarray(h, jnp.float32), jnp.arange(8), inv_freq))
+
+    np.testing.assert_allclose(np.asarray(q), by_hand(attn.wq, s_q, 4), rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(k), by_hand(attn.wk, s_k, 2), rtol=1e-4, atol=1e-5)
+    model = Llama(cfg, rngs=nnx.Rngs(1))
+    specs = jax.tree.map(sharding.spec, param_axes(model), is_leaf=lambda x: isinstance(x, tuple))
+    assert specs["blocks"]["attn"]["q_norm"] == {"scale": P(None, None)}
+    tokens = jnp.asarray(rng.integers(0, 64, (2, 8)))
+    grads = nnx.grad(lambda m: jnp.sum(m(tokens)[0] ** 2))(model)
+    for name in ("q_norm", "k_norm"):
+        g = np.asarray(getattr(grads.blocks.attn, name).scale[...])
+        assert g.shape == (2, 16) and np.all(np.abs(g).sum(-1) > 0), name
+
+
 @pytest.mark.parametrize("mesh_shape,want_e,want_f", [
     ({"fsdp": 2}, ("expert", "fsdp", "context"), None),  # whole matrices, split over the experts
     ({"data": 2, "fsdp": 2, "expert": 2}, ("expert", "fsdp", "context"), None),

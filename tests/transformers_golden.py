@@ -1,5 +1,5 @@
-"""transformers' logits for tiny Llama, Mixtral and DeepSeekMoE models, kept so that CI (no torch) checks our import
-against them.
+"""transformers' logits for tiny Llama, Mixtral, DeepSeekMoE, Qwen3 and Qwen3-MoE models, kept so that CI (no torch)
+checks our import against them.
 
     python tests/transformers_golden.py     # needs numpy, torch, transformers; rewrites tests/data/transformers.npz
 
@@ -47,6 +47,20 @@ DEEPSEEK_CONFIG = {
     "rope_scaling": None, "max_position_embeddings": 128, "attention_bias": False, "tie_word_embeddings": False,
     "pretraining_tp": 1, "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "float32",
 }
+# Qwen3: per-head RMSNorm of q and k (model.qk_norm), head_dim 16 != hidden / heads, tied embeddings as its small
+# models have them; Qwen3-MoE with a dense first layer (mlp_only_layers) and the top-k weights renormalized.
+QWEN3_CONFIG = {
+    "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 256, "hidden_size": 48,
+    "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 80,
+    "hidden_act": "silu", "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "rope_scaling": None,
+    "max_position_embeddings": 128, "attention_bias": False, "tie_word_embeddings": True, "use_sliding_window": False,
+    "sliding_window": None, "max_window_layers": 3, "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "float32",
+}
+QWEN3_MOE_CONFIG = {
+    **QWEN3_CONFIG, "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "tie_word_embeddings": False,
+    "num_experts": 6, "num_experts_per_tok": 3, "moe_intermediate_size": 24, "norm_topk_prob": True,
+    "decoder_sparse_step": 1, "mlp_only_layers": [0], "router_aux_loss_coef": 0.001, "output_router_logits": False,
+}
 CASES = {  # name: (transformers architecture, config.json)
     "llama": ("Llama", HF_CONFIG),
     "llama_tied": ("Llama", {**HF_CONFIG, "tie_word_embeddings": True}),
@@ -54,6 +68,8 @@ CASES = {  # name: (transformers architecture, config.json)
     "deepseek": ("Deepseek", DEEPSEEK_CONFIG),
     "deepseek_top_k_normalized": ("Deepseek", {**DEEPSEEK_CONFIG, "norm_topk_prob": True, "n_shared_experts": None,
                                                "first_k_dense_replace": 0}),
+    "qwen3": ("Qwen3", QWEN3_CONFIG),
+    "qwen3_moe": ("Qwen3Moe", QWEN3_MOE_CONFIG),
 }
 TOKENS = (2, 40)  # 40 positions > the rope scaling's original context of 16
 
