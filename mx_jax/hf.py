@@ -207,23 +207,25 @@ def _n_dense_first(cfg: ModelConfig) -> int:
     return cfg.moe.n_dense_first if cfg.moe.n_experts else 0
 
 
-def layout(cfg: ModelConfig) -> tuple[_Tensor, ...]:
+def layout(cfg: ModelConfig, kind: str | None = None) -> tuple[_Tensor, ...]:
     """Every tensor of the model of cfg once (layer tensors with "{i}", expert tensors with "{j}"), each path in the
-    mx_jax tree: LAYOUT for a dense Llama; for a MoE its MLP tensors replaced by MIXTRAL_MLP or DEEPSEEK_MLP (+
-    DEEPSEEK_SHARED), and DeepSeek's dense first layers under `dense_blocks`."""
-    layers = tuple(dict.fromkeys(t for i in range(cfg.n_layers) for t in _layer_layout(cfg, i)[2]))
+    mx_jax tree, named as HF's `kind` names them (default: model_type(cfg)): LAYOUT for a dense model; for a MoE its
+    MLP tensors replaced by MIXTRAL_MLP, or DEEPSEEK_MLP (+ DEEPSEEK_SHARED) for DeepSeekMoE and Qwen3-MoE; with
+    model.qk_norm the QK_NORMS; dense first layers under `dense_blocks`."""
+    kind = kind or model_type(cfg)
+    layers = tuple(dict.fromkeys(t for i in range(cfg.n_layers) for t in _layer_layout(cfg, i, kind)[2]))
     return LAYOUT[:1] + layers + tuple(t for t in LAYOUT[1:] if not t.per_layer)
 
 
-def _layer_layout(cfg: ModelConfig, i: int) -> tuple[str, int, tuple[_Tensor, ...]]:
-    """(stack, index in it, tensors) of HF layer i: the first model.moe.n_dense_first layers are the `dense_blocks`
-    stack of dense MLPs, the rest the `blocks` stack."""
-    kind, n_first = model_type(cfg), _n_dense_first(cfg)
+def _layer_layout(cfg: ModelConfig, i: int, kind: str) -> tuple[str, int, tuple[_Tensor, ...]]:
+    """(stack, index in it, tensors) of HF layer i, named as `kind` names them: the first model.moe.n_dense_first
+    layers are the `dense_blocks` stack of dense MLPs, the rest the `blocks` stack."""
+    n_first = _n_dense_first(cfg)
     before = _BEFORE_MLP + (QK_NORMS if cfg.qk_norm else ())
     if i < n_first:
         dense = tuple(dataclasses.replace(t, path=("dense_blocks", *t.path[1:])) for t in (*before, *_DENSE_MLP))
         return "dense_blocks", i, dense
-    if kind in ("llama", "qwen3"):
+    if not cfg.moe.n_experts:
         mlp = _DENSE_MLP
     else:
         mlp = MIXTRAL_MLP if kind == "mixtral" else DEEPSEEK_MLP + (DEEPSEEK_SHARED if cfg.moe.n_shared else ())
@@ -360,6 +362,9 @@ def _qwen3_moe(hf: dict, source: str, n_layers: int) -> MoEConfig:
         raise HFFormatError(f"{source}: decoder_sparse_step={hf['decoder_sparse_step']} is not supported (mx_jax maps "
                             f"Qwen3-MoE with every layer after the dense ones MoE)")
     n_experts = hf.get("num_experts") or hf.get("num_local_experts")  # the Hub's name; transformers 5 writes the other
+    if hf.get("num_experts") and hf.get("num_local_experts") and hf["num_experts"] != hf["num_local_experts"]:
+        raise HFFormatError(f"{source}: num_experts={hf['num_experts']} and num_local_experts="
+                            f"{hf['num_local_experts']} disagree")
     if not n_experts or len(dense) >= n_layers:
         return MoEConfig()
     for key in ("num_experts_per_tok", "moe_intermediate_size"):
@@ -371,6 +376,13 @@ def _qwen3_moe(hf: dict, source: str, n_layers: int) -> MoEConfig:
                      aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.001)) * top_k)
 
 
+# config.json keys that describe an architecture's shape or routing, which config_to_hf writes for the model_type it
+# chooses and never keeps from a base.
+_ARCH_HF_KEYS = frozenset((
+    "rope_parameters", "rope_scaling", "layer_types", "head_dim", "num_local_experts", "num_experts",
+    "num_experts_per_tok", "moe_intermediate_size", "n_routed_experts", "n_shared_experts", "first_k_dense_replace",
+    "moe_layer_freq", "mlp_only_layers", "decoder_sparse_step", "norm_topk_prob", "scoring_func", "topk_method",
+    "router_aux_loss_coef", "aux_loss_alpha", "sliding_window", "use_sliding_window", "max_window_layers"))
 # The keys of a base config.json kept whatever its architecture.
 _GENERIC_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id", "max_position_embeddings", "initializer_range",
                  "transformers_version")
@@ -391,8 +403,10 @@ def config_to_hf(cfg: ModelConfig, dtype: str, base: dict | None = None) -> dict
                           "not as Llama 3.1 does")
     if base and base.get("model_type", "llama") != kind:  # another architecture's keys would not describe this one
         base = {k: v for k, v in base.items() if k in _GENERIC_KEYS}
-    out = dict(base or {})
-    out.pop("rope_parameters", None)  # transformers 5 name; rope_scaling below is read by 4.x and 5.x alike
+    # The base's architecture keys go, whether or not this model_type writes them again: a base of another shape
+    # (--hf-config) must not leave transformers 5's num_local_experts beside num_experts, or its layer_types.
+    # (rope_parameters is transformers 5's name; rope_scaling below is read by 4.x and 5.x alike.)
+    out = {k: v for k, v in (base or {}).items() if k not in _ARCH_HF_KEYS}
     out.update({
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -461,7 +475,6 @@ def _merge_config(hf_cfg: ModelConfig, cfg: ModelConfig | None, source: str) -> 
     """cfg's values win; shape fields must agree with the checkpoint, numeric ones may differ (with a warning)."""
     if cfg is None:
         return hf_cfg
-    model_type(cfg)
     for f in _SHAPE_FIELDS:
         if getattr(cfg, f) != getattr(hf_cfg, f):
             raise ConfigError(f"config key 'model.{f}': {getattr(cfg, f)} does not match the checkpoint's "
@@ -489,7 +502,6 @@ def _merge_config(hf_cfg: ModelConfig, cfg: ModelConfig | None, source: str) -> 
 def param_shapes(cfg: ModelConfig) -> dict:
     """The mx_jax params tree of a model `model_type` maps, as nested dicts of shapes (what llama.params_of
     returns)."""
-    model_type(cfg)
     D, V, F, m = cfg.d_model, cfg.vocab_size, cfg.d_ff, cfg.moe
     HK, GK = cfg.n_heads * cfg.d_head, cfg.n_kv_heads * cfg.d_head
 
@@ -532,12 +544,14 @@ def _hf_shape(t: _Tensor, shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(one)) if t.transpose else tuple(one)
 
 
-def _hf_keys(cfg: ModelConfig) -> Iterator[tuple[str, _Tensor, tuple[int, ...]]]:
+def _hf_keys(cfg: ModelConfig, kind: str | None = None) -> Iterator[tuple[str, _Tensor, tuple[int, ...]]]:
     """(HF key, layout entry, index into the stacked array: () or (layer,) or (layer, expert), the layer counted in
-    its stack) in HF's order: embedding, layer 0's tensors (expert by expert), layer 1's, ..., final norm, head."""
+    its stack) in HF's order: embedding, layer 0's tensors (expert by expert), layer 1's, ..., final norm, head;
+    named as `kind` names them (default: model_type(cfg))."""
+    kind = kind or model_type(cfg)
     yield LAYOUT[0].hf, LAYOUT[0], ()
     for i in range(cfg.n_layers):
-        _, k, tensors = _layer_layout(cfg, i)
+        _, k, tensors = _layer_layout(cfg, i, kind)
         for t in tensors:
             if t.per_expert:
                 yield from ((t.hf.format(i=i, j=j), t, (k, j)) for j in range(cfg.moe.n_experts))
@@ -619,12 +633,13 @@ def load_hf_llama(path: str | pathlib.Path, cfg: ModelConfig | None = None) -> t
     path = pathlib.Path(path)
     hf = read_hf_config(path)
     out_cfg = _merge_config(config_from_hf(hf, str(path / "config.json")), cfg, str(path / "config.json"))
+    kind = hf.get("model_type", "llama")  # the checkpoint's names, whatever cfg's routing (_merge_config warns)
     tied = bool(hf.get("tie_word_embeddings", False))
     files = _weight_files(path)
     dtype = np.dtype(jax.numpy.dtype(out_cfg.param_dtype))
     shapes = param_shapes(out_cfg)
     params: dict = {}
-    for t in layout(out_cfg):
+    for t in layout(out_cfg, kind):
         _set(params, t.path, np.empty(_get(shapes, t.path), dtype))
     used = set()
     with contextlib.ExitStack() as stack:
@@ -650,7 +665,7 @@ def load_hf_llama(path: str | pathlib.Path, cfg: ModelConfig | None = None) -> t
                 raise HFFormatError(f"{file}: cannot read tensor '{key}' ({type(e).__name__}: {e}); is the "
                                     f"download whole?") from None
 
-        for key, t, i in _hf_keys(out_cfg):
+        for key, t, i in _hf_keys(out_cfg, kind):
             if key == "lm_head.weight" and tied:
                 continue  # HF ignores a stored lm_head when tied
             dst = _get(params, t.path)[i]  # a view into the stacked (L, ...) or (L, E, ...) array
@@ -698,8 +713,8 @@ def export_hf_llama(params: dict, cfg: ModelConfig, path: str | pathlib.Path, *,
         raise ValueError(f"export_hf_llama: dtype must be one of {EXPORT_DTYPES}, got {dtype!r}")
     if max_shard_bytes <= 0:
         raise ValueError(f"export_hf_llama: max_shard_bytes must be positive, got {max_shard_bytes}")
-    check_params(params, cfg)
     config = config_to_hf(cfg, dtype, hf_config)  # refuses what HF cannot hold before anything is written
+    check_params(params, cfg)
     np_dtype = np.dtype(jax.numpy.dtype(dtype))
     path = pathlib.Path(path)
     if path.exists() and not path.is_dir():
@@ -707,6 +722,12 @@ def export_hf_llama(params: dict, cfg: ModelConfig, path: str | pathlib.Path, *,
     old = sorted(path.glob("model*.safetensors")) + sorted(path.glob(INDEX_FILE)) if path.is_dir() else []
     if old and not overwrite:
         raise FileExistsError(f"{path} already holds {[p.name for p in old]}; pass overwrite=True (--overwrite)")
+    if old and (path / "config.json").is_file():  # the old export's sidecars and code go with it
+        try:
+            old_config = read_json_object(path / "config.json", HFFormatError)
+        except HFFormatError:
+            old_config = {}
+        old += [path / n for n in (*SIDECARS, *code_files(old_config)) if (path / n).is_file()]
 
     # Plan shards from shapes alone, greedily in HF's key order; a tensor larger than the limit gets its own shard.
     shapes = param_shapes(cfg)
@@ -914,54 +935,119 @@ def export_tokenizer(cfg_file: pathlib.Path, out: pathlib.Path) -> str:
 
 # Files beside an HF model's weights that an exported copy carries too: its generation defaults (the end-of-turn
 # ids a chat model stops at, sampling settings) and, for a model whose code ships with the checkpoint (config.json's
-# auto_map: DeepSeekMoE), that code. `import` keeps them in OUT as hf_<name>, beside hf_config.json.
+# auto_map: DeepSeekMoE), that code. `import`, and the trainer on a fresh start from `init_from`, keep them in the run
+# directory as hf_<name>, beside hf_config.json (the model's config.json); `export` puts them back.
 SIDECARS = ("generation_config.json",)
+_MODULE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
 def code_files(config: dict) -> list[str]:
-    """The Python files config.json's auto_map names ("modeling_deepseek.DeepseekForCausalLM" -> modeling_deepseek.py;
-    "repo--module.Class" names module.py of another repository)."""
-    refs = [r for v in (config.get("auto_map") or {}).values() for r in (v if isinstance(v, list) else [v])]
-    return sorted({r.split("--")[-1].rsplit(".", 1)[0] + ".py" for r in refs if isinstance(r, str) and "." in r})
+    """The local Python files config.json's auto_map names ("modeling_deepseek.DeepseekForCausalLM" ->
+    modeling_deepseek.py). An entry "repo--module.Class" names another repository's code, not a file here."""
+    auto = config.get("auto_map")
+    refs = [r for v in auto.values() for r in (v if isinstance(v, list) else [v])] if isinstance(auto, dict) else []
+    modules = {r.rsplit(".", 1)[0] for r in refs if isinstance(r, str) and "--" not in r and "." in r}
+    return sorted(f"{m}.py" for m in modules if _MODULE.fullmatch(m))
 
 
-def _init_from_of(cfg_file: pathlib.Path) -> pathlib.Path | None:
+def _local_ref_ok(ref: Any, present: set[str]) -> bool:
+    """An auto_map entry an export may keep: another repository's code, or a module whose file it carries."""
+    if not isinstance(ref, str) or "--" in ref:
+        return True
+    module = ref.rsplit(".", 1)[0]
+    return f"{module}.py" in present
+
+
+def _model_files(config_file: pathlib.Path) -> dict[str, pathlib.Path]:
+    """{name: file} of the sidecars and model code beside a config.json (HF layout: config.json, generation_config.
+    json, ...) or an hf_config.json (a run directory: hf_config.json, hf_generation_config.json, ...)."""
+    prefix = "hf_" if config_file.name == "hf_config.json" else ""
+    config = read_json_object(config_file, HFFormatError)
+    names = (*SIDECARS, *code_files(config))
+    return {n: config_file.parent / f"{prefix}{n}" for n in names if (config_file.parent / f"{prefix}{n}").is_file()}
+
+
+def _source_config(path: pathlib.Path) -> pathlib.Path | None:
+    """The config.json describing the model in `path`: an HF directory's config.json, or the hf_config.json kept in
+    an mx_jax run (the run directory above a step or state directory)."""
+    if is_hf_dir(path):
+        return path / "config.json"
+    kept = _run_dir_of(path.absolute()) / "hf_config.json"
+    return kept if kept.is_file() else None
+
+
+def keep_model_files(source: str | pathlib.Path, run_dir: str | pathlib.Path) -> list[str]:
+    """Copy the config.json and sidecars of the model in `source` (an HF directory or an mx_jax run or step directory
+    holding them) into run_dir as hf_config.json and hf_<name>, so that an export of the run, or of a run started
+    from it, writes them back (`export_base`). Returns the names copied ([] where source has none)."""
+    config = _source_config(pathlib.Path(source))
+    if config is None:
+        return []
+    run_dir = pathlib.Path(run_dir)
+    files = {"config.json": config, **_model_files(config)}
+    for name, src in files.items():
+        dst = run_dir / f"hf_{name}"
+        if src.resolve() != dst.resolve():
+            shutil.copyfile(src, dst)
+    return sorted(files)
+
+
+def _init_from_of(cfg_file: pathlib.Path) -> str:
     try:
-        init = load_config(str(cfg_file)).init_from if cfg_file.is_file() else ""
+        return load_config(str(cfg_file)).init_from if cfg_file.is_file() else ""
     except ConfigError:
-        return None
-    return pathlib.Path(init) if init and pathlib.Path(init).exists() else None
+        return ""
 
 
-def export_base(run_dir: pathlib.Path, cfg_file: pathlib.Path, hf_config: str | None
+def export_base(run_dir: pathlib.Path, cfg_file: pathlib.Path, hf_config: str | None, kind: str
                 ) -> tuple[dict | None, dict[str, pathlib.Path], str]:
-    """(config.json to start from, {name: file} to put beside the weights, the file it came from) for an export of
-    the run in run_dir: --hf-config; else the run's hf_config.json (`import` writes it); else that of the model the
-    run started from (config key init_from): an HF directory's config.json, or an imported or trained run's
-    hf_config.json. The sidecars come from beside it. A model's own code that is not there is left out, and so is
-    config.json's auto_map naming it."""
+    """(config.json to start from, {name: file} to put beside the weights, what the log says about them) for an export
+    of the run in run_dir as HF model_type `kind`: --hf-config (a config.json, hf_config.json or a directory holding
+    one); else the run's hf_config.json (kept by `import` and by the trainer from init_from); else, for runs made
+    before it kept one, that of the model its init_from names, followed through runs that started from runs. The
+    sidecars come from beside it. A base of another model_type gives no code, and an auto_map entry whose module is
+    not there is left out of config.json."""
     if hf_config:
-        candidates = [pathlib.Path(hf_config)]
-        if not candidates[0].is_file():
-            raise FileNotFoundError(f"--hf-config {hf_config} does not exist")
+        given = pathlib.Path(hf_config)
+        if given.is_dir():
+            given = next((given / n for n in ("config.json", "hf_config.json") if (given / n).is_file()), given)
+        if not given.is_file():
+            raise FileNotFoundError(f"--hf-config {hf_config}: no such file, nor a directory holding config.json")
+        found: pathlib.Path | None = given
+        note = ""
     else:
-        candidates = [run_dir / "hf_config.json"]
-        init = _init_from_of(cfg_file)
-        if init is not None:
-            candidates.append(init / "config.json" if is_hf_dir(init)
-                              else _run_dir_of(init.absolute()) / "hf_config.json")
-    for f in candidates:
-        if not f.is_file():
-            continue
-        base = read_json_object(f, HFFormatError)
-        prefix = "hf_" if f.name == "hf_config.json" else ""
-        extra = {n: f.parent / (prefix + n) for n in (*SIDECARS, *code_files(base))
-                 if (f.parent / (prefix + n)).is_file()}
-        if any(n not in extra for n in code_files(base)):
-            base.pop("auto_map")
-            extra = {n: p for n, p in extra.items() if n in SIDECARS}
-        return base, extra, str(f)
-    return None, {}, ""
+        found, note, seen = None, "", set()
+        rd, cfg_path = run_dir, cfg_file
+        while found is None and rd not in seen and len(seen) < 16:
+            seen.add(rd)
+            if (rd / "hf_config.json").is_file():
+                found = rd / "hf_config.json"
+                break
+            init = _init_from_of(cfg_path)
+            if not init:
+                break
+            if not pathlib.Path(init).exists():
+                note = (f"; the run started from {init}, which is not found from here, so config.json takes no keys "
+                        f"from it (--hf-config FILE names one)")
+                break
+            found = _source_config(pathlib.Path(init))
+            rd = _run_dir_of(pathlib.Path(init).absolute())
+            cfg_path = rd / "config.yaml"
+    if found is None:
+        return None, {}, note.lstrip("; ")
+    base = read_json_object(found, HFFormatError)
+    extra = _model_files(found)
+    if base.get("model_type", "llama") != kind:  # config_to_hf keeps only its generic keys: no code either
+        extra = {n: p for n, p in extra.items() if n in SIDECARS}
+    auto = base.pop("auto_map", None)
+    if isinstance(auto, dict) and base.get("model_type", "llama") == kind:
+        kept = {k: v for k, v in auto.items()
+                if all(_local_ref_ok(r, set(extra)) for r in (v if isinstance(v, list) else [v]))}
+        if kept:
+            base["auto_map"] = kept
+    extra = {n: p for n, p in extra.items() if n in SIDECARS or n in code_files(base)}
+    return base, extra, f"config.json: the keys it does not set from {found}" + (
+        f"; {', '.join(extra)} from beside it" if extra else "") + note
 
 
 def _run_dir_of(path: pathlib.Path) -> pathlib.Path:
@@ -987,29 +1073,38 @@ def main(argv: list[str] | None = None) -> int:
                      "<run_dir>/config.yaml)")
     exp.add_argument("--dtype", default="bfloat16", choices=EXPORT_DTYPES)
     exp.add_argument("--max-shard-bytes", type=float, default=DEFAULT_MAX_SHARD_BYTES)
-    exp.add_argument("--hf-config", help="config.json to start from (default: <run_dir>/hf_config.json if present)")
+    exp.add_argument("--hf-config", help="config.json (or a directory holding it) to start from (default: the run's "
+                     "hf_config.json, kept from the model it was imported or started from)")
     exp.add_argument("--overwrite", action="store_true")
     args = ap.parse_args(argv)
     try:
         if args.cmd == "import":
             src, out = pathlib.Path(args.hf_dir), pathlib.Path(args.out_dir)
-            taken = [x.name for x in (out / "config.yaml", out / "checkpoints") if x.exists()]
+            taken = [x.name for x in (out / "config.yaml", out / "checkpoints") if x.exists()
+                     ] + sorted(x.name for x in out.glob("hf_*"))
             if taken:
                 raise FileExistsError(f"{out} already holds {taken} (a run or an earlier import); import into a new "
                                       f"directory")
             params, cfg = load_hf_llama(src)
-            target = save_params(params, out, args.step)
             arch = {k: v for k, v in to_dict(cfg).items() if k in _ARCH_KEYS}
             if cfg.moe.n_experts:
                 keys = ("n_experts", "top_k", "aux_loss_coef")
                 if model_type(cfg) != "mixtral":
                     keys += ("d_expert", "n_shared", "n_dense_first", "normalize_top_k")
                 arch["moe"] = {k: getattr(cfg.moe, k) for k in keys}
-            (out / "config.yaml").write_text(yaml.safe_dump({"model": arch}, sort_keys=False))
-            shutil.copyfile(src / "config.json", out / "hf_config.json")
-            for name in (*SIDECARS, *code_files(read_hf_config(src))):  # what an export puts back beside the weights
-                if (src / name).is_file():
-                    shutil.copyfile(src / name, out / f"hf_{name}")
+            made = not out.exists()
+            try:
+                target = save_params(params, out, args.step)
+                (out / "config.yaml").write_text(yaml.safe_dump({"model": arch}, sort_keys=False))
+                keep_model_files(src, out)  # what an export puts back beside the weights
+            except BaseException:  # nothing half-written stays: the directory, or what this import added to it
+                if made:
+                    shutil.rmtree(out, ignore_errors=True)
+                else:
+                    shutil.rmtree(out / "checkpoints", ignore_errors=True)
+                    for f in [out / "config.yaml", *out.glob("hf_*")]:
+                        f.unlink(missing_ok=True)
+                raise
             n = sum(x.size for x in jax.tree.leaves(params))
             print(f"imported {n / 1e6:,.1f} M parameters -> {target}; the model section is in {out / 'config.yaml'}")
         else:
@@ -1017,21 +1112,20 @@ def main(argv: list[str] | None = None) -> int:
             run_dir = _run_dir_of(ckpt.absolute())
             cfg = _model_config_of(run_dir, args.config)
             cfg_file = pathlib.Path(args.config) if args.config else run_dir / "config.yaml"
-            base, extra, source = export_base(run_dir, cfg_file, args.hf_config)
+            base, extra, said = export_base(run_dir, cfg_file, args.hf_config, model_type(cfg))
             params = load_params(ckpt, cfg, step=args.step, dtype=args.dtype)
             files = export_hf_llama(params, cfg, args.hf_dir, dtype=args.dtype,
                                     max_shard_bytes=int(args.max_shard_bytes), hf_config=base,
                                     overwrite=args.overwrite, extra_files=extra)
             print(f"exported {state_dir(ckpt, args.step)} -> {', '.join(f.name for f in files)} in {args.hf_dir}")
-            if source:
-                print(f"config.json: the keys it does not set from {source}"
-                      + (f"; {', '.join(extra)} from beside it" if extra else ""))
+            if said:
+                print(said)
             if model_type(cfg) == "deepseek" and not (base or {}).get("auto_map"):
                 print("DeepseekForCausalLM: vLLM and SGLang load it as it is; transformers needs the model's own code "
                       "(configuration_deepseek.py and modeling_deepseek.py from deepseek-ai/deepseek-moe-16b-base, "
                       "and its config.json's auto_map)")
             print(export_tokenizer(cfg_file, pathlib.Path(args.hf_dir)))
-    except (ConfigError, HFFormatError, FileExistsError, FileNotFoundError, ValueError) as e:
+    except (ConfigError, HFFormatError, OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0

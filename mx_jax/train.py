@@ -654,6 +654,20 @@ def _init_params(cfg: TrainConfig, setup: Setup) -> dict:
         raise ConfigError(f"config key 'init_from': {e}") from None
 
 
+def _keep_model_files(source: str, run_dir: pathlib.Path) -> None:
+    """The HF config.json and sidecars of the model a run starts from, kept in run_dir for `hf export`
+    (hf.keep_model_files); a failure to copy them is logged, not fatal: the weights are what the run needs."""
+    from mx_jax import hf
+
+    try:
+        kept = hf.keep_model_files(source, run_dir)
+    except (OSError, hf.HFFormatError) as e:
+        log(f"init   | WARNING: the HF files of {source} were not kept for `hf export` ({e})")
+        return
+    if kept:
+        log(f"init   | kept {', '.join(kept)} of {source} in {run_dir} as hf_* for `hf export`")
+
+
 def _restore(cfg: TrainConfig, setup: Setup, ckpt: checkpoint.Checkpointer, start: int,
              train_windows: int | list[int]) -> tuple[dict, int]:
     """The state and data position of committed step `start`, after checking this config can continue it."""
@@ -758,6 +772,8 @@ def train(cfg: TrainConfig, devices: list[jax.Device] | None = None) -> TrainRes
                         state["params"] = _init_params(cfg, setup)
                         state = with_fresh_compute(setup, state)
                         log(f"init   | parameters from {cfg.init_from}")
+                        if jax.process_index() == 0:
+                            _keep_model_files(cfg.init_from, run_dir)
                         if warning := tokenizer_mismatch(cfg):
                             log(f"init   | WARNING: {warning}")
                 else:

@@ -4,6 +4,7 @@
     python -m pallas_kernels.bench_grouped [--quick]          # standalone, from the repo root
     python -m pallas_kernels.bench_grouped --cpu-smoke        # tiny shapes interpreted on CPU: checks the script
     python -m pallas_kernels.bench_grouped --problem deepseek # configs/deepseek_moe_16b.yaml's experts instead
+    python -m pallas_kernels.bench_grouped --problem qwen3    # configs/qwen3_30b_a3b.yaml's: E=128, K=2048, N=768
 
 Forward grouped GEMM y = x @ w[e(r)] at E=8, M=16384 token rows, K=D=4096, N=F=14336 (the up/gate projection of a
 Mixtral-sized expert), balanced routing (2048 rows per expert) and skewed routing (one expert 40% of the rows, the
@@ -76,9 +77,12 @@ class Problem:
 FULL = Problem(e=8, m=16384, k=4096, n=14336, samples=10, batch=10, sampled_rows=512)
 # configs/deepseek_moe_16b.yaml's routed experts (64, top-6, D=2048, d_expert=1408), 4096 tokens: M = 6 x 4096 rows.
 DEEPSEEK = Problem(e=64, m=24576, k=2048, n=1408, samples=10, batch=20, sampled_rows=512)
-PROBLEMS = {"mixtral": FULL, "deepseek": DEEPSEEK}
+# configs/qwen3_30b_a3b.yaml's experts (128, top-8, D=2048, d_expert=768), 4096 tokens: M = 8 x 4096 rows, 256 each.
+QWEN3 = Problem(e=128, m=32768, k=2048, n=768, samples=10, batch=20, sampled_rows=512)
+PROBLEMS = {"mixtral": FULL, "deepseek": DEEPSEEK, "qwen3": QWEN3}
 _CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
-LAYER_CONFIGS = {"mixtral": "mixtral_8x7b.yaml", "deepseek": "deepseek_moe_16b.yaml"}  # the MoE layer of each
+LAYER_CONFIGS = {"mixtral": "mixtral_8x7b.yaml", "deepseek": "deepseek_moe_16b.yaml",  # the MoE layer of each
+                 "qwen3": "qwen3_30b_a3b.yaml"}
 SMOKE = Problem(e=4, m=256, k=128, n=256, samples=1, batch=1, sampled_rows=64)
 
 
@@ -411,7 +415,8 @@ def main(argv=None) -> None:
     ap.add_argument("--layer-only", action="store_true",
                     help="only the fwd+bwd timings: the whole MoE layer and the expert FFN (no forward GEMM sweep)")
     ap.add_argument("--problem", choices=sorted(PROBLEMS), default="mixtral",
-                    help="mixtral: the issue's E=8 D=4096 F=14336 (default); deepseek: E=64 D=2048 F=1408, M=24576")
+                    help="mixtral: the issue's E=8 D=4096 F=14336 (default); deepseek: E=64 D=2048 F=1408, M=24576; "
+                         "qwen3: E=128 D=2048 F=768, M=32768")
     args = ap.parse_args(argv)
     ctx = contextlib.nullcontext()
     if args.cpu_smoke:

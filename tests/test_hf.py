@@ -636,9 +636,11 @@ def test_deepseek_import_train_and_export_keep_the_model_files(tmp_path, capsys)
                                "optim.warmup_steps=0", "mesh.data=4", "mesh.fsdp=1", "mesh.expert=2",
                                "ckpt.async_save=false", "log.eval_every_steps=-1"))
     assert np.isfinite(result.metrics["loss"])
+    assert sorted(f.name for f in (tmp_path / "run").glob("hf_*")) == [  # kept at the start, for the export
+        "hf_config.json", "hf_configuration_deepseek.py", "hf_generation_config.json", "hf_modeling_deepseek.py"]
     capsys.readouterr()
     assert hf.main(["export", str(tmp_path / "run"), str(tmp_path / "run_out"), "--dtype", "float32"]) == 0
-    assert f"from {tmp_path / 'hf' / 'config.json'}" in capsys.readouterr().out
+    assert f"from {tmp_path / 'run' / 'hf_config.json'}" in capsys.readouterr().out
     written = json.loads((tmp_path / "run_out" / "config.json").read_text())
     assert (written["bos_token_id"], written["max_position_embeddings"], written["model_type"]) == (1, 128, "deepseek")
     assert (tmp_path / "run_out" / "modeling_deepseek.py").is_file()
@@ -726,3 +728,104 @@ def test_unsupported_qwen3_configs_are_refused(change, match):
                          ids=["qwen3", "qwen3_moe"])
 def test_qwen3_logits_match_transformers(tmp_path, arch, config):
     _check_against_transformers(tmp_path, arch, config)
+
+
+def test_checkpoints_are_read_under_their_own_names_whatever_the_runs_routing(tmp_path):
+    """Tensor names follow config.json's model_type, not the form the run's config would export as: a DeepSeekMoE
+    checkpoint whose MoE has Mixtral's form, and a Mixtral one read by a config that does not renormalize (a
+    warning)."""
+    from tests import transformers_golden as golden
+
+    mixtral_form = {**DEEPSEEK_CONFIG, "first_k_dense_replace": 0, "n_shared_experts": None, "norm_topk_prob": True,
+                    "moe_intermediate_size": DEEPSEEK_CONFIG["intermediate_size"]}
+    cfg = hf.config_from_hf(mixtral_form)
+    assert hf.model_type(cfg) == "mixtral"  # it would export as Mixtral
+    shapes = hf.param_shapes(cfg)
+    rng = np.random.default_rng(1)
+    params = jax.tree.map(lambda s: rng.standard_normal(s).astype(np.float32), shapes,
+                          is_leaf=lambda x: isinstance(x, tuple))
+    names = {k: (t, i) for k, t, i in hf._hf_keys(cfg, "deepseek")}
+    tensors = {k: np.ascontiguousarray(hf._get(params, t.path)[i].T if t.transpose else hf._get(params, t.path)[i])
+               for k, (t, i) in names.items()}
+    golden.write(tmp_path / "ds", mixtral_form, tensors)
+    back, got = hf.load_hf_llama(tmp_path / "ds")
+    assert got == cfg and "model.layers.0.mlp.gate.weight" in names
+    jax.tree.map(np.testing.assert_array_equal, back, params)
+    mixtral = hf.config_from_hf(MIXTRAL_CONFIG)
+    mixtral_params = jax.tree.map(lambda s: rng.standard_normal(s).astype(np.float32), hf.param_shapes(mixtral),
+                                  is_leaf=lambda x: isinstance(x, tuple))
+    hf.export_hf_llama(mixtral_params, mixtral, tmp_path / "mx", dtype="float32")
+    plain = dataclasses.replace(mixtral, moe=dataclasses.replace(mixtral.moe, normalize_top_k=False))
+    with pytest.warns(UserWarning, match="model.moe.normalize_top_k=False differs from the checkpoint's True"):
+        hf.load_hf_llama(tmp_path / "mx", plain)
+
+
+def test_export_base_and_sidecars_follow_the_model_and_nothing_else(tmp_path, capsys):
+    """--hf-config of another shape leaves none of its architecture keys; an auto_map entry of another repository is
+    kept with the local code, a module name that is not one is not followed, a non-dict auto_map is ignored; runs
+    started from runs export with the first model's keys; an init_from that is gone is said; --overwrite removes the
+    old export's sidecars; --hf-config takes a directory."""
+    _deepseek_dir(tmp_path / "hf", code=True)
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    config["auto_map"]["AutoTokenizer"] = ["other-org/tok--tokenization_other.OtherTokenizer", None]
+    config["auto_map"]["AutoModel"] = "../evil.Model"
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(config))
+    assert hf.code_files(config) == ["configuration_deepseek.py", "modeling_deepseek.py"]
+    assert hf.code_files({"auto_map": ["modeling_x.X"]}) == []
+    assert hf.main(["import", str(tmp_path / "hf"), str(tmp_path / "imp")]) == 0
+    assert hf.main(["export", str(tmp_path / "imp"), str(tmp_path / "out")]) == 0
+    auto = json.loads((tmp_path / "out" / "config.json").read_text())["auto_map"]
+    assert auto == {k: v for k, v in config["auto_map"].items() if k != "AutoModel"}
+    assert sorted(f.name for f in (tmp_path / "out").glob("*.py")) == ["configuration_deepseek.py",
+                                                                       "modeling_deepseek.py"]
+    assert not (tmp_path / "evil.py").exists()
+
+    # a chain of runs: run2 from run1 from the HF directory; run1's kept files are gone, so run2 kept them itself
+    over = (*DEEPSEEK_TRAIN, "steps=1", "optim.warmup_steps=0", "mesh.fsdp=1", "ckpt.async_save=false",
+            "log.eval_every_steps=-1")
+    train(tiny_config(tmp_path / "run1", *over, f"init_from={tmp_path / 'imp'}"), jax.devices()[:1])
+    train(tiny_config(tmp_path / "run2", *over, f"init_from={tmp_path / 'run1'}"), jax.devices()[:1])
+    assert hf.main(["export", str(tmp_path / "run2"), str(tmp_path / "out2")]) == 0
+    written = json.loads((tmp_path / "out2" / "config.json").read_text())
+    assert (written["bos_token_id"], written["max_position_embeddings"]) == (1, 128)
+    # a run from before runs kept the files, started from a directory that is gone: said, and nothing taken
+    for f in (tmp_path / "run2").glob("hf_*"):
+        f.unlink()
+    (tmp_path / "run2" / "config.yaml").write_text(
+        (tmp_path / "run2" / "config.yaml").read_text().replace(str(tmp_path / "run1"), str(tmp_path / "gone")))
+    capsys.readouterr()
+    assert hf.main(["export", str(tmp_path / "run2"), str(tmp_path / "out3")]) == 0
+    assert "which is not found from here" in capsys.readouterr().out
+    assert "bos_token_id" not in json.loads((tmp_path / "out3" / "config.json").read_text())
+
+    # --hf-config of another shape (a Qwen3-MoE in transformers 5's spelling) for a Qwen3-MoE of 4 experts
+    qcfg = dataclasses.replace(hf.config_from_hf(QWEN3_MOE_CONFIG),
+                               moe=dataclasses.replace(hf.config_from_hf(QWEN3_MOE_CONFIG).moe, n_experts=4))
+    other = {**QWEN3_MOE_CONFIG, "num_local_experts": 6, "layer_types": ["full_attention"] * 3}
+    other.pop("num_experts")
+    out = hf.config_to_hf(qcfg, "float32", other)
+    assert out["num_experts"] == 4 and "num_local_experts" not in out and "layer_types" not in out
+
+    # --overwrite: the old export's generation_config.json and code go; --hf-config takes a directory
+    assert hf.main(["export", str(tmp_path / "run2"), str(tmp_path / "out"), "--overwrite"]) == 0
+    assert not list((tmp_path / "out").glob("*.py")) and not (tmp_path / "out" / "generation_config.json").exists()
+    assert hf.main(["export", str(tmp_path / "run2"), str(tmp_path / "out"), "--overwrite", "--hf-config",
+                    str(tmp_path / "hf")]) == 0
+    assert (tmp_path / "out" / "generation_config.json").is_file()
+    assert hf.main(["export", str(tmp_path / "run2"), str(tmp_path / "o4"), "--hf-config", str(tmp_path / "no")]) == 2
+    assert "no such file, nor a directory holding config.json" in capsys.readouterr().err
+
+
+def test_an_import_that_fails_leaves_nothing(tmp_path, monkeypatch):
+    _deepseek_dir(tmp_path / "hf", code=True)
+
+    def fails(*a, **k):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(hf, "keep_model_files", fails)
+    assert hf.main(["import", str(tmp_path / "hf"), str(tmp_path / "imp")]) == 2
+    assert not (tmp_path / "imp").exists()
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("kept")
+    assert hf.main(["import", str(tmp_path / "hf"), str(tmp_path / "mine")]) == 2
+    assert sorted(f.name for f in (tmp_path / "mine").iterdir()) == ["notes.txt"]
