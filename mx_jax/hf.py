@@ -77,6 +77,17 @@ sequence, moe.py over each device's tokens). The attention, norms and RoPE are L
 rope scaling). Other MoE layouts (sigmoid scores and trained router biases, which are DeepSeek-V3's beside an
 attention mx_jax does not have; MoE layers every N-th) have no HF counterpart here and are refused naming the key.
 
+Qwen3 (Qwen3ForCausalLM, `model_type: qwen3`) is Llama's layout plus each layer's per-head norms of q and k
+(model.qk_norm), applied before RoPE:
+
+    model.layers.{i}.self_attn.q_norm.weight     (K,)       blocks.attn.q_norm.scale  (L, K)
+    model.layers.{i}.self_attn.k_norm.weight     (K,)       blocks.attn.k_norm.scale  (L, K)
+
+Qwen3-MoE (Qwen3MoeForCausalLM, `qwen3_moe`) names its MoE layers as DeepSeekMoE does, without shared experts: routing
+softmax, top-k renormalized when `norm_topk_prob`; `mlp_only_layers` (which must be the first layers) are the dense
+ones, and its `router_aux_loss_coef` is Mixtral's (x top_k here). `hf.model_type` picks the architecture an export
+writes; an import reads the names of config.json's own model_type, whatever routing the run's config asks for.
+
 Trainer hook: `init_from(path, model_cfg, param_shardings)` returns parameters from an HF directory or an mx_jax
 checkpoint, placed on the mesh (the config key `init_from` calls it on a fresh start).
 """
