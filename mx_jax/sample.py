@@ -303,7 +303,8 @@ class Decoder:
         ended = np.zeros(b, bool)
         for i in range(1, n_tokens):
             if stop_id is not None and i % STOP_CHECK == 0:
-                ended |= (np.asarray(jnp.stack(drawn[-STOP_CHECK:], axis=1)) == stop_id).any(axis=1)
+                # gathered on the host: a jnp.stack would compile a program of its own mid-loop
+                ended |= (np.stack(jax.device_get(drawn[-STOP_CHECK:]), axis=1) == stop_id).any(axis=1)
                 if ended.all():
                     break
             nxt, cache = self._advance(self.params, self.buffers, nxt[:, None], cache, np.int32(width + i - 1),
@@ -312,7 +313,7 @@ class Decoder:
             if i == 1:  # the step's compile, where this shape is new, is not a step's time
                 nxt.block_until_ready()
                 t2 = time.perf_counter()
-        out = np.asarray(jnp.stack(drawn, axis=1))
+        out = np.stack(jax.device_get(drawn), axis=1)  # (a jnp.stack of n arrays compiles anew for each n)
         if stats is not None:
             stats.update(prefill_s=t1 - t0, first_step_s=t2 - t1, decode_s=time.perf_counter() - t2,
                          steps=max(len(drawn) - 2, 0))
