@@ -893,6 +893,14 @@ def init_from(path: str | pathlib.Path, model_cfg: ModelConfig, param_shardings:
             return jax.make_array_from_callback(x.shape, sh, lambda idx: x[idx])
 
         return jax.tree.map(place, params, param_shardings)
+    kept = _source_config(p)  # an imported run: the HF model's routing and rope settings against model_cfg's
+    if kept is not None and kept.name == "hf_config.json":
+        try:
+            hf_cfg = config_from_hf(read_json_object(kept, HFFormatError), str(kept))
+        except HFFormatError:
+            hf_cfg = None
+        if hf_cfg is not None:
+            _merge_config(hf_cfg, model_cfg, str(kept))  # warns where they differ; load_params checks the shapes
     return load_params(path, model_cfg, shardings=param_shardings)
 
 

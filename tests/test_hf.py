@@ -606,6 +606,10 @@ def test_deepseek_import_train_and_export_keep_the_model_files(tmp_path, capsys)
                             "n_dense_first": 1, "normalize_top_k": False}
     assert sorted(f.name for f in (tmp_path / "imported").glob("hf_*")) == [
         "hf_config.json", "hf_configuration_deepseek.py", "hf_generation_config.json", "hf_modeling_deepseek.py"]
+    kept = hf.config_from_hf(want["config"])  # a run from the import that routes otherwise is told, as from HF
+    renormalized = dataclasses.replace(kept, moe=dataclasses.replace(kept.moe, normalize_top_k=True))
+    with pytest.warns(UserWarning, match="normalize_top_k=True differs from the checkpoint's False"):
+        hf.init_from(tmp_path / "imported", renormalized)
     assert hf.main(["export", str(tmp_path / "imported"), str(tmp_path / "out"), "--dtype", "float32"]) == 0
     assert json.loads((tmp_path / "out" / "config.json").read_text())["auto_map"]["AutoConfig"] == \
         "configuration_deepseek.DeepseekConfig"
