@@ -1,4 +1,4 @@
-"""Hugging Face Llama, Mixtral and DeepSeekMoE checkpoints in and out: safetensors + config.json <-> mx_jax params.
+"""Hugging Face Llama, Mixtral, DeepSeekMoE and Qwen3 checkpoints in and out: safetensors + config.json <-> params.
 
     python -m mx_jax.hf import HF_DIR OUT_DIR              # -> OUT_DIR/checkpoints/0/state + OUT_DIR/config.yaml
                                                            # (+ OUT_DIR/hf_config.json and the other SIDECARS)
@@ -1078,7 +1078,8 @@ def _run_dir_of(path: pathlib.Path) -> pathlib.Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m mx_jax.hf", description="Convert between HF Llama and mx_jax.")
+    ap = argparse.ArgumentParser(prog="python -m mx_jax.hf", description="Convert between HF checkpoints (Llama, "
+                                 "Mixtral, DeepSeekMoE, Qwen3, Qwen3-MoE) and mx_jax.")
     sub = ap.add_subparsers(dest="cmd", required=True)
     imp = sub.add_parser("import", help="HF directory -> OUT/checkpoints/<step>/state + OUT/config.yaml")
     imp.add_argument("hf_dir")
