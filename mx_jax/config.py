@@ -86,6 +86,7 @@ class ModelConfig:
     # RMSNorm over each head's query and key before RoPE, with a learned (head_dim,) scale each per layer (Qwen3,
     # OLMo 2's per-head form): q_h <- q_h / rms(q_h) * s_q, k_h <- k_h / rms(k_h) * s_k (layers.Attention)
     qk_norm: bool = False
+    attention_bias: bool = False  # learned biases on the query, key and value projections (Qwen2, Qwen2.5)
     d_ff: int = 768
     rope_theta: float = 500_000.0
     rope_scaling: RopeScaling = RopeScaling()

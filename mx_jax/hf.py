@@ -1,4 +1,4 @@
-"""Hugging Face Llama, Mixtral, DeepSeekMoE and Qwen3 checkpoints in and out: safetensors + config.json <-> params.
+"""Hugging Face Llama, Mixtral, DeepSeekMoE, Qwen2 and Qwen3 checkpoints in and out: config.json + safetensors.
 
     python -m mx_jax.hf import HF_DIR OUT_DIR              # -> OUT_DIR/checkpoints/0/state + OUT_DIR/config.yaml
                                                            # (+ OUT_DIR/hf_config.json and the other SIDECARS)
@@ -82,6 +82,10 @@ Qwen3 (Qwen3ForCausalLM, `model_type: qwen3`) is Llama's layout plus each layer'
 
     model.layers.{i}.self_attn.q_norm.weight     (K,)       blocks.attn.q_norm.scale  (L, K)
     model.layers.{i}.self_attn.k_norm.weight     (K,)       blocks.attn.k_norm.scale  (L, K)
+
+Qwen2 (Qwen2ForCausalLM, `qwen2`, the architecture of Qwen2.5) is Llama's layout plus biases on q, k and v
+(model.attention_bias; none on o): `model.layers.{i}.self_attn.{q,k,v}_proj.bias` (H K,) or (G K,) <->
+blocks.attn.bq, bk, bv (L, H K) or (L, G K). Its MoE (Qwen2-MoE) gates its shared expert and is not mapped.
 
 Qwen3-MoE (Qwen3MoeForCausalLM, `qwen3_moe`) names its MoE layers as DeepSeekMoE does, without shared experts: routing
 softmax, top-k renormalized when `norm_topk_prob`; `mlp_only_layers` (which must be the first layers) are the dense
@@ -184,13 +188,19 @@ QK_NORMS: tuple[_Tensor, ...] = (
     _Tensor("model.layers.{i}.self_attn.q_norm.weight", ("blocks", "attn", "q_norm", "scale"), False),
     _Tensor("model.layers.{i}.self_attn.k_norm.weight", ("blocks", "attn", "k_norm", "scale"), False),
 )
+# Qwen2 (Qwen2ForCausalLM): Llama's layout with biases on the q, k and v projections (model.attention_bias).
+QKV_BIASES: tuple[_Tensor, ...] = (
+    _Tensor("model.layers.{i}.self_attn.q_proj.bias", ("blocks", "attn", "bq"), False),
+    _Tensor("model.layers.{i}.self_attn.k_proj.bias", ("blocks", "attn", "bk"), False),
+    _Tensor("model.layers.{i}.self_attn.v_proj.bias", ("blocks", "attn", "bv"), False),
+)
 _DENSE_MLP = tuple(t for t in LAYOUT if t.path[:2] == ("blocks", "mlp"))
 _BEFORE_MLP = tuple(t for t in LAYOUT if t.per_layer and t.path[:2] != ("blocks", "mlp"))
 
 
 def model_type(cfg: ModelConfig) -> str:
     """The HF model_type that holds cfg, or a ConfigError naming the key where none does:
-    - "llama": dense; "qwen3": dense with model.qk_norm;
+    - "llama": dense; "qwen3": dense with model.qk_norm; "qwen2": dense with model.attention_bias;
     - "mixtral": every layer MoE, no shared experts, softmax routing with the top-k weights renormalized, experts as
       wide as model.d_ff (and no qk_norm);
     - "deepseek" (DeepSeekMoE): softmax routing, every layer after the dense first ones MoE, head_dim = d_model /
@@ -198,6 +208,12 @@ def model_type(cfg: ModelConfig) -> str:
     - "qwen3_moe": with model.qk_norm, softmax routing, every layer after the dense first ones MoE, no shared
       experts."""
     m = cfg.moe
+    if cfg.attention_bias:  # Qwen2's; its MoE (Qwen2-MoE) gates its shared expert, which mx_jax does not
+        for key, value in (("qk_norm", cfg.qk_norm), ("moe.n_experts", m.n_experts)):
+            if value:
+                raise ConfigError(f"config key 'model.{key}': {value!r}; with model.attention_bias HF interop covers "
+                                  f"dense Qwen2 models ({key} off)")
+        return "qwen2"
     if not m.n_experts:
         return "qwen3" if cfg.qk_norm else "llama"
     if not cfg.qk_norm and (m.n_shared, m.every_n_layers, m.n_dense_first, m.score, m.normalize_top_k,
@@ -232,7 +248,7 @@ def _layer_layout(cfg: ModelConfig, i: int, kind: str) -> tuple[str, int, tuple[
     """(stack, index in it, tensors) of HF layer i, named as `kind` names them: the first model.moe.n_dense_first
     layers are the `dense_blocks` stack of dense MLPs, the rest the `blocks` stack."""
     n_first = _n_dense_first(cfg)
-    before = _BEFORE_MLP + (QK_NORMS if cfg.qk_norm else ())
+    before = _BEFORE_MLP + (QK_NORMS if cfg.qk_norm else ()) + (QKV_BIASES if cfg.attention_bias else ())
     if i < n_first:
         dense = tuple(dataclasses.replace(t, path=("dense_blocks", *t.path[1:])) for t in (*before, *_DENSE_MLP))
         return "dense_blocks", i, dense
@@ -260,11 +276,12 @@ def _safetensors():
 # config.json <-> ModelConfig
 
 # ModelConfig fields that set parameter shapes: a given cfg must agree with config.json on these.
-_SHAPE_FIELDS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_head", "d_ff", "qk_norm")
+_SHAPE_FIELDS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_head", "d_ff", "qk_norm",
+                 "attention_bias")
 _NUMERIC_FIELDS = ("rope_theta", "rope_scaling", "norm_eps")
 # The ModelConfig keys config.json determines (what `import` writes into OUT/config.yaml).
 _ARCH_KEYS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff", "qk_norm",
-              *_NUMERIC_FIELDS)
+              "attention_bias", *_NUMERIC_FIELDS)
 
 
 def config_from_hf(hf: dict, source: str = "config.json") -> ModelConfig:
@@ -278,20 +295,21 @@ def config_from_hf(hf: dict, source: str = "config.json") -> ModelConfig:
     archs = hf.get("architectures") or []
     if "model_type" not in hf and any(a != "LlamaForCausalLM" for a in archs):
         raise HFFormatError(f"{source}: no model_type, and architectures is {archs}; only LlamaForCausalLM, "
-                            f"MixtralForCausalLM, DeepseekForCausalLM, Qwen3ForCausalLM and Qwen3MoeForCausalLM map "
-                            f"to mx_jax")
+                            f"MixtralForCausalLM, DeepseekForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM and "
+                            f"Qwen3MoeForCausalLM map to mx_jax")
     model_type = hf.get("model_type", "llama")
-    if model_type not in ("llama", "mixtral", "deepseek", "qwen3", "qwen3_moe"):
+    if model_type not in ("llama", "mixtral", "deepseek", "qwen2", "qwen3", "qwen3_moe"):
         raise HFFormatError(f"{source}: model_type is {model_type!r}; only 'llama' (LlamaForCausalLM), 'mixtral' "
-                            f"(MixtralForCausalLM), 'deepseek' (DeepseekForCausalLM, DeepSeekMoE), 'qwen3' "
-                            f"(Qwen3ForCausalLM) and 'qwen3_moe' (Qwen3MoeForCausalLM) map to mx_jax")
+                            f"(MixtralForCausalLM), 'deepseek' (DeepseekForCausalLM, DeepSeekMoE), 'qwen2' "
+                            f"(Qwen2ForCausalLM), 'qwen3' (Qwen3ForCausalLM) and 'qwen3_moe' (Qwen3MoeForCausalLM) map "
+                            f"to mx_jax")
     moe = MoEConfig()
     d_model, n_heads = int(get("hidden_size")), int(get("num_attention_heads"))
     head_dim = int(get("head_dim", d_model // n_heads))
     if model_type == "deepseek":
         head_dim = d_model // n_heads  # DeepSeek's attention has no head_dim key of its own
         moe = _deepseek_moe(hf, source, int(get("num_hidden_layers")))
-    if model_type in ("qwen3", "qwen3_moe"):
+    if model_type in ("qwen2", "qwen3", "qwen3_moe"):
         if hf.get("use_sliding_window"):
             raise HFFormatError(f"{source}: use_sliding_window=true is not supported (mx_jax attends to the whole "
                                 f"causal context)")
@@ -310,8 +328,8 @@ def config_from_hf(hf: dict, source: str = "config.json") -> ModelConfig:
         # HF's balancing loss is top_k at balance, ours 1 (moe.py): the same pull takes coefficient x top_k
         moe = MoEConfig(n_experts=int(get("num_local_experts")), top_k=top_k,
                         aux_loss_coef=float(get("router_aux_loss_coef", 0.001)) * top_k)
-    for key, want in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False)):
-        if hf.get(key, want) != want:
+    for key, want in (("hidden_act", "silu"), ("attention_bias", model_type == "qwen2"), ("mlp_bias", False)):
+        if key in hf and hf[key] != want:
             raise HFFormatError(f"{source}: {key}={hf[key]!r} is not supported (mx_jax's Llama has {key}={want!r})")
     rope = dict(hf.get("rope_scaling") or hf.get("rope_parameters") or {})  # transformers 4.x name, then 5.x name
     if rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)) != 1.0:
@@ -341,6 +359,7 @@ def config_from_hf(hf: dict, source: str = "config.json") -> ModelConfig:
         rope_scaling=scaling,
         norm_eps=float(get("rms_norm_eps", 1e-6)),  # HF LlamaConfig's default
         qk_norm=model_type in ("qwen3", "qwen3_moe"),
+        attention_bias=model_type == "qwen2",  # Qwen2's q, k and v projections always have biases
         moe=moe,
     )
 
@@ -459,10 +478,13 @@ def config_to_hf(cfg: ModelConfig, dtype: str, base: dict | None = None) -> dict
                     "first_k_dense_replace": m.n_dense_first, "moe_layer_freq": 1, "scoring_func": "softmax",
                     "norm_topk_prob": m.normalize_top_k, "aux_loss_alpha": m.aux_loss_coef, "pretraining_tp": 1})
         out.setdefault("seq_aux", True)
-    elif kind in ("qwen3", "qwen3_moe"):
+    elif kind in ("qwen2", "qwen3", "qwen3_moe"):
         out.pop("mlp_bias")
         out.update({"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "use_sliding_window": False,
                     "sliding_window": None, "max_window_layers": cfg.n_layers})
+        if kind == "qwen2":  # its q, k and v biases are not a config key
+            out.pop("attention_bias")
+            out.update({"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2"})
         if kind == "qwen3_moe":  # HF's balancing loss is top_k at balance, as Mixtral's
             out.update({"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
                         "num_experts": m.n_experts, "num_experts_per_tok": m.top_k,
@@ -525,6 +547,8 @@ def param_shapes(cfg: ModelConfig) -> dict:
         else:
             mlp = {"mlp": {"w_gate": (n, D, F), "w_up": (n, D, F), "w_down": (n, F, D)}}
         qk = {"q_norm": {"scale": (n, cfg.d_head)}, "k_norm": {"scale": (n, cfg.d_head)}} if cfg.qk_norm else {}
+        if cfg.attention_bias:
+            qk.update({"bq": (n, HK), "bk": (n, GK), "bv": (n, GK)})
         return {"attn_norm": {"scale": (n, D)}, "mlp_norm": {"scale": (n, D)},
                 "attn": {"wq": (n, D, HK), "wk": (n, D, GK), "wv": (n, D, GK), "wo": (n, HK, D), **qk}, **mlp}
 
@@ -1079,7 +1103,7 @@ def _run_dir_of(path: pathlib.Path) -> pathlib.Path:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m mx_jax.hf", description="Convert between HF checkpoints (Llama, "
-                                 "Mixtral, DeepSeekMoE, Qwen3, Qwen3-MoE) and mx_jax.")
+                                 "Mixtral, DeepSeekMoE, Qwen2, Qwen3, Qwen3-MoE) and mx_jax.")
     sub = ap.add_subparsers(dest="cmd", required=True)
     imp = sub.add_parser("import", help="HF directory -> OUT/checkpoints/<step>/state + OUT/config.yaml")
     imp.add_argument("hf_dir")

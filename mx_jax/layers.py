@@ -22,7 +22,7 @@ RoPE:      (x1, x2) -> (x1 cos(p w) - x2 sin(p w), x2 cos(p w) + x1 sin(p w)), w
            keeps those shorter than original_max_len/high_freq_factor, and interpolates smoothly in between.
 Attention: softmax(q k^T / sqrt(K) + causal mask) v with G key/value heads shared by H/G query heads each.
            model.qk_norm (Qwen3): each head's q and k go through RMSNorm over K (the `rms_norm` above, scales s_q and
-           s_k of shape (K,) per layer) before RoPE.
+           s_k of shape (K,) per layer) before RoPE. model.attention_bias (Qwen2): q, k, v = x W + b.
            cuDNN flash attention on GPU (the kernels of jax.nn.dot_product_attention(implementation="cudnn"),
            through context_parallel.cudnn_causal_attention, whose residuals remat policies can keep), XLA elsewhere.
            With a `context` mesh axis the sequence is split in load-balanced zigzag chunks; each shard all-gathers
@@ -323,6 +323,10 @@ class Attention(nnx.Module):
         self.max_documents = cfg.max_documents
         if cfg.qk_norm:  # per-head RMSNorm of q and k before RoPE (config.ModelConfig.qk_norm)
             self.q_norm, self.k_norm = RMSNorm(k, cfg.norm_eps, pd), RMSNorm(k, cfg.norm_eps, pd)
+        if cfg.attention_bias:  # added to the projections' outputs (config.ModelConfig.attention_bias); start at 0
+            self.bq = nnx.Param(jnp.zeros((h * k,), pd), logical_axes=("q_heads",))
+            self.bk = nnx.Param(jnp.zeros((g * k,), pd), logical_axes=("kv_heads",))
+            self.bv = nnx.Param(jnp.zeros((g * k,), pd), logical_axes=("kv_heads",))
 
     def _qkv(self, x: jax.Array, pos: Positions, inv_freq: jax.Array,
              fused: bool = True) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -332,6 +336,8 @@ class Attention(nnx.Module):
         r = self.recipes
         q, k, v = fused_linear(x, (self.wq, self.wk, self.wv), (r["wq"], r["wk"], r["wv"]), self.impl, self.scanned,
                                self.reduce, fused)
+        if hasattr(self, "bq"):  # in the activations' dtype, as the GEMM's output
+            q, k, v = (y + b[...].astype(y.dtype) for y, b in ((q, self.bq), (k, self.bk), (v, self.bv)))
         q = q.reshape(b, t, self.n_heads, self.head_dim)
         k = k.reshape(b, t, self.n_kv_heads, self.head_dim)
         v = v.reshape(b, t, self.n_kv_heads, self.head_dim)

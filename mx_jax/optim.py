@@ -60,13 +60,17 @@ def schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:
         end_value=cfg.lr_peak * cfg.lr_final_ratio)
 
 
+ATTENTION_BIASES = ("bq", "bk", "bv")  # layers.Attention's (model.attention_bias)
+
+
 def decay_mask(params) -> dict:
-    """True for parameters that get weight decay: every >=2-D weight except the embedding table and the norm scales
-    (excluded by name: stacked per layer, a norm scale is 2-D or 3-D)."""
+    """True for parameters that get weight decay: every >=2-D weight except the embedding table, the norm scales and
+    the attention biases (excluded by name: stacked per layer, a norm scale or a bias is 2-D or 3-D)."""
 
     def keep(path, x) -> bool:
         names = [getattr(p, "key", getattr(p, "name", None)) for p in path]
-        return x.ndim >= 2 and "embed" not in names and not any("norm" in str(n) for n in names)
+        return (x.ndim >= 2 and "embed" not in names and not any("norm" in str(n) for n in names)
+                and names[-1] not in ATTENTION_BIASES)
 
     return jax.tree_util.tree_map_with_path(keep, params)
 

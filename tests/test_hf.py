@@ -28,8 +28,8 @@ from mx_jax.llama import Llama, buffers_of, params_of  # noqa: E402
 from mx_jax.train import train  # noqa: E402
 from tests.helpers import NO_IO, tiny_config  # noqa: E402
 
-from tests.transformers_golden import (DEEPSEEK_CONFIG, HF_CONFIG, MIXTRAL_CONFIG, QWEN3_CONFIG,  # noqa: E402
-                                       QWEN3_MOE_CONFIG)
+from tests.transformers_golden import (DEEPSEEK_CONFIG, HF_CONFIG, MIXTRAL_CONFIG, QWEN2_CONFIG,  # noqa: E402
+                                       QWEN3_CONFIG, QWEN3_MOE_CONFIG)
 
 
 def _hf_tensors(c: dict, dtype, seed: int = 0, tied: bool = False) -> dict[str, np.ndarray]:
@@ -416,7 +416,7 @@ def _check_against_transformers(tmp_path, arch: str, hf_config: dict) -> None:
 
 
 @pytest.mark.parametrize("case", ["llama", "llama_tied", "mixtral", "deepseek", "deepseek_top_k_normalized", "qwen3",
-                                  "qwen3_moe"])
+                                  "qwen3_moe", "qwen2"])
 def test_logits_match_those_transformers_computed(tmp_path, case):
     """The checkpoint tests/transformers_golden.py gave transformers (config.json and safetensors in the Hub's
     layout, weights drawn again here from their recorded names and shapes), imported: our float32 logits are the
@@ -728,9 +728,9 @@ def test_unsupported_qwen3_configs_are_refused(change, match):
         hf.config_from_hf({**QWEN3_MOE_CONFIG, **change})
 
 
-@pytest.mark.parametrize("arch, config", [("Qwen3", QWEN3_CONFIG), ("Qwen3Moe", QWEN3_MOE_CONFIG)],
-                         ids=["qwen3", "qwen3_moe"])
-def test_qwen3_logits_match_transformers(tmp_path, arch, config):
+@pytest.mark.parametrize("arch, config", [("Qwen3", QWEN3_CONFIG), ("Qwen3Moe", QWEN3_MOE_CONFIG),
+                                          ("Qwen2", QWEN2_CONFIG)], ids=["qwen3", "qwen3_moe", "qwen2"])
+def test_qwen_logits_match_transformers(tmp_path, arch, config):
     _check_against_transformers(tmp_path, arch, config)
 
 
@@ -833,3 +833,60 @@ def test_an_import_that_fails_leaves_nothing(tmp_path, monkeypatch):
     (tmp_path / "mine" / "notes.txt").write_text("kept")
     assert hf.main(["import", str(tmp_path / "hf"), str(tmp_path / "mine")]) == 2
     assert sorted(f.name for f in (tmp_path / "mine").iterdir()) == ["notes.txt"]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Qwen2 (Qwen2.5's architecture): q, k and v biases (model.attention_bias)
+
+
+def test_qwen2_config_maps_both_ways_and_its_biases_have_their_names(tmp_path):
+    cfg = hf.config_from_hf(QWEN2_CONFIG)
+    assert (cfg.attention_bias, cfg.qk_norm, cfg.d_head) == (True, False, 12)
+    assert hf.model_type(cfg) == "qwen2"
+    out = hf.config_to_hf(cfg, "float32", QWEN2_CONFIG)
+    assert out == {**QWEN2_CONFIG, "tie_word_embeddings": False, "head_dim": 12} and "attention_bias" not in out
+    shapes = hf.param_shapes(cfg)
+    abstract = nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0)))
+    assert jax.tree.map(lambda x: tuple(x.shape), params_of(abstract)) == shapes
+    assert shapes["blocks"]["attn"]["bq"] == (3, 48) and shapes["blocks"]["attn"]["bk"] == (3, 24)
+    rng = np.random.default_rng(2)
+    params = jax.tree.map(lambda s: rng.standard_normal(s).astype(np.float32), shapes,
+                          is_leaf=lambda x: isinstance(x, tuple))
+    hf.export_hf_llama(params, cfg, tmp_path / "hf", dtype="float32")
+    with safe_open(str(tmp_path / "hf" / hf.SINGLE_FILE), framework="np") as f:
+        np.testing.assert_array_equal(f.get_tensor("model.layers.2.self_attn.v_proj.bias"),
+                                      params["blocks"]["attn"]["bv"][2])
+    back, cfg2 = hf.load_hf_llama(tmp_path / "hf")
+    assert cfg2 == cfg
+    jax.tree.map(np.testing.assert_array_equal, back, params)
+    for change, key in (({"qk_norm": True}, "model.qk_norm"), ({"moe": hf.config_from_hf(MIXTRAL_CONFIG).moe},
+                                                                "model.moe.n_experts")):
+        with pytest.raises(ConfigError, match=f"{key}.*dense Qwen2"):
+            hf.config_to_hf(dataclasses.replace(cfg, **change), "float32")
+
+
+def test_attention_biases_are_added_to_q_k_v_and_not_decayed():
+    """q, k, v = x W + b (before RoPE), the biases in the activations' dtype, with gradients and no weight decay."""
+    from mx_jax import optim
+    from mx_jax.layers import Attention, Positions, apply_rope, rope_inv_freq
+
+    cfg = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=48, attention_bias=True,
+                      compute_dtype="float32")
+    attn = Attention(cfg, dict.fromkeys(("wq", "wk", "wv", "wo"), "bf16"), "auto", rngs=nnx.Rngs(0))
+    rng = np.random.default_rng(0)
+    b = {n: rng.standard_normal(getattr(attn, n)[...].shape).astype(np.float32) for n in ("bq", "bk", "bv")}
+    for n, v in b.items():
+        getattr(attn, n)[...] = jnp.asarray(v)
+    x = rng.standard_normal((2, 8, 32)).astype(np.float32)
+    inv_freq = rope_inv_freq(8, cfg.rope_theta, cfg.rope_scaling)
+    q, k, v = attn._qkv(jnp.asarray(x), Positions(jnp.arange(8)), inv_freq)
+    want_v = (x @ np.asarray(attn.wv[...]) + b["bv"]).reshape(2, 8, 2, 8)
+    want_q = apply_rope(jnp.asarray((x @ np.asarray(attn.wq[...]) + b["bq"]).reshape(2, 8, 4, 8)), jnp.arange(8),
+                        inv_freq)
+    np.testing.assert_allclose(np.asarray(v), want_v, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(q), np.asarray(want_q), rtol=1e-5, atol=1e-5)
+    model = Llama(cfg, rngs=nnx.Rngs(1))
+    mask = optim.decay_mask(params_of(model))["blocks"]["attn"]
+    assert (mask["bq"], mask["bk"], mask["bv"], mask["wq"]) == (False, False, False, True)
+    grads = nnx.grad(lambda m: jnp.sum(m(jnp.asarray(rng.integers(0, 64, (2, 8))))[0] ** 2))(model)
+    assert float(jnp.abs(grads.blocks.attn.bk[...]).sum()) > 0

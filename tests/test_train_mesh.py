@@ -42,10 +42,12 @@ def test_loss_matches_single_device(layout, reference, tmp_path):
     assert 3.0 < reference["loss"] < 6.0  # a real, still-high loss after 3 steps (ln 256 = 5.55 at init)
 
 
-def test_qk_norm_trains_alike_on_a_data_fsdp_and_context_mesh(tmp_path):
-    """model.qk_norm's per-head norms on 8 devices (data x fsdp x context: the sequence split in zigzag chunks, the
-    scales replicated) give one device's loss and gradient norm after 3 steps (fp32)."""
-    over = ("steps=3", "model.qk_norm=true", *NO_IO)
+@pytest.mark.parametrize("extra", ["model.qk_norm=true", "model.attention_bias=true"])
+def test_qwen_attention_trains_alike_on_a_data_fsdp_and_context_mesh(tmp_path, extra):
+    """model.qk_norm's per-head norms and model.attention_bias's q, k, v biases on 8 devices (data x fsdp x context:
+    the sequence split in zigzag chunks, the scales and biases replicated) give one device's loss and gradient norm
+    after 3 steps (fp32)."""
+    over = ("steps=3", extra, *NO_IO)
     want = train.train(tiny_config(tmp_path / "one", *over, "mesh.fsdp=1"), devices=jax.devices()[:1]).metrics
     got = train.train(tiny_config(tmp_path / "mesh", *over, "mesh.data=2", "mesh.fsdp=2", "mesh.context=2")).metrics
     assert_same_step(got, want)

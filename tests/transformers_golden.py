@@ -1,5 +1,5 @@
-"""transformers' logits for tiny Llama, Mixtral, DeepSeekMoE, Qwen3 and Qwen3-MoE models, kept so that CI (no torch)
-checks our import against them.
+"""transformers' logits for tiny Llama, Mixtral, DeepSeekMoE, Qwen2, Qwen3 and Qwen3-MoE models, kept so that CI (no
+torch) checks our import against them.
 
     python tests/transformers_golden.py     # needs numpy, torch, transformers; rewrites tests/data/transformers.npz
 
@@ -61,6 +61,9 @@ QWEN3_MOE_CONFIG = {
     "num_experts": 6, "num_experts_per_tok": 3, "moe_intermediate_size": 24, "norm_topk_prob": True,
     "decoder_sparse_step": 1, "mlp_only_layers": [0], "router_aux_loss_coef": 0.001, "output_router_logits": False,
 }
+# Qwen2 (Qwen2.5's architecture): biases on q, k and v (model.attention_bias), tied embeddings.
+QWEN2_CONFIG = {**{k: v for k, v in QWEN3_CONFIG.items() if k not in ("head_dim", "attention_bias")},
+                "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2"}
 CASES = {  # name: (transformers architecture, config.json)
     "llama": ("Llama", HF_CONFIG),
     "llama_tied": ("Llama", {**HF_CONFIG, "tie_word_embeddings": True}),
@@ -70,6 +73,7 @@ CASES = {  # name: (transformers architecture, config.json)
                                                "first_k_dense_replace": 0}),
     "qwen3": ("Qwen3", QWEN3_CONFIG),
     "qwen3_moe": ("Qwen3Moe", QWEN3_MOE_CONFIG),
+    "qwen2": ("Qwen2", QWEN2_CONFIG),
 }
 TOKENS = (2, 40)  # 40 positions > the rope scaling's original context of 16
 
