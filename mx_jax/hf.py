@@ -234,16 +234,6 @@ def _n_dense_first(cfg: ModelConfig) -> int:
     return cfg.moe.n_dense_first if cfg.moe.n_experts else 0
 
 
-def layout(cfg: ModelConfig, kind: str | None = None) -> tuple[_Tensor, ...]:
-    """Every tensor of the model of cfg once (layer tensors with "{i}", expert tensors with "{j}"), each path in the
-    mx_jax tree, named as HF's `kind` names them (default: model_type(cfg)): LAYOUT for a dense model; for a MoE its
-    MLP tensors replaced by MIXTRAL_MLP, or DEEPSEEK_MLP (+ DEEPSEEK_SHARED) for DeepSeekMoE and Qwen3-MoE; with
-    model.qk_norm the QK_NORMS; dense first layers under `dense_blocks`."""
-    kind = kind or model_type(cfg)
-    layers = tuple(dict.fromkeys(t for i in range(cfg.n_layers) for t in _layer_layout(cfg, i, kind)[2]))
-    return LAYOUT[:1] + layers + tuple(t for t in LAYOUT[1:] if not t.per_layer)
-
-
 def _layer_layout(cfg: ModelConfig, i: int, kind: str) -> tuple[str, int, tuple[_Tensor, ...]]:
     """(stack, index in it, tensors) of HF layer i, named as `kind` names them: the first model.moe.n_dense_first
     layers are the `dense_blocks` stack of dense MLPs, the rest the `blocks` stack."""
@@ -656,65 +646,130 @@ def read_hf_config(path: str | pathlib.Path) -> dict:
     return read_json_object(p, HFFormatError)
 
 
+class _Weights:
+    """The safetensors of an HF directory, read a tensor or a slice of one at a time (memory-mapped), each error
+    naming the file and the key. Use inside the ExitStack given, which closes the files."""
+
+    def __init__(self, path: pathlib.Path, files: dict[str, pathlib.Path], stack: contextlib.ExitStack):
+        self.st, self.path, self.files, self.stack = _safetensors(), path, files, stack
+        self.handles: dict[pathlib.Path, Any] = {}
+        self.used: set[str] = set()
+
+    def _handle(self, key: str):
+        if key not in self.files:
+            raise HFFormatError(f"{self.path}: tensor '{key}' is missing (looked in "
+                                f"{sorted({f.name for f in self.files.values()})})")
+        file = self.files[key]
+        if file not in self.handles:
+            self.handles[file] = _open_weights(self.st, file, self.stack)
+        if key not in self.handles[file].keys():
+            raise HFFormatError(f"{file}: tensor '{key}' is missing (the index names this file)")
+        return self.handles[file], file
+
+    def check(self, key: str, want: tuple[int, ...]) -> None:
+        f, file = self._handle(key)
+        got = tuple(f.get_slice(key).get_shape())
+        if got != want:
+            raise HFFormatError(f"{file}: tensor '{key}' has shape {got}; config.json implies {want}")
+        self.used.add(key)
+
+    def read(self, key: str, index: tuple[slice, ...] | None = None) -> np.ndarray:
+        f, file = self._handle(key)
+        try:
+            return f.get_tensor(key) if index is None else f.get_slice(key)[index]
+        except (self.st.SafetensorError, OSError) as e:
+            raise HFFormatError(f"{file}: cannot read tensor '{key}' ({type(e).__name__}: {e}); is the download "
+                                f"whole?") from None
+
+    def check_all_used(self, ignored: set[str]) -> None:
+        unused = sorted(k for k in set(self.files) - self.used - ignored if not _IGNORED_KEYS.fullmatch(k))
+        if unused:
+            raise HFFormatError(f"{self.path}: {len(unused)} tensor(s) have no place in a model of this config, e.g. "
+                                f"{unused[:5]}")
+
+
+def _plan(path: pathlib.Path, cfg: ModelConfig | None
+          ) -> tuple[ModelConfig, dict, dict[tuple[str, ...], list[tuple[str, bool, tuple[int, ...]]]], dict, set]:
+    """(the model's config, its param shapes, {param path: [(HF key, transposed, index in the stacked leading
+    axes)]}, {HF key: file}, keys to ignore) of an HF directory, its keys named as config.json's model_type names
+    them. A tied head is read from the embedding, transposed; a stored lm_head is then ignored, as HF does."""
+    hf = read_hf_config(path)
+    out_cfg = _merge_config(config_from_hf(hf, str(path / "config.json")), cfg, str(path / "config.json"))
+    kind = hf.get("model_type", "llama")  # the checkpoint's names, whatever cfg's routing (_merge_config warns)
+    tied = bool(hf.get("tie_word_embeddings", False))
+    entries: dict[tuple[str, ...], list] = {}
+    for key, t, i in _hf_keys(out_cfg, kind):
+        if key == "lm_head.weight" and tied:  # HF ignores a stored lm_head when tied; (V, D) as lm_head's
+            key = "model.embed_tokens.weight"
+        entries.setdefault(t.path, []).append((key, t.transpose, i))
+    return out_cfg, param_shapes(out_cfg), entries, _weight_files(path), {"lm_head.weight"} if tied else set()
+
+
 def load_hf_llama(path: str | pathlib.Path, cfg: ModelConfig | None = None) -> tuple[dict, ModelConfig]:
-    """Read an HF Llama directory (config.json + safetensors) -> (params as numpy arrays, ModelConfig).
+    """Read an HF directory (config.json + safetensors) -> (params as numpy arrays, ModelConfig).
 
     cfg None: the architecture comes from config.json, every other field at its ModelConfig default. cfg given:
     it is returned as is, after checking that its shape fields match config.json (ConfigError otherwise); a
     different rope_theta / rope_scaling / norm_eps only warns (e.g. long-context fine-tuning). Arrays come out
     in cfg.param_dtype, laid out as `llama.params_of` gives them.
     """
-    st = _safetensors()
     path = pathlib.Path(path)
-    hf = read_hf_config(path)
-    out_cfg = _merge_config(config_from_hf(hf, str(path / "config.json")), cfg, str(path / "config.json"))
-    kind = hf.get("model_type", "llama")  # the checkpoint's names, whatever cfg's routing (_merge_config warns)
-    tied = bool(hf.get("tie_word_embeddings", False))
-    files = _weight_files(path)
+    out_cfg, shapes, entries, files, ignored = _plan(path, cfg)
     dtype = np.dtype(jax.numpy.dtype(out_cfg.param_dtype))
-    shapes = param_shapes(out_cfg)
     params: dict = {}
-    for t in layout(out_cfg, kind):
-        _set(params, t.path, np.empty(_get(shapes, t.path), dtype))
-    used = set()
     with contextlib.ExitStack() as stack:
-        handles: dict[pathlib.Path, Any] = {}
-
-        def read(key: str, want: tuple[int, ...]) -> np.ndarray:
-            if key not in files:
-                raise HFFormatError(f"{path}: tensor '{key}' is missing (looked in "
-                                    f"{sorted({f.name for f in files.values()})})")
-            file = files[key]
-            if file not in handles:
-                handles[file] = _open_weights(st, file, stack)
-            f = handles[file]
-            if key not in f.keys():
-                raise HFFormatError(f"{file}: tensor '{key}' is missing (the index names this file)")
-            got = tuple(f.get_slice(key).get_shape())
-            if got != want:
-                raise HFFormatError(f"{file}: tensor '{key}' has shape {got}; config.json implies {want}")
-            used.add(key)
-            try:
-                return f.get_tensor(key)
-            except (st.SafetensorError, OSError) as e:
-                raise HFFormatError(f"{file}: cannot read tensor '{key}' ({type(e).__name__}: {e}); is the "
-                                    f"download whole?") from None
-
-        for key, t, i in _hf_keys(out_cfg, kind):
-            if key == "lm_head.weight" and tied:
-                continue  # HF ignores a stored lm_head when tied
-            dst = _get(params, t.path)[i]  # a view into the stacked (L, ...) or (L, E, ...) array
-            x = read(key, _hf_shape(t, _get(shapes, t.path)))
-            dst[...] = x.T if t.transpose else x  # casts to param_dtype in place
-            del x
-    if tied:
-        params["head"][...] = params["embed"].T
-        used.add("lm_head.weight")
-    unused = sorted(k for k in set(files) - used if not _IGNORED_KEYS.fullmatch(k))
-    if unused:
-        raise HFFormatError(f"{path}: {len(unused)} tensor(s) have no place in a model of this config, e.g. "
-                            f"{unused[:5]}")
+        weights = _Weights(path, files, stack)
+        for leaf, items in entries.items():
+            dst = np.empty(_get(shapes, leaf), dtype)
+            _set(params, leaf, dst)
+            for key, transpose, i in items:
+                one = dst.shape[len(i):]
+                weights.check(key, one[::-1] if transpose else one)
+                x = weights.read(key)
+                dst[i] = x.T if transpose else x  # casts to param_dtype in place
+                del x
+        weights.check_all_used(ignored)
     return params, out_cfg
+
+
+def load_hf_sharded(path: str | pathlib.Path, cfg: ModelConfig, shardings: dict) -> dict:
+    """load_hf_llama's parameters placed per `shardings` (a params-shaped tree of jax.sharding.Sharding), each
+    process reading only the slices its own devices hold: jax.make_array_from_callback asks for each local shard,
+    and the safetensors are memory-mapped, so a process holds its shards and no whole tensor (a transposed slice
+    reads the rows it spans). Every key and shape is checked before anything is read."""
+    path = pathlib.Path(path)
+    out_cfg, shapes, entries, files, ignored = _plan(path, cfg)
+    dtype = np.dtype(jax.numpy.dtype(out_cfg.param_dtype))
+    with contextlib.ExitStack() as stack:
+        weights = _Weights(path, files, stack)
+        for leaf, items in entries.items():
+            one = _get(shapes, leaf)[len(items[0][2]):]
+            for key, transpose, _ in items:
+                weights.check(key, one[::-1] if transpose else one)
+        weights.check_all_used(ignored)
+
+        def place(leaf: tuple[str, ...], shape: tuple[int, ...], sharding) -> jax.Array:
+            items = entries[leaf]
+            lead = len(items[0][2])
+
+            def shard(index: tuple[slice, ...]) -> np.ndarray:
+                spans = [range(*sl.indices(n)) for sl, n in zip(index, shape)]
+                out = np.empty([len(r) for r in spans], dtype)
+                rest = tuple(slice(r.start, r.stop) for r in spans[lead:])
+                for key, transpose, i in items:
+                    if all(j in r for j, r in zip(i, spans[:lead])):
+                        x = weights.read(key, rest[::-1] if transpose else rest)
+                        out[tuple(j - r.start for j, r in zip(i, spans[:lead]))] = x.T if transpose else x
+                return out
+
+            return jax.make_array_from_callback(shape, sharding, shard)
+
+        flat = {tuple(_path_keys(p)): s for p, s in
+                jax.tree_util.tree_flatten_with_path(shapes, is_leaf=lambda x: isinstance(x, tuple))[0]}
+        out: dict = {}
+        for leaf, shape in flat.items():
+            _set(out, leaf, place(leaf, shape, _get(shardings, leaf)))
+        return out
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -898,8 +953,8 @@ def init_from(path: str | pathlib.Path, model_cfg: ModelConfig, param_shardings:
     """Parameters to start a run from: an HF Llama directory, or an mx_jax checkpoint (run dir / step dir).
 
     Shape fields of model_cfg must match the checkpoint. With param_shardings (`Setup.param_shardings`) the arrays
-    are placed on the mesh (each process reads the whole HF checkpoint into host memory and puts only its own
-    shards on its devices; Orbax checkpoints are read shard by shard and resharded to any mesh). The trainer calls
+    are placed on the mesh (each process reads only the slices of the HF safetensors that its own devices hold,
+    `load_hf_sharded`; Orbax checkpoints are read shard by shard and resharded to any mesh). The trainer calls
     this for the config key `init_from` on a fresh start (never on resume, where the checkpoint holds the params).
     The optimizer state stays as initialized (AdamW's moments start at zero whatever the parameters).
     """
@@ -909,14 +964,9 @@ def init_from(path: str | pathlib.Path, model_cfg: ModelConfig, param_shardings:
     if not (p / "config.json").is_file() and any(p.glob("*.safetensors")):
         raise HFFormatError(f"{path} has safetensors but no config.json; an HF checkpoint needs both")
     if is_hf_dir(path):
-        params, _ = load_hf_llama(path, model_cfg)
         if param_shardings is None:
-            return params
-
-        def place(x: np.ndarray, sh) -> jax.Array:
-            return jax.make_array_from_callback(x.shape, sh, lambda idx: x[idx])
-
-        return jax.tree.map(place, params, param_shardings)
+            return load_hf_llama(path, model_cfg)[0]
+        return load_hf_sharded(path, model_cfg, param_shardings)
     kept = _source_config(p)  # an imported run: the HF model's routing and rope settings against model_cfg's
     if kept is not None and kept.name == "hf_config.json":
         try:

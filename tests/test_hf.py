@@ -373,6 +373,41 @@ def test_init_from_places_hf_and_orbax_params_on_a_mesh(tmp_path):
         hf.init_from(tmp_path, cfg)
 
 
+@pytest.mark.parametrize("case", ["deepseek", "qwen3", "mixtral"])
+def test_init_from_an_hf_directory_reads_only_each_devices_slices(tmp_path, case, monkeypatch):
+    """init_from on a mesh (hf.load_hf_sharded): the same values as the whole read, placed as asked, over the
+    stacked layer and expert axes and the transposed matrices alike, a tied head from the embedding; and no tensor
+    read whole, only the slices of the shards."""
+    from tests import transformers_golden as golden
+
+    want_case = golden.load()[case]
+    golden.write(tmp_path / "hf", want_case["config"],
+                 golden.weights(want_case["names"], [tuple(s) for s in want_case["shapes"]]))
+    want, cfg = hf.load_hf_llama(tmp_path / "hf")
+    mesh = jax.make_mesh((2, 2), ("a", "b"), devices=jax.devices()[:4])
+
+    def spec_for(shape):  # the first dim over b and the last over a, where they divide
+        spec = [None] * len(shape)
+        if len(shape) > 1 and shape[0] % 2 == 0:
+            spec[0] = "b"
+        if shape[-1] % 2 == 0:
+            spec[-1] = "a"
+        return NamedSharding(mesh, P(*spec))
+
+    shardings = jax.tree.map(spec_for, hf.param_shapes(cfg), is_leaf=lambda x: isinstance(x, tuple))
+    reads = []
+    whole_read = hf._Weights.read
+    monkeypatch.setattr(hf._Weights, "read", lambda self, key, index=None: reads.append((key, index)) or
+                        whole_read(self, key, index))
+    got = hf.init_from(tmp_path / "hf", cfg, shardings)
+    jax.tree.map(lambda g, s: g.sharding == s or pytest.fail(f"sharding {g.sharding}"), got, shardings)
+    jax.tree.map(lambda g, w: np.testing.assert_array_equal(np.asarray(g), w), got, want)
+    assert reads and all(index is not None for _, index in reads)
+    embed = [index for key, index in reads if key == "model.embed_tokens.weight"]
+    assert len(embed) == (8 if case == "qwen3" else 4)  # 4 shards of the embedding, and of a tied head
+    assert all(i[0].stop - i[0].start == 128 and i[1].stop - i[1].start == 24 for i in embed)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Against transformers: its logits kept in tests/data (every run), and a live model (where torch is installed)
 
