@@ -735,8 +735,9 @@ def load_hf_llama(path: str | pathlib.Path, cfg: ModelConfig | None = None) -> t
 def load_hf_sharded(path: str | pathlib.Path, cfg: ModelConfig, shardings: dict) -> dict:
     """load_hf_llama's parameters placed per `shardings` (a params-shaped tree of jax.sharding.Sharding), each
     process reading only the slices its own devices hold: jax.make_array_from_callback asks for each local shard,
-    and the safetensors are memory-mapped, so a process holds its shards and no whole tensor (a transposed slice
-    reads the rows it spans). Every key and shape is checked before anything is read."""
+    and the safetensors are memory-mapped, so a process holds its devices' shards, not the model (a replicated
+    parameter is read whole, a transposed slice touches the rows it spans). Every key and shape is checked before
+    anything is read."""
     path = pathlib.Path(path)
     out_cfg, shapes, entries, files, ignored = _plan(path, cfg)
     dtype = np.dtype(jax.numpy.dtype(out_cfg.param_dtype))
