@@ -536,11 +536,11 @@ def param_shapes(cfg: ModelConfig) -> dict:
                            "w_down": (n, E, Fe, D), **shared}}
         else:
             mlp = {"mlp": {"w_gate": (n, D, F), "w_up": (n, D, F), "w_down": (n, F, D)}}
-        qk = {"q_norm": {"scale": (n, cfg.d_head)}, "k_norm": {"scale": (n, cfg.d_head)}} if cfg.qk_norm else {}
+        attn = {"q_norm": {"scale": (n, cfg.d_head)}, "k_norm": {"scale": (n, cfg.d_head)}} if cfg.qk_norm else {}
         if cfg.attention_bias:
-            qk.update({"bq": (n, HK), "bk": (n, GK), "bv": (n, GK)})
+            attn.update({"bq": (n, HK), "bk": (n, GK), "bv": (n, GK)})
         return {"attn_norm": {"scale": (n, D)}, "mlp_norm": {"scale": (n, D)},
-                "attn": {"wq": (n, D, HK), "wk": (n, D, GK), "wv": (n, D, GK), "wo": (n, HK, D), **qk}, **mlp}
+                "attn": {"wq": (n, D, HK), "wk": (n, D, GK), "wv": (n, D, GK), "wo": (n, HK, D), **attn}, **mlp}
 
     n_first = _n_dense_first(cfg)
     return {
@@ -681,7 +681,13 @@ class _Weights:
             raise HFFormatError(f"{file}: cannot read tensor '{key}' ({type(e).__name__}: {e}); is the download "
                                 f"whole?") from None
 
-    def check_all_used(self, ignored: set[str]) -> None:
+    def check_plan(self, entries: dict, shapes: dict, ignored: set[str]) -> None:
+        """Every key of `_plan`'s entries there with the shape its leaf implies, and no tensor left without a place
+        (but `ignored` ones): headers only, before anything is read."""
+        for leaf, items in entries.items():
+            one = _get(shapes, leaf)[len(items[0][2]):]
+            for key, transpose, _ in items:
+                self.check(key, one[::-1] if transpose else one)
         unused = sorted(k for k in set(self.files) - self.used - ignored if not _IGNORED_KEYS.fullmatch(k))
         if unused:
             raise HFFormatError(f"{self.path}: {len(unused)} tensor(s) have no place in a model of this config, e.g. "
@@ -719,16 +725,14 @@ def load_hf_llama(path: str | pathlib.Path, cfg: ModelConfig | None = None) -> t
     params: dict = {}
     with contextlib.ExitStack() as stack:
         weights = _Weights(path, files, stack)
+        weights.check_plan(entries, shapes, ignored)
         for leaf, items in entries.items():
             dst = np.empty(_get(shapes, leaf), dtype)
             _set(params, leaf, dst)
             for key, transpose, i in items:
-                one = dst.shape[len(i):]
-                weights.check(key, one[::-1] if transpose else one)
                 x = weights.read(key)
                 dst[i] = x.T if transpose else x  # casts to param_dtype in place
                 del x
-        weights.check_all_used(ignored)
     return params, out_cfg
 
 
@@ -743,11 +747,7 @@ def load_hf_sharded(path: str | pathlib.Path, cfg: ModelConfig, shardings: dict)
     dtype = np.dtype(jax.numpy.dtype(out_cfg.param_dtype))
     with contextlib.ExitStack() as stack:
         weights = _Weights(path, files, stack)
-        for leaf, items in entries.items():
-            one = _get(shapes, leaf)[len(items[0][2]):]
-            for key, transpose, _ in items:
-                weights.check(key, one[::-1] if transpose else one)
-        weights.check_all_used(ignored)
+        weights.check_plan(entries, shapes, ignored)
 
         def place(leaf: tuple[str, ...], shape: tuple[int, ...], sharding) -> jax.Array:
             items = entries[leaf]
