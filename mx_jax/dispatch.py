@@ -146,6 +146,7 @@ import jax.numpy as jnp
 
 from mx_jax import grouped_linear
 from mx_jax.layers import saved_output, swiglu
+from pallas_kernels import grouped_matmul as gm
 from pallas_kernels import row_exchange
 from pallas_kernels.all_to_all import all_to_all
 
@@ -673,7 +674,7 @@ def _buffer_padding(sizes: jax.Array, got: jax.Array, rows: int, chunk: int) -> 
     got[e] of them data: its padding and its tail."""
     start = jnp.cumsum(sizes) - sizes
     r = jnp.arange(rows, dtype=jnp.int32)
-    group = jnp.searchsorted(start, r, side="right").astype(jnp.int32) - 1  # (of equal starts, the last)
+    group = gm.searchsorted(start, r, side="right").astype(jnp.int32) - 1  # (of equal starts, the last)
     data = (r >= start[group]) & (r < start[group] + got[group])
     return row_exchange.zero_work(~data, chunk)
 
