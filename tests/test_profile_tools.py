@@ -155,12 +155,12 @@ ncu_gemm = importlib.util.module_from_spec(_ncu_spec)
 _ncu_spec.loader.exec_module(ncu_gemm)
 
 
-def _ncu_csv(launches):
+def _ncu_csv(launches, memory=None):
     """ncu --csv output (one line per kernel launch and metric) after the program's own ROW/SKIP lines."""
     head = '"ID","Process ID","Kernel Name","Metric Name","Metric Unit","Metric Value"'
     lines = [head]
     for i, (kernel, cycles) in enumerate(launches):
-        values = dict.fromkeys(ncu_gemm.METRICS, "1")
+        values = dict.fromkeys(ncu_gemm.METRICS, "1") | (memory or {})
         values["gpc__cycles_elapsed.max"] = f"{cycles:,}"
         lines += [f'"{i}","7","{kernel}","{name}","","{value}"' for name, value in values.items()]
     return lines
@@ -181,8 +181,32 @@ def test_ncu_table_skips_autotuning_candidates_and_takes_second_launches(tmp_pat
     ncu_gemm.table(str(path))
     rows = [line.split(" | ") for line in capsys.readouterr().out.splitlines()[2:]]
     assert [(r[0].strip("| "), r[1], r[2]) for r in rows] == [
-        ("8x8x8", "nvjet_b", "820"), ("8x8x8", "cfg A", "1,001"), ("8x8x8", "cfg B", "1,101"),
-        ("4x4x4", "nvjet_c", "501"), ("4x4x4", "cfg B", "not covered: too small |||||||"), ("4x4x4", "cfg A", "601")]
+        ("8x8x8", "cuBLASLt `nvjet_b`", "820"), ("8x8x8", "cfg A", "1,001"), ("8x8x8", "cfg B", "1,101"),
+        ("4x4x4", "cuBLASLt `nvjet_c`", "501"), ("4x4x4", "cfg B", "not covered: too small |||||||"),
+        ("4x4x4", "cfg A", "601")]
+
+
+def test_ncu_table_grouped_rows_with_memory_metrics(tmp_path, capsys):
+    """run-grouped's order: cuBLAS batched, our balanced launches, cuBLAS dense, our skewed launches; with
+    `metrics --memory` the table adds DRAM MB read and written and the L2 hit rate."""
+    launches = [("nvjet_batched", 240), ("nvjet_batched", 241), ("gmm_mosaic_gpu_kernel", 260),
+                ("gmm_mosaic_gpu_kernel", 261), ("nvjet_dense", 270), ("gmm_mosaic_gpu_kernel", 360),
+                ("gmm_mosaic_gpu_kernel", 362)]
+    program = ["ROW|8x8x8|cuBLAS batched", "ROW|8x8x8|gmm bf16 balanced default", "ROW|8x8x8|cuBLAS dense",
+               "ROW|8x8x8|gmm bf16 skewed default"]
+    lines = _ncu_csv(launches, memory={"dram__bytes_read.sum": "537,000,000", "dram__bytes_write.sum": "46,000,000",
+                                       "lts__t_sector_hit_rate.pct": "42.5"})
+    path = tmp_path / "ncu.csv"
+    path.write_text("\n".join(program + lines) + "\n")
+    ncu_gemm.table(str(path))
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].endswith("DRAM read MB | DRAM write MB | L2 hit % |")
+    rows = [line.split(" | ") for line in out[2:]]
+    assert [(r[1], r[2], r[-3], r[-2], r[-1]) for r in rows] == [
+        ("cuBLAS batched `nvjet_batched`", "241", "537", "46", "42.5 |"),
+        ("gmm bf16 balanced default", "261", "537", "46", "42.5 |"),
+        ("cuBLAS dense `nvjet_dense`", "270", "537", "46", "42.5 |"),
+        ("gmm bf16 skewed default", "362", "537", "46", "42.5 |")]
 
 
 def test_grouped_bench_sweeps_only_configs_that_tile_n():
