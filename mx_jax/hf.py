@@ -1,4 +1,4 @@
-"""Hugging Face Llama, Mixtral, DeepSeekMoE, Qwen2 and Qwen3 checkpoints in and out: config.json + safetensors.
+"""Hugging Face Llama, Mistral, Mixtral, DeepSeekMoE, Qwen2 and Qwen3 checkpoints in and out: config.json + safetensors.
 
     python -m mx_jax.hf import HF_DIR OUT_DIR              # -> OUT_DIR/checkpoints/0/state + OUT_DIR/config.yaml
                                                            # (+ OUT_DIR/hf_config.json and the other SIDECARS)
@@ -44,6 +44,11 @@ the output tree, so an 8B checkpoint never sits in memory twice; the transposes 
 weight (in, out) for quant.linear. Writing buffers one shard (`max_shard_bytes`, HF's default 5 GB) at a time.
 Tied embeddings (`tie_word_embeddings`) are untied on import by copying, as mx_jax trains an untied head; export
 always writes an untied `lm_head.weight`.
+
+Mistral (MistralForCausalLM, `model_type: mistral`: Mistral 7B v0.2 and v0.3, Mistral NeMo's head_dim 128 beside
+hidden 5120 / 32 heads) is Llama's architecture under Llama's names, with `sliding_window` null; a window (v0.1's
+4096, and MistralConfig's default where config.json has no such key) is refused. An export of a run whose
+config.json came from a Mistral model writes MistralForCausalLM again.
 
 Mixtral (MixtralForCausalLM, `model_type: mixtral`): every layer's MLP rows above are replaced by its MoE block,
 
@@ -285,14 +290,19 @@ def config_from_hf(hf: dict, source: str = "config.json") -> ModelConfig:
     archs = hf.get("architectures") or []
     if "model_type" not in hf and any(a != "LlamaForCausalLM" for a in archs):
         raise HFFormatError(f"{source}: no model_type, and architectures is {archs}; only LlamaForCausalLM, "
-                            f"MixtralForCausalLM, DeepseekForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM and "
-                            f"Qwen3MoeForCausalLM map to mx_jax")
+                            f"MistralForCausalLM, MixtralForCausalLM, DeepseekForCausalLM, Qwen2ForCausalLM, "
+                            f"Qwen3ForCausalLM and Qwen3MoeForCausalLM map to mx_jax")
     model_type = hf.get("model_type", "llama")
-    if model_type not in ("llama", "mixtral", "deepseek", "qwen2", "qwen3", "qwen3_moe"):
-        raise HFFormatError(f"{source}: model_type is {model_type!r}; only 'llama' (LlamaForCausalLM), 'mixtral' "
-                            f"(MixtralForCausalLM), 'deepseek' (DeepseekForCausalLM, DeepSeekMoE), 'qwen2' "
-                            f"(Qwen2ForCausalLM), 'qwen3' (Qwen3ForCausalLM) and 'qwen3_moe' (Qwen3MoeForCausalLM) map "
-                            f"to mx_jax")
+    if model_type not in ("llama", "mistral", "mixtral", "deepseek", "qwen2", "qwen3", "qwen3_moe"):
+        raise HFFormatError(f"{source}: model_type is {model_type!r}; only 'llama' (LlamaForCausalLM), 'mistral' "
+                            f"(MistralForCausalLM), 'mixtral' (MixtralForCausalLM), 'deepseek' (DeepseekForCausalLM, "
+                            f"DeepSeekMoE), 'qwen2' (Qwen2ForCausalLM), 'qwen3' (Qwen3ForCausalLM) and 'qwen3_moe' "
+                            f"(Qwen3MoeForCausalLM) map to mx_jax")
+    if model_type == "mistral" and hf.get("sliding_window", 4096) is not None:  # MistralConfig's default: 4096
+        raise HFFormatError(f"{source}: sliding_window={hf.get('sliding_window', 4096)}"
+                            f"{'' if 'sliding_window' in hf else ' (no key: MistralConfig defaults to it)'} is not "
+                            f"supported (mx_jax attends to the whole causal context; Mistral 7B v0.2 and later have "
+                            f"sliding_window null)")
     moe = MoEConfig()
     d_model, n_heads = int(get("hidden_size")), int(get("num_attention_heads"))
     head_dim = int(get("head_dim", d_model // n_heads))
@@ -406,6 +416,15 @@ _ARCH_HF_KEYS = frozenset((
 # The keys of a base config.json kept whatever its architecture.
 _GENERIC_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id", "max_position_embeddings", "initializer_range",
                  "transformers_version")
+# model_types that are another's in every tensor name and every config key mx_jax maps: Mistral (v0.2 on, without a
+# sliding window) is Llama's architecture.
+_SAME_AS = {"mistral": "llama"}
+
+
+def _family(hf_model_type: str | None) -> str:
+    """The model_type (`model_type(cfg)`'s names) whose mapping a config.json of `hf_model_type` takes."""
+    t = hf_model_type or "llama"
+    return _SAME_AS.get(t, t)
 
 
 def config_to_hf(cfg: ModelConfig, dtype: str, base: dict | None = None) -> dict:
@@ -421,7 +440,7 @@ def config_to_hf(cfg: ModelConfig, dtype: str, base: dict | None = None) -> dict
     if kind == "deepseek" and scaled:
         raise ConfigError("config key 'model.rope_scaling': DeepSeekMoE's code scales RoPE linearly or by dynamic NTK, "
                           "not as Llama 3.1 does")
-    if base and base.get("model_type", "llama") != kind:  # another architecture's keys would not describe this one
+    if base and _family(base.get("model_type")) != kind:  # another architecture's keys would not describe this one
         base = {k: v for k, v in base.items() if k in _GENERIC_KEYS}
     # The base's architecture keys go, whether or not this model_type writes them again: a base of another shape
     # (--hf-config) must not leave transformers 5's num_local_experts beside num_experts, or its layer_types.
@@ -454,7 +473,11 @@ def config_to_hf(cfg: ModelConfig, dtype: str, base: dict | None = None) -> dict
     if "dtype" in out:  # transformers 5 writes `dtype` instead of `torch_dtype`
         out["dtype"] = dtype
     m = cfg.moe
-    if kind == "mixtral":
+    if kind == "llama" and base and base.get("model_type") == "mistral":  # MistralConfig's keys; no window
+        for key in ("attention_bias", "mlp_bias"):
+            out.pop(key)
+        out.update({"architectures": ["MistralForCausalLM"], "model_type": "mistral", "sliding_window": None})
+    elif kind == "mixtral":
         out.update({"architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
                     "num_local_experts": m.n_experts, "num_experts_per_tok": m.top_k,
                     "router_aux_loss_coef": m.aux_loss_coef / m.top_k, "output_router_logits": False,
@@ -1131,10 +1154,10 @@ def export_base(run_dir: pathlib.Path, cfg_file: pathlib.Path, hf_config: str | 
         return None, {}, note.lstrip("; ")
     base = read_json_object(found, HFFormatError)
     extra = _model_files(found)
-    if base.get("model_type", "llama") != kind:  # config_to_hf keeps only its generic keys: no code either
+    if _family(base.get("model_type")) != kind:  # config_to_hf keeps only its generic keys: no code either
         extra = {n: p for n, p in extra.items() if n in SIDECARS}
     auto = base.pop("auto_map", None)
-    if isinstance(auto, dict) and base.get("model_type", "llama") == kind:
+    if isinstance(auto, dict) and _family(base.get("model_type")) == kind:
         kept = {k: v for k, v in auto.items()
                 if all(_local_ref_ok(r, set(extra)) for r in (v if isinstance(v, list) else [v]))}
         if kept:

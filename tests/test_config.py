@@ -123,7 +123,7 @@ def test_resolved_config_round_trips(tmp_path):
 
 
 @pytest.mark.parametrize("name", ["llama3_debug", "llama3_1b", "llama3_8b", "llama3_70b", "llama3_140m", "moe_debug",
-                                  "mixtral_8x7b", "deepseek_moe_16b"])
+                                  "mixtral_8x7b", "deepseek_moe_16b", "qwen3_30b_a3b", "mistral_7b"])
 def test_shipped_configs_load(name):
     cfg = load_config(str(ROOT / f"configs/{name}.yaml"))
     m = cfg.model
@@ -139,6 +139,13 @@ def test_shipped_configs_load(name):
     if name == "deepseek_moe_16b":
         assert (m.vocab_size, m.d_model, m.n_layers, m.n_heads, m.n_kv_heads) == (102400, 2048, 28, 16, 16)
         assert (m.moe.n_experts, m.moe.top_k, m.moe.d_expert, m.moe.n_shared) == (64, 6, 1408, 2)
+    if name == "qwen3_30b_a3b":
+        assert (m.vocab_size, m.d_model, m.n_layers, m.n_heads, m.n_kv_heads, m.d_head) == (151936, 2048, 48, 32, 4, 128)
+        assert (m.moe.n_experts, m.moe.top_k, m.moe.d_expert, m.qk_norm) == (128, 8, 768, True)
+    if name == "mistral_7b":  # mistralai/Mistral-7B-v0.3: 7,248,023,552 parameters
+        assert (m.vocab_size, m.d_model, m.n_layers, m.n_heads, m.n_kv_heads, m.rope_theta) == (32768, 4096, 32, 32, 8,
+                                                                                               1e6)
+        assert llama.param_count(m) == 7_248_023_552
     first, groups, per_group = llama.layer_kinds(m)
     assert first + groups * per_group == m.n_layers
 

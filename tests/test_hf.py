@@ -28,8 +28,8 @@ from mx_jax.llama import Llama, buffers_of, params_of  # noqa: E402
 from mx_jax.train import train  # noqa: E402
 from tests.helpers import NO_IO, tiny_config  # noqa: E402
 
-from tests.transformers_golden import (DEEPSEEK_CONFIG, HF_CONFIG, MIXTRAL_CONFIG, QWEN2_CONFIG,  # noqa: E402
-                                       QWEN3_CONFIG, QWEN3_MOE_CONFIG)
+from tests.transformers_golden import (DEEPSEEK_CONFIG, HF_CONFIG, MISTRAL_CONFIG, MIXTRAL_CONFIG,  # noqa: E402
+                                       QWEN2_CONFIG, QWEN3_CONFIG, QWEN3_MOE_CONFIG)
 
 
 def _hf_tensors(c: dict, dtype, seed: int = 0, tied: bool = False) -> dict[str, np.ndarray]:
@@ -239,7 +239,7 @@ def test_missing_wrong_shape_and_unexpected_tensors(tmp_path):
 @pytest.mark.parametrize("change, match", [
     ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "'yarn' is not supported"),
     ({"attention_bias": True}, "attention_bias=True"),
-    ({"model_type": "mistral"}, "model_type is 'mistral'"),
+    ({"model_type": "gemma"}, "model_type is 'gemma'"),
     ({"hidden_size": None}, "missing key 'hidden_size'"),
 ])
 def test_unsupported_configs_are_refused(change, match):
@@ -421,9 +421,10 @@ def _our_logits(params: dict, cfg: ModelConfig, tokens: np.ndarray) -> np.ndarra
     return np.asarray(model(jnp.asarray(tokens))[0])
 
 
-def _check_against_transformers(tmp_path, arch: str, hf_config: dict) -> None:
+def _check_against_transformers(tmp_path, arch: str, hf_config: dict, keep_config: bool = False) -> None:
     """A random transformers `<arch>ForCausalLM` of hf_config, imported: our logits equal transformers' (float32);
-    our export, read back by transformers, gives them again."""
+    our export (from hf_config, as `import` keeps it, with keep_config), read back by transformers, gives them
+    again."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
@@ -444,14 +445,16 @@ def _check_against_transformers(tmp_path, arch: str, hf_config: dict) -> None:
 
     params, cfg = hf.load_hf_llama(tmp_path / "hf")
     np.testing.assert_allclose(_our_logits(params, cfg, tokens), want, atol=1e-4, rtol=0)  # float32
-    hf.export_hf_llama(params, cfg, tmp_path / "ours", dtype="float32")
+    hf.export_hf_llama(params, cfg, tmp_path / "ours", dtype="float32", hf_config=hf_config if keep_config else None)
+    if keep_config:
+        assert json.loads((tmp_path / "ours" / "config.json").read_text())["architectures"] == [f"{arch}ForCausalLM"]
     back = model_cls.from_pretrained(tmp_path / "ours", attn_implementation="eager").float()
     with torch.no_grad():
         np.testing.assert_allclose(back(torch.as_tensor(tokens)).logits.numpy(), want, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("case", ["llama", "llama_tied", "mixtral", "deepseek", "deepseek_top_k_normalized", "qwen3",
-                                  "qwen3_moe", "qwen2"])
+                                  "qwen3_moe", "qwen2", "mistral"])
 def test_logits_match_those_transformers_computed(tmp_path, case):
     """The checkpoint tests/transformers_golden.py gave transformers (config.json and safetensors in the Hub's
     layout, weights drawn again here from their recorded names and shapes), imported: our float32 logits are the
@@ -898,6 +901,31 @@ def test_qwen2_config_maps_both_ways_and_its_biases_have_their_names(tmp_path):
                                                                 "model.moe.n_experts")):
         with pytest.raises(ConfigError, match=f"{key}.*dense Qwen2"):
             hf.config_to_hf(dataclasses.replace(cfg, **change), "float32")
+
+
+def test_mistral_is_llama_under_its_own_config_and_a_window_is_refused(tmp_path):
+    """Mistral maps as Llama (its head_dim kept); an export from its config.json writes MistralConfig's keys again
+    (no Llama-only keys, no window), from a run that `import` made as from the config itself. A sliding window, set
+    or left to MistralConfig's default (no key), is refused naming it."""
+    cfg = hf.config_from_hf(MISTRAL_CONFIG)
+    assert (hf.model_type(cfg), cfg.d_head, cfg.rope_theta) == ("llama", 16, 1e6)
+    assert hf.config_to_hf(cfg, "float32", MISTRAL_CONFIG) == {**MISTRAL_CONFIG, "rope_scaling": None}
+    assert hf.config_to_hf(cfg, "float32")["architectures"] == ["LlamaForCausalLM"]  # from no base: Llama's
+    with pytest.raises(hf.HFFormatError, match=r"sliding_window=4096 is not supported"):
+        hf.config_from_hf({**MISTRAL_CONFIG, "sliding_window": 4096})
+    with pytest.raises(hf.HFFormatError, match=r"sliding_window=4096 \(no key: MistralConfig defaults to it\)"):
+        hf.config_from_hf({k: v for k, v in MISTRAL_CONFIG.items() if k != "sliding_window"})
+
+    tensors = _hf_tensors(MISTRAL_CONFIG, np.float32, seed=5)
+    _write_hf(tmp_path / "src", MISTRAL_CONFIG, tensors, sharded=False)
+    assert hf.main(["import", str(tmp_path / "src"), str(tmp_path / "run")]) == 0
+    assert hf.main(["export", str(tmp_path / "run"), str(tmp_path / "out"), "--dtype", "float32"]) == 0
+    _assert_same_tensors(_read_all(tmp_path / "out"), tensors)
+    assert json.loads((tmp_path / "out" / "config.json").read_text()) == {**MISTRAL_CONFIG, "rope_scaling": None}
+
+
+def test_mistral_logits_match_transformers(tmp_path):
+    _check_against_transformers(tmp_path, "Mistral", MISTRAL_CONFIG, keep_config=True)
 
 
 def test_attention_biases_are_added_to_q_k_v_and_not_decayed():

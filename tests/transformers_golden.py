@@ -1,5 +1,5 @@
-"""transformers' logits for tiny Llama, Mixtral, DeepSeekMoE, Qwen2, Qwen3 and Qwen3-MoE models, kept so that CI (no
-torch) checks our import against them.
+"""transformers' logits for tiny Llama, Mistral, Mixtral, DeepSeekMoE, Qwen2, Qwen3 and Qwen3-MoE models, kept so that
+CI (no torch) checks our import against them.
 
     python tests/transformers_golden.py     # needs numpy, torch, transformers; rewrites tests/data/transformers.npz
 
@@ -64,6 +64,14 @@ QWEN3_MOE_CONFIG = {
 # Qwen2 (Qwen2.5's architecture): biases on q, k and v (model.attention_bias), tied embeddings.
 QWEN2_CONFIG = {**{k: v for k, v in QWEN3_CONFIG.items() if k not in ("head_dim", "attention_bias")},
                 "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2"}
+# Mistral (v0.2 on): Llama's architecture; head_dim 16 != hidden / heads (as Mistral NeMo's), no sliding window.
+MISTRAL_CONFIG = {
+    "architectures": ["MistralForCausalLM"], "model_type": "mistral", "vocab_size": 256, "hidden_size": 48,
+    "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 80,
+    "hidden_act": "silu", "rms_norm_eps": 1e-5, "rope_theta": 1000000.0, "max_position_embeddings": 128,
+    "sliding_window": None, "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2,
+    "torch_dtype": "float32",
+}
 CASES = {  # name: (transformers architecture, config.json)
     "llama": ("Llama", HF_CONFIG),
     "llama_tied": ("Llama", {**HF_CONFIG, "tie_word_embeddings": True}),
@@ -74,6 +82,7 @@ CASES = {  # name: (transformers architecture, config.json)
     "qwen3": ("Qwen3", QWEN3_CONFIG),
     "qwen3_moe": ("Qwen3Moe", QWEN3_MOE_CONFIG),
     "qwen2": ("Qwen2", QWEN2_CONFIG),
+    "mistral": ("Mistral", MISTRAL_CONFIG),
 }
 TOKENS = (2, 40)  # 40 positions > the rope scaling's original context of 16
 
