@@ -1,4 +1,5 @@
-"""Hugging Face Llama, Mistral, Mixtral, DeepSeekMoE, Qwen2 and Qwen3 checkpoints in and out: config.json + safetensors.
+"""Hugging Face Llama, Mistral, Phi-3, Mixtral, DeepSeekMoE, Qwen2 and Qwen3 checkpoints in and out (config.json +
+safetensors).
 
     python -m mx_jax.hf import HF_DIR OUT_DIR              # -> OUT_DIR/checkpoints/0/state + OUT_DIR/config.yaml
                                                            # (+ OUT_DIR/hf_config.json and the other SIDECARS)
@@ -46,9 +47,15 @@ Tied embeddings (`tie_word_embeddings`) are untied on import by copying, as mx_j
 always writes an untied `lm_head.weight`.
 
 Mistral (MistralForCausalLM, `model_type: mistral`: Mistral 7B v0.2 and v0.3, Mistral NeMo's head_dim 128 beside
-hidden 5120 / 32 heads) is Llama's architecture under Llama's names, with `sliding_window` null; a window (v0.1's
-4096, and MistralConfig's default where config.json has no such key) is refused. An export of a run whose
-config.json came from a Mistral model writes MistralForCausalLM again.
+hidden 5120 / 32 heads) is Llama's architecture under Llama's names, with `sliding_window` null; a window shorter
+than max_position_embeddings (v0.1's 4096 beside 32768; MistralConfig's default 4096 where config.json has no such
+key) is refused. Phi-3 (Phi3ForCausalLM, `phi3`: the Phi-3 and Phi-4 models without such a window, LongRoPE or
+partial rotary) is Llama's architecture with two fused tensors per layer (`_fusions`):
+
+    model.layers.{i}.self_attn.qkv_proj.weight   (H*K + 2 G*K, D)   rows [wq^T; wk^T; wv^T]
+    model.layers.{i}.mlp.gate_up_proj.weight     (2 F, D)           rows [w_gate^T; w_up^T]
+
+An export of a run whose config.json came from a Mistral or Phi-3 model writes that architecture again.
 
 Mixtral (MixtralForCausalLM, `model_type: mixtral`): every layer's MLP rows above are replaced by its MoE block,
 
@@ -254,6 +261,35 @@ def _layer_layout(cfg: ModelConfig, i: int, kind: str) -> tuple[str, int, tuple[
     return "blocks", i - n_first, before + mlp
 
 
+def _fusions(hf_model_type: str | None, cfg: ModelConfig) -> list[tuple[str, list[tuple[str, int]]]]:
+    """The tensors `hf_model_type` stores fused: [(stored key, [(the Llama key of each part, its rows), ...])], the
+    parts in row order. Phi-3 keeps each layer's q, k and v projections as one `qkv_proj` (H K + 2 G K, D) and its
+    gate and up projections as one `gate_up_proj` (2 F, D), gate first (Phi3MLP's `chunk(2)`); every other tensor
+    is Llama's. Imports read each part as a row range of the stored tensor, exports concatenate them."""
+    if hf_model_type != "phi3":
+        return []
+    hk, gk, out = cfg.n_heads * cfg.d_head, cfg.n_kv_heads * cfg.d_head, []
+    for i in range(cfg.n_layers):
+        p = f"model.layers.{i}."
+        out.append((p + "self_attn.qkv_proj.weight", [(p + "self_attn.q_proj.weight", hk),
+                                                        (p + "self_attn.k_proj.weight", gk),
+                                                        (p + "self_attn.v_proj.weight", gk)]))
+        out.append((p + "mlp.gate_up_proj.weight", [(p + "mlp.gate_proj.weight", cfg.d_ff),
+                                                     (p + "mlp.up_proj.weight", cfg.d_ff)]))
+    return out
+
+
+def _part_rows(fusions: list[tuple[str, list[tuple[str, int]]]]) -> dict[str, tuple[str, int, int, int]]:
+    """{part key: (stored key, first row, end row, the stored tensor's rows)} of `_fusions`."""
+    out = {}
+    for stored, parts in fusions:
+        total, start = sum(n for _, n in parts), 0
+        for key, n in parts:
+            out[key] = (stored, start, start + n, total)
+            start += n
+    return out
+
+
 # Buffers some older HF checkpoints saved; recomputed from the config, so they are skipped.
 _IGNORED_KEYS = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
 
@@ -290,19 +326,22 @@ def config_from_hf(hf: dict, source: str = "config.json") -> ModelConfig:
     archs = hf.get("architectures") or []
     if "model_type" not in hf and any(a != "LlamaForCausalLM" for a in archs):
         raise HFFormatError(f"{source}: no model_type, and architectures is {archs}; only LlamaForCausalLM, "
-                            f"MistralForCausalLM, MixtralForCausalLM, DeepseekForCausalLM, Qwen2ForCausalLM, "
-                            f"Qwen3ForCausalLM and Qwen3MoeForCausalLM map to mx_jax")
+                            f"MistralForCausalLM, Phi3ForCausalLM, MixtralForCausalLM, DeepseekForCausalLM, "
+                            f"Qwen2ForCausalLM, Qwen3ForCausalLM and Qwen3MoeForCausalLM map to mx_jax")
     model_type = hf.get("model_type", "llama")
-    if model_type not in ("llama", "mistral", "mixtral", "deepseek", "qwen2", "qwen3", "qwen3_moe"):
+    if model_type not in ("llama", "mistral", "phi3", "mixtral", "deepseek", "qwen2", "qwen3", "qwen3_moe"):
         raise HFFormatError(f"{source}: model_type is {model_type!r}; only 'llama' (LlamaForCausalLM), 'mistral' "
-                            f"(MistralForCausalLM), 'mixtral' (MixtralForCausalLM), 'deepseek' (DeepseekForCausalLM, "
-                            f"DeepSeekMoE), 'qwen2' (Qwen2ForCausalLM), 'qwen3' (Qwen3ForCausalLM) and 'qwen3_moe' "
-                            f"(Qwen3MoeForCausalLM) map to mx_jax")
-    if model_type == "mistral" and hf.get("sliding_window", 4096) is not None:  # MistralConfig's default: 4096
-        raise HFFormatError(f"{source}: sliding_window={hf.get('sliding_window', 4096)}"
-                            f"{'' if 'sliding_window' in hf else ' (no key: MistralConfig defaults to it)'} is not "
-                            f"supported (mx_jax attends to the whole causal context; Mistral 7B v0.2 and later have "
-                            f"sliding_window null)")
+                            f"(MistralForCausalLM), 'phi3' (Phi3ForCausalLM), 'mixtral' (MixtralForCausalLM), "
+                            f"'deepseek' (DeepseekForCausalLM, DeepSeekMoE), 'qwen2' (Qwen2ForCausalLM), 'qwen3' "
+                            f"(Qwen3ForCausalLM) and 'qwen3_moe' (Qwen3MoeForCausalLM) map to mx_jax")
+    if model_type in ("mistral", "phi3"):
+        # A window no shorter than the model's context never applies; MistralConfig's default is 4096.
+        window = hf.get("sliding_window", 4096 if model_type == "mistral" else None)
+        if window is not None and window < int(hf.get("max_position_embeddings") or 0):
+            raise HFFormatError(f"{source}: sliding_window={window}"
+                                f"{'' if 'sliding_window' in hf else ' (no key: MistralConfig defaults to it)'} is not "
+                                f"supported below max_position_embeddings={hf.get('max_position_embeddings')} (mx_jax "
+                                f"attends to the whole causal context)")
     moe = MoEConfig()
     d_model, n_heads = int(get("hidden_size")), int(get("num_attention_heads"))
     head_dim = int(get("head_dim", d_model // n_heads))
@@ -416,15 +455,16 @@ _ARCH_HF_KEYS = frozenset((
 # The keys of a base config.json kept whatever its architecture.
 _GENERIC_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id", "max_position_embeddings", "initializer_range",
                  "transformers_version")
-# model_types that are another's in every tensor name and every config key mx_jax maps: Mistral (v0.2 on, without a
-# sliding window) is Llama's architecture.
-_SAME_AS = {"mistral": "llama"}
+# model_types that are another's architecture, in every config key mx_jax maps: Mistral (v0.2 on, without a sliding
+# window) and Phi-3 (its q, k, v and gate, up projections stored fused: `_fusions`) are Llama's. {model_type: (the
+# model_type it maps as, its architecture)}.
+_SAME_AS = {"mistral": ("llama", "MistralForCausalLM"), "phi3": ("llama", "Phi3ForCausalLM")}
 
 
 def _family(hf_model_type: str | None) -> str:
     """The model_type (`model_type(cfg)`'s names) whose mapping a config.json of `hf_model_type` takes."""
     t = hf_model_type or "llama"
-    return _SAME_AS.get(t, t)
+    return _SAME_AS[t][0] if t in _SAME_AS else t
 
 
 def config_to_hf(cfg: ModelConfig, dtype: str, base: dict | None = None) -> dict:
@@ -473,10 +513,11 @@ def config_to_hf(cfg: ModelConfig, dtype: str, base: dict | None = None) -> dict
     if "dtype" in out:  # transformers 5 writes `dtype` instead of `torch_dtype`
         out["dtype"] = dtype
     m = cfg.moe
-    if kind == "llama" and base and base.get("model_type") == "mistral":  # MistralConfig's keys; no window
+    if kind == "llama" and base and base.get("model_type") in _SAME_AS:  # MistralConfig's or Phi3Config's keys
         for key in ("attention_bias", "mlp_bias"):
             out.pop(key)
-        out.update({"architectures": ["MistralForCausalLM"], "model_type": "mistral", "sliding_window": None})
+        out.update({"architectures": [_SAME_AS[base["model_type"]][1]], "model_type": base["model_type"],
+                    "sliding_window": None})
     elif kind == "mixtral":
         out.update({"architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
                     "num_local_experts": m.n_experts, "num_experts_per_tok": m.top_k,
@@ -673,8 +714,10 @@ class _Weights:
     """The safetensors of an HF directory, read a tensor or a slice of one at a time (memory-mapped), each error
     naming the file and the key. Use inside the ExitStack given, which closes the files."""
 
-    def __init__(self, path: pathlib.Path, files: dict[str, pathlib.Path], stack: contextlib.ExitStack):
+    def __init__(self, path: pathlib.Path, files: dict[str, pathlib.Path], stack: contextlib.ExitStack,
+                 parts: dict[str, tuple[str, int, int, int]] | None = None):
         self.st, self.path, self.files, self.stack = _safetensors(), path, files, stack
+        self.parts = parts or {}  # keys read as row ranges of a fused tensor (`_part_rows`)
         self.handles: dict[pathlib.Path, Any] = {}
         self.used: set[str] = set()
 
@@ -690,6 +733,9 @@ class _Weights:
         return self.handles[file], file
 
     def check(self, key: str, want: tuple[int, ...]) -> None:
+        if key in self.parts:  # a row range of a fused tensor: check the whole one
+            key, _, _, rows = self.parts[key]
+            want = (rows, *want[1:])
         f, file = self._handle(key)
         got = tuple(f.get_slice(key).get_shape())
         if got != want:
@@ -697,6 +743,11 @@ class _Weights:
         self.used.add(key)
 
     def read(self, key: str, index: tuple[slice, ...] | None = None) -> np.ndarray:
+        if key in self.parts:
+            key, start, end, _ = self.parts[key]
+            rows, *rest = index or (slice(None),)
+            first, stop, _ = rows.indices(end - start)
+            index = (slice(start + first, start + stop), *rest)
         f, file = self._handle(key)
         try:
             return f.get_tensor(key) if index is None else f.get_slice(key)[index]
@@ -718,10 +769,12 @@ class _Weights:
 
 
 def _plan(path: pathlib.Path, cfg: ModelConfig | None
-          ) -> tuple[ModelConfig, dict, dict[tuple[str, ...], list[tuple[str, bool, tuple[int, ...]]]], dict, set]:
+          ) -> tuple[ModelConfig, dict, dict[tuple[str, ...], list[tuple[str, bool, tuple[int, ...]]]], dict, set,
+                     dict]:
     """(the model's config, its param shapes, {param path: [(HF key, transposed, index in the stacked leading
-    axes)]}, {HF key: file}, keys to ignore) of an HF directory, its keys named as config.json's model_type names
-    them. A tied head is read from the embedding, transposed; a stored lm_head is then ignored, as HF does."""
+    axes)]}, {HF key: file}, keys to ignore, the keys stored fused as `_part_rows` gives them) of an HF directory,
+    its keys named as config.json's model_type names them. A tied head is read from the embedding, transposed; a
+    stored lm_head is then ignored, as HF does."""
     hf = read_hf_config(path)
     out_cfg = _merge_config(config_from_hf(hf, str(path / "config.json")), cfg, str(path / "config.json"))
     kind = hf.get("model_type", "llama")  # the checkpoint's names, whatever cfg's routing (_merge_config warns)
@@ -731,7 +784,8 @@ def _plan(path: pathlib.Path, cfg: ModelConfig | None
         if key == "lm_head.weight" and tied:  # HF ignores a stored lm_head when tied; (V, D) as lm_head's
             key = "model.embed_tokens.weight"
         entries.setdefault(t.path, []).append((key, t.transpose, i))
-    return out_cfg, param_shapes(out_cfg), entries, _weight_files(path), {"lm_head.weight"} if tied else set()
+    return (out_cfg, param_shapes(out_cfg), entries, _weight_files(path), {"lm_head.weight"} if tied else set(),
+            _part_rows(_fusions(hf.get("model_type"), out_cfg)))
 
 
 def load_hf_llama(path: str | pathlib.Path, cfg: ModelConfig | None = None) -> tuple[dict, ModelConfig]:
@@ -743,11 +797,11 @@ def load_hf_llama(path: str | pathlib.Path, cfg: ModelConfig | None = None) -> t
     in cfg.param_dtype, laid out as `llama.params_of` gives them.
     """
     path = pathlib.Path(path)
-    out_cfg, shapes, entries, files, ignored = _plan(path, cfg)
+    out_cfg, shapes, entries, files, ignored, parts = _plan(path, cfg)
     dtype = np.dtype(jax.numpy.dtype(out_cfg.param_dtype))
     params: dict = {}
     with contextlib.ExitStack() as stack:
-        weights = _Weights(path, files, stack)
+        weights = _Weights(path, files, stack, parts)
         weights.check_plan(entries, shapes, ignored)
         for leaf, items in entries.items():
             dst = np.empty(_get(shapes, leaf), dtype)
@@ -766,10 +820,10 @@ def load_hf_sharded(path: str | pathlib.Path, cfg: ModelConfig, shardings: dict)
     parameter is read whole, a transposed slice touches the rows it spans). Every key and shape is checked before
     anything is read."""
     path = pathlib.Path(path)
-    out_cfg, shapes, entries, files, ignored = _plan(path, cfg)
+    out_cfg, shapes, entries, files, ignored, parts = _plan(path, cfg)
     dtype = np.dtype(jax.numpy.dtype(out_cfg.param_dtype))
     with contextlib.ExitStack() as stack:
-        weights = _Weights(path, files, stack)
+        weights = _Weights(path, files, stack, parts)
         weights.check_plan(entries, shapes, ignored)
 
         def place(leaf: tuple[str, ...], shape: tuple[int, ...], sharding) -> jax.Array:
@@ -843,14 +897,16 @@ def export_hf_llama(params: dict, cfg: ModelConfig, path: str | pathlib.Path, *,
             old_config = {}
         old += [path / n for n in (*SIDECARS, *code_files(old_config)) if (path / n).is_file()]
 
-    # Plan shards from shapes alone, greedily in HF's key order; a tensor larger than the limit gets its own shard.
+    # Plan shards from shapes alone, greedily in HF's key order; a tensor larger than the limit gets its own shard,
+    # and the parts of a fused tensor (`_fusions`, consecutive in that order) stay in one.
     shapes = param_shapes(cfg)
+    parts = _part_rows(_fusions(config["model_type"], cfg))
     shards: list[list[tuple[str, _Tensor, tuple[int, ...]]]] = [[]]
     size = 0
     total = 0
     for key, t, i in _hf_keys(cfg):
         nbytes = math.prod(_hf_shape(t, _get(shapes, t.path))) * np_dtype.itemsize
-        if shards[-1] and size + nbytes > max_shard_bytes:
+        if shards[-1] and size + nbytes > max_shard_bytes and parts.get(key, (0, 0))[1] == 0:
             shards.append([])
             size = 0
         shards[-1].append((key, t, i))
@@ -867,11 +923,17 @@ def export_hf_llama(params: dict, cfg: ModelConfig, path: str | pathlib.Path, *,
     try:
         weight_map = {}
         for name, shard in zip(names, shards):
-            tensors = {}
+            tensors, fused = {}, {}
             for key, t, i in shard:
                 x = _host(_get(params, t.path)[i], np_dtype)
-                tensors[key] = np.ascontiguousarray(x.T if t.transpose else x)
-                weight_map[key] = name
+                x = x.T if t.transpose else x
+                if key in parts:  # rows of a fused tensor: stored once its last part is there
+                    stored, _, end, rows = parts[key]
+                    fused.setdefault(stored, []).append(x)
+                    key, x = stored, (np.concatenate(fused.pop(stored)) if end == rows else None)
+                if x is not None:
+                    tensors[key] = np.ascontiguousarray(x)
+                    weight_map[key] = name
             stnp.save_file(tensors, str(staging / name), metadata={"format": "pt"})  # transformers checks "format"
             del tensors
         if n > 1:

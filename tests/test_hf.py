@@ -29,7 +29,7 @@ from mx_jax.train import train  # noqa: E402
 from tests.helpers import NO_IO, tiny_config  # noqa: E402
 
 from tests.transformers_golden import (DEEPSEEK_CONFIG, HF_CONFIG, MISTRAL_CONFIG, MIXTRAL_CONFIG,  # noqa: E402
-                                       QWEN2_CONFIG, QWEN3_CONFIG, QWEN3_MOE_CONFIG)
+                                       PHI3_CONFIG, QWEN2_CONFIG, QWEN3_CONFIG, QWEN3_MOE_CONFIG)
 
 
 def _hf_tensors(c: dict, dtype, seed: int = 0, tied: bool = False) -> dict[str, np.ndarray]:
@@ -373,7 +373,7 @@ def test_init_from_places_hf_and_orbax_params_on_a_mesh(tmp_path):
         hf.init_from(tmp_path, cfg)
 
 
-@pytest.mark.parametrize("case", ["deepseek", "qwen3", "mixtral"])
+@pytest.mark.parametrize("case", ["deepseek", "qwen3", "mixtral", "phi3"])
 def test_init_from_an_hf_directory_reads_only_each_devices_slices(tmp_path, case, monkeypatch):
     """init_from on a mesh (hf.load_hf_sharded): the same values as the whole read, placed as asked, over the
     stacked layer and expert axes and the transposed matrices alike, a tied head from the embedding; and no tensor
@@ -454,7 +454,7 @@ def _check_against_transformers(tmp_path, arch: str, hf_config: dict, keep_confi
 
 
 @pytest.mark.parametrize("case", ["llama", "llama_tied", "mixtral", "deepseek", "deepseek_top_k_normalized", "qwen3",
-                                  "qwen3_moe", "qwen2", "mistral"])
+                                  "qwen3_moe", "qwen2", "mistral", "phi3"])
 def test_logits_match_those_transformers_computed(tmp_path, case):
     """The checkpoint tests/transformers_golden.py gave transformers (config.json and safetensors in the Hub's
     layout, weights drawn again here from their recorded names and shapes), imported: our float32 logits are the
@@ -905,16 +905,19 @@ def test_qwen2_config_maps_both_ways_and_its_biases_have_their_names(tmp_path):
 
 def test_mistral_is_llama_under_its_own_config_and_a_window_is_refused(tmp_path):
     """Mistral maps as Llama (its head_dim kept); an export from its config.json writes MistralConfig's keys again
-    (no Llama-only keys, no window), from a run that `import` made as from the config itself. A sliding window, set
-    or left to MistralConfig's default (no key), is refused naming it."""
+    (no Llama-only keys, no window), from a run that `import` made as from the config itself. A sliding window
+    shorter than the context, set or left to MistralConfig's default (no key), is refused naming it."""
     cfg = hf.config_from_hf(MISTRAL_CONFIG)
     assert (hf.model_type(cfg), cfg.d_head, cfg.rope_theta) == ("llama", 16, 1e6)
     assert hf.config_to_hf(cfg, "float32", MISTRAL_CONFIG) == {**MISTRAL_CONFIG, "rope_scaling": None}
     assert hf.config_to_hf(cfg, "float32")["architectures"] == ["LlamaForCausalLM"]  # from no base: Llama's
-    with pytest.raises(hf.HFFormatError, match=r"sliding_window=4096 is not supported"):
-        hf.config_from_hf({**MISTRAL_CONFIG, "sliding_window": 4096})
+    v01 = {**MISTRAL_CONFIG, "max_position_embeddings": 32768}
+    with pytest.raises(hf.HFFormatError, match=r"sliding_window=4096 is not supported below max_position_embeddings"
+                                               r"=32768"):
+        hf.config_from_hf({**v01, "sliding_window": 4096})
     with pytest.raises(hf.HFFormatError, match=r"sliding_window=4096 \(no key: MistralConfig defaults to it\)"):
-        hf.config_from_hf({k: v for k, v in MISTRAL_CONFIG.items() if k != "sliding_window"})
+        hf.config_from_hf({k: v for k, v in v01.items() if k != "sliding_window"})
+    assert hf.config_from_hf({**MISTRAL_CONFIG, "sliding_window": 128}) == cfg  # the whole context: no window
 
     tensors = _hf_tensors(MISTRAL_CONFIG, np.float32, seed=5)
     _write_hf(tmp_path / "src", MISTRAL_CONFIG, tensors, sharded=False)
@@ -924,8 +927,39 @@ def test_mistral_is_llama_under_its_own_config_and_a_window_is_refused(tmp_path)
     assert json.loads((tmp_path / "out" / "config.json").read_text()) == {**MISTRAL_CONFIG, "rope_scaling": None}
 
 
-def test_mistral_logits_match_transformers(tmp_path):
-    _check_against_transformers(tmp_path, "Mistral", MISTRAL_CONFIG, keep_config=True)
+@pytest.mark.parametrize("arch, config", [("Mistral", MISTRAL_CONFIG), ("Phi3", PHI3_CONFIG)], ids=["mistral", "phi3"])
+def test_llama_architectures_logits_match_transformers(tmp_path, arch, config):
+    _check_against_transformers(tmp_path, arch, config, keep_config=True)
+
+
+def test_phi3_reads_and_writes_its_fused_projections(tmp_path):
+    """Phi-3's qkv_proj and gate_up_proj are the row-stacked q, k, v and gate, up projections: read into wq, wk, wv,
+    w_gate and w_up, written back fused under Phi3Config's keys, the parts of one tensor never split across
+    shards; a window is refused by name, a wrongly sized fused tensor named with the shape config.json implies."""
+    from tests import transformers_golden as golden
+
+    want = golden.load()["phi3"]
+    values = golden.weights(want["names"], [tuple(s) for s in want["shapes"]])
+    golden.write(tmp_path / "hf", PHI3_CONFIG, values)
+    params, cfg = hf.load_hf_llama(tmp_path / "hf")
+    assert (hf.model_type(cfg), cfg.d_head) == ("llama", 12)
+    qkv = values["model.layers.1.self_attn.qkv_proj.weight"]
+    np.testing.assert_array_equal(params["blocks"]["attn"]["wk"][1], qkv[48:72].T)
+    gate_up = values["model.layers.2.mlp.gate_up_proj.weight"]
+    np.testing.assert_array_equal(params["blocks"]["mlp"]["w_up"][2], gate_up[80:].T)
+    assert hf.config_to_hf(cfg, "float32", PHI3_CONFIG) == {**PHI3_CONFIG, "head_dim": 12, "rope_scaling": None}
+    nbytes = sum(v.nbytes for v in values.values())
+    hf.export_hf_llama(params, cfg, tmp_path / "out", dtype="float32", hf_config=PHI3_CONFIG,
+                       max_shard_bytes=nbytes // 4)
+    got = _read_all(tmp_path / "out")
+    assert set(got) == set(values)
+    _assert_same_tensors(got, values)
+    with pytest.raises(hf.HFFormatError, match=r"sliding_window=2047 is not supported below"):
+        hf.config_from_hf({**PHI3_CONFIG, "sliding_window": 2047, "max_position_embeddings": 4096})  # Phi-3-mini-4k
+    golden.write(tmp_path / "bad", PHI3_CONFIG, {**values, "model.layers.0.self_attn.qkv_proj.weight": qkv[:90]})
+    with pytest.raises(hf.HFFormatError, match=r"'model.layers.0.self_attn.qkv_proj.weight' has shape \(90, 48\); "
+                                               r"config.json implies \(96, 48\)"):
+        hf.load_hf_llama(tmp_path / "bad")
 
 
 def test_attention_biases_are_added_to_q_k_v_and_not_decayed():

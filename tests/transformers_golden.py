@@ -1,5 +1,5 @@
-"""transformers' logits for tiny Llama, Mistral, Mixtral, DeepSeekMoE, Qwen2, Qwen3 and Qwen3-MoE models, kept so that
-CI (no torch) checks our import against them.
+"""transformers' logits for tiny Llama, Mistral, Phi-3, Mixtral, DeepSeekMoE, Qwen2, Qwen3 and Qwen3-MoE models, kept
+so that CI (no torch) checks our import against them.
 
     python tests/transformers_golden.py     # needs numpy, torch, transformers; rewrites tests/data/transformers.npz
 
@@ -72,6 +72,15 @@ MISTRAL_CONFIG = {
     "sliding_window": None, "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2,
     "torch_dtype": "float32",
 }
+# Phi-3 (Phi-4's form): Llama's architecture with q, k, v stored as one qkv_proj and gate, up as one gate_up_proj.
+PHI3_CONFIG = {
+    "architectures": ["Phi3ForCausalLM"], "model_type": "phi3", "vocab_size": 256, "hidden_size": 48,
+    "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 80,
+    "hidden_act": "silu", "rms_norm_eps": 1e-5, "rope_theta": 250000.0, "max_position_embeddings": 128,
+    "original_max_position_embeddings": 128, "sliding_window": None, "resid_pdrop": 0.0, "embd_pdrop": 0.0,
+    "attention_dropout": 0.0, "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 3,
+    "torch_dtype": "float32",
+}
 CASES = {  # name: (transformers architecture, config.json)
     "llama": ("Llama", HF_CONFIG),
     "llama_tied": ("Llama", {**HF_CONFIG, "tie_word_embeddings": True}),
@@ -83,6 +92,7 @@ CASES = {  # name: (transformers architecture, config.json)
     "qwen3_moe": ("Qwen3Moe", QWEN3_MOE_CONFIG),
     "qwen2": ("Qwen2", QWEN2_CONFIG),
     "mistral": ("Mistral", MISTRAL_CONFIG),
+    "phi3": ("Phi3", PHI3_CONFIG),
 }
 TOKENS = (2, 40)  # 40 positions > the rope scaling's original context of 16
 
