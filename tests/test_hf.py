@@ -962,6 +962,33 @@ def test_phi3_reads_and_writes_its_fused_projections(tmp_path):
         hf.load_hf_llama(tmp_path / "bad")
 
 
+def test_a_model_without_a_shipped_config_trains_from_its_import_and_exports_as_itself(tmp_path):
+    """README's path for a model no shipped config describes: `import` writes OUT/config.yaml, `--config
+    OUT/config.yaml init_from=OUT` trains from it (the import's weights, the model section as written), and the run
+    exports under the model's own architecture (Phi-3's fused projections) with the trained weights."""
+    from mx_jax.config import load_config
+    from tests import transformers_golden as golden
+
+    want = golden.load()["phi3"]
+    golden.write(tmp_path / "hf", PHI3_CONFIG, golden.weights(want["names"], [tuple(s) for s in want["shapes"]]))
+    assert hf.main(["import", str(tmp_path / "hf"), str(tmp_path / "imp")]) == 0
+    cfg = load_config(str(tmp_path / "imp" / "config.yaml"), [
+        f"init_from={tmp_path / 'imp'}", f"run_dir={tmp_path / 'run'}", "data.source=embedded", "data.seq_len=32",
+        "data.batch_size=8", "steps=2", "optim.warmup_steps=0", "log.every_steps=1", "log.progress=false",
+        "log.tensorboard=false", "log.eval_every_steps=-1", "ckpt.async_save=false"])
+    result = train(cfg)
+    assert np.isfinite(result.metrics["loss"])
+    imported, _ = hf.load_hf_llama(tmp_path / "hf")  # two AdamW steps move each weight by ~2 lr, not by ~0.15
+    moved = jax.tree.map(lambda a, b: float(np.abs(a - np.asarray(b)).max()), imported, result.state["params"])
+    assert 0 < max(jax.tree.leaves(moved)) < 0.01, moved
+    assert hf.main(["export", str(tmp_path / "run"), str(tmp_path / "out"), "--dtype", "float32"]) == 0
+    written = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert (written["architectures"], written["pad_token_id"]) == (["Phi3ForCausalLM"], 3)
+    assert "model.layers.2.self_attn.qkv_proj.weight" in _read_all(tmp_path / "out")
+    back, _ = hf.load_hf_llama(tmp_path / "out")
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(a, np.asarray(b)), back, result.state["params"])
+
+
 def test_attention_biases_are_added_to_q_k_v_and_not_decayed():
     """q, k, v = x W + b (before RoPE), the biases in the activations' dtype, with gradients and no weight decay."""
     from mx_jax import optim
