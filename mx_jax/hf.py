@@ -335,13 +335,15 @@ def config_from_hf(hf: dict, source: str = "config.json") -> ModelConfig:
                             f"'deepseek' (DeepseekForCausalLM, DeepSeekMoE), 'qwen2' (Qwen2ForCausalLM), 'qwen3' "
                             f"(Qwen3ForCausalLM) and 'qwen3_moe' (Qwen3MoeForCausalLM) map to mx_jax")
     if model_type in ("mistral", "phi3"):
-        # A window no shorter than the model's context never applies; MistralConfig's default is 4096.
+        # A window no shorter than the model's context never applies; where config.json has no such keys, the
+        # classes' defaults: MistralConfig 4096 and 131072, Phi3Config none and 4096.
         window = hf.get("sliding_window", 4096 if model_type == "mistral" else None)
-        if window is not None and window < int(hf.get("max_position_embeddings") or 0):
+        context = hf.get("max_position_embeddings") or (131072 if model_type == "mistral" else 4096)
+        if window is not None and window < int(context):
             raise HFFormatError(f"{source}: sliding_window={window}"
                                 f"{'' if 'sliding_window' in hf else ' (no key: MistralConfig defaults to it)'} is not "
-                                f"supported below max_position_embeddings={hf.get('max_position_embeddings')} (mx_jax "
-                                f"attends to the whole causal context)")
+                                f"supported below max_position_embeddings={context} (mx_jax attends to the whole "
+                                f"causal context)")
     moe = MoEConfig()
     d_model, n_heads = int(get("hidden_size")), int(get("num_attention_heads"))
     head_dim = int(get("head_dim", d_model // n_heads))
@@ -513,11 +515,15 @@ def config_to_hf(cfg: ModelConfig, dtype: str, base: dict | None = None) -> dict
     if "dtype" in out:  # transformers 5 writes `dtype` instead of `torch_dtype`
         out["dtype"] = dtype
     m = cfg.moe
-    if kind == "llama" and base and base.get("model_type") in _SAME_AS:  # MistralConfig's or Phi3Config's keys
+    same = base.get("model_type") if kind == "llama" and base and base.get("model_type") in _SAME_AS else None
+    if same == "phi3" and scaled:  # the same model under Llama's names: Phi3Config takes only LongRoPE scaling
+        warnings.warn("model.rope_scaling is Llama 3.1's, which Phi3Config does not take: the export is written as "
+                      "LlamaForCausalLM (q, k, v and gate, up unfused)", stacklevel=2)
+        same = None
+    if same:  # MistralConfig's or Phi3Config's keys
         for key in ("attention_bias", "mlp_bias"):
             out.pop(key)
-        out.update({"architectures": [_SAME_AS[base["model_type"]][1]], "model_type": base["model_type"],
-                    "sliding_window": None})
+        out.update({"architectures": [_SAME_AS[same][1]], "model_type": same, "sliding_window": None})
     elif kind == "mixtral":
         out.update({"architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
                     "num_local_experts": m.n_experts, "num_experts_per_tok": m.top_k,
@@ -746,8 +752,10 @@ class _Weights:
         if key in self.parts:
             key, start, end, _ = self.parts[key]
             rows, *rest = index or (slice(None),)
-            first, stop, _ = rows.indices(end - start)
-            index = (slice(start + first, start + stop), *rest)
+            first, stop, step = rows.indices(end - start)
+            if step != 1:
+                raise ValueError(f"_Weights.read: a fused tensor's part is read in row ranges of step 1, got {rows}")
+            index = (slice(start + first, max(start + first, start + stop)), *rest)
         f, file = self._handle(key)
         try:
             return f.get_tensor(key) if index is None else f.get_slice(key)[index]
@@ -906,7 +914,9 @@ def export_hf_llama(params: dict, cfg: ModelConfig, path: str | pathlib.Path, *,
     total = 0
     for key, t, i in _hf_keys(cfg):
         nbytes = math.prod(_hf_shape(t, _get(shapes, t.path))) * np_dtype.itemsize
-        if shards[-1] and size + nbytes > max_shard_bytes and parts.get(key, (0, 0))[1] == 0:
+        _, start, end, rows = parts.get(key, (key, 0, 1, 1))
+        whole = nbytes * rows // (end - start)  # a fused tensor's bytes, at its first part
+        if shards[-1] and start == 0 and size + whole > max_shard_bytes:
             shards.append([])
             size = 0
         shards[-1].append((key, t, i))
@@ -1239,7 +1249,7 @@ def _run_dir_of(path: pathlib.Path) -> pathlib.Path:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m mx_jax.hf", description="Convert between HF checkpoints (Llama, "
-                                 "Mixtral, DeepSeekMoE, Qwen2, Qwen3, Qwen3-MoE) and mx_jax.")
+                                 "Mistral, Phi-3, Mixtral, DeepSeekMoE, Qwen2, Qwen3, Qwen3-MoE) and mx_jax.")
     sub = ap.add_subparsers(dest="cmd", required=True)
     imp = sub.add_parser("import", help="HF directory -> OUT/checkpoints/<step>/state + OUT/config.yaml")
     imp.add_argument("hf_dir")

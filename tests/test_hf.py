@@ -4,6 +4,7 @@ DeepSeekMoE's published model (kept in tests/data; live where torch and transfor
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -82,6 +83,11 @@ def _read_all(path: pathlib.Path) -> dict[str, np.ndarray]:
         with safe_open(str(f), framework="np") as h:
             out.update({k: h.get_tensor(k) for k in h.keys()})
     return out
+
+
+def _read_all_file(f: pathlib.Path) -> dict[str, np.ndarray]:
+    with safe_open(str(f), framework="np") as h:
+        return {k: h.get_tensor(k) for k in h.keys()}
 
 
 def _assert_same_tensors(a: dict, b: dict) -> None:
@@ -918,6 +924,9 @@ def test_mistral_is_llama_under_its_own_config_and_a_window_is_refused(tmp_path)
     with pytest.raises(hf.HFFormatError, match=r"sliding_window=4096 \(no key: MistralConfig defaults to it\)"):
         hf.config_from_hf({k: v for k, v in v01.items() if k != "sliding_window"})
     assert hf.config_from_hf({**MISTRAL_CONFIG, "sliding_window": 128}) == cfg  # the whole context: no window
+    with pytest.raises(hf.HFFormatError, match=r"below max_position_embeddings=131072"):  # MistralConfig's defaults
+        hf.config_from_hf({k: v for k, v in MISTRAL_CONFIG.items() if k not in ("sliding_window",
+                                                                                "max_position_embeddings")})
 
     tensors = _hf_tensors(MISTRAL_CONFIG, np.float32, seed=5)
     _write_hf(tmp_path / "src", MISTRAL_CONFIG, tensors, sharded=False)
@@ -956,6 +965,24 @@ def test_phi3_reads_and_writes_its_fused_projections(tmp_path):
     _assert_same_tensors(got, values)
     with pytest.raises(hf.HFFormatError, match=r"sliding_window=2047 is not supported below"):
         hf.config_from_hf({**PHI3_CONFIG, "sliding_window": 2047, "max_position_embeddings": 4096})  # Phi-3-mini-4k
+    # shards: a fused tensor is planned by its whole size, so no shard passes the limit but one tensor alone
+    hf.export_hf_llama(params, cfg, tmp_path / "small", dtype="float32", hf_config=PHI3_CONFIG, max_shard_bytes=30000)
+    for f in (tmp_path / "small").glob("*.safetensors"):
+        held = _read_all_file(f)
+        assert len(held) == 1 or sum(v.nbytes for v in held.values()) <= 30000, (f.name, sorted(held))
+    # Llama 3.1 scaling, which Phi3Config does not take: the same model as LlamaForCausalLM, unfused
+    scaled = dataclasses.replace(cfg, rope_scaling=RopeScaling(factor=8.0, original_max_len=32))
+    with pytest.warns(UserWarning, match="written as LlamaForCausalLM"):
+        hf.export_hf_llama(params, scaled, tmp_path / "llama", dtype="float32", hf_config=PHI3_CONFIG)
+    assert json.loads((tmp_path / "llama" / "config.json").read_text())["model_type"] == "llama"
+    assert "model.layers.0.self_attn.k_proj.weight" in _read_all(tmp_path / "llama")
+    with contextlib.ExitStack() as stack:  # parts are read in row ranges of step 1
+        weights = hf._Weights(tmp_path / "hf", hf._weight_files(tmp_path / "hf"), stack,
+                              hf._part_rows(hf._fusions("phi3", cfg)))
+        k_rows = weights.read("model.layers.1.self_attn.k_proj.weight", (slice(2, 5), slice(0, 3)))
+        np.testing.assert_array_equal(k_rows, qkv[50:53, :3])
+        with pytest.raises(ValueError, match="step 1"):
+            weights.read("model.layers.1.self_attn.k_proj.weight", (slice(0, 24, 2), slice(None)))
     golden.write(tmp_path / "bad", PHI3_CONFIG, {**values, "model.layers.0.self_attn.qkv_proj.weight": qkv[:90]})
     with pytest.raises(hf.HFFormatError, match=r"'model.layers.0.self_attn.qkv_proj.weight' has shape \(90, 48\); "
                                                r"config.json implies \(96, 48\)"):
