@@ -55,7 +55,8 @@ partial rotary) is Llama's architecture with two fused tensors per layer (`_fusi
     model.layers.{i}.self_attn.qkv_proj.weight   (H*K + 2 G*K, D)   rows [wq^T; wk^T; wv^T]
     model.layers.{i}.mlp.gate_up_proj.weight     (2 F, D)           rows [w_gate^T; w_up^T]
 
-An export of a run whose config.json came from a Mistral or Phi-3 model writes that architecture again.
+An export of a run whose config.json came from a Mistral or Phi-3 model writes that architecture again (a Phi-3 model
+given Llama 3.1 RoPE scaling, which Phi3Config does not take, is written as LlamaForCausalLM, with a warning).
 
 Mixtral (MixtralForCausalLM, `model_type: mixtral`): every layer's MLP rows above are replaced by its MoE block,
 
