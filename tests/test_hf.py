@@ -80,8 +80,7 @@ def _write_hf(path: pathlib.Path, c: dict, tensors: dict, sharded: bool) -> None
 def _read_all(path: pathlib.Path) -> dict[str, np.ndarray]:
     out = {}
     for f in sorted(path.glob("*.safetensors")):
-        with safe_open(str(f), framework="np") as h:
-            out.update({k: h.get_tensor(k) for k in h.keys()})
+        out.update(_read_all_file(f))
     return out
 
 
@@ -387,8 +386,7 @@ def test_init_from_an_hf_directory_reads_only_each_devices_slices(tmp_path, case
     from tests import transformers_golden as golden
 
     want_case = golden.load()[case]
-    golden.write(tmp_path / "hf", want_case["config"],
-                 golden.weights(want_case["names"], [tuple(s) for s in want_case["shapes"]]))
+    golden.write(tmp_path / "hf", want_case["config"], golden.case_weights(want_case))
     want, cfg = hf.load_hf_llama(tmp_path / "hf")
     mesh = jax.make_mesh((2, 2), ("a", "b"), devices=jax.devices()[:4])
 
@@ -468,7 +466,7 @@ def test_logits_match_those_transformers_computed(tmp_path, case):
     from tests import transformers_golden as golden
 
     want = golden.load()[case]
-    golden.write(tmp_path / "hf", want["config"], golden.weights(want["names"], [tuple(s) for s in want["shapes"]]))
+    golden.write(tmp_path / "hf", want["config"], golden.case_weights(want))
     params, cfg = hf.load_hf_llama(tmp_path / "hf")
     assert cfg.vocab_size == want["logits"].shape[-1] and 3 < np.abs(want["logits"]).max() < 10
     np.testing.assert_allclose(_our_logits(params, cfg, want["tokens"]), want["logits"], atol=1e-4, rtol=0)
@@ -631,7 +629,7 @@ def _deepseek_dir(path: pathlib.Path, code: bool) -> dict:
     if code:
         config["auto_map"] = {"AutoConfig": "configuration_deepseek.DeepseekConfig",
                               "AutoModelForCausalLM": "modeling_deepseek.DeepseekForCausalLM"}
-    golden.write(path, config, golden.weights(want["names"], [tuple(s) for s in want["shapes"]]))
+    golden.write(path, config, golden.case_weights(want))
     (path / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": [2, 7]}))
     if code:
         for name in ("configuration_deepseek.py", "modeling_deepseek.py"):
@@ -948,7 +946,7 @@ def test_phi3_reads_and_writes_its_fused_projections(tmp_path):
     from tests import transformers_golden as golden
 
     want = golden.load()["phi3"]
-    values = golden.weights(want["names"], [tuple(s) for s in want["shapes"]])
+    values = golden.case_weights(want)
     golden.write(tmp_path / "hf", PHI3_CONFIG, values)
     params, cfg = hf.load_hf_llama(tmp_path / "hf")
     assert (hf.model_type(cfg), cfg.d_head) == ("llama", 12)
@@ -997,7 +995,7 @@ def test_a_model_without_a_shipped_config_trains_from_its_import_and_exports_as_
     from tests import transformers_golden as golden
 
     want = golden.load()["phi3"]
-    golden.write(tmp_path / "hf", PHI3_CONFIG, golden.weights(want["names"], [tuple(s) for s in want["shapes"]]))
+    golden.write(tmp_path / "hf", PHI3_CONFIG, golden.case_weights(want))
     assert hf.main(["import", str(tmp_path / "hf"), str(tmp_path / "imp")]) == 0
     cfg = load_config(str(tmp_path / "imp" / "config.yaml"), [
         f"init_from={tmp_path / 'imp'}", f"run_dir={tmp_path / 'run'}", "data.source=embedded", "data.seq_len=32",

@@ -108,6 +108,11 @@ def weights(names: list[str], shapes: list[tuple[int, ...]], seed: int = 0) -> d
     return out
 
 
+def case_weights(case: dict) -> dict[str, np.ndarray]:
+    """`weights` of a case `load` returns: its checkpoint's tensors, drawn again from the recorded names and shapes."""
+    return weights(case["names"], [tuple(s) for s in case["shapes"]])
+
+
 def tokens(vocab_size: int, seed: int = 1) -> np.ndarray:
     return np.random.RandomState(seed).randint(0, vocab_size, TOKENS)
 
