@@ -6,7 +6,7 @@ import jax
 import pytest
 import yaml
 
-from mx_jax import llama, train
+from mx_jax import hf, llama, train
 from mx_jax.config import ConfigError, load_config, to_yaml
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -123,7 +123,8 @@ def test_resolved_config_round_trips(tmp_path):
 
 
 @pytest.mark.parametrize("name", ["llama3_debug", "llama3_1b", "llama3_8b", "llama3_70b", "llama3_140m", "moe_debug",
-                                  "mixtral_8x7b", "deepseek_moe_16b", "qwen3_30b_a3b", "mistral_7b"])
+                                  "mixtral_8x7b", "deepseek_moe_16b", "qwen3_30b_a3b", "mistral_7b",
+                                  "qwen2_5_7b"])
 def test_shipped_configs_load(name):
     cfg = load_config(str(ROOT / f"configs/{name}.yaml"))
     m = cfg.model
@@ -146,6 +147,10 @@ def test_shipped_configs_load(name):
         assert (m.vocab_size, m.d_model, m.n_layers, m.n_heads, m.n_kv_heads, m.rope_theta) == (32768, 4096, 32, 32, 8,
                                                                                                1e6)
         assert llama.param_count(m) == 7_248_023_552
+    if name == "qwen2_5_7b":  # Qwen/Qwen2.5-7B: 7,615,616,512 parameters (6.53 B without the embedding and head)
+        assert (m.vocab_size, m.d_model, m.n_layers, m.n_heads, m.n_kv_heads, m.d_head) == (152064, 3584, 28, 28, 4, 128)
+        assert m.attention_bias and llama.param_count(m) == 7_615_616_512
+        assert hf.model_type(m) == "qwen2"  # exported as Qwen2ForCausalLM
     first, groups, per_group = llama.layer_kinds(m)
     assert first + groups * per_group == m.n_layers
 
