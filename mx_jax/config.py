@@ -49,6 +49,12 @@ class MoEConfig:
     every_n_layers: int = 1  # after n_dense_first: MoE in layers l with (l - n_dense_first + 1) % every_n_layers == 0
     n_dense_first: int = 0  # DeepSeek keeps its first layers dense
     score: Literal["softmax", "sigmoid"] = "softmax"
+    # Group-limited routing (DeepSeek-V3's node-limited, V2's device-limited; moe.route): the experts form
+    # route_groups equal groups of consecutive ids, each token picks route_top_groups of them and its top_k experts
+    # inside those. With the expert axis over nodes and route_groups = its nodes, a token's rows cross to at most
+    # route_top_groups nodes (model.moe.dispatch=hierarchical sends one row per node). 0 = off.
+    route_groups: int = 0
+    route_top_groups: int = 0
     normalize_top_k: bool = True
     aux_loss_coef: float = 0.01  # Switch/Mixtral load-balancing loss
     bias_update_rate: float = 0.0  # DeepSeek-V3 auxiliary-loss-free balancing (0 = off)
@@ -468,6 +474,16 @@ def validate(cfg: TrainConfig) -> None:
             _check(getattr(e, k) >= 0, f"model.moe.{k}", f"must be >= 0, got {getattr(e, k)}")
         _check(1 <= e.top_k <= e.n_experts, "model.moe.top_k", f"must be in [1, n_experts={e.n_experts}], got {e.top_k}")
         _check(e.every_n_layers >= 1, "model.moe.every_n_layers", f"must be >= 1, got {e.every_n_layers}")
+        _check(e.route_groups >= 0 and (e.route_groups == 0 or e.n_experts % e.route_groups == 0),
+               "model.moe.route_groups", f"must be 0 (off) or divide n_experts={e.n_experts}, got {e.route_groups}")
+        if e.route_groups:
+            per = e.n_experts // e.route_groups
+            _check(1 <= e.route_top_groups <= e.route_groups and e.top_k <= e.route_top_groups * per,
+                   "model.moe.route_top_groups", f"must be in [1, route_groups={e.route_groups}] with top_k={e.top_k} "
+                   f"experts in that many groups of {per}, got {e.route_top_groups}")
+        else:
+            _check(e.route_top_groups == 0, "model.moe.route_top_groups",
+                   f"needs model.moe.route_groups > 0 (group-limited routing), got {e.route_top_groups}")
         _check(0 <= e.n_dense_first < m.n_layers, "model.moe.n_dense_first",
                f"must be in [0, n_layers={m.n_layers}), got {e.n_dense_first}")
         _check((m.n_layers - e.n_dense_first) % e.every_n_layers == 0, "model.moe.every_n_layers",

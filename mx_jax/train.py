@@ -199,12 +199,14 @@ def make_loss_fn(setup: Setup):
     return loss_fn
 
 
-def _moe_metrics(stats: dict, expert_devices: int = 1) -> dict:
+def _moe_metrics(stats: dict, expert_devices: int = 1, top_k: int = 1) -> dict:
     """Scalars for the log from per-layer MoE statistics (load: (layers, E) assignment counts). With expert
     parallelism over `expert_devices` (P), device p holds experts [p E/P, (p+1) E/P) and computes their rows. A
     layer's exchange and expert GEMMs last as long as its busiest device's, so the experts take about
     moe_ep_max_over_mean = mean over layers l of max_p(load_lp) / mean_p(load_lp) times as long as under balanced
-    routing (from the router's choices before capacity drops, summed over the data axes)."""
+    routing (from the router's choices before capacity drops, summed over the data axes). The dispatch's rows sent
+    to another node and to another GPU of the same node (model.moe.gpus_per_node) per token, averaged over layers:
+    moe_cross_node_rows_per_token, moe_intra_node_rows_per_token (the tokens are the load's sum over top_k)."""
     if not stats:
         return {}
     load = stats["load"]
@@ -213,6 +215,10 @@ def _moe_metrics(stats: dict, expert_devices: int = 1) -> dict:
     if expert_devices > 1:
         per_device = jnp.sum(share.reshape(share.shape[0], expert_devices, -1), axis=-1)  # (layers, P)
         ep = {"moe_ep_max_over_mean": jnp.mean(jnp.max(per_device, axis=-1) * expert_devices)}
+        if "rows_cross_node" in stats:
+            tokens = jnp.sum(load, axis=-1) / top_k  # (layers,)
+            ep["moe_cross_node_rows_per_token"] = jnp.mean(stats["rows_cross_node"] / tokens)
+            ep["moe_intra_node_rows_per_token"] = jnp.mean(stats["rows_intra_node"] / tokens)
     return {
         **ep,
         "moe_aux_loss": jnp.mean(stats["aux_loss"]),
@@ -293,7 +299,7 @@ def make_train_step(setup: Setup):
                      "compute": compute_copies(cfg.model, new_params, setup.plan),
                      "buffers": update_buffers(cfg.model, buffers, stats), "opt_state": opt_state}
         out = {"loss": ce, "grad_norm": global_norm(grads), "lr": lr_at(state["step"]),
-               **_moe_metrics(stats, setup.mesh.shape["expert"]),
+               **_moe_metrics(stats, setup.mesh.shape["expert"], cfg.model.moe.top_k),
                **_document_metrics(cfg.model, batch["inputs"], document_chunks(setup.mesh.shape["context"])),
                "target_frac": targets_counted / batch["targets"].size}
         return new_state, out
@@ -501,6 +507,8 @@ def _fmt_log(step: int, m: dict) -> str:
             parts.append(f"dropped {100 * m['moe_dropped_frac']:.1f}%")
         if "moe_ep_max_over_mean" in m:  # the busiest expert device's rows over the mean (expert parallelism)
             parts.append(f"ep device max/mean {m['moe_ep_max_over_mean']:.2f}")
+        if m.get("moe_cross_node_rows_per_token"):  # the dispatch's rows to other nodes (model.moe.gpus_per_node)
+            parts.append(f"cross-node rows/token {m['moe_cross_node_rows_per_token']:.2f}")
         if m.get("moe_ep_overflow_frac"):  # devices x layers that ran the worst-case expert buffer (slower)
             parts.append(f"ep overflow {100 * m['moe_ep_overflow_frac']:.0f}%")
     if "tokens_per_sec" in m:

@@ -71,6 +71,21 @@ def test_bad_moe_values_name_the_key(override, key):
         load_config(None, ["model.moe.n_experts=4", override])
 
 
+@pytest.mark.parametrize("overrides, message", [
+    (["model.moe.route_groups=3"], "'model.moe.route_groups'.*divide n_experts=8"),
+    (["model.moe.route_groups=4"], "'model.moe.route_top_groups'.*got 0"),
+    (["model.moe.route_groups=4", "model.moe.route_top_groups=5"], "'model.moe.route_top_groups'.*got 5"),
+    (["model.moe.route_groups=4", "model.moe.route_top_groups=1", "model.moe.top_k=3"],  # 2 experts per group
+     "'model.moe.route_top_groups'.*top_k=3"),
+    (["model.moe.route_top_groups=2"], "'model.moe.route_top_groups'.*needs model.moe.route_groups > 0"),
+])
+def test_group_limited_routing_is_checked(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, ["model.moe.n_experts=8"] + overrides)
+    ok = load_config(None, ["model.moe.n_experts=8", "model.moe.route_groups=4", "model.moe.route_top_groups=1"])
+    assert (ok.model.moe.route_groups, ok.model.moe.route_top_groups) == (4, 1)
+
+
 def test_saving_the_experts_gate_and_up_needs_the_compact_buffer():
     with pytest.raises(ConfigError, match="'model.moe.ep_save_gate_up'.*ep_buffer_factor > 0"):
         load_config(None, ["model.moe.n_experts=4", "model.moe.ep_save_gate_up=true", "model.moe.ep_buffer_factor=0"])

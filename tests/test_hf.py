@@ -321,6 +321,13 @@ def test_export_checks_params_and_existing_files(tmp_path):
     with pytest.raises(ConfigError, match="model.moe.score.*DeepSeekMoE has moe.score='softmax'"):
         hf.export_hf_llama(params, dataclasses.replace(cfg, moe=sigmoid), tmp_path / "moe")
     assert not (tmp_path / "moe").exists()
+    # Mixtral's form in all but group-limited routing, which Mixtral's config cannot say
+    grouped = dataclasses.replace(cfg.moe, n_experts=4, top_k=2, route_groups=2, route_top_groups=1)
+    assert hf.model_type(dataclasses.replace(cfg, moe=dataclasses.replace(grouped, route_groups=0,
+                                                                           route_top_groups=0))) == "mixtral"
+    with pytest.raises(ConfigError, match="model.moe.route_groups"):
+        hf.export_hf_llama(params, dataclasses.replace(cfg, moe=grouped), tmp_path / "moe")
+    assert not (tmp_path / "moe").exists()
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -31,6 +31,40 @@ def test_route_softmax_topk_normalized():
     np.testing.assert_allclose(g2[0, 0], jax.nn.sigmoid(-1.0), rtol=1e-6)
 
 
+def _group_limited_reference(s, b, k, groups, top_groups):
+    """Group-limited top-k, token by token (moe.py's docstring): the groups by the sum of their top max(1, k // M)
+    values of s + b, then the top-k of s + b inside the M best groups."""
+    n, e = s.shape
+    per, q = e // groups, max(1, k // top_groups)
+    out = []
+    for c in s + b:
+        score = [np.sort(c[i * per:(i + 1) * per])[::-1][:q].sum() for i in range(groups)]
+        kept = sorted(np.argsort(-np.asarray(score), kind="stable")[:top_groups])
+        cand = [x for i in kept for x in range(i * per, (i + 1) * per)]
+        out.append(sorted(cand, key=lambda x: -c[x])[:k])
+    return np.asarray(out)
+
+
+@pytest.mark.parametrize("score, k, groups, top_groups", [
+    ("sigmoid", 8, 8, 4),  # DeepSeek-V3's 8 of 256 experts on 4 of 8 nodes, scaled down to 32 experts
+    ("softmax", 4, 4, 1), ("sigmoid", 6, 4, 3), ("softmax", 2, 4, 4)])
+def test_route_group_limited_matches_a_per_token_reference(score, k, groups, top_groups):
+    rng = np.random.default_rng(groups * 10 + top_groups)
+    logits = jnp.asarray(rng.standard_normal((64, 32)) * 2, jnp.float32)
+    bias = jnp.asarray(rng.standard_normal(32) * 0.3 - 1.0, jnp.float32)  # s + b below 0 in many groups
+    s, idx, g = route(logits, bias, k, score, True, groups, top_groups)
+    want = _group_limited_reference(np.asarray(s), np.asarray(bias), k, groups, top_groups)
+    np.testing.assert_array_equal(np.sort(np.asarray(idx), axis=1), np.sort(want, axis=1))
+    assert max(len(set(r)) for r in np.asarray(idx) // (32 // groups)) <= top_groups
+    np.testing.assert_allclose(g, np.take_along_axis(np.asarray(s), np.asarray(idx), 1) /
+                               np.take_along_axis(np.asarray(s), np.asarray(idx), 1).sum(1, keepdims=True), rtol=1e-6)
+    if top_groups == groups:  # every group kept: plain top-k
+        np.testing.assert_array_equal(idx, route(logits, bias, k, score, True)[1])
+    else:  # the limit changed some tokens' choice
+        assert not np.array_equal(np.sort(np.asarray(idx), 1), np.sort(np.asarray(route(logits, bias, k, score,
+                                                                                          True)[1]), 1))
+
+
 def test_capacity_keeps_first_arrivals():
     idx = jnp.array([[0, 1], [0, 2], [0, 1]])
     keep = capacity_keep(idx, 3, capacity=2)
@@ -88,6 +122,33 @@ def test_expert_parallel_matches_single_device(moe_setup, mesh_cfg, extra):
         np.testing.assert_allclose(g, r, rtol=2e-4, atol=1e-6, err_msg=jax.tree_util.keystr(path))
     assert np.abs(ref_grads["blocks"]["moe"]["w_gate"][:, 5]).max() == 0  # the unused expert gets no gradient
     assert np.abs(ref_grads["blocks"]["moe"]["router"]).max() > 0  # the aux loss reaches the router
+
+
+def test_group_limited_routing_bounds_the_nodes_a_token_reaches(moe_setup):
+    """route_groups = the expert axis's nodes: under the hierarchical dispatch each token's rows cross to at most
+    route_top_groups nodes (one row per node), with the same loss and gradients as on one device."""
+    cfg, params, buffers, tokens, _ = moe_setup
+    hier = ("model.moe.dispatch=hierarchical", "model.moe.gpus_per_node=2")  # 8 devices: 4 nodes of 2
+    groups = ("model.moe.route_groups=4", "model.moe.route_top_groups=1")
+    mesh = sharding.make_mesh(MeshConfig(fsdp=1, expert=8))
+
+    def cross_node_rows(extra):
+        c = load_config(None, MOE + list(extra))
+        graph = nnx.split(nnx.eval_shape(lambda: Llama(c.model, c.quant, rngs=nnx.Rngs(0))), nnx.Param, ...)[0]
+        with jax.set_mesh(mesh):
+            _, stats = jax.jit(lambda p, x: nnx.merge(graph, p, buffers)(x))(params, tokens[:, :-1])
+        return np.asarray(stats["rows_cross_node"])  # per layer
+
+    n_tokens = tokens[:, :-1].size
+    limited, free = cross_node_rows(hier + groups), cross_node_rows(hier)
+    assert limited.shape == (2,) and (limited <= n_tokens).all() and (free > n_tokens).all(), (limited, free)
+    one = _loss_and_grads(cfg, params, buffers, tokens, sharding.make_mesh(MeshConfig(fsdp=1), jax.devices()[:1]),
+                          groups)
+    ep = _loss_and_grads(cfg, params, buffers, tokens, mesh, hier + groups)
+    np.testing.assert_allclose(ep[0], one[0], rtol=1e-5)
+    np.testing.assert_array_equal(ep[1], one[1])
+    for g, r in zip(jax.tree.leaves(ep[2]), jax.tree.leaves(one[2]), strict=True):
+        np.testing.assert_allclose(g, r, rtol=2e-4, atol=1e-6)
 
 
 @pytest.mark.parametrize("method, gpus_per_node", [("flat", 4), ("hierarchical", 4), ("hierarchical", 2)])
@@ -771,7 +832,16 @@ def test_expert_parallel_imbalance_is_the_busiest_devices_share():
     assert float(m["moe_ep_max_over_mean"]) == pytest.approx((6 / 4 + 4.0) / 2)
     line = _fmt_log(3, {"loss": 2.5, "grad_norm": 0.5, "lr": 1e-3, **{k: float(v) for k, v in m.items()
                                                                        if k != "expert_load"}})
-    assert "ep device max/mean 2.75" in line
+    assert "ep device max/mean 2.75" in line and "cross-node" not in line
+    # 8 tokens of top-2 in each layer (load sums to 16); 2 and 6 rows sent to other nodes, 4 and 0 inside the node
+    rows = {"rows_cross_node": jnp.array([2.0, 6.0]), "rows_intra_node": jnp.array([4.0, 0.0])}
+    m = _moe_metrics({**stats, **rows}, 4, top_k=2)
+    assert float(m["moe_cross_node_rows_per_token"]) == pytest.approx((2 / 8 + 6 / 8) / 2)
+    assert float(m["moe_intra_node_rows_per_token"]) == pytest.approx((4 / 8 + 0) / 2)
+    assert "moe_cross_node_rows_per_token" not in _moe_metrics({**stats, **rows}, 1, top_k=2)
+    line = _fmt_log(3, {"loss": 2.5, "grad_norm": 0.5, "lr": 1e-3, **{k: float(v) for k, v in m.items()
+                                                                       if k != "expert_load"}})
+    assert "cross-node rows/token 0.50" in line
 
 
 @pytest.mark.gpu
