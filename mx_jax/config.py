@@ -55,6 +55,7 @@ class MoEConfig:
     # route_top_groups nodes (model.moe.dispatch=hierarchical sends one row per node). 0 = off.
     route_groups: int = 0
     route_top_groups: int = 0
+    routed_scale: float = 1.0  # the routed experts' weights g times this (DeepSeek-V3's routed_scaling_factor, 2.5)
     normalize_top_k: bool = True
     aux_loss_coef: float = 0.01  # Switch/Mixtral load-balancing loss
     bias_update_rate: float = 0.0  # DeepSeek-V3 auxiliary-loss-free balancing (0 = off)
@@ -470,6 +471,7 @@ def validate(cfg: TrainConfig) -> None:
     if e.n_experts:
         for k in ("d_expert", "n_shared"):
             _check(getattr(e, k) >= 0, f"model.moe.{k}", f"must be >= 0, got {getattr(e, k)}")
+        _check(e.routed_scale > 0, "model.moe.routed_scale", f"must be positive, got {e.routed_scale}")
         for k in ("aux_loss_coef", "bias_update_rate", "z_loss_coef"):
             _check(getattr(e, k) >= 0, f"model.moe.{k}", f"must be >= 0, got {getattr(e, k)}")
         _check(1 <= e.top_k <= e.n_experts, "model.moe.top_k", f"must be in [1, n_experts={e.n_experts}], got {e.top_k}")

@@ -221,9 +221,11 @@ def model_type(cfg: ModelConfig) -> str:
     - "qwen3_moe": with model.qk_norm, softmax routing, every layer after the dense first ones MoE, no shared
       experts."""
     m = cfg.moe
-    if m.n_experts and m.route_groups:  # DeepSeek-V2/V3's, beside an attention (MLA) mx_jax does not have
-        raise ConfigError(f"config key 'model.moe.route_groups': {m.route_groups}; group-limited routing has no HF "
-                          "mapping here (DeepSeek-V2 and V3 use it beside their multi-head latent attention)")
+    # DeepSeek-V2's and V3's, beside an attention (MLA) mx_jax does not have
+    for key, value, off in (("route_groups", m.route_groups, 0), ("routed_scale", m.routed_scale, 1.0)):
+        if m.n_experts and value != off:
+            raise ConfigError(f"config key 'model.moe.{key}': {value!r}; no HF model mapped here has it (DeepSeek-V2 "
+                              "and V3 do, beside their multi-head latent attention)")
     if cfg.attention_bias:  # Qwen2's; its MoE (Qwen2-MoE) gates its shared expert, which mx_jax does not
         for key, value in (("qk_norm", cfg.qk_norm), ("moe.n_experts", m.n_experts)):
             if value:

@@ -9,7 +9,7 @@ For N tokens x (N,D), E routed experts of hidden width F, top-k:
              8 experts on 4 nodes in DeepSeek-V3), the token keeps its M = route_top_groups best groups, and the
              top-k runs over their experts only (the others at -inf).
              Experts lie on the expert axis in id order, so with G = its nodes a token reaches at most M nodes.
-    g      = s[idx], divided by its row sum when normalize_top_k
+    g      = s[idx], divided by its row sum when normalize_top_k, times routed_scale (DeepSeek-V3: 2.5)
     y      = sum_j g_j Expert_{idx_j}(x) + sum_shared Expert_shared(x)  (DeepSeekMoE shared experts)
     Expert(x) = (silu(x W_gate) * (x W_up)) W_down, run for all experts at once as a grouped GEMM over the tokens
     sorted by expert (mx_jax.grouped_linear: Pallas on Hopper, jax.lax.ragged_dot_general elsewhere). Under fp8_rowwise
@@ -94,9 +94,9 @@ class RouterBias(nnx.Variable):
 
 
 def route(logits: jax.Array, bias: jax.Array, top_k: int, score: str, normalize: bool, groups: int = 0,
-          top_groups: int = 0):
+          top_groups: int = 0, scale: float = 1.0):
     """logits (N,E) f32 -> (scores (N,E), top-k expert ids (N,k) int32, top-k weights (N,k) f32). `groups`,
-    `top_groups`: group-limited routing (module docstring; 0 = off)."""
+    `top_groups`: group-limited routing (module docstring; 0 = off); `scale`: routed_scale."""
     s = jax.nn.softmax(logits, axis=-1) if score == "softmax" else jax.nn.sigmoid(logits)
     choice = jax.lax.stop_gradient(s) + bias[None, :]
     if groups:
@@ -110,7 +110,7 @@ def route(logits: jax.Array, bias: jax.Array, top_k: int, score: str, normalize:
     g = jnp.take_along_axis(s, idx, axis=-1)
     if normalize:
         g = g / jnp.sum(g, axis=-1, keepdims=True)
-    return s, idx.astype(jnp.int32), g
+    return s, idx.astype(jnp.int32), g * scale if scale != 1.0 else g
 
 
 def capacity_keep(idx: jax.Array, n_experts: int, capacity: int) -> jax.Array:
@@ -229,7 +229,8 @@ class MoE(nnx.Module):
         capacity's drops zeroed, keep (n,k), the capacity (0: dropless))."""
         m = self.cfg
         logits = jnp.dot(xt.astype(jnp.float32), w_router.astype(jnp.float32))
-        s, idx, g = route(logits, bias, m.top_k, m.score, m.normalize_top_k, m.route_groups, m.route_top_groups)
+        s, idx, g = route(logits, bias, m.top_k, m.score, m.normalize_top_k, m.route_groups, m.route_top_groups,
+                          m.routed_scale)
         keep = jnp.ones(idx.shape, bool)
         n = xt.shape[0]
         capacity = math.ceil(m.capacity_factor * n * m.top_k / m.n_experts) if m.capacity_factor > 0 else 0

@@ -65,6 +65,7 @@ def test_bad_values_name_the_key(override, key):
     ("model.moe.d_expert=-4", "model.moe.d_expert"),
     ("model.moe.n_shared=-1", "model.moe.n_shared"),
     ("model.moe.z_loss_coef=-1", "model.moe.z_loss_coef"),
+    ("model.moe.routed_scale=0", "model.moe.routed_scale"),
 ])
 def test_bad_moe_values_name_the_key(override, key):
     with pytest.raises(ConfigError, match=f"'{key}'"):

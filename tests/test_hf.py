@@ -327,6 +327,9 @@ def test_export_checks_params_and_existing_files(tmp_path):
                                                                            route_top_groups=0))) == "mixtral"
     with pytest.raises(ConfigError, match="model.moe.route_groups"):
         hf.export_hf_llama(params, dataclasses.replace(cfg, moe=grouped), tmp_path / "moe")
+    scaled = dataclasses.replace(grouped, route_groups=0, route_top_groups=0, routed_scale=2.5)
+    with pytest.raises(ConfigError, match="model.moe.routed_scale"):
+        hf.export_hf_llama(params, dataclasses.replace(cfg, moe=scaled), tmp_path / "moe")
     assert not (tmp_path / "moe").exists()
 
 

@@ -29,6 +29,10 @@ def test_route_softmax_topk_normalized():
     s2, idx2, g2 = route(logits, jnp.array([0.0, 0.0, 0.0, 10.0]), 2, "sigmoid", False)
     assert set(np.asarray(idx2[0])) == {3, 0}
     np.testing.assert_allclose(g2[0, 0], jax.nn.sigmoid(-1.0), rtol=1e-6)
+    # routed_scale multiplies the weights after the normalization (DeepSeek-V3's sum to 2.5), not the choice
+    _, idx3, g3 = route(logits, jnp.zeros(4), 2, "softmax", True, scale=2.5)
+    np.testing.assert_array_equal(idx3, idx)
+    np.testing.assert_allclose(g3, 2.5 * np.asarray(g), rtol=1e-6)
 
 
 def _group_limited_reference(s, b, k, groups, top_groups):
