@@ -588,7 +588,10 @@ class _Encoder:
             from tokenizers import Tokenizer
         except ImportError:
             raise SystemExit("--tokenizer: a tokenizer.json needs the `tokenizers` package (pip install tokenizers)")
-        self._tok = Tokenizer.from_file(str(path))
+        try:
+            self._tok = Tokenizer.from_file(str(path))
+        except Exception as e:  # tokenizers raises a bare Exception for a JSON file of another kind
+            raise SystemExit(f"--tokenizer: {spec} is not a tokenizers tokenizer.json ({e})") from None
         self.vocab, self.name = self._tok.get_vocab_size(), str(path.resolve())
         if eos == "none":
             self.eos_id = None
@@ -1135,6 +1138,8 @@ def _finish(parts: list[dict], out_dir: pathlib.Path, n_files: int, val_fraction
                          + (f" or an example without a reply ({total('untrained')})" if total("untrained") else ""))
     if counts["val"] == 0:
         raise SystemExit(f"no record was held out: raise --val-fraction ({val_fraction})")
+    if counts["train"] == 0:
+        raise SystemExit(f"every record was held out, none is left to train on: lower --val-fraction ({val_fraction})")
     first = parts[0]
     meta = {"dtype": first["dtype"], "vocab_size": first["vocab"], "tokenizer": first["tokenizer"],
             "eos_id": first["eos_id"], "train_tokens": counts["train"], "val_tokens": counts["val"],
@@ -1197,8 +1202,9 @@ def convert(inputs: Sequence[str], out: str, tokenizer: str = "byte", shard_toke
     error, the shards it wrote are removed again, so `out` never holds a partial conversion. Where some records are
     fine-tuning examples, each shard gets its loss mask (`<shard>.mask`, load_masks) and meta.json "loss_mask".
     """
-    if not 0 <= val_fraction < 1:
-        raise SystemExit(f"--val-fraction must be in [0, 1), got {val_fraction}")
+    if not 0 <= val_fraction <= 0.5:  # held out: 1 in round(1 / val_fraction) documents, so above 1/2 all of them
+        raise SystemExit(f"--val-fraction must be in [0, 0.5] (one document in round(1 / fraction) is held out), "
+                         f"got {val_fraction}")
     if shard_tokens < 1:
         raise SystemExit(f"--shard-tokens must be positive, got {shard_tokens}")
     if pack < 0:
@@ -1351,7 +1357,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     c.add_argument("--part", metavar="K/N", help="convert part K of N (0-based) into a shared --out: one part per "
                    "machine, the same inputs and options on each; then `python -m mx_jax.data merge OUT`")
     c.add_argument("--shard-tokens", type=int, default=100_000_000)
-    c.add_argument("--val-fraction", type=float, default=0.05)
+    c.add_argument("--val-fraction", type=float, default=0.05, help="share of the records held out, in [0, 0.5]")
     c.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     m = sub.add_parser("merge", help="meta.json for the parts that `convert --part K/N` wrote into a directory")
     m.add_argument("out", help="the directory the parts were converted into")

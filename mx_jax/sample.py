@@ -103,10 +103,15 @@ class Tokenizer:
             from tokenizers import Tokenizer as HFTokenizer
         except ImportError:
             raise ConfigError(f"the tokenizer {path} needs the `tokenizers` package (pip install tokenizers)")
-        tok = HFTokenizer.from_file(str(path))
+        try:
+            tok = HFTokenizer.from_file(str(path))
+        except Exception as e:  # tokenizers raises a bare Exception for a JSON file of another kind
+            raise ConfigError(f"tokenizer {path}: not a tokenizers tokenizer.json ({e}) (--tokenizer)") from None
         self.vocab_size = tok.get_vocab_size()
         self.encode = lambda s: tok.encode(s, add_special_tokens=False).ids
-        self.decode = lambda ids: tok.decode(ids)
+        # Special tokens kept, as encode reads them: a chat reply ends with its end-of-turn token (Llama 3's
+        # <|eot_id|>, ChatML's <|im_end|>), which the reference of an exact answer holds too.
+        self.decode = lambda ids: tok.decode(ids, skip_special_tokens=False)
 
 
 def tokenizer_of(cfg: TrainConfig) -> str:

@@ -526,3 +526,25 @@ def test_training_on_a_mixture_reports_each_source_and_resumes_only_on_it(tmp_pa
     # The same proportions written otherwise resume.
     assert int(train.train(tiny_config(run, *over[:1], f"data.mixture=0.6:{a},0.2:{b}", *over[2:-1],
                                        "steps=3")).state["step"]) == 3
+
+
+def test_a_held_out_share_that_leaves_nothing_to_train_on_is_refused(tmp_path):
+    """One record in round(1 / val_fraction) is held out, so a fraction above 1/2 would hold out every one: refused
+    by name, as is a conversion whose records all landed in the held-out split; nothing is left behind."""
+    src = tmp_path / "docs"
+    src.mkdir()
+    (src / "a.txt").write_text("hello")
+    with pytest.raises(SystemExit, match=r"--val-fraction must be in \[0, 0.5\].*got 0.7"):
+        data.convert([str(src)], str(tmp_path / "out"), val_fraction=0.7)
+    errors = []
+    for i in range(8):  # one-document conversions at 1/2: the document's key decides its split
+        one = tmp_path / f"one{i}"
+        one.mkdir()
+        (one / f"doc{i}.txt").write_text("hello")
+        with pytest.raises(SystemExit) as e:
+            data.convert([str(one)], str(tmp_path / f"out{i}"), val_fraction=0.5)
+        errors.append(str(e.value))
+        assert not (tmp_path / f"out{i}").exists() or not any((tmp_path / f"out{i}").iterdir())
+    assert any("none is left to train on: lower --val-fraction" in m for m in errors), errors
+    # the others kept their one document for training, and holding it out instead would leave none either
+    assert all("none is left to train on" in m or "are one document: held out" in m for m in errors), errors

@@ -146,6 +146,27 @@ def test_a_hf_tokenizer_uses_the_chat_template_beside_it(tmp_path):
     np.testing.assert_array_equal(m, [False] * len(prompt) + [True] * (len(reply) + 1))
 
 
+def test_sample_tokenizer_keeps_the_end_of_turn_token_and_names_a_wrong_file(tmp_path):
+    """An exact answer's reference ends with the chat's end-of-turn token: the sampler's decode keeps special tokens
+    as its encode reads them, so a reply drawn token for token equals it. A JSON file that is no tokenizer.json (a
+    model's config.json) is an error naming it, in `sample` and in `data convert`."""
+    pytest.importorskip("tokenizers")
+    from mx_jax import sample
+
+    _, d = _llama3_like(tmp_path)
+    tok = sample.Tokenizer(str(d / "tokenizer.json"))
+    reply = "Paris is the capital.<|eot_id|>"
+    assert tok.decode(tok.encode(reply)) == reply
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"model_type": "llama", "hidden_size": 64}))
+    with pytest.raises(ConfigError, match="config.json: not a tokenizers tokenizer.json"):
+        sample.Tokenizer(str(config))
+    with pytest.raises(SystemExit, match="config.json is not a tokenizers tokenizer.json"):
+        data.convert([str(_write_jsonl(tmp_path / "docs.jsonl", [{"text": "hi"}]))], str(tmp_path / "out"),
+                     tokenizer=str(config))
+    assert not (tmp_path / "out").exists()
+
+
 def test_fine_tuning_records_errors_name_the_record_and_leave_nothing(tmp_path):
     out = tmp_path / "new" / "tok"
 
