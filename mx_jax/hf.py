@@ -885,8 +885,9 @@ def export_hf_llama(params: dict, cfg: ModelConfig, path: str | pathlib.Path, *,
     plus `model.safetensors.index.json`. dtype: "bfloat16" (HF's usual), "float32" or "float16". hf_config: a
     config.json to start from (its architecture keys are overwritten). extra_files: {name in `path`: file to copy},
     moved in with the weights (generation_config.json, a model's own code). An existing checkpoint in `path` is an
-    error unless overwrite=True, which replaces its safetensors files once the new ones are whole (they are written
-    beside `path` first: an export that stops leaves `path` as it was).
+    error unless overwrite=True, which replaces its safetensors files, and removes its sidecars, code and tokenizer
+    files, once the new ones are whole (they are written beside `path` first: an export that stops leaves `path` as
+    it was).
     """
     _safetensors()
     import safetensors.numpy as stnp
@@ -904,12 +905,13 @@ def export_hf_llama(params: dict, cfg: ModelConfig, path: str | pathlib.Path, *,
     old = sorted(path.glob("model*.safetensors")) + sorted(path.glob(INDEX_FILE)) if path.is_dir() else []
     if old and not overwrite:
         raise FileExistsError(f"{path} already holds {[p.name for p in old]}; pass overwrite=True (--overwrite)")
-    if old and (path / "config.json").is_file():  # the old export's sidecars and code go with it
+    if old:  # the old export's sidecars, code and tokenizer go with it (`main` copies the run's tokenizer after)
         try:
-            old_config = read_json_object(path / "config.json", HFFormatError)
+            old_config = read_json_object(path / "config.json", HFFormatError) if (path / "config.json").is_file() \
+                else {}
         except HFFormatError:
             old_config = {}
-        old += [path / n for n in (*SIDECARS, *code_files(old_config)) if (path / n).is_file()]
+        old += [path / n for n in (*SIDECARS, *code_files(old_config), *TOKENIZER_FILES) if (path / n).is_file()]
 
     # Plan shards from shapes alone, greedily in HF's key order; a tensor larger than the limit gets its own shard,
     # and the parts of a fused tensor (`_fusions`, consecutive in that order) stay in one.
@@ -962,6 +964,7 @@ def export_hf_llama(params: dict, cfg: ModelConfig, path: str | pathlib.Path, *,
             f.chmod(0o666 & ~umask)
         files = [*names, *([INDEX_FILE] if n > 1 else []), "config.json", *(extra_files or {})]
         if not path.exists():
+            staging.chmod(0o777 & ~umask)  # mkdtemp's 0700 would keep other users (an inference server) out
             staging.rename(path)
         else:
             for p in old:
@@ -1000,6 +1003,26 @@ def state_dir(path: str | pathlib.Path, step: int | None = None) -> pathlib.Path
     return root / str(step) / "state"
 
 
+@contextlib.contextmanager
+def reading_step(sdir: pathlib.Path, what: str = "parameters"):
+    """Inside: Orbax reads of the step whose `state` directory is `sdir`. A failure of Orbax's (a damaged or
+    half-copied step) becomes a checkpoint.CheckpointError naming the step and the run's other steps to read instead
+    (`--step N`); mx_jax's own errors (ConfigError, HFFormatError) pass as they are."""
+    from mx_jax import checkpoint
+
+    checkpoint.quiet_abandoned_reads()
+    try:
+        yield
+    except (ConfigError, HFFormatError):
+        raise
+    except Exception as e:  # noqa: BLE001 -- Orbax raises many types for a damaged directory
+        others = sorted(int(d.name) for d in sdir.parent.parent.iterdir()
+                        if d.name.isdigit() and d != sdir.parent and (d / "state").is_dir())
+        hint = f"--step N reads another (this run has {others})" if others else "the run has no other step"
+        raise checkpoint.CheckpointError(f"cannot read the {what} of the checkpoint at {sdir.parent} "
+                                         f"({checkpoint.read_failure(e)}); {hint}") from e
+
+
 def save_params(params: dict, out_dir: str | pathlib.Path, step: int = 0) -> pathlib.Path:
     """Write {"params": params} as `<out_dir>/checkpoints/<step>/state` (the trainer's layout); returns that dir."""
     import orbax.checkpoint as ocp
@@ -1025,7 +1048,8 @@ def load_params(path: str | pathlib.Path, cfg: ModelConfig, *, step: int | None 
     import orbax.checkpoint as ocp
 
     sdir = state_dir(path, step)
-    on_disk = ocp.PyTreeCheckpointHandler().metadata(sdir)
+    with reading_step(sdir):
+        on_disk = ocp.PyTreeCheckpointHandler().metadata(sdir)
     on_disk = getattr(on_disk, "tree", on_disk)
     if "params" not in on_disk:
         raise HFFormatError(f"{sdir}: the checkpoint has no 'params' subtree (has {sorted(on_disk)})")
@@ -1040,7 +1064,7 @@ def load_params(path: str | pathlib.Path, cfg: ModelConfig, *, step: int | None 
         item = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s, dt, sharding=sh), shapes, shardings,
                             is_leaf=is_shape)
         restore_args = ocp.checkpoint_utils.construct_restore_args(item)
-    with ocp.PyTreeCheckpointer() as ckpt:
+    with reading_step(sdir), ocp.PyTreeCheckpointer() as ckpt:
         out = ckpt.restore(sdir, args=ocp.args.PyTreeRestore(
             item={"params": item}, restore_args={"params": restore_args}, partial_restore=True))
     return out["params"]
@@ -1324,6 +1348,13 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, HFFormatError, OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except RuntimeError as e:
+        from mx_jax.checkpoint import CheckpointError
+
+        if not isinstance(e, CheckpointError):
+            raise
+        print(f"error: {e}", file=sys.stderr)  # a step Orbax cannot read, as the trainer's and sample's exit code
+        return 4
     return 0
 
 

@@ -161,14 +161,15 @@ def load_model_state(cfg: TrainConfig, setup: train.Setup, path: pathlib.Path, s
     (`compute_copies`). The embedding too: its lookup casts each row to the compute dtype, the same values."""
     import orbax.checkpoint as ocp
 
-    from mx_jax.hf import state_dir
+    from mx_jax.hf import reading_step, state_dir
 
     sdir = state_dir(path, step)
     wanted = {"params": setup.abstract["params"], "buffers": setup.abstract["buffers"]}
     shardings = ({"params": setup.state_shardings["params"], "buffers": setup.state_shardings["buffers"]}
                  if shardings is None else dict(zip(("params", "buffers"), shardings)))
     wanted = {k: v for k, v in wanted.items() if jax.tree.leaves(v)}  # a dense model has no buffers
-    on_disk = ocp.PyTreeCheckpointHandler().metadata(sdir)
+    with reading_step(sdir):
+        on_disk = ocp.PyTreeCheckpointHandler().metadata(sdir)
     on_disk = getattr(on_disk, "tree", on_disk)
     fresh = {}
     if "buffers" in wanted and "buffers" not in on_disk:  # parameters alone (`hf import`): the biases a run starts with
@@ -186,17 +187,9 @@ def load_model_state(cfg: TrainConfig, setup: train.Setup, path: pathlib.Path, s
     wanted["params"]["embed"] = jax.ShapeDtypeStruct(wanted["params"]["embed"].shape, cfg.model.compute_dtype)
     item = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), wanted,
                         {k: shardings[k] for k in wanted})
-    checkpoint.quiet_abandoned_reads()
-    try:
-        with ocp.PyTreeCheckpointer() as ckpt:
-            out = ckpt.restore(sdir, args=ocp.args.PyTreeRestore(
-                item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item), partial_restore=True))
-    except Exception as e:  # noqa: BLE001 -- Orbax raises many types for a damaged directory
-        others = sorted(int(d.name) for d in sdir.parent.parent.iterdir()
-                        if d.name.isdigit() and d != sdir.parent and (d / "state").is_dir())
-        hint = f"--step N reads another (this run has {others})" if others else "the run has no other step"
-        raise checkpoint.CheckpointError(f"cannot read the parameters of the checkpoint at {sdir.parent} "
-                                         f"({checkpoint.read_failure(e)}); {hint}") from e
+    with reading_step(sdir), ocp.PyTreeCheckpointer() as ckpt:
+        out = ckpt.restore(sdir, args=ocp.args.PyTreeRestore(
+            item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item), partial_restore=True))
     return out["params"], out.get("buffers", fresh)
 
 

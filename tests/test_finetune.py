@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import stat
 
 import jax
 import jax.numpy as jnp
@@ -429,6 +431,15 @@ def test_export_puts_the_datas_tokenizer_and_chat_template_beside_the_weights(tm
         want = json.loads((d / "tokenizer_config.json").read_text())["chat_template"] if template is None \
             else data.CHATML
         assert exported["chat_template"] == want
+    umask = os.umask(0)
+    os.umask(umask)
+    assert stat.S_IMODE((tmp_path / "hf_own").stat().st_mode) == 0o777 & ~umask  # not mkdtemp's 0700
+    # A byte-level run exported over it: the old export's tokenizer goes with its weights
+    train.train(tiny_config(tmp_path / "run_bytes", "steps=1", "mesh.data=1", "mesh.fsdp=1", NO_EVAL),
+                devices=jax.devices()[:1])
+    assert hf.main(["export", str(tmp_path / "run_bytes"), str(tmp_path / "hf_own"), "--overwrite"]) == 0
+    assert "tokenizer: bytes" in capsys.readouterr().out
+    assert not any((tmp_path / "hf_own" / n).exists() for n in hf.TOKENIZER_FILES)
 
 
 def test_a_model_from_init_from_with_another_tokenizer_is_warned_about(tmp_path):

@@ -1,6 +1,7 @@
 """mx_jax.sample: text from a checkpoint, decoded with a KV cache (llama.Llama.decode) over left-padded prompts."""
 
 import json
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -199,6 +200,20 @@ def test_cli_prints_samples_and_names_bad_flags(tmp_path, capsys):
     err = capsys.readouterr().err
     assert f"cannot read the parameters of the checkpoint at {tmp_path / 'checkpoints' / '2'}" in err, err
     assert "OUT_OF_RANGE" in err and "the run has no other step" in err and len(err) < 1000, err
+    # its arrays gone (a half-copied step): Orbax's tree metadata fails to open them, with the same exit code, and
+    # `hf export` exits 4 too, writing nothing
+    state = tmp_path / "checkpoints" / "2" / "state"
+    for sub in ("ocdbt.process_0", "d"):
+        shutil.rmtree(state / sub, ignore_errors=True)
+    assert sample.main([str(tmp_path), "--tokens", "4"]) == 4
+    err = capsys.readouterr().err
+    assert "cannot read the parameters of the checkpoint" in err and len(err) < 1000, err
+    from mx_jax import hf
+
+    assert hf.main(["export", str(tmp_path), str(tmp_path.parent / "hf_out")]) == 4
+    err = capsys.readouterr().err
+    assert "cannot read the parameters of the checkpoint" in err and "Traceback" not in err, err
+    assert not (tmp_path.parent / "hf_out").exists()
 
 
 def test_prompts_are_answered_in_file_order_and_exact_answers_counted(two_steps, capsys):
