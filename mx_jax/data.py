@@ -1279,6 +1279,25 @@ def convert(inputs: Sequence[str], out: str, tokenizer: str = "byte", shard_toke
     return meta
 
 
+# What `convert --part K/N` writes into meta.part<K>.json, and into each of its "converted" entries, for `merge`.
+_PART_KEYS = {"part": int, "parts": int, "listing": str, "total_files": int, "settings": dict,
+              "val_fraction": (int, float), "workers": int, "converted": list}
+_CONVERTED_KEYS = {"counts": dict, "targets": dict, "stats": dict, "shards": list, "dtype": str, "vocab": int,
+                   "eos_id": (int, type(None))}
+
+
+def _read_part_meta(f: pathlib.Path) -> dict:
+    """A meta.part<K>.json, its keys checked: a damaged or foreign file is an error naming it."""
+    m = read_json_object(f, SystemExit)
+    for where, obj, keys in (("", m, _PART_KEYS), *((f"converted[{i}].", c, _CONVERTED_KEYS)
+                                                   for i, c in enumerate(m.get("converted") or [None]))):
+        for key, kind in keys.items():
+            if not isinstance(obj, dict) or not isinstance(obj.get(key), kind) or isinstance(obj.get(key), bool):
+                raise SystemExit(f"{f}: {where}{key} is missing or not a {getattr(kind, '__name__', kind)}; not a "
+                                 f"meta.part file that this version of `convert --part K/N` writes")
+    return m
+
+
 def merge(out: str) -> dict:
     """meta.json from the `meta.part<K>.json` files that `convert --part K/N` wrote into `out` (every K of N, from
     the same input listing and settings); the part files are removed once meta.json is written. Nothing is changed
@@ -1289,7 +1308,7 @@ def merge(out: str) -> dict:
     found = sorted(out_dir.glob("meta.part*.json")) if out_dir.is_dir() else []
     if not found:
         raise SystemExit(f"{out}: no meta.part*.json (written by `convert --part K/N --out {out}`)")
-    metas = [json.loads(f.read_text()) for f in found]
+    metas = [_read_part_meta(f) for f in found]
     n = metas[0]["parts"]
 
     def agreed(m: dict) -> dict:  # the tokenizer and template by what they do: their paths may differ by machine

@@ -497,6 +497,8 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError("--out goes with --prompts, --choices or --loss")
         if args.out is not None and not pathlib.Path(args.out).absolute().parent.is_dir():
             raise ConfigError(f"--out: the directory {pathlib.Path(args.out).absolute().parent} does not exist")
+        if args.out is not None and pathlib.Path(args.out).is_dir():
+            raise ConfigError(f"--out: {args.out} is a directory; give the file to write")
         # bf16 unless asked: the fp8 recipes speed up training GEMMs, here they would only add kernel compiles
         one_device = ["mesh.data=1", "mesh.fsdp=1", "mesh.expert=1", "mesh.context=1"]
         cfg = load_config(str(cfg_file), ["quant.recipe=bf16", *args.overrides, *one_device])

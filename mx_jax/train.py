@@ -480,8 +480,11 @@ def tokenizer_mismatch(cfg: TrainConfig) -> str | None:
 
 def _write_atomic(path: pathlib.Path, text: str) -> None:
     tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
+    try:
+        tmp.write_text(text)
+        tmp.replace(path)
+    finally:
+        tmp.unlink(missing_ok=True)  # after a failed replace (path is a directory, ...): no stray file
 
 
 def _fmt_log(step: int, m: dict) -> str:

@@ -568,6 +568,14 @@ def test_parts_converted_on_several_machines_merge_into_the_whole_conversion(tmp
                "1/3", "--quiet"])
     assert json.loads(capsys.readouterr().out)["part"] == 1
     assert not list(out.glob("train_n000_*.mask"))  # part 0 holds the plain documents alone
+    good = (out / "meta.part001.json").read_bytes()
+    for damaged, message in ((good[:100], "is not valid JSON"), (b"[]", "must hold a JSON object"),
+                             (b"{}", "part is missing"), (good.replace(b'"vocab"', b'"vocabulary"'),
+                                                          "converted\\[0\\].vocab is missing")):
+        (out / "meta.part001.json").write_bytes(damaged)
+        with pytest.raises(SystemExit, match=f"meta.part001.json.*{message}"):
+            data.merge(str(out))
+    (out / "meta.part001.json").write_bytes(good)
     data.main(["merge", str(out)])
     merged = json.loads(capsys.readouterr().out)
     assert merged["parts"] == 3 and not list(out.glob("meta.part*")) and (out / "meta.json").exists()

@@ -193,6 +193,8 @@ def test_cli_prints_samples_and_names_bad_flags(tmp_path, capsys):
     missing = tmp_path.parent / "nodir" / "answers.jsonl"
     assert sample.main([str(tmp_path), "--prompts", str(prompts), "--out", str(missing)]) == 2
     assert f"--out: the directory {missing.parent} does not exist" in capsys.readouterr().err  # before any decoding
+    assert sample.main([str(tmp_path), "--prompts", str(prompts), "--out", str(tmp_path.parent)]) == 2
+    assert f"--out: {tmp_path.parent} is a directory" in capsys.readouterr().err
     # a damaged step: exit 4, one message naming the step and what was unreadable, not Orbax's reports
     for f in (tmp_path / "checkpoints" / "2" / "state" / "ocdbt.process_0" / "d").iterdir():
         f.write_bytes(f.read_bytes()[:10])
