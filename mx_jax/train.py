@@ -705,8 +705,9 @@ def _restore(cfg: TrainConfig, setup: Setup, ckpt: checkpoint.Checkpointer, star
 def train(cfg: TrainConfig, devices: list[jax.Device] | None = None) -> TrainResult:
     """Run (or resume) training on `devices` (default: all).
 
-    run_dir/config.yaml is written once the state is initialized or restored, so a run that fails to start leaves
-    the previous config (and every checkpoint) as it was.
+    run_dir/config.yaml is written once the first step has compiled and been dispatched (after the state is
+    initialized or restored and the metrics writers, W&B included, have started), so a run that fails to start leaves
+    the previous config (and every checkpoint) as it was, and a run with nothing left to train does not touch it.
     """
     logger = logging.getLogger("mx_jax")
     if not any(isinstance(h, _LogLines) for h in logger.handlers):
@@ -791,8 +792,6 @@ def train(cfg: TrainConfig, devices: list[jax.Device] | None = None) -> TrainRes
                     state, train_batches.position = _restore(cfg, setup, ckpt, start, dataset.train_windows)
                     step = start
                     log(f"resume | from step {step} ({ckpt.dir / str(start)}), data position {train_batches.position}")
-                if jax.process_index() == 0:
-                    _write_atomic(run_dir / "config.yaml", to_yaml(cfg))
                 if step == cfg.steps:
                     log(f"done   | step {step} is already committed in {ckpt.dir}: nothing to train")
                     return TrainResult(state, {})
@@ -891,8 +890,9 @@ def _loop(cfg, setup, state, step, dataset, train_batches, ckpt, run_dir, resume
     peak, peak_src = metrics.device_peak_tflops(cfg.log.peak_tflops)
     log(f"mfu    | {peak_src}")
     rate = metrics.Throughput(tokens_per_step, flops_per_token(cfg.model, cfg.data.seq_len), jax.device_count(), peak)
-    writer = metrics.MetricsWriter(run_dir, cfg.log.tensorboard, resumed_at=resumed_at, wandb=cfg.log.wandb,
-                                   config=to_dict(cfg))
+    # A fresh start drops the step records that an earlier start in this run_dir wrote before its first checkpoint
+    writer = metrics.MetricsWriter(run_dir, cfg.log.tensorboard, resumed_at=0 if resumed_at is None else resumed_at,
+                                   wandb=cfg.log.wandb, config=to_dict(cfg))
     bar = None
     if cfg.log.progress and jax.process_index() == 0:
         from tqdm import tqdm
@@ -906,6 +906,7 @@ def _loop(cfg, setup, state, step, dataset, train_batches, ckpt, run_dir, resume
     stopped_at = None
     restart_window = False  # set by evaluation and saves: the rate's next window opens when the next step is done
     data_warned = False
+    config_written = False
 
     def check_data_time(m: dict) -> None:
         """data_ms_max: the slowest process's wait for its batches (every process calls this at the same steps); a
@@ -984,6 +985,10 @@ def _loop(cfg, setup, state, step, dataset, train_batches, ckpt, run_dir, resume
                 done_at = time.perf_counter()
             batch, data_s = feed.next()
             state, dev_metrics = train_step(state, batch)
+            if not config_written:  # the first step compiled: this config runs (`train`'s docstring)
+                config_written = True
+                if jax.process_index() == 0:
+                    _write_atomic(run_dir / "config.yaml", to_yaml(cfg))
             step += 1
             if pending is not None:
                 finish(*pending, done_at=done_at)  # the previous step: the device is already busy with this one

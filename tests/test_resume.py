@@ -149,9 +149,10 @@ def test_resume_refuses_a_different_run_and_touches_nothing(tmp_path, capsys):
         assert train.main([*base, "steps=4", override]) == 2, override
         assert named in capsys.readouterr().err, override
         assert _snapshot(tmp_path) == before, override  # config.yaml and every checkpoint as they were
-    # The run is complete at steps=2: a rerun (a requeued job) trains nothing and succeeds.
-    assert train.main([*base, "steps=2"]) == 0
+    # The run is complete at steps=2: a rerun (a requeued job) trains nothing, succeeds, and keeps its config.yaml.
+    assert train.main([*base, "steps=2", "optim.lr_peak=0.5"]) == 0
     assert "nothing to train" in capsys.readouterr().out
+    assert _snapshot(tmp_path) == before
     # How the same function is computed may change: remat, scan, compute dtype, and the documents kept apart per
     # attention block (model.max_documents: from the data, per chunk under context parallelism, so a resume on
     # another mesh.context sets another).
@@ -224,6 +225,30 @@ def test_damaged_checkpoint_names_the_step_and_the_way_out(tmp_path, capsys):
     (ck / "2").rename(ck / "3")
     assert train.main([*base, "steps=4"]) == 4
     assert "holds the state of step 2, not 3" in capsys.readouterr().err
+
+
+def test_config_yaml_waits_for_the_first_step_and_a_fresh_start_drops_old_records(tmp_path, capsys, monkeypatch):
+    """A resume whose first step fails to compile (here: a failing train step) leaves config.yaml as it was; a run
+    stopped before its first checkpoint, started again, keeps one metrics record per step."""
+    base = [*TINY, f"run_dir={tmp_path}", "ckpt.every_steps=2", "log.every_steps=1"]
+    assert train.main([*base, "steps=2"]) == 0
+    before = _snapshot(tmp_path)
+
+    def failing(setup):
+        def step(state, batch):
+            raise ValueError("compile failed")
+        return step
+
+    with monkeypatch.context() as m:
+        m.setattr(train, "make_train_step", failing)
+        with pytest.raises(ValueError, match="compile failed"):
+            train.main([*base, "steps=4", "optim.lr_peak=0.5"])
+    assert _snapshot(tmp_path) == before
+    fresh = tmp_path / "fresh"
+    assert train.main([*TINY, f"run_dir={fresh}", "steps=2", "ckpt.every_steps=-1", "log.every_steps=1"]) == 0
+    assert train.main([*TINY, f"run_dir={fresh}", "steps=3", "ckpt.every_steps=-1", "log.every_steps=1"]) == 0
+    steps = [json.loads(line)["step"] for line in (fresh / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3], steps
 
 
 def test_unusable_run_dir_and_init_from_are_config_errors(tmp_path, capsys):
