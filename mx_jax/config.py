@@ -308,6 +308,11 @@ def _coerce(key: str, hint, value: Any) -> Any:
                 raise ConfigError(f"config key '{key}' must be a finite number, got {value}")
             return value
         if hint is str:
+            if isinstance(value, bool):  # compile_cache: false would be a directory named "False"
+                raise ConfigError(f"config key '{key}' expects a string, got {value!r} (YAML reads true/false, yes/no "
+                                  f"and on/off as booleans: quote the word, or leave the value empty for none)")
+            if isinstance(value, (list, dict)):
+                raise ConfigError(f"config key '{key}' expects a string, got {value!r}")
             return "" if value is None else str(value)
     except ConfigError:
         raise
@@ -371,11 +376,14 @@ def read_json_object(path: pathlib.Path, error: type[Exception] = ConfigError) -
 
 
 class _StrictLoader(yaml.SafeLoader):
-    """yaml.safe_load, except that a key repeated in one mapping is an error instead of last-one-wins."""
+    """yaml.safe_load, except that a key repeated in one mapping is an error instead of last-one-wins (merge keys,
+    `<<: *anchor`, still fill in the keys a mapping does not give)."""
 
     def construct_mapping(self, node, deep=False):
         seen = set()
         for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # SafeConstructor merges these itself
+                continue
             key = self.construct_object(key_node, deep=deep)
             if key in seen:
                 raise yaml.constructor.ConstructorError(
@@ -451,6 +459,10 @@ def validate(cfg: TrainConfig) -> None:
     the resolved mesh: train.check_against_mesh."""
     m, d, o, c, lg = cfg.model, cfg.data, cfg.optim, cfg.ckpt, cfg.log
     _check(cfg.steps > 0, "steps", f"must be positive, got {cfg.steps}")
+    _check(0 <= cfg.seed < 2**63, "seed", f"must be in [0, 2**63), got {cfg.seed}")  # numpy's and jax's generators
+    _check(cfg.compile_cache.lower() not in ("false", "off", "no", "none", "0"), "compile_cache",
+           f"is 'auto', a directory, or empty for no cache; got {cfg.compile_cache!r} (write compile_cache= to turn "
+           f"it off)")
     for k in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff"):
         _check(getattr(m, k) > 0, f"model.{k}", f"must be positive, got {getattr(m, k)}")
     _check(m.n_heads % m.n_kv_heads == 0, "model.n_kv_heads",
@@ -458,7 +470,14 @@ def validate(cfg: TrainConfig) -> None:
     _check(m.head_dim > 0 or m.d_model % m.n_heads == 0, "model.n_heads",
            f"must divide model.d_model ({m.d_model}) when model.head_dim is 0, got {m.n_heads}")
     _check(m.d_head % 2 == 0, "model.head_dim", f"the head dimension must be even for RoPE, got {m.d_head}")
-    _check(m.rope_scaling.factor >= 1.0, "model.rope_scaling.factor", f"must be >= 1, got {m.rope_scaling.factor}")
+    rs = m.rope_scaling
+    _check(rs.factor >= 1.0, "model.rope_scaling.factor", f"must be >= 1, got {rs.factor}")
+    if rs.factor > 1.0:  # layers.rope_inv_freq divides by both
+        _check(0 < rs.low_freq_factor < rs.high_freq_factor, "model.rope_scaling.low_freq_factor",
+               f"must be positive and below model.rope_scaling.high_freq_factor ({rs.high_freq_factor}), got "
+               f"{rs.low_freq_factor}")
+        _check(rs.original_max_len > 0, "model.rope_scaling.original_max_len",
+               f"must be positive, got {rs.original_max_len}")
     _check(m.rope_theta > 0, "model.rope_theta", f"must be positive, got {m.rope_theta}")
     _check(m.head_dim >= 0, "model.head_dim", f"must be >= 0 (0 = d_model // n_heads), got {m.head_dim}")
     _check(m.norm_eps > 0, "model.norm_eps", f"must be positive, got {m.norm_eps}")

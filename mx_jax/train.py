@@ -42,7 +42,7 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from mx_jax import checkpoint, choices, compat, metrics, perplexity, preemption, profiling, sharding
+from mx_jax import checkpoint, choices, compat, layers, metrics, perplexity, preemption, profiling, sharding
 from mx_jax.config import ConfigError, ModelConfig, TrainConfig, load_config, mixture_entries, to_dict, to_yaml
 from mx_jax.data import (MIXTURE_ROUND, Batches, Dataset, Mixture, Prefetch, Windows, documents_per_window,
                          mixture_quota, open_dataset, read_meta)
@@ -403,6 +403,12 @@ def check_against_mesh(cfg: TrainConfig, mesh) -> None:
         raise ConfigError(
             f"config key 'data.batch_size': {cfg.data.batch_size} must be a multiple of the batch mesh axes "
             f"({sharding.batch_size_divisor(mesh)}) x data.grad_accum_steps ({cfg.data.grad_accum_steps})")
+    m = cfg.model
+    platform = mesh.devices.flat[0].platform
+    if m.attention == "cudnn" and layers.attention_impl("auto", m.compute_dtype, m.d_head, platform) != "cudnn":
+        raise ConfigError(f"config key 'model.attention': cudnn needs an NVIDIA GPU, model.compute_dtype=bfloat16 and "
+                          f"a head dim of at most 256 that is a multiple of 8; here {platform}, {m.compute_dtype}, "
+                          f"{m.d_head} ('auto' takes cuDNN where it applies, else XLA)")
     n_ctx = mesh.shape["context"]
     if n_ctx > 1 and cfg.data.seq_len % (2 * n_ctx):
         raise ConfigError(f"config key 'data.seq_len': {cfg.data.seq_len} must be a multiple of 2 x mesh.context "
@@ -1294,7 +1300,8 @@ def apply_default_xla_flags(deterministic: bool = False) -> None:
         os.environ[ALLOCATOR_VAR] = DEFAULT_ALLOCATOR
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line: --config, --dry-run and key=value overrides, the flags anywhere among the overrides."""
     ap = argparse.ArgumentParser(prog="python -m mx_jax.train", description="Train a Llama with mx_jax.")
     ap.add_argument("--config", help="YAML config (defaults < YAML < key=value overrides)")
     ap.add_argument("--dry-run", action="store_true",
@@ -1302,7 +1309,11 @@ def main(argv: list[str] | None = None) -> int:
                          "step for the configured mesh (on this machine's GPUs where it has enough, else on fake CPU "
                          "devices; a -1 mesh axis counts as 1); allocates no model memory")
     ap.add_argument("overrides", nargs="*", help="dotted.key=value overrides, e.g. optim.lr_peak=1e-3")
-    args = ap.parse_args(argv)
+    return ap.parse_intermixed_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)  # starts no backend, so the XLA flags below still apply
         apply_default_xla_flags(cfg.deterministic)
@@ -1322,6 +1333,12 @@ def main(argv: list[str] | None = None) -> int:
     except checkpoint.CheckpointError as e:
         print(f"error: {e}", file=sys.stderr)
         return 4
+    except NotImplementedError as e:  # a kernel refusing its problem: only where quant.impl forces the kernels
+        if cfg.quant.impl == "auto":
+            raise
+        print(f"error: config key 'quant.impl': {cfg.quant.impl} forces that path, which does not take this "
+              f"problem ({e}); quant.impl=auto sends the problems the kernels do not take to XLA", file=sys.stderr)
+        return 2
     except jax.errors.JaxRuntimeError as e:
         if (why := out_of_memory_help(str(e))) is None:
             raise

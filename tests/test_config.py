@@ -55,6 +55,10 @@ def test_unknown_key_names_it_and_suggests(tmp_path):
     ("data.prefetch=-1", "data.prefetch"),
     ("model.moe.n_experts=-1", "model.moe.n_experts"),
     ("log.peak_tflops=-1", "log.peak_tflops"),
+    ("seed=-1", "seed"),  # numpy's generator refused it on the data thread, after the run directory was written
+    ("seed=18446744073709551616", "seed"),
+    ("compile_cache=false", "compile_cache"),  # would be a directory named "false"
+    ("log.wandb=[a]", "log.wandb"),
 ])
 def test_bad_values_name_the_key(override, key):
     with pytest.raises(ConfigError, match=f"'{key}'"):
@@ -97,6 +101,31 @@ def test_integral_floats_are_ints():
     assert load_config(None, ["steps=1e3", "data.seq_len=64.0"]).steps == 1000
 
 
+@pytest.mark.parametrize("overrides, key", [
+    (["model.rope_scaling.low_freq_factor=0"], "model.rope_scaling.low_freq_factor"),  # rope_inv_freq divides by it
+    (["model.rope_scaling.low_freq_factor=4"], "model.rope_scaling.low_freq_factor"),  # = high: divides by 0 too
+    (["model.rope_scaling.original_max_len=0"], "model.rope_scaling.original_max_len"),
+])
+def test_llama31_rope_scaling_is_checked(overrides, key):
+    with pytest.raises(ConfigError, match=f"'{key}'"):
+        load_config(None, ["model.rope_scaling.factor=8", *overrides])
+    assert load_config(None, ["model.rope_scaling.factor=1", *overrides])  # off: the other keys are not read
+
+
+def test_yaml_merge_keys_fill_in_and_explicit_keys_win(tmp_path):
+    f = tmp_path / "merge.yaml"
+    f.write_text("small: &small {d_model: 64, n_heads: 2, n_layers: 3}\n"
+                 "model:\n  <<: *small\n  n_layers: 1\n")
+    with pytest.raises(ConfigError, match="unknown config key 'small'"):
+        load_config(str(f))  # the anchor's own key is still a key of the file
+    f.write_text("model:\n  <<: {d_model: 64, n_heads: 2, n_kv_heads: 1, n_layers: 3}\n  n_layers: 1\n")
+    m = load_config(str(f)).model
+    assert (m.d_model, m.n_heads, m.n_kv_heads, m.n_layers) == (64, 2, 1, 1)
+    f.write_text("compile_cache: false\n")  # YAML's boolean, where a directory is meant
+    with pytest.raises(ConfigError, match="'compile_cache' expects a string, got False"):
+        load_config(str(f))
+
+
 def test_bad_files_name_the_problem(tmp_path):
     f = tmp_path / "latin1.yaml"
     f.write_bytes("steps: 5 # caf\xe9\n".encode("latin-1"))
@@ -117,6 +146,27 @@ def test_expert_layout_is_checked_against_the_mesh(tmp_path, capsys, overrides, 
     assert train.main([f"run_dir={tmp_path / 'run'}", *overrides]) == 2
     assert key in capsys.readouterr().err
     assert not (tmp_path / "run").exists()
+
+
+def test_flags_go_anywhere_among_the_overrides():
+    args = train.parse_args(["--config", "c.yaml", "steps=1", "--dry-run", "model.n_layers=1"])
+    assert (args.config, args.dry_run, args.overrides) == ("c.yaml", True, ["steps=1", "model.n_layers=1"])
+
+
+def test_a_path_the_run_cannot_take_is_a_config_error_before_anything_is_written(tmp_path, capsys):
+    """cuDNN attention asked for on CPU (and in float32), and the Pallas kernels forced on shapes they do not tile:
+    exit 2 naming the key, no traceback, no run directory contents beyond what a failed start leaves."""
+    from tests.helpers import NO_IO, TINY
+
+    run_dir = tmp_path / "run"
+    assert train.main([*TINY, *NO_IO, f"run_dir={run_dir}", "steps=1", "model.attention=cudnn"]) == 2
+    err = capsys.readouterr().err
+    assert "'model.attention': cudnn needs an NVIDIA GPU" in err and "Traceback" not in err, err
+    assert not run_dir.exists()
+    assert train.main([*TINY, *NO_IO, f"run_dir={run_dir}", "steps=1", "quant.recipe=mxfp8", "quant.impl=pallas"]) == 2
+    err = capsys.readouterr().err
+    assert "'quant.impl': pallas forces that path" in err and "must be multiples of" in err, err
+    assert not (run_dir / "config.yaml").exists()
 
 
 def test_bad_input_writes_nothing(tmp_path, capsys):
