@@ -15,7 +15,8 @@ character of the choice (`choice_acc_norm`, lm-evaluation-harness's acc_norm, wh
 by length alone). The context and each choice are tokenized on their own (a choice's leading space belongs to it,
 as those tasks write them) and joined; a row is the context's tokens then the choice's, right-padded, its targets
 the choice's tokens only (data.IGNORED elsewhere), so one forward over a batch of rows gives every score (causal
-attention: the padding after a row's end never reaches its logits). A context too long for the row keeps its end.
+attention: the padding after a row's end never reaches its logits). A context too long for the row keeps its end,
+as much of it as the record's longest choice leaves room for, the same for all its choices.
 Rows are at most the file's longest rounded up to a multiple of 128 (128 C under context parallelism over C
 devices, whose zigzag chunks split it in 2 C) and data.seq_len; a batch of rows runs cut to its own longest,
 rounded likewise, the rows taken longest first.
@@ -92,7 +93,7 @@ def load(path: str | pathlib.Path, encode: Callable[[str], list[int]], vocab_siz
     (unless max_len is less), R a multiple of `batch`."""
     path = pathlib.Path(path)
     if not path.is_file():
-        raise ConfigError(f"choices file {path} does not exist")
+        raise ConfigError(f"choices file {path} {'is a directory' if path.is_dir() else 'does not exist'}")
     contexts, conts, answers, lines = [], [], [], []
     try:
         text = path.read_text(encoding="utf-8")
@@ -144,17 +145,18 @@ def load(path: str | pathlib.Path, encode: Callable[[str], list[int]], vocab_siz
     inputs = np.full((r, t_len), pad_id, np.int32)
     targets = np.full((r, t_len), -1, np.int32)
     record, chars = np.full(r, -1, np.int32), np.ones(r, np.int32)
+    # A context too long for the row keeps its end: what the row of the record's longest choice has room for, the
+    # same for each of its choices (and for the cached scorer's shared context).
+    kept = tuple(np.asarray(ctx[-(t_len + 1 - max(map(len, ids))):], np.int32)
+                 for ctx, (ids, _) in zip(contexts, conts))
     row = 0
-    for n, (ctx, (ids, lens)) in enumerate(zip(contexts, conts)):
+    for n, (ctx, (ids, lens)) in enumerate(zip(kept, conts)):
         for cont, length in zip(ids, lens):
-            seq = (ctx + cont)[-(t_len + 1):]  # a context too long for the row keeps its end
+            seq = [*ctx, *cont]
             inputs[row, :len(seq) - 1] = seq[:-1]
             targets[row, len(seq) - 1 - len(cont):len(seq) - 1] = cont
             record[row], chars[row] = n, length
             row += 1
-    # the shared context keeps what the row of the record's longest choice keeps of it
-    kept = tuple(np.asarray(ctx[-(t_len + 1 - max(map(len, ids))):], np.int32)
-                 for ctx, (ids, _) in zip(contexts, conts))
     continuations = tuple(tuple(np.asarray(t, np.int32) for t in ids) for ids, _ in conts)
     return ChoiceSet(str(path), inputs, targets, record, chars, np.asarray(answers, np.int32), n_rows, multiple, kept,
                      continuations, tuple(lines))
@@ -291,6 +293,8 @@ def load_files(paths: str, encode: Callable[[str], list[int]], vocab_size: int, 
                batch: int = 1, multiple: int = ROW_MULTIPLE) -> list[ChoiceSet]:
     """`load` of each file of a comma-separated list; their names (file stems, the metrics' suffixes) must differ."""
     files = [f for f in (p.strip() for p in paths.split(",")) if f]
+    if not files:
+        raise ConfigError(f"the choices files {paths!r} name no file")
     stems = [pathlib.Path(f).stem for f in files]
     if len(set(stems)) < len(stems):
         raise ConfigError(f"the files {', '.join(files)} must have different names (their metrics are named so)")

@@ -1003,6 +1003,7 @@ def _convert_part(files: Sequence[tuple[str, pathlib.Path]], out_dir: pathlib.Pa
     written: list[pathlib.Path] = []
     shards: list[tuple[pathlib.Path, int, bool]] = []  # (shard, tokens, whether a mask was written beside it)
     stats = {"max_id": -1, "documents": 0, "empty": 0, "read": 0, "examples": 0, "untrained": 0, "cut": 0,
+             "eos_inside": 0,
              "cut_dropped": 0}
     pad_id = 1 if enc.eos_id == 0 else 0  # any id but the end of text: padding must not count as a document
     packers = {split: _Packer(pack, pad_id) for split in ("train", "val")} if pack else {}
@@ -1038,6 +1039,8 @@ def _convert_part(files: Sequence[tuple[str, pathlib.Path]], out_dir: pathlib.Pa
 
     def add(batch: list[tuple[str, list[tuple[str | bytes, bool]]]]) -> None:
         for (key, _), (ids, mask) in zip(batch, enc.encode([ex for _, ex in batch])):
+            if enc.eos_id is not None and (ids[:-1] == enc.eos_id).any():  # ends the document early (NUL for bytes)
+                stats["eos_inside"] += 1
             split = "val" if st.stride and int(hashlib.sha1(key.encode()).hexdigest(), 16) % st.stride == 0 \
                 else "train"
             if pack and len(ids) > pack:
@@ -1145,6 +1148,13 @@ def _finish(parts: list[dict], out_dir: pathlib.Path, n_files: int, val_fraction
             "eos_id": first["eos_id"], "train_tokens": counts["train"], "val_tokens": counts["val"],
             "max_token_id": max(part["stats"]["max_id"] for part in parts), "files": n_files,
             "documents": total("documents"), "empty_documents": total("empty")}
+    if eos_inside := sum(part["stats"].get("eos_inside", 0) for part in parts):
+        # The end-of-text token inside a document ends it there for model.attention_mask=documents and the
+        # documents-per-sequence statistics: with bytes, every NUL of a binary or UTF-16 file is one.
+        meta["documents_with_eos_inside"] = eos_inside
+        print(f"warning: {eos_inside} of {total('documents')} documents hold the end-of-text token "
+              f"(id {first['eos_id']}{', NUL' if first['tokenizer'] == 'byte' else ''}) inside them, which splits them "
+              f"there (binary or UTF-16 files?)", file=sys.stderr)
     if any(masked for *_, masked in shards):
         for shard, n, masked in shards:
             if not masked:

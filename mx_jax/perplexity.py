@@ -98,12 +98,14 @@ def load(path: str | pathlib.Path, encode: Callable[[str], list[int]], vocab_siz
             segs = template.segments(rec["messages"], where, rec["tools"])
         elif isinstance(rec, tuple):
             segs = [(rec[0], False), (rec[1], True)]
-        else:
-            segs = [(rec.decode("utf-8", errors="replace") if isinstance(rec, bytes) else rec, True)]  # (whole file)
+        elif isinstance(rec, bytes) and tokenizer == "byte":  # a whole file: its bytes, as `data convert` reads them
+            segs = [(rec, True)]
+        else:  # (a whole file for a tokenizer of text: its invalid UTF-8 replaced, as `data convert` does)
+            segs = [(rec.decode("utf-8", errors="replace") if isinstance(rec, bytes) else rec, True)]
         # each piece tokenized on its own, as the converter does; the end-of-text token before the first
         seq, scored = ([eos_id], [False]) if eos_id is not None else ([], [])
         for text, trained in segs:
-            ids = encode(text)
+            ids = list(text) if isinstance(text, bytes) else encode(text)
             seq += ids
             scored += [trained] * len(ids)
         if seq and max(seq) >= vocab_size:
@@ -114,7 +116,7 @@ def load(path: str | pathlib.Path, encode: Callable[[str], list[int]], vocab_siz
             continue  # nothing to score: an empty document, or a chat without a reply
         pieces.append((seq, np.asarray(scored)))
         tokens.append(sum(scored))
-        nbytes.append(sum(len(t.encode()) for t, trained in segs if trained))
+        nbytes.append(len(rec) if isinstance(rec, bytes) else sum(len(t.encode()) for t, trained in segs if trained))
     if not pieces:
         raise ConfigError(f"{flag}: {path} holds no text to score")
     # windows from the first scored token to the last (a chat's closing context scores nothing)
@@ -159,6 +161,8 @@ def load_files(paths: str, encode: Callable[[str], list[int]], vocab_size: int, 
                flag: str = "--loss") -> list[TextSet]:
     """`load` of each file of a comma-separated list; their names (file stems, the metrics' suffixes) must differ."""
     files = [f for f in (p.strip() for p in paths.split(",")) if f]
+    if not files:
+        raise ConfigError(f"{flag}: {paths!r} names no file")
     stems = [pathlib.Path(f).stem for f in files]
     if len(set(stems)) < len(stems):
         raise ConfigError(f"the files {', '.join(files)} must have different names (their metrics are named so)")

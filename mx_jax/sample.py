@@ -351,6 +351,9 @@ def read_prompts(path: pathlib.Path, template_spec: str | None, tokenizer: str, 
     out = []
     for i, rec, _ in data.read_records(path, text_key):
         where = f"{path}:{i + 1}" if i is not None else str(path)
+        if isinstance(rec, bytes):  # read_records' whole file of another kind: one document, not records
+            raise ConfigError(f"--prompts: {path} is not a file of records (.jsonl, .ndjson, .json or .parquet, "
+                              f"optionally compressed); one text file is one prompt: --prompt \"$(cat {path})\"")
         if isinstance(rec, str):
             out.append(Prompt(len(out), [rec], None))
         elif isinstance(rec, tuple):
@@ -513,6 +516,8 @@ def main(argv: list[str] | None = None) -> int:
                                      stride=args.stride, batch=args.batch, text_key=args.text_key,
                                      chat_template=args.chat_template or chat_template_of(cfg), tokenizer=tok.spec)
                      for f in (f.strip() for f in args.loss.split(",")) if f]
+            if not texts:
+                raise ConfigError(f"--loss: {args.loss!r} names no file")
         elif args.prompts is not None:
             prompts = read_prompts(pathlib.Path(args.prompts), args.chat_template or chat_template_of(cfg), tok.spec,
                                    args.text_key)

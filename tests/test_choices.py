@@ -42,7 +42,11 @@ def test_rows_hold_the_context_then_the_choice_whose_tokens_alone_are_targets(tm
     short = choices.load(tmp_path / "c.jsonl", _byte, 256, 20)  # rows of 20: long contexts keep their end
     row = short.targets[0] >= 0
     assert row.sum() == len(" a + b") and short.inputs.shape == (9, 20)
-    np.testing.assert_array_equal(short.inputs[0], (ctx + _byte(" a + b"))[-21:-1])
+    # as much context as the record's longest choice (" a - b\n", 7 tokens) leaves room for, for every choice
+    kept = ctx[-(21 - max(len(_byte(c)) for c in RECORDS[0]["choices"])):]
+    seq = kept + _byte(" a + b")
+    np.testing.assert_array_equal(short.inputs[0, :len(seq) - 1], seq[:-1])
+    np.testing.assert_array_equal(short.inputs[1, :20], kept + _byte(" a - b\n")[:-1])
 
 
 @pytest.mark.parametrize("record,message", [
@@ -104,7 +108,8 @@ def test_scores_are_each_choices_log_likelihood_after_its_context(tmp_path):
             rec = RECORDS[cs.record[row]]
             ctx = _byte(rec.get("context") or rec.get("query") or rec.get("prompt"))
             cont = _byte(rec["choices"][row - int(np.flatnonzero(cs.record == cs.record[row])[0])])
-            seq = (ctx + cont)[-(cfg.data.seq_len + 1):]
+            longest = max(len(_byte(c)) for c in rec["choices"])  # a long context keeps what its longest leaves
+            seq = ctx[-(cfg.data.seq_len + 1 - longest):] + cont
             logp = jax.nn.log_softmax(model(jnp.asarray([seq[:-1]]))[0][0], axis=-1)
             want = sum(float(logp[len(seq) - 1 - len(cont) + i, t]) for i, t in enumerate(cont))
             np.testing.assert_allclose(got[row], want, rtol=1e-5, atol=1e-4)
@@ -125,6 +130,10 @@ def test_the_trainer_scores_choices_at_each_eval_on_its_mesh_as_sample_does_on_o
     assert f"| choices {100 * m['choice_acc']:.1f}% (norm {100 * m['choice_acc_norm']:.1f}%; c " in out
     logged = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert logged[-1]["choice_acc/d"] == m["choice_acc/d"]
+    for flag, value, said in (("--choices", ",", "name no file"), ("--loss", " , ", "names no file"),
+                              ("--choices", str(tmp_path), "is a directory")):
+        assert sample.main([str(run), flag, value]) == 2, (flag, value)
+        assert said in capsys.readouterr().err, (flag, value)
     out_file = tmp_path / "scores.jsonl"
     assert sample.main([str(run), "--choices", f"{path},{other}", "--batch", "8", "--out", str(out_file)]) == 0
     printed = capsys.readouterr().out
@@ -185,17 +194,19 @@ def _varied_records(n: int, seed: int = 0) -> list[dict]:
 @pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
 def test_cached_scorer_gives_the_row_forwards_scores(tmp_path, moe):
     """choices.CachedScorer (a batch's contexts once into a KV cache, then each choice against it) scores every
-    choice as the rows' forward does: contexts of 20-300 tokens (left-padded to 128 or 384), 2-5 choices, 7 records
-    in batches of 3 (the last padded); also split over 2 devices (`sample.tensor_parallel`: heads, hidden width, a MoE
+    choice as the rows' forward does: contexts of 20-300 tokens (left-padded to 128 or 256) in rows of at most 256,
+    so that the longer ones keep only their end, as much as the record's longest choice leaves room for (the same for
+    every choice of it, in both scorers), 2-5 choices, 7 records in batches of 3 (the last padded); also split over 2 devices (`sample.tensor_parallel`: heads, hidden width, a MoE
     model's routed experts along theirs under `moe.hidden_split`). Weights
     drawn with std 0.5, so that the scores depend on the context."""
     from mx_jax.llama import with_compute
 
     path = _write(tmp_path / "c.jsonl", _varied_records(7))
     extra = ["model.moe.n_experts=4", "model.moe.top_k=2", "model.moe.score=sigmoid"] if moe else []
-    cfg = tiny_config(tmp_path, "data.seq_len=512", "mesh.data=1", "mesh.fsdp=1", "model.init_std=0.5", *extra)
+    cfg = tiny_config(tmp_path, "data.seq_len=256", "mesh.data=1", "mesh.fsdp=1", "model.init_std=0.5", *extra)
     mesh = sharding.make_mesh(cfg.mesh, jax.devices()[:1])
     cs = choices.load(path, _byte, 256, cfg.data.seq_len, batch=4)
+    assert sum(len(r["context"]) + max(map(len, r["choices"])) > 257 for r in _varied_records(7)) >= 2  # truncated
     with jax.set_mesh(mesh), jax.default_matmul_precision("highest"):  # no TF32 on a GPU
         setup = train.build(cfg, mesh)
         state = train.init_state(setup)

@@ -548,3 +548,19 @@ def test_a_held_out_share_that_leaves_nothing_to_train_on_is_refused(tmp_path):
     assert any("none is left to train on: lower --val-fraction" in m for m in errors), errors
     # the others kept their one document for training, and holding it out instead would leave none either
     assert all("none is left to train on" in m or "are one document: held out" in m for m in errors), errors
+
+
+def test_documents_holding_the_end_of_text_token_are_counted_and_warned_about(tmp_path, capsys):
+    """With bytes a NUL is the end-of-text token: a UTF-16 file becomes thousands of one-character documents for
+    model.attention_mask=documents. The converter says so (meta.json documents_with_eos_inside, a warning)."""
+    src = tmp_path / "docs"
+    src.mkdir()
+    (src / "utf16.txt").write_text("hello world " * 20, encoding="utf-16")
+    for i in range(3):
+        (src / f"plain{i}.txt").write_text("hello world " * 20)
+    meta = data.convert([str(src)], str(tmp_path / "out"), tokenizer="byte", progress=False)
+    assert meta["documents"] == 4 and meta["documents_with_eos_inside"] == 1
+    assert "1 of 4 documents hold the end-of-text token (id 0, NUL)" in capsys.readouterr().err
+    clean = data.convert([str(src / f"plain{i}.txt") for i in range(3)], str(tmp_path / "clean"), tokenizer="byte",
+                         progress=False)
+    assert "documents_with_eos_inside" not in clean

@@ -90,6 +90,24 @@ def test_the_first_token_of_a_document_without_an_end_of_text_token_is_not_score
     assert list(ts.tokens) == [2] and ts.rows == 1  # "d" alone has nothing to be scored after
 
 
+def test_a_text_file_is_scored_on_the_bytes_the_converter_trains_on(tmp_path):
+    """A Latin-1 file, byte-tokenized: its own 6 bytes (as `data convert` writes them), not the UTF-8 of its
+    decoding with U+FFFD in place of each invalid byte (3 bytes each)."""
+    from mx_jax import data
+
+    f = tmp_path / "latin1.txt"
+    f.write_bytes("café!!".encode("latin-1"))
+    ts = perplexity.load(f, lambda s: list(s.encode()), 256, 16, eos_id=0)
+    assert list(ts.bytes) == [6] and list(ts.tokens) == [6]
+    np.testing.assert_array_equal(ts.inputs[0, :6], [0, *f.read_bytes()[:5]])
+    (tmp_path / "docs").mkdir()
+    f.rename(tmp_path / "docs" / f.name)
+    (tmp_path / "docs" / "other.txt").write_text("hello world")
+    data.convert([str(tmp_path / "docs")], str(tmp_path / "tok"), tokenizer="byte")
+    ids = np.concatenate([np.fromfile(b, np.uint16) for b in sorted((tmp_path / "tok").glob("*.bin"))])
+    assert len(ids) == 6 + 11 + 2 and 0xE9 in ids  # the bytes themselves, each document then its end-of-text
+
+
 def test_sample_loss_prints_each_file_and_writes_each_document(tmp_path, capsys):
     run = tmp_path / "run"
     train.train(tiny_config(run, "steps=2", "mesh.data=1", "mesh.fsdp=1", "log.eval_every_steps=-1"),

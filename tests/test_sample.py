@@ -195,6 +195,10 @@ def test_cli_prints_samples_and_names_bad_flags(tmp_path, capsys):
     assert f"--out: the directory {missing.parent} does not exist" in capsys.readouterr().err  # before any decoding
     assert sample.main([str(tmp_path), "--prompts", str(prompts), "--out", str(tmp_path.parent)]) == 2
     assert f"--out: {tmp_path.parent} is a directory" in capsys.readouterr().err
+    text = tmp_path.parent / "prompt.txt"
+    text.write_text("def main():\n")
+    assert sample.main([str(tmp_path), "--prompts", str(text)]) == 2
+    assert "prompt.txt is not a file of records" in capsys.readouterr().err
     # a damaged step: exit 4, one message naming the step and what was unreadable, not Orbax's reports
     for f in (tmp_path / "checkpoints" / "2" / "state" / "ocdbt.process_0" / "d").iterdir():
         f.write_bytes(f.read_bytes()[:10])
