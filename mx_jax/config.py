@@ -30,12 +30,17 @@ class ConfigError(ValueError):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RopeScaling:
-    """Llama 3.1 frequency scaling of RoPE (factor 1.0 = off). See layers.rope_inv_freq."""
+    """RoPE frequency scaling for a context past pre-training's (factor 1.0 = off): Llama 3.1's or YaRN's (Qwen2.5 and
+    Qwen3 long-context, DeepSeek-V2/V3). See layers.rope_inv_freq."""
 
+    kind: Literal["llama3", "yarn"] = "llama3"
     factor: float = 1.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_len: int = 8192
+    low_freq_factor: float = 1.0  # llama3
+    high_freq_factor: float = 4.0  # llama3
+    original_max_len: int = 8192  # the pre-training context
+    beta_fast: float = 32.0  # yarn: rotations over the original context above which a frequency is kept
+    beta_slow: float = 1.0  # yarn: ... below which it is divided by factor
+    attention_factor: float = 0.0  # yarn: q and k scaled by it after RoPE; 0 = 0.1 ln(factor) + 1 (YaRN's)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -472,10 +477,16 @@ def validate(cfg: TrainConfig) -> None:
     _check(m.d_head % 2 == 0, "model.head_dim", f"the head dimension must be even for RoPE, got {m.d_head}")
     rs = m.rope_scaling
     _check(rs.factor >= 1.0, "model.rope_scaling.factor", f"must be >= 1, got {rs.factor}")
-    if rs.factor > 1.0:  # layers.rope_inv_freq divides by both
+    if rs.factor > 1.0 and rs.kind == "llama3":  # layers.rope_inv_freq divides by both
         _check(0 < rs.low_freq_factor < rs.high_freq_factor, "model.rope_scaling.low_freq_factor",
                f"must be positive and below model.rope_scaling.high_freq_factor ({rs.high_freq_factor}), got "
                f"{rs.low_freq_factor}")
+    if rs.factor > 1.0 and rs.kind == "yarn":
+        _check(0 < rs.beta_slow < rs.beta_fast, "model.rope_scaling.beta_slow",
+               f"must be positive and below model.rope_scaling.beta_fast ({rs.beta_fast}), got {rs.beta_slow}")
+        _check(rs.attention_factor >= 0, "model.rope_scaling.attention_factor",
+               f"must be >= 0 (0 = 0.1 ln(factor) + 1), got {rs.attention_factor}")
+    if rs.factor > 1.0:
         _check(rs.original_max_len > 0, "model.rope_scaling.original_max_len",
                f"must be positive, got {rs.original_max_len}")
     _check(m.rope_theta > 0, "model.rope_theta", f"must be positive, got {m.rope_theta}")

@@ -36,8 +36,9 @@ with x1 = q[..., :K/2], x2 = q[..., K/2:], and w_i = theta^(-2i/K) for i < K/2 â
 checkpoint in HF layout is already in mx_jax's layout, and row j of HF's q_proj is column j of our wq, where the
 reshape (B, T, H*K) -> (B, T, H, K) puts head h at columns [h K, (h+1) K) in both. GQA matches too: HF's
 `repeat_kv` gives query head h the key/value head h // (H/G), as jax.nn.dot_product_attention does. Llama 3.1
-frequency scaling (HF `_compute_llama3_parameters`, rope_type "llama3", attention factor 1) is
-`layers.rope_inv_freq`. tests/test_hf.py checks logits against transformers' LlamaForCausalLM (when torch is
+frequency scaling (HF `_compute_llama3_parameters`, rope_type "llama3", attention factor 1) and YaRN's
+(`_compute_yarn_parameters`, rope_type "yarn": its attention factor scales cos and sin, so q k^T by its square) are
+`layers.rope_inv_freq` and `layers.rope_attention_factor`. tests/test_hf.py checks logits against transformers' LlamaForCausalLM (when torch is
 installed); an interleaved q layout or a missing rope band there moves the logits by ~5, the match is ~1e-5.
 
 Trade-offs. Reading is lazy, one tensor at a time (safetensors `safe_open`, memory-mapped): the only full copy is
@@ -390,10 +391,13 @@ def config_from_hf(hf: dict, source: str = "config.json") -> ModelConfig:
                 original_max_len=int(rope.get("original_max_position_embeddings") or hf["max_position_embeddings"]))
         except KeyError as e:
             raise HFFormatError(f"{source}: rope_scaling of type llama3 lacks {e}") from None
+    elif rope_type == "yarn":
+        scaling = _yarn(rope, hf, source)
     elif rope_type == "default":
         scaling = RopeScaling()
     else:
-        raise HFFormatError(f"{source}: rope_scaling type {rope_type!r} is not supported (only 'llama3' and none)")
+        raise HFFormatError(f"{source}: rope_scaling type {rope_type!r} is not supported (only 'llama3', 'yarn' and "
+                            f"none)")
     return ModelConfig(
         vocab_size=int(get("vocab_size")),
         d_model=d_model,
@@ -409,6 +413,30 @@ def config_from_hf(hf: dict, source: str = "config.json") -> ModelConfig:
         attention_bias=model_type == "qwen2",  # Qwen2's q, k and v projections always have biases
         moe=moe,
     )
+
+
+def _yarn(rope: dict, hf: dict, source: str) -> RopeScaling:
+    """YaRN's rope_scaling as transformers reads it (`_compute_yarn_parameters`): the original context defaults to
+    max_position_embeddings and the factor to their ratio; the attention factor, when not given, is YaRN's
+    0.1 ln(factor) + 1, or DeepSeek's ratio of that form with mscale and mscale_all_dim."""
+    if rope.get("truncate", True) is not True:
+        raise HFFormatError(f"{source}: rope_scaling of type yarn with truncate={rope['truncate']!r} is not supported")
+    try:
+        original = int(rope.get("original_max_position_embeddings") or hf.get("original_max_position_embeddings")
+                       or hf["max_position_embeddings"])
+        factor = float(rope.get("factor") or hf["max_position_embeddings"] / original)
+    except KeyError as e:
+        raise HFFormatError(f"{source}: rope_scaling of type yarn lacks {e}") from None
+
+    def get_mscale(m: float) -> float:
+        return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
+    attention = rope.get("attention_factor")
+    if attention is None and rope.get("mscale") and rope.get("mscale_all_dim"):
+        attention = get_mscale(float(rope["mscale"])) / get_mscale(float(rope["mscale_all_dim"]))
+    return RopeScaling(kind="yarn", factor=factor, original_max_len=original,
+                       beta_fast=float(rope.get("beta_fast") or 32), beta_slow=float(rope.get("beta_slow") or 1),
+                       attention_factor=float(attention or 0.0))
 
 
 def _deepseek_moe(hf: dict, source: str, n_layers: int) -> MoEConfig:
@@ -475,6 +503,17 @@ def _family(hf_model_type: str | None) -> str:
     return _SAME_AS[t][0] if t in _SAME_AS else t
 
 
+def _rope_scaling_to_hf(sc: RopeScaling) -> dict | None:
+    if sc.factor <= 1.0:
+        return None
+    if sc.kind == "yarn":
+        return {"rope_type": "yarn", "factor": sc.factor, "original_max_position_embeddings": sc.original_max_len,
+                "beta_fast": sc.beta_fast, "beta_slow": sc.beta_slow,
+                **({"attention_factor": sc.attention_factor} if sc.attention_factor else {})}
+    return {"rope_type": "llama3", "factor": sc.factor, "low_freq_factor": sc.low_freq_factor,
+            "high_freq_factor": sc.high_freq_factor, "original_max_position_embeddings": sc.original_max_len}
+
+
 def config_to_hf(cfg: ModelConfig, dtype: str, base: dict | None = None) -> dict:
     """ModelConfig -> config.json of the architecture `model_type` names. `base` (an imported config.json) keeps its
     other keys (token ids, max_position_embeddings, ...), or only _GENERIC_KEYS where it describes another
@@ -487,7 +526,7 @@ def config_to_hf(cfg: ModelConfig, dtype: str, base: dict | None = None) -> dict
     scaled = sc.factor > 1.0
     if kind == "deepseek" and scaled:
         raise ConfigError("config key 'model.rope_scaling': DeepSeekMoE's code scales RoPE linearly or by dynamic NTK, "
-                          "not as Llama 3.1 does")
+                          "not as Llama 3.1 or YaRN do")
     if base and _family(base.get("model_type")) != kind:  # another architecture's keys would not describe this one
         base = {k: v for k, v in base.items() if k in _GENERIC_KEYS}
     # The base's architecture keys go, whether or not this model_type writes them again: a base of another shape
@@ -507,9 +546,7 @@ def config_to_hf(cfg: ModelConfig, dtype: str, base: dict | None = None) -> dict
         "hidden_act": "silu",
         "rms_norm_eps": cfg.norm_eps,
         "rope_theta": cfg.rope_theta,
-        "rope_scaling": {"rope_type": "llama3", "factor": sc.factor, "low_freq_factor": sc.low_freq_factor,
-                         "high_freq_factor": sc.high_freq_factor,
-                         "original_max_position_embeddings": sc.original_max_len} if scaled else None,
+        "rope_scaling": _rope_scaling_to_hf(sc),
         "attention_bias": False,
         "mlp_bias": False,
         "tie_word_embeddings": False,
@@ -523,8 +560,9 @@ def config_to_hf(cfg: ModelConfig, dtype: str, base: dict | None = None) -> dict
     m = cfg.moe
     same = base.get("model_type") if kind == "llama" and base and base.get("model_type") in _SAME_AS else None
     if same == "phi3" and scaled:  # the same model under Llama's names: Phi3Config takes only LongRoPE scaling
-        warnings.warn("model.rope_scaling is Llama 3.1's, which Phi3Config does not take: the export is written as "
-                      "LlamaForCausalLM (q, k, v and gate, up unfused)", stacklevel=2)
+        warnings.warn(f"model.rope_scaling is {'YaRN' if sc.kind == 'yarn' else 'Llama 3.1'}'s, which Phi3Config does "
+                      f"not take: the export is written as LlamaForCausalLM (q, k, v and gate, up unfused)",
+                      stacklevel=2)
         same = None
     if same:  # MistralConfig's or Phi3Config's keys
         for key in ("attention_bias", "mlp_bias"):

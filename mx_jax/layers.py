@@ -192,10 +192,25 @@ class RMSNorm(nnx.Module):
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling) -> jax.Array:
-    """(K/2,) inverse frequencies, with Llama 3.1 scaling when scaling.factor > 1."""
+    """(K/2,) inverse frequencies w_i = theta^(-2i/K), scaled when scaling.factor s > 1:
+    - llama3 (Meta's `apply_scaling`): wavelengths 2 pi / w_i beyond original_max_len / low_freq_factor divided by
+      s, those below original_max_len / high_freq_factor kept, a smooth mix between;
+    - yarn (YaRN, arXiv 2309.00071, as transformers computes it): frequency i kept (extrapolated) below the dimension
+      d(beta_fast) and divided by s (interpolated) above d(beta_slow), mixed linearly between, where
+      d(r) = K ln(L / (2 pi r)) / (2 ln theta) is the dimension that turns r times over the original context L
+      (floor and ceil, clipped to [0, K - 1]); q and k are then scaled by `rope_attention_factor`."""
     inv = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
     if scaling.factor <= 1.0:
         return inv
+    if scaling.kind == "yarn":
+        def dim_of(rotations: float) -> float:
+            return head_dim * math.log(scaling.original_max_len / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+        low = max(math.floor(dim_of(scaling.beta_fast)), 0)
+        high = min(math.ceil(dim_of(scaling.beta_slow)), head_dim - 1)
+        high = high + 0.001 if high == low else high
+        ramp = jnp.clip((jnp.arange(head_dim // 2, dtype=jnp.float32) - low) / (high - low), 0, 1)
+        return inv / scaling.factor * ramp + inv * (1 - ramp)
     wavelen = 2 * math.pi / inv
     low_wavelen = scaling.original_max_len / scaling.low_freq_factor
     high_wavelen = scaling.original_max_len / scaling.high_freq_factor
@@ -205,6 +220,14 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling) -> jax.Arra
     smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
     medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
     return jnp.where(medium, smoothed, scaled)
+
+
+def rope_attention_factor(scaling: RopeScaling) -> float:
+    """YaRN's scale of q and k after RoPE (of cos and sin, in transformers): attention_factor, else 0.1 ln(s) + 1;
+    1 for llama3 or no scaling. mx_jax multiplies q by its square, the same logits."""
+    if scaling.kind != "yarn" or scaling.factor <= 1.0:
+        return 1.0
+    return scaling.attention_factor or 0.1 * math.log(scaling.factor) + 1.0
 
 
 def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
@@ -321,6 +344,7 @@ class Attention(nnx.Module):
         self.recipes, self.impl, self.scanned, self.reduce = recipes, impl, cfg.scan_layers, cfg.grad_reduce_dtype
         self.attention = attention_impl(cfg.attention, cfg.compute_dtype, k)
         self.max_documents = cfg.max_documents
+        self.q_scale = rope_attention_factor(cfg.rope_scaling) ** 2  # YaRN's, on q alone: the same q k^T
         if cfg.qk_norm:  # per-head RMSNorm of q and k before RoPE (config.ModelConfig.qk_norm)
             self.q_norm, self.k_norm = RMSNorm(k, cfg.norm_eps, pd), RMSNorm(k, cfg.norm_eps, pd)
         if cfg.attention_bias:  # added to the projections' outputs (config.ModelConfig.attention_bias); start at 0
@@ -343,7 +367,10 @@ class Attention(nnx.Module):
         v = v.reshape(b, t, self.n_kv_heads, self.head_dim)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
-        return apply_rope(q, pos.rope, inv_freq), apply_rope(k, pos.rope, inv_freq), v
+        q = apply_rope(q, pos.rope, inv_freq)
+        if self.q_scale != 1.0:
+            q = q * jnp.asarray(self.q_scale, q.dtype)
+        return q, apply_rope(k, pos.rope, inv_freq), v
 
     def _out(self, o: jax.Array) -> jax.Array:
         b, t = o.shape[:2]

@@ -112,6 +112,20 @@ def test_llama31_rope_scaling_is_checked(overrides, key):
     assert load_config(None, ["model.rope_scaling.factor=1", *overrides])  # off: the other keys are not read
 
 
+@pytest.mark.parametrize("overrides, key", [
+    (["model.rope_scaling.beta_slow=0"], "model.rope_scaling.beta_slow"),
+    (["model.rope_scaling.beta_slow=40"], "model.rope_scaling.beta_slow"),  # above beta_fast 32
+    (["model.rope_scaling.attention_factor=-1"], "model.rope_scaling.attention_factor"),
+    (["model.rope_scaling.kind=ntk"], "model.rope_scaling.kind"),
+])
+def test_yarn_rope_scaling_is_checked(overrides, key):
+    yarn = ["model.rope_scaling.kind=yarn", "model.rope_scaling.factor=4"]
+    with pytest.raises(ConfigError, match=f"'{key}'"):
+        load_config(None, [*yarn, *overrides])
+    sc = load_config(None, [*yarn, "model.rope_scaling.low_freq_factor=0"]).model.rope_scaling  # llama3's: unread
+    assert (sc.kind, sc.factor, sc.beta_fast, sc.beta_slow) == ("yarn", 4.0, 32.0, 1.0)
+
+
 def test_yaml_merge_keys_fill_in_and_explicit_keys_win(tmp_path):
     f = tmp_path / "merge.yaml"
     f.write_text("small: &small {d_model: 64, n_heads: 2, n_layers: 3}\n"

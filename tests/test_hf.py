@@ -468,7 +468,7 @@ def _check_against_transformers(tmp_path, arch: str, hf_config: dict, keep_confi
 
 
 @pytest.mark.parametrize("case", ["llama", "llama_tied", "mixtral", "deepseek", "deepseek_top_k_normalized", "qwen3",
-                                  "qwen3_moe", "qwen2", "mistral", "phi3"])
+                                  "qwen3_moe", "qwen2", "mistral", "phi3", "qwen2_yarn", "llama_yarn"])
 def test_logits_match_those_transformers_computed(tmp_path, case):
     """The checkpoint tests/transformers_golden.py gave transformers (config.json and safetensors in the Hub's
     layout, weights drawn again here from their recorded names and shapes), imported: our float32 logits are the

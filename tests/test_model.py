@@ -34,6 +34,29 @@ def test_rope_llama31_scaling_matches_formula():
     assert not np.allclose(got, inv)  # scaling changed the low frequencies
 
 
+def test_rope_yarn_scaling_matches_formula():
+    """YaRN (arXiv 2309.00071, transformers' `_compute_yarn_parameters`): per frequency the share r of
+    interpolation ramps from 0 below the dimension turning beta_fast times over the original context to 1 above the
+    one turning beta_slow times; Qwen2.5's 128k recipe (factor 4 over 32,768) on a 128-dim head."""
+    from mx_jax.layers import rope_attention_factor
+
+    k, theta, original = 128, 1e6, 32768
+    sc = RopeScaling(kind="yarn", factor=4.0, original_max_len=original)
+    got = np.asarray(rope_inv_freq(k, theta, sc), np.float64)
+    inv = 1.0 / theta ** (np.arange(0, k, 2) / k)
+    turns = original * inv / (2 * math.pi)  # rotations of each frequency over the original context
+    dim = lambda r: k * math.log(original / (r * 2 * math.pi)) / (2 * math.log(theta))  # noqa: E731
+    low, high = math.floor(dim(32.0)), math.ceil(dim(1.0))
+    ramp = np.clip((np.arange(k // 2) - low) / (high - low), 0, 1)
+    np.testing.assert_allclose(got, inv * (1 - ramp) + inv / 4.0 * ramp, rtol=2e-6)
+    np.testing.assert_allclose(got[turns > 32], inv[turns > 32], rtol=2e-6)  # fast ones kept
+    np.testing.assert_allclose(got[turns < 1], inv[turns < 1] / 4, rtol=2e-6)  # slow ones interpolated
+    assert 0 < low < high < k // 2  # all three bands present
+    assert rope_attention_factor(sc) == pytest.approx(0.1 * math.log(4.0) + 1)
+    assert rope_attention_factor(RopeScaling(kind="yarn", factor=4.0, attention_factor=1.5)) == 1.5
+    assert rope_attention_factor(RopeScaling(factor=8.0)) == 1.0  # llama3: none
+
+
 def test_rope_rotates_pairs_and_keeps_norm():
     rng = np.random.default_rng(0)
     x = rng.standard_normal((1, 5, 2, 8)).astype(np.float32)

@@ -1,5 +1,5 @@
-"""transformers' logits for tiny Llama, Mistral, Phi-3, Mixtral, DeepSeekMoE, Qwen2, Qwen3 and Qwen3-MoE models, kept
-so that CI (no torch) checks our import against them.
+"""transformers' logits for tiny Llama, Mistral, Phi-3, Mixtral, DeepSeekMoE, Qwen2, Qwen3 and Qwen3-MoE models (and
+Llama 3.1 and YaRN RoPE scaling), kept so that CI (no torch) checks our import against them.
 
     python tests/transformers_golden.py     # needs numpy, torch, transformers; rewrites tests/data/transformers.npz
 
@@ -93,6 +93,13 @@ CASES = {  # name: (transformers architecture, config.json)
     "qwen2": ("Qwen2", QWEN2_CONFIG),
     "mistral": ("Mistral", MISTRAL_CONFIG),
     "phi3": ("Phi3", PHI3_CONFIG),
+    # YaRN as Qwen2.5's long-context recipe writes it (head dim 12, original context 1024: frequency 0 kept, 1-4
+    # mixed, 5 divided by the factor), and with DeepSeek's mscale / mscale_all_dim attention factor and beta_fast 16
+    "qwen2_yarn": ("Qwen2", {**QWEN2_CONFIG, "max_position_embeddings": 4096,
+                             "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024}}),
+    "llama_yarn": ("Llama", {**HF_CONFIG, "rope_scaling": {
+        "rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 1024, "beta_fast": 16, "mscale": 0.707,
+        "mscale_all_dim": 1.0}, "max_position_embeddings": 8192}),
 }
 TOKENS = (2, 40)  # 40 positions > the rope scaling's original context of 16
 
