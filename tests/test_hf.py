@@ -242,7 +242,8 @@ def test_missing_wrong_shape_and_unexpected_tensors(tmp_path):
 
 
 @pytest.mark.parametrize("change, match", [
-    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "'yarn' is not supported"),
+    ({"rope_scaling": {"rope_type": "dynamic", "factor": 4.0}}, "'dynamic' is not supported"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "truncate": False}}, "yarn with truncate=False"),
     ({"attention_bias": True}, "attention_bias=True"),
     ({"model_type": "gemma"}, "model_type is 'gemma'"),
     ({"hidden_size": None}, "missing key 'hidden_size'"),
