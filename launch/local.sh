@@ -67,15 +67,20 @@ for ((i = 0; i < n; i++)); do
   pids+=($!)
 done
 status=0
-for p in "${pids[@]}"; do
-  while :; do
+# Processes are collected as they end, in any order: one that fails while another still waits for it (in
+# jax.distributed.initialize, or a collective) stops all at once. (bash reaps its children as they exit, so
+# `kill -0` fails for one that has ended; `wait` then gives its status.)
+left=("${pids[@]}")
+while [[ ${#left[@]} -gt 0 ]]; do
+  running=()
+  for p in "${left[@]}"; do
+    if kill -0 "$p" 2>/dev/null; then running+=("$p"); continue; fi
     rc=0; wait "$p" || rc=$?
-    # a trap interrupts `wait` (status > 128) while the process still runs: wait again for its own status
-    if [[ $rc -gt 128 ]] && kill -0 "$p" 2>/dev/null; then continue; fi
-    break
+    [[ $rc -ne 0 && $status -eq 0 ]] && status=$rc
+    [[ $rc -eq 0 || $rc -eq 143 ]] || stop_all KILL  # a failure stops all; a preemption stop ends each by itself
   done
-  [[ $rc -ne 0 && $status -eq 0 ]] && status=$rc
-  [[ $rc -eq 0 || $rc -eq 143 ]] || stop_all KILL  # a failure stops all; a preemption stop ends each by itself
+  left=("${running[@]+"${running[@]}"}")
+  [[ ${#left[@]} -eq 0 ]] || sleep 0.2
 done
 if [[ $status -ne 0 && $status -ne 143 && $n -gt 1 ]]; then
   echo "a process failed; logs of processes 1..$((n - 1)) in $logdir" >&2

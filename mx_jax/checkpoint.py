@@ -37,6 +37,7 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
+from mx_jax import compat
 from mx_jax.config import CkptConfig, ConfigError
 
 _BACKGROUND_EVENT = "/jax/checkpoint/write/async/thread_duration_sec"
@@ -263,5 +264,6 @@ class Checkpointer:
         if self._closed:
             return
         self._closed = True
+        compat.await_orbax_tmp_cleanup(self.manager)
         self.manager.wait_until_finished()
         self.manager.close()

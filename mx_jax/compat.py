@@ -319,3 +319,15 @@ def uninitialize_scan_outputs() -> None:
         # primitive that asks for it; the scan's buffers are made while the scan lowers, so the scan asks. A program
         # with a scan is then lowered for concrete devices: lowering one under an AbstractMesh alone raises.
         dispatch.prim_requires_devices_during_lowering.add(loops.scan_p)
+
+
+def await_orbax_tmp_cleanup(manager) -> None:
+    """Wait for the removal of stale temporary step directories that an Orbax CheckpointManager starts in a thread
+    when it is made (orbax-checkpoint 0.12: awaited by its next save, never by close()). A run that stops before its
+    first save (a config error found at resume) otherwise exits with that thread running: a traceback from the
+    interpreter's shutdown ("cannot schedule new futures after interpreter shutdown"). No-op where the attribute is
+    absent (another Orbax)."""
+    future = getattr(manager, "_cleanup_tmp_directory_future", None)
+    if future is not None:
+        future.result()
+        manager._cleanup_tmp_directory_future = None

@@ -1163,6 +1163,10 @@ def init_distributed() -> None:
 
     MX_JAX_COORDINATOR=host:port, MX_JAX_NUM_PROCESSES, MX_JAX_PROCESS_ID; on CPU, MX_JAX_CPU_DEVICES sets the
     devices per process. Must run before anything touches a jax backend.
+
+    jax's cluster auto-detection is off: inside an `srun` task it would read SLURM's variables and give each process
+    the one GPU numbered SLURM_LOCALID (jax_cuda_visible_devices), where the launcher means every GPU the process
+    can see (one process per node holding its 8, or one per GPU whose CUDA_VISIBLE_DEVICES names that GPU as 0).
     """
     coordinator = os.environ.get("MX_JAX_COORDINATOR")
     if not coordinator:
@@ -1171,9 +1175,14 @@ def init_distributed() -> None:
         if not cpu.isdigit() or int(cpu) < 1:
             raise ConfigError(f"MX_JAX_CPU_DEVICES={cpu!r}: must be a positive number of CPU devices")
         jax.config.update("jax_num_cpu_devices", int(cpu))
-    jax.distributed.initialize(coordinator_address=coordinator,
-                               num_processes=int(os.environ["MX_JAX_NUM_PROCESSES"]),
-                               process_id=int(os.environ["MX_JAX_PROCESS_ID"]))
+    n, i = os.environ.get("MX_JAX_NUM_PROCESSES", ""), os.environ.get("MX_JAX_PROCESS_ID", "")
+    if not n.isdigit() or int(n) < 1:
+        raise ConfigError(f"MX_JAX_NUM_PROCESSES={n!r}: MX_JAX_COORDINATOR={coordinator} needs the number of processes")
+    if not i.isdigit() or int(i) >= int(n):
+        raise ConfigError(f"MX_JAX_PROCESS_ID={i!r}: must be this process's index, 0 to MX_JAX_NUM_PROCESSES - 1 = "
+                          f"{int(n) - 1}")
+    jax.distributed.initialize(coordinator_address=coordinator, num_processes=int(n), process_id=int(i),
+                               cluster_detection_method="deactivate")
 
 
 # XLA flags mx_jax sets unless the user already chose them (before any backend starts). Measured on an H200

@@ -116,6 +116,49 @@ def test_local_launcher_returns_the_processes_exit_code(tmp_path):
     assert "config key 'model.d_model'" in p.stderr
 
 
+def test_local_launcher_stops_all_when_any_process_fails(tmp_path):
+    """Process 1 fails while process 0 still waits (for the coordinator, or a collective): the launcher stops process
+    0 at once and exits with process 1's code (it waited in process order: 5 minutes, until jax's initialization
+    timeout aborted process 0, then exit 134)."""
+    import time
+
+    fake = tmp_path / "python.sh"
+    fake.write_text('#!/usr/bin/env bash\nif [[ $MX_JAX_PROCESS_ID == 1 ]]; then exit 7; fi\nexec sleep 120\n')
+    fake.chmod(0o755)
+    t0 = time.perf_counter()
+    p = subprocess.run(["bash", "launch/local.sh", "2", "--cpu-devices", "1", "--config", "x.yaml"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=100,
+                       env={**os.environ, "PYTHON": str(fake), "MX_JAX_LOG_DIR": str(tmp_path / "logs")})
+    assert p.returncode == 7 and time.perf_counter() - t0 < 30, (p.returncode, p.stderr[-1000:])
+    assert "a process failed" in p.stderr
+
+
+def test_distributed_start_ignores_slurms_variables(tmp_path):
+    """Inside an `srun` task jax's cluster detection would take SLURM_LOCALID as the one GPU this process may use
+    (jax_cuda_visible_devices), where the launcher means all it sees; the MX_JAX_* variables are checked by name."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu", "SLURM_JOB_ID": "1", "SLURM_NTASKS": "1",
+           "SLURM_PROCID": "0", "SLURM_LOCALID": "3", "SLURM_STEP_NODELIST": "localhost", "SLURM_NODEID": "0",
+           "MX_JAX_COORDINATOR": "127.0.0.1:" + str(_free_port()), "MX_JAX_NUM_PROCESSES": "1",
+           "MX_JAX_PROCESS_ID": "0"}
+    code = ("from mx_jax import train; train.init_distributed(); import jax; "
+            "print('visible', jax.config.read('jax_cuda_visible_devices'), jax.process_count()); jax.distributed.shutdown()")
+    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0 and "visible all 1" in p.stdout, p.stdout + p.stderr[-2000:]
+    for change, message in (({"MX_JAX_NUM_PROCESSES": ""}, "MX_JAX_NUM_PROCESSES=''"),
+                            ({"MX_JAX_PROCESS_ID": "2"}, "MX_JAX_PROCESS_ID='2': must be this process's index")):
+        p = subprocess.run([sys.executable, "-m", "mx_jax.train", *TINY, f"run_dir={tmp_path / 'run'}"], cwd=ROOT,
+                           env={**env, **change}, capture_output=True, text=True, timeout=120)
+        assert p.returncode == 2 and message in p.stderr and "Traceback" not in p.stderr, p.stderr[-2000:]
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def test_local_launcher_refuses_bad_counts(tmp_path):
     """A process count or --cpu-devices that is not a positive number stops the launcher before any process starts
     (0 processes ran nothing and exited 0; --cpu-devices 0 crashed jax, 'abc' raised a traceback)."""

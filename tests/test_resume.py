@@ -290,3 +290,21 @@ def test_data_may_move_but_not_change(tmp_path, capsys):
     data.convert([str(src)], str(tmp_path / "other"), shard_tokens=5000)
     assert train.main([*run, "steps=4", f"data.path={tmp_path / 'other'}"]) == 2
     assert "config key 'data.path': the checkpoint at" in capsys.readouterr().err
+
+
+def test_checkpointer_closed_before_any_save_has_removed_stale_temporary_steps(tmp_path):
+    """Orbax removes a crashed save's temporary step directory in a thread it starts at open and awaits only in its
+    next save; a run stopped before its first save (a config error at resume) exited with that thread running (a
+    traceback at interpreter shutdown). Checkpointer.close waits for it: the stale directory is gone after close."""
+    from mx_jax import checkpoint
+    from mx_jax.config import CkptConfig
+
+    stale = tmp_path / "checkpoints" / "4.orbax-checkpoint-tmp-1234"
+    (stale / "state").mkdir(parents=True)
+    (stale / "state" / "junk").write_bytes(b"x" * 1000)
+    ckpt = checkpoint.Checkpointer(tmp_path, CkptConfig())
+    ckpt.close()
+    assert not stale.exists()
+    assert ckpt.latest_step() is None
+    # the thread's future was awaited (and dropped) by close, not left running (None too where Orbax has no such one)
+    assert getattr(ckpt.manager, "_cleanup_tmp_directory_future", None) is None
