@@ -126,6 +126,7 @@ _KERNEL_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), *FP8_DTYPES)
 _OUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 _SMEM_BYTES = 227 * 1024  # Hopper opt-in shared memory per block
 SMALL_GROUP_ROWS = 64  # gmm with at most this many rows per group on average takes 64-row tiles first (`_pick`)
+TGMM_FEW_ROWS = 1024  # 16-bit tgmm with fewer rows per group on average takes 64x256 warpgroup tiles first (`_pick`)
 _STAGING_BYTES = 32 * 1024  # epilogue staging per compute warpgroup when epi_tile_n is not given
 
 
@@ -189,7 +190,8 @@ class TileConfig:
 
 def default_configs(dtype, op: Literal["gmm", "tgmm"] = "gmm") -> tuple[TileConfig, ...]:
     """Configs tried in order when none is given: 128 B of contraction per stage (tile_k 64 for 16-bit operands,
-    128 for fp8); a 128x256 CTA tile, then 256x128, then 64-wide warpgroup tiles for small dims.
+    128 for fp8); a 128x256 CTA tile, then 256x128, then 64-wide warpgroup tiles for small dims (and for `tgmm` the
+    128x256 CTA tile of 64x256 warpgroup tiles, which `_pick` puts first where groups have few rows).
 
     Each tile is tried first with 4 stages beside 64-column epilogue chunks, then with 3 stages. `gmm`'s 4-stage
     form also leaves one wgmma group in flight (delay_release 1): it ran 1-2% faster sustained at Mixtral's shape,
@@ -204,7 +206,7 @@ def default_configs(dtype, op: Literal["gmm", "tgmm"] = "gmm") -> tuple[TileConf
         TileConfig(tile_k=tk, wg_split="m"),
         TileConfig(tile_m=64, tile_n=64, tile_k=tk),
         TileConfig(tile_m=64, tile_n=64, tile_k=tk, wg_split="m"),
-    )
+    ) + ((TileConfig(tile_m=64, tile_n=256, tile_k=tk, wg_split="m"),) if op == "tgmm" else ())
     deep = lambda c: dataclasses.replace(c, stages=4, epi_tile_n=64, delay_release=int(op == "gmm"))
     return tuple(x for c in tiles for x in (deep(c), c))
 
@@ -219,12 +221,18 @@ def _pick(cover, dtype, config: TileConfig | None, op: Literal["gmm", "tgmm"], s
     first. A group of a few rows costs a whole row tile of tensor-core work, so the 256-row tiles made 60 groups of
     3 rows each (DeepSeekMoE's 64 experts, 32 decoded tokens) compute-bound: a routed layer (routing, sort, three
     GEMMs) took 420 us on an H200 against 259 with 64-row tiles, and 374 against 222 for one token (6 groups), where
-    the narrower tiles also spread each GEMM's weight reads over more SMs (RESULTS.md, session 64)."""
+    the narrower tiles also spread each GEMM's weight reads over more SMs (RESULTS.md, session 64).
+    `small` for `tgmm` (16-bit, fewer than TGMM_FEW_ROWS rows per group on average): the same 128x256 CTA tile with
+    64x256 warpgroup tiles first, one wgmma of N = 256 per K step instead of two of 128, which read each row of the
+    token tile from shared memory once instead of twice. With 4-8 K steps per output tile it ran 3-9% faster on an
+    H200 (Qwen3-30B-A3B's experts at 256 and 512 rows each, DeepSeekMoE's at 384), 0.4-1.3% slower at 1,024 and
+    Mixtral's 4,096 (RESULTS.md, session 70)."""
     if config is not None:
         return config, cover(config)
     candidates = default_configs(dtype, op)
     if small:
-        candidates = tuple(sorted(candidates, key=lambda c: c.cta_tile_m != 64))
+        first = (lambda c: c.cta_tile_m != 64) if op == "gmm" else (lambda c: (c.tile_m, c.tile_n) != (64, 256))
+        candidates = tuple(sorted(candidates, key=first))
     dynamic = compat.MGPU_TILE_QUEUE and device.on_hopper() and not compat.gpu_interpret_forced()
     if dynamic and device.per_device_of_many():
         candidates = tuple(dataclasses.replace(c, schedule="dynamic") for c in candidates)
@@ -237,6 +245,11 @@ def _pick(cover, dtype, config: TileConfig | None, op: Literal["gmm", "tgmm"], s
 def _small_groups(lhs: jax.Array, rhs: jax.Array) -> bool:
     """`_pick`'s `small` for gmm(lhs (M, K), rhs (E, ...))."""
     return lhs.shape[0] <= SMALL_GROUP_ROWS * rhs.shape[0]
+
+
+def _tgmm_few_rows(lhs: jax.Array, group_sizes: jax.Array) -> bool:
+    """`_pick`'s `small` for tgmm(lhs (M, K), ..., group_sizes (E,))."""
+    return jnp.dtype(lhs.dtype).itemsize == 2 and lhs.shape[0] < TGMM_FEW_ROWS * group_sizes.shape[0]
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -1075,7 +1088,8 @@ def tgmm_pallas(
 ) -> jax.Array:
     """The Mosaic-GPU `tgmm` kernel. Raises NotImplementedError outside its cover (see `tgmm_pallas_cover`)."""
     scales = _scale_args(lhs_scale, rhs_scale)
-    config, reason = _pick(_tgmm_cover_fn(lhs, rhs, out_dtype, bool(scales)), lhs.dtype, config, "tgmm")
+    config, reason = _pick(_tgmm_cover_fn(lhs, rhs, out_dtype, bool(scales)), lhs.dtype, config, "tgmm",
+                           _tgmm_few_rows(lhs, group_sizes))
     if reason is not None:
         raise NotImplementedError(f"tgmm_pallas: {reason}")
     m = lhs.shape[0]
@@ -1292,7 +1306,8 @@ def tgmm(
     _check_scales(lhs_scale, rhs_scale, (e, lhs.shape[1]), (e, rhs.shape[1]))
     kw = dict(lhs_scale=lhs_scale, rhs_scale=rhs_scale, out_dtype=out_dtype)
     if impl == "auto":
-        _, reason = _pick(_tgmm_cover_fn(lhs, rhs, out_dtype, lhs_scale is not None), lhs.dtype, config, "tgmm")
+        _, reason = _pick(_tgmm_cover_fn(lhs, rhs, out_dtype, lhs_scale is not None), lhs.dtype, config, "tgmm",
+                          _tgmm_few_rows(lhs, group_sizes))
         impl = "pallas" if reason is None and device.kernels_apply() else "xla"
     if impl == "pallas":
         return tgmm_pallas(lhs, rhs, group_sizes, config=config, **kw)
