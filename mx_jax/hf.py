@@ -33,12 +33,12 @@ instead: with cos = cat(cos(p w), cos(p w)) and rotate_half(x) = cat(-x2, x1) (m
     q * cos + rotate_half(q) * sin = cat(x1 cos(p w) - x2 sin(p w),  x2 cos(p w) + x1 sin(p w)),
 
 with x1 = q[..., :K/2], x2 = q[..., K/2:], and w_i = theta^(-2i/K) for i < K/2 — exactly `layers.apply_rope`. So a
-checkpoint in HF layout is already in mx_jax's layout, and row j of HF's q_proj is column j of our wq, where the
-reshape (B, T, H*K) -> (B, T, H, K) puts head h at columns [h K, (h+1) K) in both. GQA matches too: HF's
-`repeat_kv` gives query head h the key/value head h // (H/G), as jax.nn.dot_product_attention does. Llama 3.1
-frequency scaling (HF `_compute_llama3_parameters`, rope_type "llama3", attention factor 1) and YaRN's
-(`_compute_yarn_parameters`, rope_type "yarn": its attention factor scales cos and sin, so q k^T by its square) are
-`layers.rope_inv_freq` and `layers.rope_attention_factor`. tests/test_hf.py checks logits against transformers' LlamaForCausalLM (when torch is
+checkpoint in HF layout is already in mx_jax's layout, and row j of HF's q_proj is column j of our wq, where the reshape
+(B, T, H*K) -> (B, T, H, K) puts head h at columns [h K, (h+1) K) in both. GQA matches too: HF's `repeat_kv` gives query
+head h the key/value head h // (H/G), as jax.nn.dot_product_attention does. Llama 3.1 frequency scaling (HF
+`_compute_llama3_parameters`, rope_type "llama3", attention factor 1) and YaRN's (`_compute_yarn_parameters`, rope_type
+"yarn": its attention factor scales cos and sin, so q k^T by its square) are `layers.rope_inv_freq` and
+`layers.rope_attention_factor`. tests/test_hf.py checks logits against transformers' LlamaForCausalLM (when torch is
 installed); an interleaved q layout or a missing rope band there moves the logits by ~5, the match is ~1e-5.
 
 Trade-offs. Reading is lazy, one tensor at a time (safetensors `safe_open`, memory-mapped): the only full copy is

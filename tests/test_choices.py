@@ -193,12 +193,12 @@ def _varied_records(n: int, seed: int = 0) -> list[dict]:
 
 @pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
 def test_cached_scorer_gives_the_row_forwards_scores(tmp_path, moe):
-    """choices.CachedScorer (a batch's contexts once into a KV cache, then each choice against it) scores every
-    choice as the rows' forward does: contexts of 20-300 tokens (left-padded to 128 or 256) in rows of at most 256,
-    so that the longer ones keep only their end, as much as the record's longest choice leaves room for (the same for
-    every choice of it, in both scorers), 2-5 choices, 7 records in batches of 3 (the last padded); also split over 2 devices (`sample.tensor_parallel`: heads, hidden width, a MoE
-    model's routed experts along theirs under `moe.hidden_split`). Weights
-    drawn with std 0.5, so that the scores depend on the context."""
+    """choices.CachedScorer (a batch's contexts once into a KV cache, then each choice against it) scores every choice
+    as the rows' forward does: contexts of 20-300 tokens (left-padded to 128 or 256) in rows of at most 256, so that the
+    longer ones keep only their end, as much as the record's longest choice leaves room for (the same for every choice
+    of it, in both scorers), 2-5 choices, 7 records in batches of 3 (the last padded); also split over 2 devices
+    (`sample.tensor_parallel`: heads, hidden width, a MoE model's routed experts along theirs under `moe.hidden_split`).
+    Weights drawn with std 0.5, so that the scores depend on the context."""
     from mx_jax.llama import with_compute
 
     path = _write(tmp_path / "c.jsonl", _varied_records(7))

@@ -228,7 +228,8 @@ def test_shipped_configs_load(name):
                                                                                                1e6)
         assert llama.param_count(m) == 7_248_023_552
     if name == "qwen2_5_7b":  # Qwen/Qwen2.5-7B: 7,615,616,512 parameters (6.53 B without the embedding and head)
-        assert (m.vocab_size, m.d_model, m.n_layers, m.n_heads, m.n_kv_heads, m.d_head) == (152064, 3584, 28, 28, 4, 128)
+        dims = (m.vocab_size, m.d_model, m.n_layers, m.n_heads, m.n_kv_heads, m.d_head)
+        assert dims == (152064, 3584, 28, 28, 4, 128)
         assert m.attention_bias and llama.param_count(m) == 7_615_616_512
         assert hf.model_type(m) == "qwen2"  # exported as Qwen2ForCausalLM
     first, groups, per_group = llama.layer_kinds(m)

@@ -141,7 +141,8 @@ def test_distributed_start_ignores_slurms_variables(tmp_path):
            "MX_JAX_COORDINATOR": "127.0.0.1:" + str(_free_port()), "MX_JAX_NUM_PROCESSES": "1",
            "MX_JAX_PROCESS_ID": "0"}
     code = ("from mx_jax import train; train.init_distributed(); import jax; "
-            "print('visible', jax.config.read('jax_cuda_visible_devices'), jax.process_count()); jax.distributed.shutdown()")
+            "print('visible', jax.config.read('jax_cuda_visible_devices'), jax.process_count()); "
+            "jax.distributed.shutdown()")
     p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert p.returncode == 0 and "visible all 1" in p.stdout, p.stdout + p.stderr[-2000:]
     for change, message in (({"MX_JAX_NUM_PROCESSES": ""}, "MX_JAX_NUM_PROCESSES=''"),

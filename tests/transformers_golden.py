@@ -95,8 +95,8 @@ CASES = {  # name: (transformers architecture, config.json)
     "phi3": ("Phi3", PHI3_CONFIG),
     # YaRN as Qwen2.5's long-context recipe writes it (head dim 12, original context 1024: frequency 0 kept, 1-4
     # mixed, 5 divided by the factor), and with DeepSeek's mscale / mscale_all_dim attention factor and beta_fast 16
-    "qwen2_yarn": ("Qwen2", {**QWEN2_CONFIG, "max_position_embeddings": 4096,
-                             "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024}}),
+    "qwen2_yarn": ("Qwen2", {**QWEN2_CONFIG, "max_position_embeddings": 4096, "rope_scaling": {
+        "type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024}}),
     "llama_yarn": ("Llama", {**HF_CONFIG, "rope_scaling": {
         "rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 1024, "beta_fast": 16, "mscale": 0.707,
         "mscale_all_dim": 1.0}, "max_position_embeddings": 8192}),
