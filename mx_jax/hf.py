@@ -44,8 +44,8 @@ installed); an interleaved q layout or a missing rope band there moves the logit
 Trade-offs. Reading is lazy, one tensor at a time (safetensors `safe_open`, memory-mapped): the only full copy is
 the output tree, so an 8B checkpoint never sits in memory twice; the transposes are the price of keeping every
 weight (in, out) for quant.linear. Writing buffers one shard (`max_shard_bytes`, HF's default 5 GB) at a time.
-Tied embeddings (`tie_word_embeddings`) are untied on import by copying, as mx_jax trains an untied head; export
-always writes an untied `lm_head.weight`.
+Tied embeddings (`tie_word_embeddings`) are untied on import by copying, as mx_jax trains an untied head (a stored
+`lm_head.weight` is read instead, as transformers 5 does); export always writes an untied `lm_head.weight`.
 
 Mistral (MistralForCausalLM, `model_type: mistral`: Mistral 7B v0.2 and v0.3, Mistral NeMo's head_dim 128 beside
 hidden 5120 / 32 heads) is Llama's architecture under Llama's names, with `sliding_window` null; a window shorter
@@ -322,8 +322,22 @@ _ARCH_KEYS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "hea
               "attention_bias", *_NUMERIC_FIELDS)
 
 
+# Where a config class of transformers (5.24) defaults a key otherwise than LlamaConfig, which `config_from_hf` falls
+# back to (rms_norm_eps 1e-6, rope_theta 10000, as many key/value heads as heads, head_dim = hidden / heads): a
+# config.json without the key means the class's default (tests/test_hf.py checks them against transformers).
+HF_CLASS_DEFAULTS = {
+    "mistral": {"num_key_value_heads": 8},
+    "mixtral": {"num_key_value_heads": 8, "rms_norm_eps": 1e-5, "rope_theta": 1e6},
+    "phi3": {"rms_norm_eps": 1e-5},
+    "qwen3": {"head_dim": 128},
+    "qwen3_moe": {"num_key_value_heads": 4},
+}
+
+
 def config_from_hf(hf: dict, source: str = "config.json") -> ModelConfig:
-    """An HF LlamaConfig dict (config.json) -> ModelConfig; architecture fields only, the rest at their defaults."""
+    """An HF LlamaConfig dict (config.json) -> ModelConfig; architecture fields only, the rest at their defaults (a
+    key config.json lacks: its config class's default, HF_CLASS_DEFAULTS)."""
+    hf = {**hf, **{k: v for k, v in HF_CLASS_DEFAULTS.get(hf.get("model_type"), {}).items() if hf.get(k) is None}}
 
     def get(key: str, default: Any = None) -> Any:
         if hf.get(key) is None and default is None:
@@ -825,18 +839,20 @@ def _plan(path: pathlib.Path, cfg: ModelConfig | None
                      dict]:
     """(the model's config, its param shapes, {param path: [(HF key, transposed, index in the stacked leading
     axes)]}, {HF key: file}, keys to ignore, the keys stored fused as `_part_rows` gives them) of an HF directory,
-    its keys named as config.json's model_type names them. A tied head is read from the embedding, transposed; a
-    stored lm_head is then ignored, as HF does."""
+    its keys named as config.json's model_type names them. A tied head is read from the embedding, transposed, unless
+    the checkpoint stores an lm_head, which transformers 5 then reads (it unties a stored head that differs from the
+    embedding, with a warning)."""
     hf = read_hf_config(path)
     out_cfg = _merge_config(config_from_hf(hf, str(path / "config.json")), cfg, str(path / "config.json"))
     kind = hf.get("model_type", "llama")  # the checkpoint's names, whatever cfg's routing (_merge_config warns)
-    tied = bool(hf.get("tie_word_embeddings", False))
+    files = _weight_files(path)
+    tied = bool(hf.get("tie_word_embeddings", False)) and "lm_head.weight" not in files
     entries: dict[tuple[str, ...], list] = {}
     for key, t, i in _hf_keys(out_cfg, kind):
-        if key == "lm_head.weight" and tied:  # HF ignores a stored lm_head when tied; (V, D) as lm_head's
+        if key == "lm_head.weight" and tied:  # (V, D) as lm_head's
             key = "model.embed_tokens.weight"
         entries.setdefault(t.path, []).append((key, t.transpose, i))
-    return (out_cfg, param_shapes(out_cfg), entries, _weight_files(path), {"lm_head.weight"} if tied else set(),
+    return (out_cfg, param_shapes(out_cfg), entries, files, {"lm_head.weight"} if tied else set(),
             _part_rows(_fusions(hf.get("model_type"), out_cfg)))
 
 

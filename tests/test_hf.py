@@ -189,6 +189,43 @@ def test_tied_embeddings_are_untied_by_copy(tmp_path):
     out = _read_all(tmp_path / "out")
     np.testing.assert_array_equal(out["lm_head.weight"], tensors["model.embed_tokens.weight"])
     assert json.loads((tmp_path / "out" / "config.json").read_text())["tie_word_embeddings"] is False
+    # A tied config beside a stored lm_head that differs: transformers 5 unties them and reads the stored head
+    head = np.random.default_rng(3).standard_normal(tensors["model.embed_tokens.weight"].shape).astype(np.float32)
+    _write_hf(tmp_path / "stored", c, {**tensors, "lm_head.weight": head}, sharded=True)
+    params, _ = hf.load_hf_llama(tmp_path / "stored")
+    np.testing.assert_array_equal(params["head"], head.T)
+
+
+def test_keys_a_config_lacks_take_its_config_classes_defaults():
+    """A config.json without rope_theta, rms_norm_eps, num_key_value_heads or head_dim means the defaults of its
+    model_type's config class, which differ from LlamaConfig's for Mixtral (1e6, 1e-5, 8), Mistral, Phi-3, Qwen3 and
+    Qwen3-MoE (a Mixtral imported with Llama's rope_theta and eps moved the logits by 5.5); against transformers'
+    classes where it is installed."""
+    from tests import transformers_golden as golden
+
+    trimmed = {k: v for k, v in golden.MIXTRAL_CONFIG.items()
+               if k not in ("rope_theta", "rope_scaling", "rms_norm_eps", "num_key_value_heads")}
+    cfg = hf.config_from_hf(trimmed)
+    assert (cfg.rope_theta, cfg.norm_eps, cfg.n_kv_heads) == (1e6, 1e-5, 8)
+    assert hf.config_from_hf({**trimmed, "num_key_value_heads": None}).n_kv_heads == 8
+    qwen3 = {k: v for k, v in golden.QWEN3_CONFIG.items() if k != "head_dim"}
+    assert hf.config_from_hf(qwen3).d_head == 128  # not hidden / heads = 12
+    try:
+        import transformers
+    except ImportError:
+        return
+    classes = {"llama": "LlamaConfig", "mistral": "MistralConfig", "mixtral": "MixtralConfig", "phi3": "Phi3Config",
+               "qwen2": "Qwen2Config", "qwen3": "Qwen3Config", "qwen3_moe": "Qwen3MoeConfig"}
+    for model_type, name in classes.items():
+        d = getattr(transformers, name)().to_dict()
+        theta = (d.get("rope_parameters") or {}).get("rope_theta") or d.get("rope_theta")
+        want = {"rms_norm_eps": d["rms_norm_eps"], "rope_theta": theta}
+        if d["num_key_value_heads"] != d["num_attention_heads"]:
+            want["num_key_value_heads"] = d["num_key_value_heads"]
+        if d.get("head_dim") not in (None, d["hidden_size"] // d["num_attention_heads"]):
+            want["head_dim"] = d["head_dim"]
+        ours = {"rms_norm_eps": 1e-6, "rope_theta": 10000.0, **hf.HF_CLASS_DEFAULTS.get(model_type, {})}
+        assert {k: ours.get(k) for k in want} == want, model_type
 
 
 def test_given_config_keeps_its_dtypes_and_must_match_shapes(tmp_path):
