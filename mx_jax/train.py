@@ -397,30 +397,60 @@ def make_row_scores(setup: Setup, cs: choices.ChoiceSet | perplexity.TextSet):
 
 
 def check_against_mesh(cfg: TrainConfig, mesh) -> None:
-    """Config rules that need the resolved mesh: the batch, the sequence and the experts divide over it."""
-    div = sharding.batch_size_divisor(mesh) * cfg.data.grad_accum_steps
+    """Config rules that need the resolved mesh: `check_mesh_shape` on its axes, `check_platform` on its devices."""
+    check_mesh_shape(cfg, dict(mesh.shape))
+    check_platform(cfg, mesh.devices.flat[0].platform, mesh.shape["expert"])
+
+
+def check_mesh_shape(cfg: TrainConfig, shape: dict[str, int]) -> None:
+    """The batch, the sequence and the experts divide over the mesh axes `shape` ({axis: size})."""
+    batch_div = math.prod(shape[a] for a in sharding.batch_axes())
+    div = batch_div * cfg.data.grad_accum_steps
     if cfg.data.batch_size % div:
         raise ConfigError(
             f"config key 'data.batch_size': {cfg.data.batch_size} must be a multiple of the batch mesh axes "
-            f"({sharding.batch_size_divisor(mesh)}) x data.grad_accum_steps ({cfg.data.grad_accum_steps})")
-    m = cfg.model
-    platform = mesh.devices.flat[0].platform
-    if m.attention == "cudnn" and layers.attention_impl("auto", m.compute_dtype, m.d_head, platform) != "cudnn":
-        raise ConfigError(f"config key 'model.attention': cudnn needs an NVIDIA GPU, model.compute_dtype=bfloat16 and "
-                          f"a head dim of at most 256 that is a multiple of 8; here {platform}, {m.compute_dtype}, "
-                          f"{m.d_head} ('auto' takes cuDNN where it applies, else XLA)")
-    n_ctx = mesh.shape["context"]
+            f"({batch_div}) x data.grad_accum_steps ({cfg.data.grad_accum_steps})")
+    n_ctx = shape["context"]
     if n_ctx > 1 and cfg.data.seq_len % (2 * n_ctx):
         raise ConfigError(f"config key 'data.seq_len': {cfg.data.seq_len} must be a multiple of 2 x mesh.context "
                           f"({2 * n_ctx}): each context shard holds two chunks of the sequence "
                           f"(mx_jax/context_parallel.py)")
-    moe, n_ep = cfg.model.moe, mesh.shape["expert"]
+    moe, n_ep = cfg.model.moe, shape["expert"]
     if moe.n_experts and moe.n_experts % n_ep:
         raise ConfigError(f"config key 'mesh.expert': {n_ep} devices must divide model.moe.n_experts "
                           f"({moe.n_experts}) so that each holds the same number of experts")
     if moe.n_experts and n_ep % min(moe.gpus_per_node, n_ep):
         raise ConfigError(f"config key 'model.moe.gpus_per_node': mesh.expert ({n_ep}) must be a multiple of it "
                           f"(the expert axis is read as nodes x GPUs per node), got {moe.gpus_per_node}")
+
+
+def check_platform(cfg: TrainConfig, platform: str, expert_devices: int) -> None:
+    """Paths asked for by name that run only on NVIDIA GPUs, on another `platform` ('auto' picks them where they run)."""
+    m = cfg.model
+    if m.attention == "cudnn" and layers.attention_impl("auto", m.compute_dtype, m.d_head, platform) != "cudnn":
+        raise ConfigError(f"config key 'model.attention': cudnn needs an NVIDIA GPU, model.compute_dtype=bfloat16 and "
+                          f"a head dim of at most 256 that is a multiple of 8; here {platform}, {m.compute_dtype}, "
+                          f"{m.d_head} ('auto' takes cuDNN where it applies, else XLA)")
+    if m.moe.n_experts and expert_devices > 1 and platform != "gpu":
+        if m.moe.exchange == "ragged":
+            raise ConfigError(f"config key 'model.moe.exchange': ragged (lax.ragged_all_to_all) runs on NVIDIA GPUs "
+                              f"only, not {platform} (dense moves the same rows in padded chunks)")
+        if m.moe.all_to_all == "pallas":
+            raise ConfigError(f"config key 'model.moe.all_to_all': pallas (the NVLink Mosaic-GPU kernels) runs on "
+                              f"NVIDIA GPUs only, not {platform} ('auto' takes them where they apply)")
+
+
+def cpu_stand_ins(cfg: TrainConfig) -> tuple[TrainConfig, list[str]]:
+    """A GPU config as a dry run compiles it on fake CPU devices: the GPU-only paths asked for by name (`check_platform`)
+    replaced by what runs there, with a note for each."""
+    m, moe, notes = cfg.model, cfg.model.moe, []
+    if m.attention == "cudnn":
+        m, notes = dataclasses.replace(m, attention="xla"), notes + ["model.attention=cudnn as xla"]
+    if moe.exchange == "ragged":
+        moe, notes = dataclasses.replace(moe, exchange="dense"), notes + ["model.moe.exchange=ragged as dense"]
+    if moe.all_to_all == "pallas":
+        moe, notes = dataclasses.replace(moe, all_to_all="xla"), notes + ["model.moe.all_to_all=pallas as xla"]
+    return dataclasses.replace(cfg, model=dataclasses.replace(m, moe=moe)), notes
 
 
 def with_data_documents(cfg: TrainConfig, dataset: Dataset, context: int = 1) -> tuple[TrainConfig, str]:
@@ -1122,6 +1152,7 @@ def dry_run(cfg: TrainConfig, target: str) -> dict:
         if getattr(cfg.mesh, k) == -1:
             print(f"mesh   | mesh.{k}=-1 counts as 1 in a dry run (it has no devices to fill): set it, e.g. "
                   f"mesh.{k}=8, to plan for that many devices", flush=True)
+    check_mesh_shape(cfg, {k: max(1, getattr(cfg.mesh, k)) for k in sharding.MESH_AXES})  # before the trace on it
     report = memory_estimate.estimate(cfg)
     print(memory_estimate.format_report(report), flush=True)
     n = report["devices"]
@@ -1133,6 +1164,10 @@ def dry_run(cfg: TrainConfig, target: str) -> dict:
         return report
     mesh = sharding.make_mesh(dataclasses.replace(cfg.mesh, **{k: max(1, getattr(cfg.mesh, k))
                                                                 for k in sharding.MESH_AXES}), devices)
+    if devices[0].platform != "gpu":
+        cfg, notes = cpu_stand_ins(cfg)
+        if notes:
+            print(f"compile: on CPU devices with {', '.join(notes)} (GPU-only paths)", flush=True)
     t0 = time.perf_counter()
     with jax.set_mesh(mesh):
         check_against_mesh(cfg, mesh)

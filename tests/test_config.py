@@ -181,6 +181,14 @@ def test_a_path_the_run_cannot_take_is_a_config_error_before_anything_is_written
     err = capsys.readouterr().err
     assert "'quant.impl': pallas forces that path" in err and "must be multiples of" in err, err
     assert not (run_dir / "config.yaml").exists()
+    moe = [*TINY, *NO_IO, f"run_dir={tmp_path / 'moe'}", "steps=1", "model.moe.n_experts=4", "mesh.expert=2",
+           "mesh.fsdp=1", "mesh.data=-1"]
+    for override, key in (("model.moe.exchange=ragged", "'model.moe.exchange': ragged"),
+                          ("model.moe.all_to_all=pallas", "'model.moe.all_to_all': pallas")):
+        assert train.main([*moe, override]) == 2, override
+        err = capsys.readouterr().err
+        assert key in err and "runs on NVIDIA GPUs only, not cpu" in err and "Traceback" not in err, err
+        assert not (tmp_path / "moe").exists()
 
 
 def test_bad_input_writes_nothing(tmp_path, capsys):

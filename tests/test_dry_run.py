@@ -141,10 +141,26 @@ def test_a_cuda_plugin_that_cannot_start_compiles_on_named_cpu_devices():
             "train.local_gpus = lambda: 2; sys.exit(train.main(sys.argv[1:]))")
     env = {**os.environ, "XLA_FLAGS": xla_flags(), "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": ""}
     p = subprocess.run([sys.executable, "-c", code, "--dry-run", "--config", str(ROOT / "configs/moe_debug.yaml"),
-                        "mesh.expert=2"], capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+                        "mesh.expert=2", "model.moe.exchange=ragged", "model.moe.all_to_all=pallas"],
+                       capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
     assert "compiled train step for 2 fake CPU devices (the CUDA plugin is installed but did not start)" in p.stdout
     assert "XLA:CPU attention keeps T x T scores" in p.stdout
+    # a GPU plan's GPU-only paths compile as their CPU stand-ins (XLA:CPU has no ragged-all-to-all), said so
+    assert "model.moe.exchange=ragged as dense, model.moe.all_to_all=pallas as xla (GPU-only paths)" in p.stdout
+
+
+def test_a_mesh_the_config_does_not_divide_over_is_refused_before_the_estimate():
+    """The dry run checks the batch, sequence and experts against its mesh before the estimate traces the model on
+    it (16 expert devices for Mixtral's 8 experts crashed inside the trace with shard_map's error)."""
+    env = {**os.environ, "XLA_FLAGS": xla_flags(), "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
+    for args, key in ((["--config", str(ROOT / "configs/mixtral_8x7b.yaml"), "mesh.fsdp=1", "mesh.expert=16"],
+                       "'mesh.expert': 16 devices must divide model.moe.n_experts (8)"),
+                      (["--config", str(ROOT / "configs/moe_debug.yaml"), "mesh.expert=8", "data.batch_size=12"],
+                       "'data.batch_size': 12 must be a multiple")):
+        p = subprocess.run([sys.executable, "-m", "mx_jax.train", "--dry-run", *args], capture_output=True, text=True,
+                           env=env, cwd=ROOT, timeout=300)
+        assert p.returncode == 2 and key in p.stderr and "Traceback" not in p.stderr, p.stderr[-2000:]
 
 
 def test_the_trainer_takes_90_percent_of_gpu_memory_unless_told(monkeypatch):
