@@ -373,6 +373,7 @@ def tokens_split() -> bool:
     return bool(token_axes())
 
 
-def batch_size_divisor(mesh: Mesh) -> int:
-    """The global batch must be a multiple of this (the product of the mesh axes the batch is split over)."""
-    return int(np.prod([mesh.shape[a] for a in batch_axes()]))
+def batch_size_divisor(shape) -> int:
+    """The global batch must be a multiple of this: the product of the mesh axes the batch is split over, of a mesh's
+    `shape` ({axis: size}, as Mesh.shape)."""
+    return int(np.prod([shape[a] for a in batch_axes()]))

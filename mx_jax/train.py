@@ -404,7 +404,7 @@ def check_against_mesh(cfg: TrainConfig, mesh) -> None:
 
 def check_mesh_shape(cfg: TrainConfig, shape: dict[str, int]) -> None:
     """The batch, the sequence and the experts divide over the mesh axes `shape` ({axis: size})."""
-    batch_div = math.prod(shape[a] for a in sharding.batch_axes())
+    batch_div = sharding.batch_size_divisor(shape)
     div = batch_div * cfg.data.grad_accum_steps
     if cfg.data.batch_size % div:
         raise ConfigError(
