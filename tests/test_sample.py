@@ -42,8 +42,10 @@ def test_greedy_tokens_are_the_full_sequence_argmax(tmp_path, moe):
 
 
 @pytest.mark.parametrize("layers", [[], ["model.n_layers=5", "model.moe.n_dense_first=1", "model.moe.every_n_layers=2",
-                                          *MOE], ["model.qk_norm=true", "model.attention_bias=true"]],
-                         ids=["dense", "moe_groups", "qwen_attention"])
+                                          *MOE], ["model.qk_norm=true", "model.attention_bias=true"],
+                                    ["model.rope_scaling.kind=yarn", "model.rope_scaling.factor=4",
+                                     "model.rope_scaling.original_max_len=16"]],
+                         ids=["dense", "moe_groups", "qwen_attention", "yarn"])
 def test_decode_of_left_padded_rows_gives_the_forward_logits(layers):
     """Llama.decode over a KV cache: a prefill of two rows padded on the left to a common length, then one token at a
     time, gives each row the logits of a full forward over that row alone (float32); a MoE model with a dense first
