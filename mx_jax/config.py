@@ -41,6 +41,23 @@ class RopeScaling:
     beta_fast: float = 32.0  # yarn: rotations over the original context above which a frequency is kept
     beta_slow: float = 1.0  # yarn: ... below which it is divided by factor
     attention_factor: float = 0.0  # yarn: q and k scaled by it after RoPE; 0 = 0.1 ln(factor) + 1 (YaRN's)
+    # yarn under multi-head latent attention (model.mla): the softmax scale 1/sqrt(K) times m^2 with
+    # m = 0.1 mscale_all_dim ln(factor) + 1 (DeepSeek-V2/V3's); 0 = m is 1
+    mscale_all_dim: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MLAConfig:
+    """Multi-head latent attention (DeepSeek-V2/V3; layers.LatentAttention) in place of grouped-query attention when
+    kv_rank > 0: keys and values are made per head from one compressed latent of each token, the queries from x or
+    from a compressed latent of their own, and each head's query and key are a part without RoPE (nope_dim) joined to
+    a rotated part (rope_dim) whose key is one for all heads."""
+
+    kv_rank: int = 0  # width of the key-value latent (DeepSeek's kv_lora_rank); 0 = grouped-query attention
+    q_rank: int = 0  # width of the query latent (q_lora_rank); 0 = queries projected from x directly
+    nope_dim: int = 128  # per head, the query and key dims without RoPE (qk_nope_head_dim)
+    rope_dim: int = 64  # per head, the rotated query dims, and the width of the rotated key (qk_rope_head_dim)
+    v_dim: int = 128  # per head, the value dims (v_head_dim)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -60,6 +77,9 @@ class MoEConfig:
     # route_top_groups nodes (model.moe.dispatch=hierarchical sends one row per node). 0 = off.
     route_groups: int = 0
     route_top_groups: int = 0
+    # A group's score: the sum of its best route_group_top (biased) scores; 0 = max(1, top_k // route_top_groups)
+    # (DeepSeek-V3's: 2 of 8 experts in 4 groups); 1 = its best expert's (DeepSeek-V2's group_limited_greedy).
+    route_group_top: int = 0
     routed_scale: float = 1.0  # the routed experts' weights g times this (DeepSeek-V3's routed_scaling_factor, 2.5)
     normalize_top_k: bool = True
     aux_loss_coef: float = 0.01  # Switch/Mixtral load-balancing loss
@@ -128,11 +148,30 @@ class ModelConfig:
     # 0 = from the data: the 99th percentile of documents per sequence (or chunk) over 1,024 training windows,
     # rounded up to a multiple of 8; train.py logs it (benchmarks/RESULTS.md, sessions 61-62).
     max_documents: int = 0
+    mla: MLAConfig = MLAConfig()
     moe: MoEConfig = MoEConfig()
 
     @property
     def d_head(self) -> int:
+        """The query and key head dim K (under model.mla: nope_dim + rope_dim)."""
+        if self.mla.kv_rank:
+            return self.mla.nope_dim + self.mla.rope_dim
         return self.head_dim or self.d_model // self.n_heads
+
+    @property
+    def rope_dim(self) -> int:
+        """The dims of each head that RoPE rotates: all K, or model.mla.rope_dim."""
+        return self.mla.rope_dim if self.mla.kv_rank else self.d_head
+
+    @property
+    def v_dim(self) -> int:
+        """The value head dim: K, or model.mla.v_dim."""
+        return self.mla.v_dim if self.mla.kv_rank else self.d_head
+
+    @property
+    def attention_dim(self) -> int:
+        """The head dim attention runs at: the larger of K and the value dim (layers.attend_padded)."""
+        return max(self.d_head, self.v_dim)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -475,6 +514,22 @@ def validate(cfg: TrainConfig) -> None:
     _check(m.head_dim > 0 or m.d_model % m.n_heads == 0, "model.n_heads",
            f"must divide model.d_model ({m.d_model}) when model.head_dim is 0, got {m.n_heads}")
     _check(m.d_head % 2 == 0, "model.head_dim", f"the head dimension must be even for RoPE, got {m.d_head}")
+    a = m.mla
+    for k in ("kv_rank", "q_rank"):
+        _check(getattr(a, k) >= 0, f"model.mla.{k}", f"must be >= 0 (0 = off), got {getattr(a, k)}")
+    if a.kv_rank:
+        for k in ("nope_dim", "rope_dim", "v_dim"):
+            _check(getattr(a, k) > 0, f"model.mla.{k}", f"must be positive, got {getattr(a, k)}")
+        _check(a.rope_dim % 2 == 0, "model.mla.rope_dim", f"must be even for RoPE, got {a.rope_dim}")
+        _check(m.head_dim == 0, "model.head_dim",
+               f"is set by model.mla (nope_dim + rope_dim) and must be 0 there, got {m.head_dim}")
+        _check(m.n_kv_heads == m.n_heads, "model.n_kv_heads",
+               f"must equal model.n_heads ({m.n_heads}) under model.mla (each head has its own key and value), "
+               f"got {m.n_kv_heads}")
+        for k in ("qk_norm", "attention_bias"):
+            _check(not getattr(m, k), f"model.{k}", "is not supported with model.mla")
+    else:
+        _check(a.q_rank == 0, "model.mla.q_rank", f"needs model.mla.kv_rank > 0, got {a.q_rank}")
     rs = m.rope_scaling
     _check(rs.factor >= 1.0, "model.rope_scaling.factor", f"must be >= 1, got {rs.factor}")
     if rs.factor > 1.0 and rs.kind == "llama3":  # layers.rope_inv_freq divides by both
@@ -486,6 +541,9 @@ def validate(cfg: TrainConfig) -> None:
                f"must be positive and below model.rope_scaling.beta_fast ({rs.beta_fast}), got {rs.beta_slow}")
         _check(rs.attention_factor >= 0, "model.rope_scaling.attention_factor",
                f"must be >= 0 (0 = 0.1 ln(factor) + 1), got {rs.attention_factor}")
+    _check(rs.mscale_all_dim >= 0, "model.rope_scaling.mscale_all_dim", f"must be >= 0, got {rs.mscale_all_dim}")
+    _check(not rs.mscale_all_dim or (a.kv_rank and rs.kind == "yarn"), "model.rope_scaling.mscale_all_dim",
+           "applies to yarn scaling under model.mla only (it scales the latent attention's softmax)")
     if rs.factor > 1.0:
         _check(rs.original_max_len > 0, "model.rope_scaling.original_max_len",
                f"must be positive, got {rs.original_max_len}")
@@ -513,9 +571,13 @@ def validate(cfg: TrainConfig) -> None:
             _check(1 <= e.route_top_groups <= e.route_groups and e.top_k <= e.route_top_groups * per,
                    "model.moe.route_top_groups", f"must be in [1, route_groups={e.route_groups}] with top_k={e.top_k} "
                    f"experts in that many groups of {per}, got {e.route_top_groups}")
+            _check(0 <= e.route_group_top <= per, "model.moe.route_group_top",
+                   f"must be in [0, {per}] (0 = max(1, top_k // route_top_groups); a group holds {per} experts), got "
+                   f"{e.route_group_top}")
         else:
-            _check(e.route_top_groups == 0, "model.moe.route_top_groups",
-                   f"needs model.moe.route_groups > 0 (group-limited routing), got {e.route_top_groups}")
+            for k in ("route_top_groups", "route_group_top"):
+                _check(getattr(e, k) == 0, f"model.moe.{k}",
+                       f"needs model.moe.route_groups > 0 (group-limited routing), got {getattr(e, k)}")
         _check(0 <= e.n_dense_first < m.n_layers, "model.moe.n_dense_first",
                f"must be in [0, n_layers={m.n_layers}), got {e.n_dense_first}")
         _check((m.n_layers - e.n_dense_first) % e.every_n_layers == 0, "model.moe.every_n_layers",

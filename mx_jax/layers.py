@@ -1,4 +1,4 @@
-"""Llama 3 building blocks (Flax NNX): RMSNorm, RoPE, grouped-query attention, SwiGLU.
+"""Llama 3 building blocks (Flax NNX): RMSNorm, RoPE, grouped-query and latent attention, SwiGLU.
 
 Dimension letters, used in every comment and einsum of the model:
     B batch, T sequence, D model width, H query heads, G key/value heads, K head dim, F feed-forward width,
@@ -36,6 +36,7 @@ Attention: softmax(q k^T / sqrt(K) + causal mask) v with G key/value heads share
            attends within itself as it would alone. Under a `context` axis, context_parallel.py ("Documents").
            Decoding (`Attention.decode`, mx_jax/sample.py) writes the new tokens' keys and values into a KV cache
            and attends over the cache with a (B, T, S) mask of the positions each token sees (XLA).
+           model.mla: multi-head latent attention (DeepSeek-V2/V3), `LatentAttention` (its docstring has the math).
 SwiGLU:    y = (silu(x W_gate) * (x W_up)) W_down                     (Shazeer 2020).
            h = silu(g) u is a custom_vjp (`swiglu`) that keeps only g and u: with s = sigmoid(g),
            dg = dh u s (1 + g (1 - s)) and du = dh g s, in float32. Under autodiff each layer kept five (T, F)
@@ -379,11 +380,7 @@ class Attention(nnx.Module):
 
     def __call__(self, x: jax.Array, pos: Positions, inv_freq: jax.Array) -> jax.Array:
         q, k, v = self._qkv(x, pos, inv_freq)
-        if pos.segments is None or self.max_documents == 1:  # one segment: the row is one causal sequence
-            o = causal_attention(q, k, v, self.attention)  # (B,T,H,K)
-        else:
-            o = document_attention(q, k, v, pos.segments, self.attention, self.max_documents)
-        return self._out(o)
+        return self._out(attend_heads(q, k, v, pos.segments, self.attention, self.max_documents))
 
     def decode(self, x: jax.Array, pos: Positions, inv_freq: jax.Array, cache: KVCache,
                layer: tuple[jax.Array, ...]) -> tuple[jax.Array, KVCache]:
@@ -399,8 +396,120 @@ class Attention(nnx.Module):
                                                        at) for c, new in zip(cache, (k, v))))
         k, v = (jax.lax.dynamic_slice(c, (*layer, 0, 0, 0, 0), (1,) * len(layer) + c.shape[len(layer):])
                 .reshape(c.shape[len(layer):]).astype(q.dtype) for c in cache)
-        o = jax.nn.dot_product_attention(q, k, v, mask=pos.visible[:, None], implementation="xla")
+        o = attend_padded(functools.partial(jax.nn.dot_product_attention, mask=pos.visible[:, None],
+                                            implementation="xla"), q, k, v)
         return self._out(o), cache
+
+
+def attend_heads(q: jax.Array, k: jax.Array, v: jax.Array, segments: jax.Array | None, impl: str,
+                 max_documents: int) -> jax.Array:
+    """q (B,T,H,K), k (B,T,G,K), v (B,T,G,K_v) -> (B,T,H,K_v): causal, or within documents where `segments` (B,T)
+    are given and max_documents > 1. A value head dim K_v != K (latent attention) goes to cuDNN's causal kernels as
+    it is (cuDNN >= 9.10 on Hopper: 2.96 ms fwd+bwd for DeepSeek-V2-Lite's 16 heads of 192 / 128 at 4 x 4096 tokens
+    against 4.31 padded, one H200, benchmarks/RESULTS.md session 71) and is zero-padded to K everywhere else
+    (`attend_padded`): XLA's and the context-parallel paths take one head dim, and cuDNN 9.19's packed-layout
+    backward (documents) with K_v != K failed with a misaligned address on an H200."""
+    if segments is None or max_documents == 1:  # one segment: the row is one causal sequence
+        attend = functools.partial(causal_attention, impl=impl)
+        if impl == "cudnn" and context_shards() == 1:
+            return attend(q, k, v)
+    else:
+        attend = functools.partial(document_attention, segments=segments, impl=impl, max_documents=max_documents)
+    return attend_padded(attend, q, k, v)
+
+
+def attend_padded(attend, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    """attend(q, k, v) (an attention of one head dim for q, k and v) where v's head dim differs from q's and k's K:
+    all three are zero-padded to the larger, q scaled by sqrt(padded / K) so that the softmax keeps 1/sqrt(K), and
+    the output cut back to v's dim. A zero query or key dim adds nothing to q k^T, a zero value dim only zero
+    outputs."""
+    kq, kv = q.shape[-1], v.shape[-1]
+    if kq == kv:
+        return attend(q, k, v)
+    width = max(kq, kv)
+
+    def pad(x):
+        return jnp.pad(x, ((0, 0),) * (x.ndim - 1) + ((0, width - x.shape[-1]),))
+
+    if width > kq:
+        q = q * jnp.asarray(math.sqrt(width / kq), q.dtype)
+    return attend(pad(q), pad(k), pad(v))[..., :kv]
+
+
+class LatentAttention(Attention):
+    """Multi-head latent attention (DeepSeek-V2, arXiv 2405.04434; V3). With c the key-value latent (model.mla
+    kv_rank wide), n, r, v the per-head dims nope_dim, rope_dim, v_dim, and H heads:
+
+        [c | k_r] = x W_kva                       c (T, kv_rank), k_r (T, r): one rotated key for all heads
+        [k_n,h | v_h] = RMSNorm(c) W_kvb          per head h: k_n,h (T, n), v_h (T, v)
+        [q_n,h | q_r,h] = x W_q                   or RMSNorm(x W_qa) W_qb with a query latent (model.mla.q_rank)
+        q_h = [q_n,h | RoPE(q_r,h)],  k_h = [k_n,h | RoPE(k_r)]
+        o = concat_h softmax(q_h k_h^T s + causal mask) v_h,  out = o W_o
+
+    with s = m^2 / sqrt(n + r): m = 0.1 mscale_all_dim ln(factor) + 1 under YaRN (model.rope_scaling), else 1;
+    YaRN's attention factor a multiplies the rotated parts of q and k (transformers scales cos and sin), here q_r
+    by a^2. x W_q (or x W_qa) and x W_kva are one GEMM over the concatenated weights, as `fused_linear` fuses q, k,
+    v. Attention itself runs as grouped-query attention with G = H (`attend_heads`: cuDNN's causal kernels take v's
+    own dims; elsewhere v is zero-padded to n + r). Decoding caches each head's k and v, (n + r + v) H per token and
+    layer, not the latent c and k_r (kv_rank + r) that the matrix-absorbed form of the paper reads. The two latent
+    norms take eps LATENT_NORM_EPS whatever model.norm_eps, as DeepSeek's code (and transformers') builds them.
+    """
+
+    LATENT_NORM_EPS = 1e-6
+
+    def __init__(self, cfg: ModelConfig, recipes: dict[str, str], impl: str, *, rngs: nnx.Rngs):
+        a = cfg.mla
+        d, h, pd = cfg.d_model, cfg.n_heads, jnp.dtype(cfg.param_dtype)
+        out_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
+        kq = a.nope_dim + a.rope_dim
+        if a.q_rank:
+            self.wq_a = _param(rngs, (d, a.q_rank), cfg.init_std, ("embed", "latent"), pd)
+            self.q_a_norm = RMSNorm(a.q_rank, self.LATENT_NORM_EPS, pd)
+            self.wq_b = _param(rngs, (a.q_rank, h * kq), cfg.init_std, ("latent_in", "q_heads"), pd)
+        else:
+            self.wq = _param(rngs, (d, h * kq), cfg.init_std, ("embed", "q_heads"), pd)
+        self.wkv_a = _param(rngs, (d, a.kv_rank + a.rope_dim), cfg.init_std, ("embed", "latent"), pd)
+        self.kv_norm = RMSNorm(a.kv_rank, self.LATENT_NORM_EPS, pd)
+        self.wkv_b = _param(rngs, (a.kv_rank, h * (a.nope_dim + a.v_dim)), cfg.init_std, ("latent_in", "q_heads"),
+                            pd)
+        self.wo = _param(rngs, (h * a.v_dim, d), out_std, ("q_heads", "embed"), pd)
+        self.n_heads, self.n_kv_heads, self.head_dim, self.mla = h, h, kq, a
+        self.recipes, self.impl, self.scanned, self.reduce = recipes, impl, cfg.scan_layers, cfg.grad_reduce_dtype
+        self.attention = attention_impl(cfg.attention, cfg.compute_dtype, cfg.attention_dim)
+        self.max_documents = cfg.max_documents
+        rs = cfg.rope_scaling
+        self.rope_scale = rope_attention_factor(rs) ** 2
+        m = 0.1 * rs.mscale_all_dim * math.log(rs.factor) + 1.0 if rs.kind == "yarn" and rs.factor > 1 else 1.0
+        self.q_scale = m * m
+
+    def _qkv(self, x: jax.Array, pos: Positions, inv_freq: jax.Array,
+             fused: bool = True) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """x (B,T,D) -> q, k (B,T,H,n+r) and v (B,T,H,v) (class docstring)."""
+        b, t, _ = x.shape
+        a, r, h = self.mla, self.recipes, self.n_heads
+        first = "wq_a" if a.q_rank else "wq"
+        q, kv = fused_linear(x, (getattr(self, first), self.wkv_a), (r[first], r["wkv_a"]), self.impl, self.scanned,
+                             self.reduce, fused)
+        if a.q_rank:
+            q = linear(self.q_a_norm(q), self.wq_b, r["wq_b"], self.impl, self.reduce)
+        c, k_rope = jnp.split(kv, [a.kv_rank], axis=-1)
+        kv = linear(self.kv_norm(c), self.wkv_b, r["wkv_b"], self.impl, self.reduce)
+        k_nope, v = jnp.split(kv.reshape(b, t, h, a.nope_dim + a.v_dim), [a.nope_dim], axis=-1)
+        q_nope, q_rope = jnp.split(q.reshape(b, t, h, self.head_dim), [a.nope_dim], axis=-1)
+        q_rope = apply_rope(q_rope, pos.rope, inv_freq)
+        if self.rope_scale != 1.0:
+            q_rope = q_rope * jnp.asarray(self.rope_scale, q_rope.dtype)
+        k_rope = apply_rope(k_rope[:, :, None, :], pos.rope, inv_freq)
+        q = jnp.concatenate([q_nope, q_rope], axis=-1)
+        if self.q_scale != 1.0:
+            q = q * jnp.asarray(self.q_scale, q.dtype)
+        k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rope, (b, t, h, a.rope_dim))], axis=-1)
+        return q, k, v
+
+    def _out(self, o: jax.Array) -> jax.Array:
+        b, t = o.shape[:2]
+        return linear(o.reshape(b, t, self.n_heads * self.mla.v_dim), self.wo, self.recipes["wo"], self.impl,
+                      self.reduce)
 
 
 class SwiGLU(nnx.Module):

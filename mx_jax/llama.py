@@ -66,14 +66,26 @@ from jax.ad_checkpoint import checkpoint_name
 from mx_jax import compat, dispatch, grouped_linear, quant, sharding
 from mx_jax.config import ModelConfig, QuantConfig
 from mx_jax.context_parallel import from_zigzag, to_zigzag
-from mx_jax.layers import (Attention, KVCache, Positions, RMSNorm, SwiGLU, _param, context_shards, document_segments,
-                           linear, rope_inv_freq)
+from mx_jax.layers import (Attention, KVCache, LatentAttention, Positions, RMSNorm, SwiGLU, _param, context_shards,
+                           document_segments, linear, rope_inv_freq)
 from mx_jax.moe import MoE, RouterBias, update_bias
 
 compat.uninitialize_scan_outputs()  # the scanned layers' residual buffers are allocated, not zero-filled
 
 ATTN_LINEARS = ("wq", "wk", "wv", "wo")
+MLA_LINEARS = ("wq", "wq_a", "wq_b", "wkv_a", "wkv_b", "wo")  # layers.LatentAttention's (wq, or wq_a and wq_b)
 MLP_LINEARS = ("w_gate", "w_up", "w_down")
+
+
+def attention_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
+    """(in, out) of each attention linear: grouped-query's, or multi-head latent attention's (model.mla)."""
+    d, h, a = cfg.d_model, cfg.n_heads, cfg.mla
+    if not a.kv_rank:
+        hk, gk = h * cfg.d_head, cfg.n_kv_heads * cfg.d_head
+        return {"wq": (d, hk), "wk": (d, gk), "wv": (d, gk), "wo": (hk, d)}
+    q = {"wq_a": (d, a.q_rank), "wq_b": (a.q_rank, h * cfg.d_head)} if a.q_rank else {"wq": (d, h * cfg.d_head)}
+    return {**q, "wkv_a": (d, a.kv_rank + a.rope_dim), "wkv_b": (a.kv_rank, h * (a.nope_dim + a.v_dim)),
+            "wo": (h * a.v_dim, d)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,13 +107,13 @@ def plan_linears(cfg: ModelConfig, qcfg: QuantConfig) -> LinearPlan:
     Keys: the attention and MLP weight names, "shared.<name>" for MoE shared experts, "head", and "experts" (the
     grouped GEMMs of the routed experts, which take the recipes in grouped_linear.RECIPES).
     """
-    d, f, hk, gk = cfg.d_model, cfg.d_ff, cfg.n_heads * cfg.d_head, cfg.n_kv_heads * cfg.d_head
+    d, f = cfg.d_model, cfg.d_ff
     fs = cfg.moe.n_shared * (cfg.moe.d_expert or cfg.d_ff)
-    shapes = {"wq": (d, hk), "wk": (d, gk), "wv": (d, gk), "wo": (hk, d),
-              "w_gate": (d, f), "w_up": (d, f), "w_down": (f, d),
+    attn = attention_shapes(cfg)
+    shapes = {**attn, "w_gate": (d, f), "w_up": (d, f), "w_down": (f, d),
               "shared.w_gate": (d, fs), "shared.w_up": (d, fs), "shared.w_down": (fs, d),
               "head": (d, cfg.vocab_size)}
-    kinds = {**{n: "attn" for n in ATTN_LINEARS}, "head": "head"}
+    kinds = {**{n: "attn" for n in attn}, "head": "head"}
     recipes, notes = {}, []
     for name, (k, n) in shapes.items():
         if name.startswith("shared.") and not fs:
@@ -131,7 +143,8 @@ class Block(nnx.Module):
         r = plan.recipes
         self.scanned = cfg.scan_layers
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, pd)
-        self.attn = Attention(cfg, {n: r[n] for n in ATTN_LINEARS}, impl, rngs=rngs)
+        attention = LatentAttention if cfg.mla.kv_rank else Attention
+        self.attn = attention(cfg, {n: r[n] for n in attention_shapes(cfg)}, impl, rngs=rngs)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, pd)
         if moe:
             shared = {n: r[f"shared.{n}"] for n in MLP_LINEARS} if cfg.moe.n_shared else {}
@@ -266,8 +279,8 @@ def init_cache(cfg: ModelConfig, batch: int, length: int, dtype=jnp.bfloat16) ->
     """A zero KV cache of `length` positions for `batch` rows, shaped like the model's stacks (Llama.decode)."""
 
     def kv(*layers: int) -> KVCache:
-        shape = (*layers, batch, length, cfg.n_kv_heads, cfg.d_head)
-        return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+        shape = (*layers, batch, length, cfg.n_kv_heads)
+        return KVCache(jnp.zeros((*shape, cfg.d_head), dtype), jnp.zeros((*shape, cfg.v_dim), dtype))
 
     n_first, n_groups, per_group = layer_kinds(cfg)
     cache = {"dense_blocks": kv(n_first)} if n_first else {}
@@ -323,7 +336,7 @@ class Llama(nnx.Module):
             tokens, positions = to_zigzag(tokens, n_ctx), to_zigzag(positions, n_ctx, axis=0)
             segments = None if segments is None else to_zigzag(segments, n_ctx)
         x = sharding.embed_lookup(self.embed[...], tokens, cdt)  # (B,T,D); gather first, cast B*T rows only
-        inv_freq = rope_inv_freq(cfg.d_head, cfg.rope_theta, cfg.rope_scaling)
+        inv_freq = rope_inv_freq(cfg.rope_dim, cfg.rope_theta, cfg.rope_scaling)
         pos = Positions(positions, segments)
         if hasattr(self, "dense_blocks"):
             x, _ = _scan(self.dense_blocks, x, pos, inv_freq, cfg.remat, cfg.scan_layers)
@@ -353,7 +366,7 @@ class Llama(nnx.Module):
         keys = jnp.arange(length)
         visible = ((keys >= first[:, None, None]) & (keys <= here[:, None])) | (keys == here[:, None])
         pos = Positions(here, visible=visible)
-        inv_freq = rope_inv_freq(cfg.d_head, cfg.rope_theta, cfg.rope_scaling)
+        inv_freq = rope_inv_freq(cfg.rope_dim, cfg.rope_theta, cfg.rope_scaling)
         x = sharding.embed_lookup(self.embed[...], tokens, jnp.dtype(cfg.compute_dtype))
         new = {}
         if hasattr(self, "dense_blocks"):
@@ -442,13 +455,15 @@ def _cross_entropy_bwd(vocab_parallel, res, g):
 _cross_entropy.defvjp(_cross_entropy_fwd, _cross_entropy_bwd)
 
 
-COMPUTE_CAST = frozenset((*ATTN_LINEARS, *MLP_LINEARS, "head"))  # the matrices every GEMM reads
+COMPUTE_CAST = frozenset((*ATTN_LINEARS, *MLA_LINEARS, *MLP_LINEARS, "head"))  # the matrices every GEMM reads
 
 
 # The linears whose fp8 operands the train step makes at the update, by the parameter dict that holds them
 # (Block.attn, Block.mlp, MoE.shared) and grouped as layers.fused_linear fuses them.
 LINEAR_GROUPS = {"attn": (("wq", "wk", "wv"), ("wo",)), "mlp": (("w_gate", "w_up"), ("w_down",)),
                  "shared": (("w_gate", "w_up"), ("w_down",))}
+# LatentAttention's (with or without a query latent, wq_a): x W_q (or x W_qa) and x W_kva are one GEMM
+MLA_GROUPS = {False: (("wq", "wkv_a"), ("wkv_b",), ("wo",)), True: (("wq_a", "wkv_a"), ("wq_b",), ("wkv_b",), ("wo",))}
 
 
 def plan_for_run(plan: LinearPlan, cfg: ModelConfig, micro_batch: int, seq_len: int,
@@ -479,8 +494,9 @@ def _operand_groups(plan: LinearPlan | None, where: str) -> list[tuple[tuple[str
     if plan is None or where not in LINEAR_GROUPS:
         return []
     prefix = "shared." if where == "shared" else ""
+    groups = MLA_GROUPS["wq_a" in plan.recipes] if where == "attn" and "wkv_a" in plan.recipes else LINEAR_GROUPS[where]
     out = []
-    for group in LINEAR_GROUPS[where]:
+    for group in groups:
         recipes = [plan.recipes.get(prefix + name) for name in group]
         for names in [group] if len(set(recipes)) == 1 else [(name,) for name in group]:
             recipe = plan.recipes.get(prefix + names[0])
@@ -617,17 +633,17 @@ def param_count(cfg: ModelConfig) -> int:
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
-    """Training FLOPs per token: 6 x (matmul parameters a token touches) + causal attention, 6 L T H K (fwd + bwd).
+    """Training FLOPs per token: 6 x (matmul parameters a token touches) + causal attention, 3 L T H (K + K_v).
 
     6N counts the forward (2N) and backward (4N) FLOPs (a multiply-add is 2) of every weight matrix except the
     embedding lookup; a MoE layer counts its router, its top-k routed experts and its shared experts (the active
-    parameters). Attention scores and values add 4 T H K per layer forward, halved by the causal mask, times 3 for
-    fwd+bwd. PaLM's convention, which TorchTitan reports, counts the whole T x T scores (12 L T H K): this counts
-    the causal half the kernels compute, so at long sequences its TFLOP/s and MFU read lower than TorchTitan's for
-    the same tokens/s (compare tokens/s across stacks).
+    parameters). Attention scores and values add 2 T H (K + K_v) per layer forward (K_v the value head dim: K, or
+    model.mla.v_dim), halved by the causal mask, times 3 for fwd+bwd. PaLM's convention, which TorchTitan reports,
+    counts the whole T x T scores (12 L T H K): this counts the causal half the kernels compute, so at long
+    sequences its TFLOP/s and MFU read lower than TorchTitan's for the same tokens/s (compare tokens/s across stacks).
     """
-    d, f, hk, gk = cfg.d_model, cfg.d_ff, cfg.n_heads * cfg.d_head, cfg.n_kv_heads * cfg.d_head
-    attn = d * hk * 2 + d * gk * 2
+    d, f = cfg.d_model, cfg.d_ff
+    attn = sum(k * n for k, n in attention_shapes(cfg).values() if k * n)
     dense_ffn = 3 * d * f
     n_first, n_groups, per_group = layer_kinds(cfg)
     if cfg.moe.n_experts:
@@ -639,4 +655,4 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     else:
         moe_ffn, n_moe, n_dense = 0, 0, cfg.n_layers
     matmul_params = cfg.n_layers * attn + n_dense * dense_ffn + n_moe * moe_ffn + d * cfg.vocab_size
-    return 6.0 * matmul_params + 6 * cfg.n_layers * seq_len * hk
+    return 6.0 * matmul_params + 3 * cfg.n_layers * seq_len * cfg.n_heads * (cfg.d_head + cfg.v_dim)

@@ -107,7 +107,7 @@ def _gpu_config(cfg: TrainConfig) -> TrainConfig:
     trace then takes the land exchange's XLA reference (impl "xla"), whose outputs have the kernel's shapes; a CPU
     trace of "auto" would take the dense exchange, whose worst-case chunks keep more."""
     m = cfg.model
-    attention = attention_impl(m.attention, m.compute_dtype, m.d_head, platform="gpu")
+    attention = attention_impl(m.attention, m.compute_dtype, m.attention_dim, platform="gpu")
     moe = m.moe
     if (moe.n_experts and moe.exchange == "auto" and moe.dispatch == "flat"
             and 1 < _mesh_shape(cfg)["expert"] <= dispatch.LAND_MAX_PEERS):
@@ -129,7 +129,7 @@ def layer_residuals(cfg: TrainConfig, abstract_model: Llama,
     x = jax.ShapeDtypeStruct((cfg.data.batch_size // cfg.data.grad_accum_steps, cfg.data.seq_len, m.d_model), cdt)
     plan = plan_for_run(abstract_model.plan, m, x.shape[0], cfg.data.seq_len, shape)
     copies = jax.eval_shape(lambda p: compute_copies(m, p, plan), params_of(abstract_model))
-    inv_freq = rope_inv_freq(m.d_head, m.rope_theta, m.rope_scaling)
+    inv_freq = rope_inv_freq(m.rope_dim, m.rope_theta, m.rope_scaling)
     micro_batch, seq = x.shape[:2]
     positions = Positions(jnp.arange(seq), jnp.zeros((micro_batch, seq), jnp.int32)
                           if m.attention_mask == "documents" else None)
@@ -255,9 +255,11 @@ def estimate(cfg: TrainConfig) -> dict:
     # cuDNN's packed attention (model.attention_mask=documents) takes a backward workspace of B M N T (8 K + 4)
     # bytes for a device's B rows (XLA's compiled figure, benchmarks/bench_documents.py), M as the trainer sets it.
     workspace = 0.0
-    if m.attention_mask == "documents" and attention_impl(m.attention, m.compute_dtype, m.d_head, "gpu") == "cudnn":
+    if (m.attention_mask == "documents"
+            and attention_impl(m.attention, m.compute_dtype, m.attention_dim, "gpu") == "cudnn"):
         rows = micro_batch / (batch_shards * shape["context"])
-        workspace = rows * (m.max_documents or DOCUMENTS_ASSUMED) * m.n_heads * cfg.data.seq_len * (8 * m.d_head + 4)
+        workspace = (rows * (m.max_documents or DOCUMENTS_ASSUMED) * m.n_heads * cfg.data.seq_len
+                     * (8 * m.attention_dim + 4))
     transient += workspace
     act = kept_all + transient + tokens_dev * 2 * logit_bytes * m.vocab_size
     gb = 1e9

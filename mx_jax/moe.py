@@ -5,9 +5,10 @@ For N tokens x (N,D), E routed experts of hidden width F, top-k:
     s      = softmax(logits) or sigmoid(logits)                          (Mixtral / DeepSeek-V3)
     idx    = top-k over (s + b) per token; b is the balancing bias, used for the choice only (DeepSeek-V3 §2.1.2)
              With route_groups G (group-limited routing, DeepSeek-V3's node-limited): the E experts form G groups
-             of E/G consecutive ids; a group's score is the sum of its top max(1, floor(k/M)) values of s + b (2 of
-             8 experts on 4 nodes in DeepSeek-V3), the token keeps its M = route_top_groups best groups, and the
-             top-k runs over their experts only (the others at -inf).
+             of E/G consecutive ids; a group's score is the sum of its top route_group_top values of s + b, by
+             default max(1, floor(k/M)) (2 of 8 experts on 4 nodes in DeepSeek-V3; 1, the group's best, in
+             DeepSeek-V2), the token keeps its M = route_top_groups best groups, and the top-k runs over their
+             experts only (the others at -inf).
              Experts lie on the expert axis in id order, so with G = its nodes a token reaches at most M nodes.
     g      = s[idx], divided by its row sum when normalize_top_k, times routed_scale (DeepSeek-V3: 2.5)
     y      = sum_j g_j Expert_{idx_j}(x) + sum_shared Expert_shared(x)  (DeepSeekMoE shared experts)
@@ -93,16 +94,22 @@ class RouterBias(nnx.Variable):
     """The per-expert selection bias of auxiliary-loss-free balancing; updated by the train step, not the optimizer."""
 
 
+def group_score_experts(top_k: int, n_experts: int, groups: int, top_groups: int, group_top: int = 0) -> int:
+    """How many of a group's best scores its score sums under group-limited routing (module docstring)."""
+    return min(group_top or max(1, top_k // top_groups), n_experts // groups)
+
+
 def route(logits: jax.Array, bias: jax.Array, top_k: int, score: str, normalize: bool, groups: int = 0,
-          top_groups: int = 0, scale: float = 1.0):
+          top_groups: int = 0, scale: float = 1.0, group_top: int = 0):
     """logits (N,E) f32 -> (scores (N,E), top-k expert ids (N,k) int32, top-k weights (N,k) f32). `groups`,
-    `top_groups`: group-limited routing (module docstring; 0 = off); `scale`: routed_scale."""
+    `top_groups`, `group_top`: group-limited routing (module docstring; 0 = off); `scale`: routed_scale."""
     s = jax.nn.softmax(logits, axis=-1) if score == "softmax" else jax.nn.sigmoid(logits)
     choice = jax.lax.stop_gradient(s) + bias[None, :]
     if groups:
         n, e = choice.shape
         per = choice.reshape(n, groups, e // groups)
-        group_score = jnp.sum(jax.lax.top_k(per, min(max(1, top_k // top_groups), e // groups))[0], axis=-1)
+        best_of = group_score_experts(top_k, e, groups, top_groups, group_top)
+        group_score = jnp.sum(jax.lax.top_k(per, best_of)[0], axis=-1)
         _, best = jax.lax.top_k(group_score, top_groups)  # (N, M)
         kept = jnp.any(best[:, :, None] == jnp.arange(groups)[None, None, :], axis=1)  # (N, G)
         choice = jnp.where(jnp.repeat(kept, e // groups, axis=1), choice, -jnp.inf)
@@ -230,7 +237,7 @@ class MoE(nnx.Module):
         m = self.cfg
         logits = jnp.dot(xt.astype(jnp.float32), w_router.astype(jnp.float32))
         s, idx, g = route(logits, bias, m.top_k, m.score, m.normalize_top_k, m.route_groups, m.route_top_groups,
-                          m.routed_scale)
+                          m.routed_scale, m.route_group_top)
         keep = jnp.ones(idx.shape, bool)
         n = xt.shape[0]
         capacity = math.ceil(m.capacity_factor * n * m.top_k / m.n_experts) if m.capacity_factor > 0 else 0

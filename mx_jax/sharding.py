@@ -56,6 +56,10 @@ RULES: dict[str, str | tuple[str, ...] | None] = {
     "head_batch": "fsdp",
     "q_heads": None,  # H*K of the query / output projections
     "kv_heads": None,  # G*K of the key / value projections
+    # multi-head latent attention (layers.LatentAttention): the latents' width as the output of x W_kva and x W_qa
+    # (whose D is "embed"), and as the input of W_kvb and W_qb, split like "embed" (these matrices have no D)
+    "latent": None,
+    "latent_in": ("fsdp", "expert", "context"),
     "mlp": None,
     "expert": "expert",
     "expert_mlp": ("fsdp", "context"),  # an expert weight's hidden dim (its embed dim stays whole for the GEMM)
@@ -204,7 +208,8 @@ def constrain(x: jax.Array, logical: Sequence[str | None]) -> jax.Array:
 
 
 # the logical axes of a weight matrix's own two dimensions (the others are "layers" and "expert")
-MATRIX_AXES = ("embed", "head_embed", "vocab", "q_heads", "kv_heads", "mlp", "expert_mlp")
+MATRIX_AXES = ("embed", "head_embed", "vocab", "q_heads", "kv_heads", "latent", "latent_in", "mlp",
+               "expert_mlp")
 
 
 def matrices_whole() -> bool:

@@ -427,10 +427,10 @@ def check_mesh_shape(cfg: TrainConfig, shape: dict[str, int]) -> None:
 def check_platform(cfg: TrainConfig, platform: str, expert_devices: int) -> None:
     """Paths asked for by name that run only on NVIDIA GPUs, on another `platform` ('auto' picks them where they run)."""
     m = cfg.model
-    if m.attention == "cudnn" and layers.attention_impl("auto", m.compute_dtype, m.d_head, platform) != "cudnn":
+    if m.attention == "cudnn" and layers.attention_impl("auto", m.compute_dtype, m.attention_dim, platform) != "cudnn":
         raise ConfigError(f"config key 'model.attention': cudnn needs an NVIDIA GPU, model.compute_dtype=bfloat16 and "
                           f"a head dim of at most 256 that is a multiple of 8; here {platform}, {m.compute_dtype}, "
-                          f"{m.d_head} ('auto' takes cuDNN where it applies, else XLA)")
+                          f"{m.attention_dim} ('auto' takes cuDNN where it applies, else XLA)")
     if m.moe.n_experts and expert_devices > 1 and platform != "gpu":
         if m.moe.exchange == "ragged":
             raise ConfigError(f"config key 'model.moe.exchange': ragged (lax.ragged_all_to_all) runs on NVIDIA GPUs "

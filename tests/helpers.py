@@ -13,6 +13,10 @@ TINY = [
     "optim.warmup_steps=2", "optim.lr_peak=1e-3", "log.every_steps=1", "log.eval_every_steps=0",
     "log.progress=false", "log.tensorboard=false", "ckpt.every_steps=0", "data.eval_batches=1",
 ]
+# Multi-head latent attention (model.mla) on TINY's 4 heads: a query latent, value heads wider than the query and
+# key heads (16 + 8 = 24 < 32, so attention pads q and k), one rotated key of 8 shared by the heads.
+MLA = ["model.mla.kv_rank=16", "model.mla.q_rank=12", "model.mla.nope_dim=16", "model.mla.rope_dim=8",
+       "model.mla.v_dim=32", "model.n_kv_heads=4"]
 # For in-process runs that check only the math or the layouts: no final evaluation (NO_EVAL) and no final
 # checkpoint either (NO_IO); they cost ~12 s of a 2-core CI machine per run on 8 devices (the eval step's compile,
 # Orbax's save).

@@ -212,7 +212,7 @@ def test_resolved_config_round_trips(tmp_path):
 
 @pytest.mark.parametrize("name", ["llama3_debug", "llama3_1b", "llama3_8b", "llama3_70b", "llama3_140m", "moe_debug",
                                   "mixtral_8x7b", "deepseek_moe_16b", "qwen3_30b_a3b", "mistral_7b",
-                                  "qwen2_5_7b"])
+                                  "qwen2_5_7b", "deepseek_v2_lite"])
 def test_shipped_configs_load(name):
     cfg = load_config(str(ROOT / f"configs/{name}.yaml"))
     m = cfg.model
@@ -240,6 +240,16 @@ def test_shipped_configs_load(name):
         assert dims == (152064, 3584, 28, 28, 4, 128)
         assert m.attention_bias and llama.param_count(m) == 7_615_616_512
         assert hf.model_type(m) == "qwen2"  # exported as Qwen2ForCausalLM
+    if name == "deepseek_v2_lite":  # deepseek-ai/DeepSeek-V2-Lite: 15.7 B parameters
+        a = m.mla
+        assert (a.kv_rank, a.q_rank, a.nope_dim, a.rope_dim, a.v_dim, m.d_head, m.v_dim) == (512, 0, 128, 64, 128, 192,
+                                                                                            128)
+        # by hand, per layer: W_q (D, H (n + r)), W_kva (D, c + r), the latent's norm (c,), W_kvb (c, H (n + v)),
+        # W_o (H v, D) and two norms; one dense layer (d_ff 10944), 26 of router + 64 routed + 2 shared experts
+        attn = 2048 * 16 * 192 + 2048 * 576 + 512 + 512 * 16 * 256 + 16 * 128 * 2048 + 2 * 2048
+        moe = 64 * 2048 + 3 * 2048 * 1408 * 66
+        by_hand = 27 * attn + 3 * 2048 * 10944 + 26 * moe + 2 * 102400 * 2048 + 2048
+        assert llama.param_count(m) == by_hand == 15_706_484_224
     first, groups, per_group = llama.layer_kinds(m)
     assert first + groups * per_group == m.n_layers
 

@@ -570,6 +570,9 @@ def _weight_casts(jaxpr, weight_shapes) -> int:
     pytest.param("fp8_rowwise", "model.scan_layers=true model.remat=save_matmuls model.moe.n_experts=4 "
                  "model.moe.top_k=2 model.moe.n_shared=1 model.moe.d_expert=32 model.moe.n_dense_first=1",
                  id="rowwise-moe"),
+    pytest.param("fp8_rowwise", "model.scan_layers=true model.remat=save_matmuls model.mla.kv_rank=32 "
+                 "model.mla.q_rank=32 model.mla.nope_dim=16 model.mla.rope_dim=32 model.mla.v_dim=32 "
+                 "model.n_kv_heads=4", id="rowwise-mla"),
 ])
 def test_prequantized_operands_give_the_same_loss_and_grads(recipe, layout):
     """The train step's fp8 operands, made from the masters at the update (llama.compute_copies with the plan),
@@ -597,10 +600,16 @@ def test_prequantized_operands_give_the_same_loss_and_grads(recipe, layout):
     assert plan.prequantize_experts == moe
     copies = compute_copies(cfg, params, plan)
     layers = 1 if moe else 2  # the MoE model: one dense layer first ("dense_blocks"), then one MoE layer
-    attn_ops = copies["blocks"]["attn"]["wq|wk|wv"]
-    assert isinstance(attn_ops, quant.Operands) and "wq" not in copies["blocks"]["attn"]
-    assert attn_ops.out[0].shape == (layers, 64 + 2 * 32, 64) and attn_ops.out[0].dtype == jnp.float8_e4m3fn
-    assert attn_ops.grad_x[0].shape == (layers, 64, 128)
+    attn = copies["blocks"]["attn"]
+    if cfg.mla.kv_rank:  # latent attention: x W_qa | x W_kva one GEMM (64 -> 32 + 64), W_qb, W_kvb and W_o alone
+        assert set(attn) == {"wq_a|wkv_a", "wq_b", "wkv_b", "wo"}
+        assert all(isinstance(v, quant.Operands) for v in attn.values())
+        assert attn["wq_a|wkv_a"].out[0].shape == (layers, 96, 64) and attn["wkv_b"].out[0].shape == (layers, 192, 32)
+    else:
+        attn_ops = attn["wq|wk|wv"]
+        assert isinstance(attn_ops, quant.Operands) and "wq" not in attn
+        assert attn_ops.out[0].shape == (layers, 64 + 2 * 32, 64) and attn_ops.out[0].dtype == jnp.float8_e4m3fn
+        assert attn_ops.grad_x[0].shape == (layers, 64, 128)
     if moe:  # the shared experts, the dense first layer and the routed experts (one per weight) are prequantized
         assert isinstance(copies["blocks"]["moe"]["shared"]["w_gate|w_up"], quant.Operands)
         assert isinstance(copies["dense_blocks"]["mlp"]["w_down"], quant.Operands)
@@ -622,7 +631,7 @@ def test_prequantized_operands_give_the_same_loss_and_grads(recipe, layout):
                                       err_msg=jax.tree_util.keystr(path))
     # What the step no longer does: every weight-shaped fp8 cast (forward and rematerialized backward) is gone.
     shapes = {s for w in jax.tree.leaves(params) if w.ndim >= 2 for s in (w.shape[-2:], w.shape[-2:][::-1])}
-    shapes |= {(64, 128), (128, 64), (64, 256), (256, 64)}  # the fused q|k|v and gate|up weights
+    shapes |= {(64, 128), (128, 64), (64, 256), (256, 64), (64, 96), (96, 64)}  # fused q|k|v, gate|up, q_a|kv_a
     shapes |= {(4, *s) for s in shapes}  # the routed experts' (E, K, N) batches
     assert _weight_casts(jax.make_jaxpr(jax.grad(loss))(with_compute(params, compute_copies(cfg, params))).jaxpr,
                          shapes) > 0

@@ -35,11 +35,11 @@ def test_route_softmax_topk_normalized():
     np.testing.assert_allclose(g3, 2.5 * np.asarray(g), rtol=1e-6)
 
 
-def _group_limited_reference(s, b, k, groups, top_groups):
-    """Group-limited top-k, token by token (moe.py's docstring): the groups by the sum of their top max(1, k // M)
-    values of s + b, then the top-k of s + b inside the M best groups."""
+def _group_limited_reference(s, b, k, groups, top_groups, group_top=0):
+    """Group-limited top-k, token by token (moe.py's docstring): the groups by the sum of their top group_top (0:
+    max(1, k // M)) values of s + b, then the top-k of s + b inside the M best groups."""
     n, e = s.shape
-    per, q = e // groups, max(1, k // top_groups)
+    per, q = e // groups, group_top or max(1, k // top_groups)
     out = []
     for c in s + b:
         score = [np.sort(c[i * per:(i + 1) * per])[::-1][:q].sum() for i in range(groups)]
@@ -49,15 +49,16 @@ def _group_limited_reference(s, b, k, groups, top_groups):
     return np.asarray(out)
 
 
-@pytest.mark.parametrize("score, k, groups, top_groups", [
-    ("sigmoid", 8, 8, 4),  # DeepSeek-V3's 8 of 256 experts on 4 of 8 nodes, scaled down to 32 experts
-    ("softmax", 4, 4, 1), ("sigmoid", 6, 4, 3), ("softmax", 2, 4, 4)])
-def test_route_group_limited_matches_a_per_token_reference(score, k, groups, top_groups):
+@pytest.mark.parametrize("score, k, groups, top_groups, group_top", [
+    ("sigmoid", 8, 8, 4, 0),  # DeepSeek-V3's 8 of 256 experts on 4 of 8 nodes, scaled down to 32 experts
+    ("softmax", 6, 8, 3, 1),  # DeepSeek-V2's 6 of 160 in 3 of 8 groups, a group scored by its best expert
+    ("softmax", 4, 4, 1, 0), ("sigmoid", 6, 4, 3, 3), ("softmax", 2, 4, 4, 0)])
+def test_route_group_limited_matches_a_per_token_reference(score, k, groups, top_groups, group_top):
     rng = np.random.default_rng(groups * 10 + top_groups)
     logits = jnp.asarray(rng.standard_normal((64, 32)) * 2, jnp.float32)
     bias = jnp.asarray(rng.standard_normal(32) * 0.3 - 1.0, jnp.float32)  # s + b below 0 in many groups
-    s, idx, g = route(logits, bias, k, score, True, groups, top_groups)
-    want = _group_limited_reference(np.asarray(s), np.asarray(bias), k, groups, top_groups)
+    s, idx, g = route(logits, bias, k, score, True, groups, top_groups, group_top=group_top)
+    want = _group_limited_reference(np.asarray(s), np.asarray(bias), k, groups, top_groups, group_top)
     np.testing.assert_array_equal(np.sort(np.asarray(idx), axis=1), np.sort(want, axis=1))
     assert max(len(set(r)) for r in np.asarray(idx) // (32 // groups)) <= top_groups
     np.testing.assert_allclose(g, np.take_along_axis(np.asarray(s), np.asarray(idx), 1) /

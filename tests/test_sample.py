@@ -10,7 +10,8 @@ import pytest
 from flax import nnx
 
 from mx_jax import sample, sharding, train
-from tests.helpers import NO_EVAL, need_devices, tiny_config  # NO_EVAL: the runs here are sampled from, never evaluated
+# NO_EVAL: the runs here are sampled from, never evaluated
+from tests.helpers import MLA, NO_EVAL, need_devices, tiny_config
 
 MOE = ["model.moe.n_experts=4", "model.moe.top_k=2", "model.moe.score=sigmoid", "model.moe.bias_update_rate=0.01"]
 
@@ -44,8 +45,11 @@ def test_greedy_tokens_are_the_full_sequence_argmax(tmp_path, moe):
 @pytest.mark.parametrize("layers", [[], ["model.n_layers=5", "model.moe.n_dense_first=1", "model.moe.every_n_layers=2",
                                           *MOE], ["model.qk_norm=true", "model.attention_bias=true"],
                                     ["model.rope_scaling.kind=yarn", "model.rope_scaling.factor=4",
-                                     "model.rope_scaling.original_max_len=16"]],
-                         ids=["dense", "moe_groups", "qwen_attention", "yarn"])
+                                     "model.rope_scaling.original_max_len=16"],
+                                    [*MLA, "model.rope_scaling.kind=yarn", "model.rope_scaling.factor=4",
+                                     "model.rope_scaling.original_max_len=16", "model.rope_scaling.mscale_all_dim=1",
+                                     "model.rope_scaling.attention_factor=1.3"]],
+                         ids=["dense", "moe_groups", "qwen_attention", "yarn", "mla_yarn"])
 def test_decode_of_left_padded_rows_gives_the_forward_logits(layers):
     """Llama.decode over a KV cache: a prefill of two rows padded on the left to a common length, then one token at a
     time, gives each row the logits of a full forward over that row alone (float32); a MoE model with a dense first

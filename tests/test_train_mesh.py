@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from mx_jax import train
-from tests.helpers import NO_IO, tiny_config
+from tests.helpers import MLA, NO_IO, tiny_config
 
 LAYOUTS = {
     "data8": ["mesh.data=8", "mesh.fsdp=1"],
@@ -42,12 +42,13 @@ def test_loss_matches_single_device(layout, reference, tmp_path):
     assert 3.0 < reference["loss"] < 6.0  # a real, still-high loss after 3 steps (ln 256 = 5.55 at init)
 
 
-@pytest.mark.parametrize("extra", ["model.qk_norm=true", "model.attention_bias=true"])
-def test_qwen_attention_trains_alike_on_a_data_fsdp_and_context_mesh(tmp_path, extra):
-    """model.qk_norm's per-head norms and model.attention_bias's q, k, v biases on 8 devices (data x fsdp x context:
-    the sequence split in zigzag chunks, the scales and biases replicated) give one device's loss and gradient norm
-    after 3 steps (fp32)."""
-    over = ("steps=3", extra, *NO_IO)
+@pytest.mark.parametrize("extra", [["model.qk_norm=true"], ["model.attention_bias=true"], MLA],
+                         ids=["qk_norm", "attention_bias", "mla"])
+def test_attention_variants_train_alike_on_a_data_fsdp_and_context_mesh(tmp_path, extra):
+    """model.qk_norm's per-head norms, model.attention_bias's q, k, v biases and model.mla's latent attention on 8
+    devices (data x fsdp x context: the sequence split in zigzag chunks, the scales and biases replicated, the
+    latent matrices split like the model width) give one device's loss and gradient norm after 3 steps (fp32)."""
+    over = ("steps=3", *extra, *NO_IO)
     want = train.train(tiny_config(tmp_path / "one", *over, "mesh.fsdp=1"), devices=jax.devices()[:1]).metrics
     got = train.train(tiny_config(tmp_path / "mesh", *over, "mesh.data=2", "mesh.fsdp=2", "mesh.context=2")).metrics
     assert_same_step(got, want)
