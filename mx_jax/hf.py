@@ -1,5 +1,5 @@
-"""Hugging Face Llama, Mistral, Phi-3, Mixtral, DeepSeekMoE, Qwen2 and Qwen3 checkpoints in and out (config.json +
-safetensors).
+"""Hugging Face Llama, Mistral, Phi-3, Mixtral, DeepSeekMoE, DeepSeek-V2, Qwen2 and Qwen3 checkpoints in and out
+(config.json + safetensors).
 
     python -m mx_jax.hf import HF_DIR OUT_DIR              # -> OUT_DIR/checkpoints/0/state + OUT_DIR/config.yaml
                                                            # (+ OUT_DIR/hf_config.json and the other SIDECARS)
@@ -88,8 +88,39 @@ Its `MoEGate` is moe.py's router: softmax over x W_r^T, top-k, the k weights ren
 `norm_topk_prob` (false for the 16B), and the shared experts added unweighted. `aux_loss_alpha` is
 model.moe.aux_loss_coef as it is: both losses are alpha x 1 at balance (DeepSeek's `seq_aux` computes it per
 sequence, moe.py over each device's tokens). The attention, norms and RoPE are Llama's (head_dim = D / heads, no
-rope scaling). Other MoE layouts (sigmoid scores and trained router biases, which are DeepSeek-V3's beside an
-attention mx_jax does not have; MoE layers every N-th) have no HF counterpart here and are refused naming the key.
+rope scaling). Other MoE layouts (sigmoid scores and trained router biases, which are DeepSeek-V3's; MoE layers every
+N-th) have no HF counterpart here and are refused naming the key.
+
+DeepSeek-V2 (DeepseekV2ForCausalLM, `model_type: deepseek_v2`: deepseek-ai/DeepSeek-V2 and -V2-Lite, in transformers
+itself) has DeepSeekMoE's layers, MLP names and routing below, with multi-head latent attention (model.mla,
+layers.LatentAttention) in place of q, k, v and o. With n, r, v = qk_nope_head_dim, qk_rope_head_dim, v_head_dim
+(model.mla.nope_dim, rope_dim, v_dim), C = kv_lora_rank (kv_rank) and Q = q_lora_rank (q_rank; null is 0: the
+queries come from x through q_proj, else through q_a_proj, its norm and q_b_proj):
+
+    model.layers.{i}.self_attn.q_proj.weight             (H(n+r), D)  blocks.attn.wq              (L, D, H(n+r))  T, R
+    model.layers.{i}.self_attn.q_a_proj.weight           (Q, D)       blocks.attn.wq_a            (L, D, Q)       T
+    model.layers.{i}.self_attn.q_a_layernorm.weight      (Q,)         blocks.attn.q_a_norm.scale  (L, Q)
+    model.layers.{i}.self_attn.q_b_proj.weight           (H(n+r), Q)  blocks.attn.wq_b            (L, Q, H(n+r))  T, R
+    model.layers.{i}.self_attn.kv_a_proj_with_mqa.weight (C+r, D)     blocks.attn.wkv_a           (L, D, C+r)     T, R
+    model.layers.{i}.self_attn.kv_a_layernorm.weight     (C,)         blocks.attn.kv_norm.scale   (L, C)
+    model.layers.{i}.self_attn.kv_b_proj.weight          (H(n+v), C)  blocks.attn.wkv_b           (L, C, H(n+v))  T
+    model.layers.{i}.self_attn.o_proj.weight             (D, H v)     blocks.attn.wo              (L, H v, D)     T
+
+(T: transposed.) The rows of q are head by head [n without RoPE, r rotated], those of kv_a [the C latent, the r of
+the one rotated key], those of kv_b head by head [n of the key, v of the value]. R: DeepSeek rotates interleaved
+pairs (x_2i, x_2i+1) (transformers' `apply_rotary_emb`, a complex product; the Hub's code permutes to the same), mx_jax
+the halves (x_i, x_i+r/2), so each head's r rotated rows of q, and those of kv_a, are in mx_jax's order HF's rows
+0, 2, ..., r-2, 1, 3, ..., r-1 of that block (`_rope_rows`; q . k sums over the same pairs either way). RoPE runs
+over the r dims (DeepseekV2Config's head_dim is r); YaRN's attention factor scales the rotated parts of q and k only
+(transformers scales cos and sin), and rope_scaling's `mscale_all_dim` (model.rope_scaling.mscale_all_dim) multiplies
+the softmax scale 1 / sqrt(n + r) by m^2, m = 0.1 mscale_all_dim ln(factor) + 1 (`yarn_apply_mscale`). The latent
+norms have eps 1e-6 whatever rms_norm_eps, in transformers, the Hub's code and mx_jax alike. Routing is
+transformers' `DeepseekV2TopkRouter`: softmax, the top-k weights times `routed_scaling_factor` (model.moe.routed_scale),
+never renormalized: transformers does not read `norm_topk_prob`, which the Hub's modeling_deepseek.py applies instead
+of the scaling (false in V2 and V2-Lite; an import follows transformers, with a warning). `group_limited_greedy` keeps
+a token's `topk_group` best of `n_group` groups, a group scored by its best expert: model.moe.route_groups,
+route_top_groups and route_group_top = 1 (DeepSeek-V2's top-6 in 3 of 8 groups; V2-Lite is greedy). A dense model
+with model.mla exports as first_k_dense_replace = L.
 
 Qwen3 (Qwen3ForCausalLM, `model_type: qwen3`) is Llama's layout plus each layer's per-head norms of q and k
 (model.qk_norm), applied before RoPE:
@@ -130,7 +161,9 @@ import jax
 import numpy as np
 import yaml
 
-from mx_jax.config import ConfigError, ModelConfig, MoEConfig, RopeScaling, load_config, read_json_object, to_dict
+from mx_jax.config import (ConfigError, MLAConfig, ModelConfig, MoEConfig, RopeScaling, load_config, read_json_object,
+                           to_dict)
+from mx_jax.moe import group_score_experts
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -208,6 +241,20 @@ QKV_BIASES: tuple[_Tensor, ...] = (
     _Tensor("model.layers.{i}.self_attn.k_proj.bias", ("blocks", "attn", "bk"), False),
     _Tensor("model.layers.{i}.self_attn.v_proj.bias", ("blocks", "attn", "bv"), False),
 )
+# DeepSeek-V2 (DeepseekV2ForCausalLM): multi-head latent attention (model.mla) in place of q, k, v and o; its queries
+# from x (q_lora_rank null) or from a latent of their own, its keys and values from one latent and one rotated key.
+MLA_Q: tuple[_Tensor, ...] = (_Tensor("model.layers.{i}.self_attn.q_proj.weight", ("blocks", "attn", "wq"), True),)
+MLA_Q_LATENT: tuple[_Tensor, ...] = (
+    _Tensor("model.layers.{i}.self_attn.q_a_proj.weight", ("blocks", "attn", "wq_a"), True),
+    _Tensor("model.layers.{i}.self_attn.q_a_layernorm.weight", ("blocks", "attn", "q_a_norm", "scale"), False),
+    _Tensor("model.layers.{i}.self_attn.q_b_proj.weight", ("blocks", "attn", "wq_b"), True),
+)
+MLA_KV: tuple[_Tensor, ...] = (
+    _Tensor("model.layers.{i}.self_attn.kv_a_proj_with_mqa.weight", ("blocks", "attn", "wkv_a"), True),
+    _Tensor("model.layers.{i}.self_attn.kv_a_layernorm.weight", ("blocks", "attn", "kv_norm", "scale"), False),
+    _Tensor("model.layers.{i}.self_attn.kv_b_proj.weight", ("blocks", "attn", "wkv_b"), True),
+    _Tensor("model.layers.{i}.self_attn.o_proj.weight", ("blocks", "attn", "wo"), True),
+)
 _DENSE_MLP = tuple(t for t in LAYOUT if t.path[:2] == ("blocks", "mlp"))
 _BEFORE_MLP = tuple(t for t in LAYOUT if t.per_layer and t.path[:2] != ("blocks", "mlp"))
 
@@ -220,13 +267,17 @@ def model_type(cfg: ModelConfig) -> str:
     - "deepseek" (DeepSeekMoE): softmax routing, every layer after the dense first ones MoE, head_dim = d_model /
       n_heads;
     - "qwen3_moe": with model.qk_norm, softmax routing, every layer after the dense first ones MoE, no shared
-      experts."""
+      experts;
+    - "deepseek_v2": with model.mla; dense, or softmax routing without renormalization, every layer after the dense
+      first ones MoE, group-limited routing only where a group's score is its best expert's (`_deepseek_v2_moe`)."""
     m = cfg.moe
-    # DeepSeek-V2's and V3's, beside an attention (MLA) mx_jax does not have
+    if cfg.mla.kv_rank:
+        return _deepseek_v2_kind(cfg)
+    # DeepSeek-V2's (and V3's), which HF holds beside multi-head latent attention only
     for key, value, off in (("route_groups", m.route_groups, 0), ("routed_scale", m.routed_scale, 1.0)):
         if m.n_experts and value != off:
-            raise ConfigError(f"config key 'model.moe.{key}': {value!r}; no HF model mapped here has it (DeepSeek-V2 "
-                              "and V3 do, beside their multi-head latent attention)")
+            raise ConfigError(f"config key 'model.moe.{key}': {value!r}; no HF model mapped here has it without "
+                              f"model.mla (DeepSeek-V2 has it, beside its multi-head latent attention)")
     if cfg.attention_bias:  # Qwen2's; its MoE (Qwen2-MoE) gates its shared expert, which mx_jax does not
         for key, value in (("qk_norm", cfg.qk_norm), ("moe.n_experts", m.n_experts)):
             if value:
@@ -249,6 +300,30 @@ def model_type(cfg: ModelConfig) -> str:
     return "qwen3_moe" if cfg.qk_norm else "deepseek"
 
 
+def _deepseek_v2_kind(cfg: ModelConfig) -> str:
+    """"deepseek_v2" for a model with multi-head latent attention that transformers' DeepseekV2ForCausalLM holds, or
+    a ConfigError naming the key it cannot: its router scores by softmax and never renormalizes the top-k weights
+    (norm_topk_prob is read by the Hub's modeling_deepseek.py but not by transformers), its MoE layers are every
+    layer after the first dense ones, and its groups score by their best expert."""
+    m = cfg.moe
+    wants = [("qk_norm", cfg.qk_norm, False), ("attention_bias", cfg.attention_bias, False),
+             ("n_kv_heads", cfg.n_kv_heads, cfg.n_heads)]
+    if m.n_experts:
+        wants += [("moe.every_n_layers", m.every_n_layers, 1), ("moe.score", m.score, "softmax"),
+                  ("moe.normalize_top_k", m.normalize_top_k, False)]
+    for key, value, want in wants:
+        if value != want:
+            raise ConfigError(f"config key 'model.{key}': {value!r}; with model.mla HF interop covers DeepSeek-V2's "
+                              f"architecture (DeepseekV2ForCausalLM has {key}={want!r})")
+    best = m.route_groups and group_score_experts(m.top_k, m.n_experts, m.route_groups, m.route_top_groups,
+                                                  m.route_group_top)
+    if m.n_experts and m.route_groups and best != 1:
+        raise ConfigError(f"config key 'model.moe.route_group_top': {m.route_group_top} scores a group by the sum of "
+                          f"its best {best} experts; DeepSeek-V2's group_limited_greedy scores it by its best one "
+                          f"(model.moe.route_group_top=1)")
+    return "deepseek_v2"
+
+
 def _n_dense_first(cfg: ModelConfig) -> int:
     return cfg.moe.n_dense_first if cfg.moe.n_experts else 0
 
@@ -257,7 +332,11 @@ def _layer_layout(cfg: ModelConfig, i: int, kind: str) -> tuple[str, int, tuple[
     """(stack, index in it, tensors) of HF layer i, named as `kind` names them: the first model.moe.n_dense_first
     layers are the `dense_blocks` stack of dense MLPs, the rest the `blocks` stack."""
     n_first = _n_dense_first(cfg)
-    before = _BEFORE_MLP + (QK_NORMS if cfg.qk_norm else ()) + (QKV_BIASES if cfg.attention_bias else ())
+    if cfg.mla.kv_rank:
+        attn_norm, *_, mlp_norm = _BEFORE_MLP
+        before = (attn_norm, *(MLA_Q_LATENT if cfg.mla.q_rank else MLA_Q), *MLA_KV, mlp_norm)
+    else:
+        before = _BEFORE_MLP + (QK_NORMS if cfg.qk_norm else ()) + (QKV_BIASES if cfg.attention_bias else ())
     if i < n_first:
         dense = tuple(dataclasses.replace(t, path=("dense_blocks", *t.path[1:])) for t in (*before, *_DENSE_MLP))
         return "dense_blocks", i, dense
@@ -283,6 +362,28 @@ def _fusions(hf_model_type: str | None, cfg: ModelConfig) -> list[tuple[str, lis
                                                         (p + "self_attn.v_proj.weight", gk)]))
         out.append((p + "mlp.gate_up_proj.weight", [(p + "mlp.gate_proj.weight", cfg.d_ff),
                                                      (p + "mlp.up_proj.weight", cfg.d_ff)]))
+    return out
+
+
+def _rope_rows(hf_model_type: str | None, cfg: ModelConfig) -> dict[str, np.ndarray]:
+    """{HF key: the row of it that each mx_jax column reads} of the tensors whose rows `hf_model_type` orders
+    otherwise. DeepSeek-V2 rotates interleaved pairs (x_2i, x_2i+1) (transformers' `apply_rotary_emb`, a complex
+    product), mx_jax the halves (x_i, x_i+r/2) (`layers.apply_rope`): in the rotated rows of each head of q_proj
+    (q_b_proj) and of kv_a_proj_with_mqa, mx_jax's order is HF's rows 0, 2, ..., r-2, 1, 3, ..., r-1. The other rows
+    keep their place, as q . k is a sum over pairs that both sides permute alike."""
+    if hf_model_type != "deepseek_v2" or not cfg.mla.kv_rank:
+        return {}
+    a, h = cfg.mla, cfg.n_heads
+    rope = np.concatenate([np.arange(0, a.rope_dim, 2), np.arange(1, a.rope_dim, 2)])
+    k = a.nope_dim + a.rope_dim
+    q = np.concatenate([np.concatenate([np.arange(j * k, j * k + a.nope_dim), j * k + a.nope_dim + rope])
+                        for j in range(h)])
+    kv = np.concatenate([np.arange(a.kv_rank), a.kv_rank + rope])
+    q_name = "q_b_proj" if a.q_rank else "q_proj"
+    out = {}
+    for i in range(cfg.n_layers):
+        out[f"model.layers.{i}.self_attn.{q_name}.weight"] = q
+        out[f"model.layers.{i}.self_attn.kv_a_proj_with_mqa.weight"] = kv
     return out
 
 
@@ -315,11 +416,11 @@ def _safetensors():
 
 # ModelConfig fields that set parameter shapes: a given cfg must agree with config.json on these.
 _SHAPE_FIELDS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_head", "d_ff", "qk_norm",
-                 "attention_bias")
+                 "attention_bias", "mla")
 _NUMERIC_FIELDS = ("rope_theta", "rope_scaling", "norm_eps")
 # The ModelConfig keys config.json determines (what `import` writes into OUT/config.yaml).
 _ARCH_KEYS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff", "qk_norm",
-              "attention_bias", *_NUMERIC_FIELDS)
+              "attention_bias", "mla", *_NUMERIC_FIELDS)
 
 
 # Where a config class of transformers (5.24) defaults a key otherwise than LlamaConfig, which `config_from_hf` falls
@@ -331,6 +432,10 @@ HF_CLASS_DEFAULTS = {
     "phi3": {"rms_norm_eps": 1e-5},
     "qwen3": {"head_dim": 128},
     "qwen3_moe": {"num_key_value_heads": 4},
+    # (q_lora_rank 1536, n_routed_experts 64 and n_shared_experts 2 are its defaults too, where the key is absent: a
+    # null there means none, as the Hub's modeling_deepseek.py reads it; `config_from_hf`)
+    "deepseek_v2": {"kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
+                    "moe_intermediate_size": 1407, "intermediate_size": 11008},
 }
 
 
@@ -348,13 +453,16 @@ def config_from_hf(hf: dict, source: str = "config.json") -> ModelConfig:
     if "model_type" not in hf and any(a != "LlamaForCausalLM" for a in archs):
         raise HFFormatError(f"{source}: no model_type, and architectures is {archs}; only LlamaForCausalLM, "
                             f"MistralForCausalLM, Phi3ForCausalLM, MixtralForCausalLM, DeepseekForCausalLM, "
-                            f"Qwen2ForCausalLM, Qwen3ForCausalLM and Qwen3MoeForCausalLM map to mx_jax")
+                            f"DeepseekV2ForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM and Qwen3MoeForCausalLM map to "
+                            f"mx_jax")
     model_type = hf.get("model_type", "llama")
-    if model_type not in ("llama", "mistral", "phi3", "mixtral", "deepseek", "qwen2", "qwen3", "qwen3_moe"):
+    if model_type not in ("llama", "mistral", "phi3", "mixtral", "deepseek", "deepseek_v2", "qwen2", "qwen3",
+                          "qwen3_moe"):
         raise HFFormatError(f"{source}: model_type is {model_type!r}; only 'llama' (LlamaForCausalLM), 'mistral' "
                             f"(MistralForCausalLM), 'phi3' (Phi3ForCausalLM), 'mixtral' (MixtralForCausalLM), "
-                            f"'deepseek' (DeepseekForCausalLM, DeepSeekMoE), 'qwen2' (Qwen2ForCausalLM), 'qwen3' "
-                            f"(Qwen3ForCausalLM) and 'qwen3_moe' (Qwen3MoeForCausalLM) map to mx_jax")
+                            f"'deepseek' (DeepseekForCausalLM, DeepSeekMoE), 'deepseek_v2' (DeepseekV2ForCausalLM), "
+                            f"'qwen2' (Qwen2ForCausalLM), 'qwen3' (Qwen3ForCausalLM) and 'qwen3_moe' "
+                            f"(Qwen3MoeForCausalLM) map to mx_jax")
     if model_type in ("mistral", "phi3"):
         # A window no shorter than the model's context never applies; where config.json has no such keys, the
         # classes' defaults: MistralConfig 4096 and 131072, Phi3Config none and 4096.
@@ -365,12 +473,27 @@ def config_from_hf(hf: dict, source: str = "config.json") -> ModelConfig:
                                 f"{'' if 'sliding_window' in hf else ' (no key: MistralConfig defaults to it)'} is not "
                                 f"supported below max_position_embeddings={context} (mx_jax attends to the whole "
                                 f"causal context)")
-    moe = MoEConfig()
+    moe, mla = MoEConfig(), MLAConfig()
     d_model, n_heads = int(get("hidden_size")), int(get("num_attention_heads"))
     head_dim = int(get("head_dim", d_model // n_heads))
+    n_kv_heads = int(get("num_key_value_heads", n_heads))
     if model_type == "deepseek":
         head_dim = d_model // n_heads  # DeepSeek's attention has no head_dim key of its own
         moe = _deepseek_moe(hf, source, int(get("num_hidden_layers")))
+    if model_type == "deepseek_v2":
+        # its head_dim key is the rotated width (DeepseekV2Config sets it so); each head has its own key and value
+        if n_kv_heads != n_heads:
+            raise HFFormatError(f"{source}: num_key_value_heads={n_kv_heads} is not supported (DeepSeek-V2's latent "
+                                f"attention makes a key and a value for each of the {n_heads} heads)")
+        q_rank = hf.get("q_lora_rank", 1536)  # DeepseekV2Config's default where absent; null: queries from x
+        mla = MLAConfig(kv_rank=int(get("kv_lora_rank")), q_rank=int(q_rank or 0),
+                        nope_dim=int(get("qk_nope_head_dim")), rope_dim=int(get("qk_rope_head_dim")),
+                        v_dim=int(get("v_head_dim")))
+        if mla.kv_rank <= 0 or mla.q_rank < 0:
+            raise HFFormatError(f"{source}: kv_lora_rank={mla.kv_rank}, q_lora_rank={q_rank}: DeepSeek-V2's latent "
+                                f"attention needs kv_lora_rank > 0 and q_lora_rank null or > 0")
+        head_dim = d_model // n_heads
+        moe = _deepseek_v2_moe(hf, source, int(get("num_hidden_layers")))
     if model_type in ("qwen2", "qwen3", "qwen3_moe"):
         if hf.get("use_sliding_window"):
             raise HFFormatError(f"{source}: use_sliding_window=true is not supported (mx_jax attends to the whole "
@@ -412,12 +535,18 @@ def config_from_hf(hf: dict, source: str = "config.json") -> ModelConfig:
     else:
         raise HFFormatError(f"{source}: rope_scaling type {rope_type!r} is not supported (only 'llama3', 'yarn' and "
                             f"none)")
+    if model_type == "deepseek_v2" and rope.get("mscale_all_dim"):
+        # transformers' yarn_apply_mscale: the softmax scale times m^2, m from mscale_all_dim and the factor
+        if rope_type != "yarn":
+            raise HFFormatError(f"{source}: rope_scaling's mscale_all_dim with type {rope_type!r} is not supported "
+                                f"(only with 'yarn')")
+        scaling = dataclasses.replace(scaling, mscale_all_dim=float(rope["mscale_all_dim"]))
     return ModelConfig(
         vocab_size=int(get("vocab_size")),
         d_model=d_model,
         n_layers=int(get("num_hidden_layers")),
         n_heads=n_heads,
-        n_kv_heads=int(get("num_key_value_heads", n_heads)),
+        n_kv_heads=n_kv_heads,
         head_dim=0 if head_dim * n_heads == d_model else head_dim,
         d_ff=int(get("intermediate_size")),
         rope_theta=float(rope.get("rope_theta") or get("rope_theta", 10000.0)),  # HF LlamaConfig's default
@@ -425,6 +554,7 @@ def config_from_hf(hf: dict, source: str = "config.json") -> ModelConfig:
         norm_eps=float(get("rms_norm_eps", 1e-6)),  # HF LlamaConfig's default
         qk_norm=model_type in ("qwen3", "qwen3_moe"),
         attention_bias=model_type == "qwen2",  # Qwen2's q, k and v projections always have biases
+        mla=mla,
         moe=moe,
     )
 
@@ -471,6 +601,55 @@ def _deepseek_moe(hf: dict, source: str, n_layers: int) -> MoEConfig:
                      aux_loss_coef=float(hf.get("aux_loss_alpha", 0.001)))  # alpha x 1 at balance in both
 
 
+def _deepseek_v2_moe(hf: dict, source: str, n_layers: int) -> MoEConfig:
+    """The MoE of a DeepseekV2Config as transformers runs it (DeepseekV2Moe, DeepseekV2TopkRouter): softmax scores,
+    the top-k weights times routed_scaling_factor and never renormalized (transformers does not read norm_topk_prob,
+    which the Hub's modeling_deepseek.py applies in place of the scaling; false in DeepSeek-V2 and V2-Lite), the
+    shared experts added unweighted. group_limited_greedy keeps the topk_group groups (of n_group) whose best expert
+    scores highest: moe.py's route_groups with route_group_top = 1. n_routed_experts null (the Hub's dense models)
+    or first_k_dense_replace >= the layers: dense."""
+    first = int(hf.get("first_k_dense_replace") or 0)
+    n_experts = hf.get("n_routed_experts", 64)  # DeepseekV2Config's default where absent
+    if n_experts is None or first >= n_layers:
+        return MoEConfig()
+    n_experts = int(n_experts)
+    for key, want in (("moe_layer_freq", 1), ("scoring_func", "softmax")):
+        if hf.get(key, want) != want:
+            raise HFFormatError(f"{source}: {key}={hf[key]!r} is not supported (mx_jax maps DeepSeek-V2 with "
+                                f"{key}={want!r})")
+    if hf.get("num_experts_per_tok") is None:
+        raise HFFormatError(f"{source}: missing key 'num_experts_per_tok'")
+    top_k = int(hf["num_experts_per_tok"])
+    method = hf.get("topk_method") or "greedy"
+    groups = top_groups = 0
+    if method == "group_limited_greedy":
+        try:
+            groups, top_groups = int(hf["n_group"]), int(hf["topk_group"])
+        except (KeyError, TypeError):
+            raise HFFormatError(f"{source}: topk_method='group_limited_greedy' needs n_group and topk_group (got "
+                                f"{hf.get('n_group')!r} and {hf.get('topk_group')!r})") from None
+        if not (groups > 0 and n_experts % groups == 0 and 0 < top_groups <= groups
+                and top_k <= top_groups * (n_experts // groups)):
+            raise HFFormatError(f"{source}: topk_method='group_limited_greedy' with n_group={groups}, topk_group="
+                                f"{top_groups} is not supported for {n_experts} experts, top-{top_k} (n_group must "
+                                f"divide them, and topk_group groups hold the top_k)")
+        if top_groups == groups:  # every group kept: greedy
+            groups = top_groups = 0
+    elif method != "greedy":
+        raise HFFormatError(f"{source}: topk_method={method!r} is not supported (only 'greedy' and "
+                            f"'group_limited_greedy')")
+    if hf.get("norm_topk_prob"):
+        warnings.warn(f"{source}: norm_topk_prob=true, which transformers' DeepseekV2 does not read (the Hub's "
+                      f"modeling_deepseek.py renormalizes the top-k weights instead of scaling them by "
+                      f"routed_scaling_factor); imported as transformers runs it, not renormalized", stacklevel=3)
+    shared = hf.get("n_shared_experts", 2)  # DeepseekV2Config's default where absent; null: none (the Hub's code)
+    return MoEConfig(n_experts=n_experts, top_k=top_k, d_expert=int(hf["moe_intermediate_size"]),
+                     n_shared=int(shared or 0), n_dense_first=first, score="softmax", normalize_top_k=False,
+                     route_groups=groups, route_top_groups=top_groups, route_group_top=1 if groups else 0,
+                     routed_scale=float(hf.get("routed_scaling_factor") or 1.0),
+                     aux_loss_coef=float(hf.get("aux_loss_alpha", 0.001)))  # alpha x 1 at balance in both
+
+
 def _qwen3_moe(hf: dict, source: str, n_layers: int) -> MoEConfig:
     """The MoE of a Qwen3MoeConfig: its `mlp_only_layers` must be the first layers (model.moe.n_dense_first), and
     `decoder_sparse_step` 1. HF's balancing loss is top_k at balance, ours 1 (moe.py): coefficient x top_k."""
@@ -501,7 +680,9 @@ _ARCH_HF_KEYS = frozenset((
     "rope_parameters", "rope_scaling", "layer_types", "head_dim", "num_local_experts", "num_experts",
     "num_experts_per_tok", "moe_intermediate_size", "n_routed_experts", "n_shared_experts", "first_k_dense_replace",
     "moe_layer_freq", "mlp_only_layers", "decoder_sparse_step", "norm_topk_prob", "scoring_func", "topk_method",
-    "router_aux_loss_coef", "aux_loss_alpha", "sliding_window", "use_sliding_window", "max_window_layers"))
+    "router_aux_loss_coef", "aux_loss_alpha", "sliding_window", "use_sliding_window", "max_window_layers",
+    "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "qk_head_dim",
+    "routed_scaling_factor", "n_group", "topk_group"))
 # The keys of a base config.json kept whatever its architecture.
 _GENERIC_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id", "max_position_embeddings", "initializer_range",
                  "transformers_version")
@@ -523,7 +704,8 @@ def _rope_scaling_to_hf(sc: RopeScaling) -> dict | None:
     if sc.kind == "yarn":
         return {"rope_type": "yarn", "factor": sc.factor, "original_max_position_embeddings": sc.original_max_len,
                 "beta_fast": sc.beta_fast, "beta_slow": sc.beta_slow,
-                **({"attention_factor": sc.attention_factor} if sc.attention_factor else {})}
+                **({"attention_factor": sc.attention_factor} if sc.attention_factor else {}),
+                **({"mscale_all_dim": sc.mscale_all_dim} if sc.mscale_all_dim else {})}  # DeepSeek-V2's
     return {"rope_type": "llama3", "factor": sc.factor, "low_freq_factor": sc.low_freq_factor,
             "high_freq_factor": sc.high_freq_factor, "original_max_position_embeddings": sc.original_max_len}
 
@@ -596,6 +778,22 @@ def config_to_hf(cfg: ModelConfig, dtype: str, base: dict | None = None) -> dict
                     "first_k_dense_replace": m.n_dense_first, "moe_layer_freq": 1, "scoring_func": "softmax",
                     "norm_topk_prob": m.normalize_top_k, "aux_loss_alpha": m.aux_loss_coef, "pretraining_tp": 1})
         out.setdefault("seq_aux", True)
+    elif kind == "deepseek_v2":  # DeepseekV2Config's keys; its head_dim is the rotated width, which it sets itself
+        a = cfg.mla
+        out.pop("head_dim")
+        out.update({"architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2",
+                    "kv_lora_rank": a.kv_rank, "q_lora_rank": a.q_rank or None, "qk_nope_head_dim": a.nope_dim,
+                    "qk_rope_head_dim": a.rope_dim, "v_head_dim": a.v_dim,
+                    "first_k_dense_replace": m.n_dense_first if m.n_experts else cfg.n_layers})
+        if m.n_experts:  # (a dense model: every layer before first_k_dense_replace, the MoE keys at their defaults)
+            out.update({"n_routed_experts": m.n_experts, "num_experts_per_tok": m.top_k,
+                        "moe_intermediate_size": m.d_expert or cfg.d_ff, "n_shared_experts": m.n_shared,
+                        "moe_layer_freq": 1, "scoring_func": "softmax", "norm_topk_prob": False,
+                        "topk_method": "group_limited_greedy" if m.route_groups else "greedy",
+                        "routed_scaling_factor": m.routed_scale, "aux_loss_alpha": m.aux_loss_coef})
+            if m.route_groups:
+                out.update({"n_group": m.route_groups, "topk_group": m.route_top_groups})
+            out.setdefault("seq_aux", True)
     elif kind in ("qwen2", "qwen3", "qwen3_moe"):
         out.pop("mlp_bias")
         out.update({"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "use_sliding_window": False,
@@ -634,7 +832,7 @@ def _merge_config(hf_cfg: ModelConfig, cfg: ModelConfig | None, source: str) -> 
         if _moe_field(cfg, f) != _moe_field(hf_cfg, f):
             raise ConfigError(f"config key 'model.moe.{f}': {_moe_field(cfg, f)} does not match the checkpoint's "
                               f"{_moe_field(hf_cfg, f)} ({source})")
-    for f in ("score", "normalize_top_k"):
+    for f in ("score", "normalize_top_k", "routed_scale", "route_groups", "route_top_groups", "route_group_top"):
         if cfg.moe.n_experts and getattr(cfg.moe, f) != getattr(hf_cfg.moe, f):
             warnings.warn(f"model.moe.{f}={getattr(cfg.moe, f)} differs from the checkpoint's "
                           f"{getattr(hf_cfg.moe, f)} ({source}); using model.moe.{f}={getattr(cfg.moe, f)}",
@@ -653,7 +851,7 @@ def _merge_config(hf_cfg: ModelConfig, cfg: ModelConfig | None, source: str) -> 
 def param_shapes(cfg: ModelConfig) -> dict:
     """The mx_jax params tree of a model `model_type` maps, as nested dicts of shapes (what llama.params_of
     returns)."""
-    D, V, F, m = cfg.d_model, cfg.vocab_size, cfg.d_ff, cfg.moe
+    D, V, F, m, a = cfg.d_model, cfg.vocab_size, cfg.d_ff, cfg.moe, cfg.mla
     HK, GK = cfg.n_heads * cfg.d_head, cfg.n_kv_heads * cfg.d_head
 
     def stack(n: int, moe: bool) -> dict:
@@ -664,11 +862,19 @@ def param_shapes(cfg: ModelConfig) -> dict:
                            "w_down": (n, E, Fe, D), **shared}}
         else:
             mlp = {"mlp": {"w_gate": (n, D, F), "w_up": (n, D, F), "w_down": (n, F, D)}}
-        attn = {"q_norm": {"scale": (n, cfg.d_head)}, "k_norm": {"scale": (n, cfg.d_head)}} if cfg.qk_norm else {}
+        if a.kv_rank:  # layers.LatentAttention
+            q = {"wq_a": (n, D, a.q_rank), "q_a_norm": {"scale": (n, a.q_rank)}, "wq_b": (n, a.q_rank, HK)} \
+                if a.q_rank else {"wq": (n, D, HK)}
+            attn = {**q, "wkv_a": (n, D, a.kv_rank + a.rope_dim), "kv_norm": {"scale": (n, a.kv_rank)},
+                    "wkv_b": (n, a.kv_rank, cfg.n_heads * (a.nope_dim + a.v_dim)),
+                    "wo": (n, cfg.n_heads * a.v_dim, D)}
+        else:
+            attn = {"wq": (n, D, HK), "wk": (n, D, GK), "wv": (n, D, GK), "wo": (n, HK, D)}
+        if cfg.qk_norm:
+            attn.update({"q_norm": {"scale": (n, cfg.d_head)}, "k_norm": {"scale": (n, cfg.d_head)}})
         if cfg.attention_bias:
             attn.update({"bq": (n, HK), "bk": (n, GK), "bv": (n, GK)})
-        return {"attn_norm": {"scale": (n, D)}, "mlp_norm": {"scale": (n, D)},
-                "attn": {"wq": (n, D, HK), "wk": (n, D, GK), "wv": (n, D, GK), "wo": (n, HK, D), **attn}, **mlp}
+        return {"attn_norm": {"scale": (n, D)}, "mlp_norm": {"scale": (n, D)}, "attn": attn, **mlp}
 
     n_first = _n_dense_first(cfg)
     return {
@@ -779,9 +985,10 @@ class _Weights:
     naming the file and the key. Use inside the ExitStack given, which closes the files."""
 
     def __init__(self, path: pathlib.Path, files: dict[str, pathlib.Path], stack: contextlib.ExitStack,
-                 parts: dict[str, tuple[str, int, int, int]] | None = None):
+                 parts: dict[str, tuple[str, int, int, int]] | None = None, rows: dict[str, np.ndarray] | None = None):
         self.st, self.path, self.files, self.stack = _safetensors(), path, files, stack
         self.parts = parts or {}  # keys read as row ranges of a fused tensor (`_part_rows`)
+        self.rows = rows or {}  # keys whose rows are read in another order (`_rope_rows`)
         self.handles: dict[pathlib.Path, Any] = {}
         self.used: set[str] = set()
 
@@ -807,6 +1014,15 @@ class _Weights:
         self.used.add(key)
 
     def read(self, key: str, index: tuple[slice, ...] | None = None) -> np.ndarray:
+        if key in self.rows:  # the rows that span the ones asked for, then those in order
+            rows, *rest = index or (slice(None),)
+            want = self.rows[key][rows]
+            first = int(want.min()) if want.size else 0
+            stop = int(want.max()) + 1 if want.size else 0
+            return self._read(key, (slice(first, stop), *rest))[want - first]
+        return self._read(key, index)
+
+    def _read(self, key: str, index: tuple[slice, ...] | None) -> np.ndarray:
         if key in self.parts:
             key, start, end, _ = self.parts[key]
             rows, *rest = index or (slice(None),)
@@ -836,9 +1052,10 @@ class _Weights:
 
 def _plan(path: pathlib.Path, cfg: ModelConfig | None
           ) -> tuple[ModelConfig, dict, dict[tuple[str, ...], list[tuple[str, bool, tuple[int, ...]]]], dict, set,
-                     dict]:
+                     dict, dict]:
     """(the model's config, its param shapes, {param path: [(HF key, transposed, index in the stacked leading
-    axes)]}, {HF key: file}, keys to ignore, the keys stored fused as `_part_rows` gives them) of an HF directory,
+    axes)]}, {HF key: file}, keys to ignore, the keys stored fused as `_part_rows` gives them, the keys whose rows
+    are ordered otherwise as `_rope_rows` gives them) of an HF directory,
     its keys named as config.json's model_type names them. A tied head is read from the embedding, transposed, unless
     the checkpoint stores an lm_head, which transformers 5 then reads (it unties a stored head that differs from the
     embedding, with a warning)."""
@@ -853,7 +1070,7 @@ def _plan(path: pathlib.Path, cfg: ModelConfig | None
             key = "model.embed_tokens.weight"
         entries.setdefault(t.path, []).append((key, t.transpose, i))
     return (out_cfg, param_shapes(out_cfg), entries, files, {"lm_head.weight"} if tied else set(),
-            _part_rows(_fusions(hf.get("model_type"), out_cfg)))
+            _part_rows(_fusions(hf.get("model_type"), out_cfg)), _rope_rows(hf.get("model_type"), out_cfg))
 
 
 def load_hf_llama(path: str | pathlib.Path, cfg: ModelConfig | None = None) -> tuple[dict, ModelConfig]:
@@ -865,11 +1082,11 @@ def load_hf_llama(path: str | pathlib.Path, cfg: ModelConfig | None = None) -> t
     in cfg.param_dtype, laid out as `llama.params_of` gives them.
     """
     path = pathlib.Path(path)
-    out_cfg, shapes, entries, files, ignored, parts = _plan(path, cfg)
+    out_cfg, shapes, entries, files, ignored, parts, rows = _plan(path, cfg)
     dtype = np.dtype(jax.numpy.dtype(out_cfg.param_dtype))
     params: dict = {}
     with contextlib.ExitStack() as stack:
-        weights = _Weights(path, files, stack, parts)
+        weights = _Weights(path, files, stack, parts, rows)
         weights.check_plan(entries, shapes, ignored)
         for leaf, items in entries.items():
             dst = np.empty(_get(shapes, leaf), dtype)
@@ -888,10 +1105,10 @@ def load_hf_sharded(path: str | pathlib.Path, cfg: ModelConfig, shardings: dict)
     parameter is read whole, a transposed slice touches the rows it spans). Every key and shape is checked before
     anything is read."""
     path = pathlib.Path(path)
-    out_cfg, shapes, entries, files, ignored, parts = _plan(path, cfg)
+    out_cfg, shapes, entries, files, ignored, parts, rows = _plan(path, cfg)
     dtype = np.dtype(jax.numpy.dtype(out_cfg.param_dtype))
     with contextlib.ExitStack() as stack:
-        weights = _Weights(path, files, stack, parts)
+        weights = _Weights(path, files, stack, parts, rows)
         weights.check_plan(entries, shapes, ignored)
 
         def place(leaf: tuple[str, ...], shape: tuple[int, ...], sharding) -> jax.Array:
@@ -971,6 +1188,7 @@ def export_hf_llama(params: dict, cfg: ModelConfig, path: str | pathlib.Path, *,
     # and the parts of a fused tensor (`_fusions`, consecutive in that order) stay in one.
     shapes = param_shapes(cfg)
     parts = _part_rows(_fusions(config["model_type"], cfg))
+    orders = _rope_rows(config["model_type"], cfg)
     shards: list[list[tuple[str, _Tensor, tuple[int, ...]]]] = [[]]
     size = 0
     total = 0
@@ -999,6 +1217,8 @@ def export_hf_llama(params: dict, cfg: ModelConfig, path: str | pathlib.Path, *,
             for key, t, i in shard:
                 x = _host(_get(params, t.path)[i], np_dtype)
                 x = x.T if t.transpose else x
+                if key in orders:  # HF row orders[key][r] is mx_jax's column r
+                    x = x[np.argsort(orders[key])]
                 if key in parts:  # rows of a fused tensor: stored once its last part is there
                     stored, _, end, rows = parts[key]
                     fused.setdefault(stored, []).append(x)
@@ -1333,7 +1553,8 @@ def _run_dir_of(path: pathlib.Path) -> pathlib.Path:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m mx_jax.hf", description="Convert between HF checkpoints (Llama, "
-                                 "Mistral, Phi-3, Mixtral, DeepSeekMoE, Qwen2, Qwen3, Qwen3-MoE) and mx_jax.")
+                                 "Mistral, Phi-3, Mixtral, DeepSeekMoE, DeepSeek-V2, Qwen2, Qwen3, Qwen3-MoE) and "
+                                 "mx_jax.")
     sub = ap.add_subparsers(dest="cmd", required=True)
     imp = sub.add_parser("import", help="HF directory -> OUT/checkpoints/<step>/state + OUT/config.yaml")
     imp.add_argument("hf_dir")
@@ -1361,10 +1582,14 @@ def main(argv: list[str] | None = None) -> int:
                                       f"directory")
             params, cfg = load_hf_llama(src)
             arch = {k: v for k, v in to_dict(cfg).items() if k in _ARCH_KEYS}
+            if not cfg.mla.kv_rank:
+                arch.pop("mla")
             if cfg.moe.n_experts:
                 keys = ("n_experts", "top_k", "aux_loss_coef")
                 if model_type(cfg) != "mixtral":
                     keys += ("d_expert", "n_shared", "n_dense_first", "normalize_top_k")
+                if model_type(cfg) == "deepseek_v2":
+                    keys += ("routed_scale", "route_groups", "route_top_groups", "route_group_top")
                 arch["moe"] = {k: getattr(cfg.moe, k) for k in keys}
             made = not out.exists()
             try:

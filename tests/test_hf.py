@@ -1,6 +1,7 @@
-"""HF Llama, Mixtral, DeepSeekMoE and Qwen3 interop: exact round trips of checkpoints the test writes in HF layout, the
-key/shape errors, Orbax import/export, and logits against transformers' Llama, Mixtral, Qwen3 and Qwen3-MoE models and
-DeepSeekMoE's published model (kept in tests/data; live where torch and transformers are installed)."""
+"""HF Llama, Mixtral, DeepSeekMoE, DeepSeek-V2 and Qwen3 interop: exact round trips of checkpoints the test writes in HF
+layout, the key/shape errors, Orbax import/export, and logits against transformers' Llama, Mixtral, DeepSeek-V2, Qwen3
+and Qwen3-MoE models and DeepSeekMoE's published model (kept in tests/data; live where torch and transformers are
+installed)."""
 
 from __future__ import annotations
 
@@ -29,8 +30,9 @@ from mx_jax.llama import Llama, buffers_of, params_of  # noqa: E402
 from mx_jax.train import train  # noqa: E402
 from tests.helpers import NO_IO, tiny_config  # noqa: E402
 
-from tests.transformers_golden import (DEEPSEEK_CONFIG, HF_CONFIG, MISTRAL_CONFIG, MIXTRAL_CONFIG,  # noqa: E402
-                                       PHI3_CONFIG, QWEN2_CONFIG, QWEN3_CONFIG, QWEN3_MOE_CONFIG)
+from tests.transformers_golden import (DEEPSEEK_CONFIG, DEEPSEEK_V2_CONFIG, DEEPSEEK_V2_Q_LORA_CONFIG,  # noqa: E402
+                                       HF_CONFIG, MISTRAL_CONFIG, MIXTRAL_CONFIG, PHI3_CONFIG, QWEN2_CONFIG,
+                                       QWEN3_CONFIG, QWEN3_MOE_CONFIG)
 
 
 def _hf_tensors(c: dict, dtype, seed: int = 0, tied: bool = False) -> dict[str, np.ndarray]:
@@ -426,11 +428,11 @@ def test_init_from_places_hf_and_orbax_params_on_a_mesh(tmp_path):
         hf.init_from(tmp_path, cfg)
 
 
-@pytest.mark.parametrize("case", ["deepseek", "qwen3", "mixtral", "phi3"])
+@pytest.mark.parametrize("case", ["deepseek", "qwen3", "mixtral", "phi3", "deepseek_v2_q_lora"])
 def test_init_from_an_hf_directory_reads_only_each_devices_slices(tmp_path, case, monkeypatch):
     """init_from on a mesh (hf.load_hf_sharded): the same values as the whole read, placed as asked, over the
-    stacked layer and expert axes and the transposed matrices alike, a tied head from the embedding; and no tensor
-    read whole, only the slices of the shards."""
+    stacked layer and expert axes and the transposed matrices alike, a tied head from the embedding, DeepSeek-V2's
+    reordered rotary rows; and no tensor read whole, only the slices of the shards."""
     from tests import transformers_golden as golden
 
     want_case = golden.load()[case]
@@ -506,7 +508,8 @@ def _check_against_transformers(tmp_path, arch: str, hf_config: dict, keep_confi
 
 
 @pytest.mark.parametrize("case", ["llama", "llama_tied", "mixtral", "deepseek", "deepseek_top_k_normalized", "qwen3",
-                                  "qwen3_moe", "qwen2", "mistral", "phi3", "qwen2_yarn", "llama_yarn"])
+                                  "qwen3_moe", "qwen2", "mistral", "phi3", "qwen2_yarn", "llama_yarn", "deepseek_v2",
+                                  "deepseek_v2_q_lora"])
 def test_logits_match_those_transformers_computed(tmp_path, case):
     """The checkpoint tests/transformers_golden.py gave transformers (config.json and safetensors in the Hub's
     layout, weights drawn again here from their recorded names and shapes), imported: our float32 logits are the
@@ -775,6 +778,172 @@ def test_deepseek_logits_match_its_published_model(tmp_path):
     ref.load_state_dict({k: torch.from_numpy(v.copy()) for k, v in _read_all(tmp_path / "ours").items()}, strict=True)
     with torch.no_grad():
         np.testing.assert_allclose(ref(torch.as_tensor(tokens)).logits.numpy(), want, atol=1e-5, rtol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# DeepSeek-V2 (DeepseekV2ForCausalLM): multi-head latent attention (model.mla), DeepSeekMoE's MoE with its scaling and
+# group-limited routing
+
+
+def test_deepseek_v2_configs_map_both_ways():
+    cfg = hf.config_from_hf(DEEPSEEK_V2_CONFIG)
+    a, m = cfg.mla, cfg.moe
+    assert (a.kv_rank, a.q_rank, a.nope_dim, a.rope_dim, a.v_dim) == (16, 0, 8, 8, 12)
+    assert (cfg.head_dim, cfg.d_head, cfg.n_kv_heads, cfg.d_ff, cfg.norm_eps) == (0, 16, 4, 80, 1e-6)
+    assert (m.n_experts, m.top_k, m.d_expert, m.n_shared, m.n_dense_first, m.score, m.normalize_top_k,
+            m.routed_scale, m.route_groups, m.aux_loss_coef) == (6, 3, 24, 2, 1, "softmax", False, 1.5, 0, 0.001)
+    sc = cfg.rope_scaling  # transformers' attention factor from mscale / mscale_all_dim, and the softmax's m
+    assert (sc.kind, sc.factor, sc.original_max_len, sc.mscale_all_dim) == ("yarn", 4.0, 256, 1.0)
+    assert sc.attention_factor == pytest.approx((0.1 * 0.707 * np.log(4) + 1) / (0.1 * np.log(4) + 1))
+    assert hf.model_type(cfg) == "deepseek_v2"
+    written = hf.config_to_hf(cfg, "float32", DEEPSEEK_V2_CONFIG)
+    assert written == {**DEEPSEEK_V2_CONFIG, "mlp_bias": False, "rope_scaling": {
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256, "beta_fast": 32.0,
+        "beta_slow": 1.0, "attention_factor": sc.attention_factor, "mscale_all_dim": 1.0}}
+    assert hf.config_from_hf(written) == cfg
+    q = hf.config_from_hf(DEEPSEEK_V2_Q_LORA_CONFIG)
+    assert (q.mla.q_rank, q.moe.top_k, q.moe.route_groups, q.moe.route_top_groups, q.moe.routed_scale) == \
+        (12, 3, 3, 2, 2.0)
+    assert hf.config_to_hf(q, "float32", DEEPSEEK_V2_Q_LORA_CONFIG) == {**DEEPSEEK_V2_Q_LORA_CONFIG, "mlp_bias": False}
+    for c in (cfg, q):
+        fresh = hf.config_to_hf(c, "float32")  # without a base: every key DeepseekV2Config reads
+        assert hf.config_from_hf(fresh) == c and "head_dim" not in fresh
+        abstract = nnx.eval_shape(lambda c=c: Llama(c, rngs=nnx.Rngs(0)))  # the shapes the model builds
+        assert jax.tree.map(lambda x: tuple(x.shape), params_of(abstract)) == hf.param_shapes(c)
+    # every group kept is greedy; a dense model with latent attention: every layer before first_k_dense_replace
+    assert hf.config_from_hf({**DEEPSEEK_V2_Q_LORA_CONFIG, "topk_group": 3}).moe.route_groups == 0
+    dense = dataclasses.replace(q, moe=dataclasses.replace(q.moe, n_experts=0))
+    out = hf.config_to_hf(dense, "float32", DEEPSEEK_V2_Q_LORA_CONFIG)
+    assert out["first_k_dense_replace"] == 3 and "n_routed_experts" not in out and "topk_method" not in out
+    assert hf.config_from_hf(out).moe.n_experts == 0
+    assert hf.config_from_hf({**DEEPSEEK_V2_CONFIG, "n_routed_experts": None}).moe.n_experts == 0  # the Hub's dense
+    # keys the config lacks: DeepseekV2Config's defaults (q_lora_rank 1536 where absent; null is none)
+    trimmed = {k: v for k, v in DEEPSEEK_V2_CONFIG.items()
+               if k not in ("q_lora_rank", "kv_lora_rank", "n_shared_experts", "n_routed_experts")}
+    t = hf.config_from_hf(trimmed)
+    assert (t.mla.q_rank, t.mla.kv_rank, t.moe.n_shared, t.moe.n_experts) == (1536, 512, 2, 64)
+    try:
+        import transformers
+    except ImportError:
+        return
+    d = transformers.DeepseekV2Config().to_dict()
+    assert {k: d[k] for k in hf.HF_CLASS_DEFAULTS["deepseek_v2"]} == hf.HF_CLASS_DEFAULTS["deepseek_v2"]
+    assert (d["q_lora_rank"], d["n_routed_experts"], d["n_shared_experts"]) == (1536, 64, 2)
+
+
+def test_norm_topk_prob_is_read_as_transformers_reads_it():
+    """transformers' DeepseekV2TopkRouter never renormalizes (it does not read norm_topk_prob; the Hub's
+    modeling_deepseek.py does, instead of scaling): an import follows transformers and says so."""
+    with pytest.warns(UserWarning, match="norm_topk_prob=true, which transformers' DeepseekV2 does not read"):
+        cfg = hf.config_from_hf({**DEEPSEEK_V2_CONFIG, "norm_topk_prob": True})
+    assert (cfg.moe.normalize_top_k, cfg.moe.routed_scale) == (False, 1.5)
+
+
+@pytest.mark.parametrize("change, match", [
+    ({"scoring_func": "sigmoid"}, "scoring_func='sigmoid' is not supported"),
+    ({"topk_method": "noaux_tc"}, "topk_method='noaux_tc' is not supported"),
+    ({"moe_layer_freq": 2}, "moe_layer_freq=2"),
+    ({"topk_method": "group_limited_greedy", "n_group": 4, "topk_group": 2}, "n_group=4, topk_group=2"),
+    ({"topk_method": "group_limited_greedy", "n_group": None}, "needs n_group and topk_group"),
+    ({"num_key_value_heads": 2}, "num_key_value_heads=2"),
+    ({"kv_lora_rank": 0}, "kv_lora_rank=0"),
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                       "original_max_position_embeddings": 16, "mscale_all_dim": 1.0}}, "mscale_all_dim with type"),
+    ({"attention_bias": True}, "attention_bias=True"),
+])
+def test_unsupported_deepseek_v2_configs_are_refused(change, match):
+    with pytest.raises(hf.HFFormatError, match=match):
+        hf.config_from_hf({**DEEPSEEK_V2_CONFIG, **change})
+
+
+def test_deepseek_v2_group_limited_routing_scores_a_group_by_its_best_expert():
+    """group_limited_greedy maps to route_group_top = 1 (a group scored by its best expert), also where moe.py's
+    default would sum more (DeepSeek-V2's own top-6 in 3 of 8 groups: 2); a group score that sums more than one
+    expert is what DeepseekV2ForCausalLM cannot hold, and is named."""
+    three = hf.config_from_hf(DEEPSEEK_V2_Q_LORA_CONFIG)
+    assert (three.moe.top_k, three.moe.route_groups, three.moe.route_top_groups, three.moe.route_group_top) == \
+        (3, 3, 2, 1)
+    v2 = hf.config_from_hf({**DEEPSEEK_V2_Q_LORA_CONFIG, "n_routed_experts": 16, "n_group": 8, "topk_group": 3,
+                            "num_experts_per_tok": 6})
+    assert (v2.moe.route_groups, v2.moe.route_top_groups, v2.moe.route_group_top) == (8, 3, 1)
+    assert hf.config_to_hf(v2, "float32")["topk_method"] == "group_limited_greedy"
+    four = dataclasses.replace(three, moe=dataclasses.replace(three.moe, top_k=4, route_group_top=0))
+    with pytest.raises(ConfigError, match=r"model\.moe\.route_group_top.*sum of its best 2 experts"):
+        hf.config_to_hf(four, "float32")
+    for key, value in (("normalize_top_k", True), ("score", "sigmoid"), ("every_n_layers", 2)):
+        with pytest.raises(ConfigError, match=rf"model\.moe\.{key}.*DeepseekV2ForCausalLM has"):
+            hf.config_to_hf(dataclasses.replace(three, moe=dataclasses.replace(three.moe, **{key: value})), "float32")
+
+
+@pytest.mark.parametrize("case", ["deepseek_v2", "deepseek_v2_q_lora"])
+def test_deepseek_v2_export_reorders_the_rotary_rows_back(tmp_path, case):
+    """The golden checkpoint, imported: column h (n + r) + n + i of wq (i < r/2) is HF's row h (n + r) + n + 2 i of
+    q_proj, column n + r/2 + i its row n + 2 i + 1, and so for kv_a_proj_with_mqa's r rows after the latent; the
+    export writes every tensor back as it was (bitwise), in shards too, and reads back to the same parameters."""
+    from tests import transformers_golden as golden
+
+    want = golden.load()[case]
+    values = golden.case_weights(want)
+    golden.write(tmp_path / "hf", want["config"], values)
+    params, cfg = hf.load_hf_llama(tmp_path / "hf")
+    a, attn = cfg.mla, params["blocks"]["attn"]
+    k, half = a.nope_dim + a.rope_dim, a.rope_dim // 2
+    q_key = "q_b_proj" if a.q_rank else "q_proj"
+    q_hf, q_ours = values[f"model.layers.2.self_attn.{q_key}.weight"], attn["wq_b" if a.q_rank else "wq"][1].T
+    kv_hf, kv_ours = values["model.layers.2.self_attn.kv_a_proj_with_mqa.weight"], attn["wkv_a"][1].T
+    for h in range(cfg.n_heads):
+        rope = h * k + a.nope_dim
+        np.testing.assert_array_equal(q_ours[h * k:rope], q_hf[h * k:rope])
+        np.testing.assert_array_equal(q_ours[rope:rope + half], q_hf[rope:rope + a.rope_dim:2])
+        np.testing.assert_array_equal(q_ours[rope + half:rope + a.rope_dim], q_hf[rope + 1:rope + a.rope_dim:2])
+    np.testing.assert_array_equal(kv_ours[:a.kv_rank], kv_hf[:a.kv_rank])
+    np.testing.assert_array_equal(kv_ours[a.kv_rank:a.kv_rank + half], kv_hf[a.kv_rank::2])
+    np.testing.assert_array_equal(kv_ours[a.kv_rank + half:], kv_hf[a.kv_rank + 1::2])
+    np.testing.assert_array_equal(attn["wkv_b"][0], values["model.layers.1.self_attn.kv_b_proj.weight"].T)
+    np.testing.assert_array_equal(params["dense_blocks"]["attn"]["kv_norm"]["scale"][0],
+                                  values["model.layers.0.self_attn.kv_a_layernorm.weight"])
+    np.testing.assert_array_equal(params["blocks"]["moe"]["w_up"][1, 4],
+                                  values["model.layers.2.mlp.experts.4.up_proj.weight"].T)
+    hf.export_hf_llama(params, cfg, tmp_path / "out", dtype="float32", hf_config=want["config"],
+                       max_shard_bytes=sum(v.nbytes for v in values.values()) // 4)
+    assert len(list((tmp_path / "out").glob("model-*.safetensors"))) > 1
+    _assert_same_tensors(_read_all(tmp_path / "out"), values)
+    written = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert written["architectures"] == ["DeepseekV2ForCausalLM"] and written["kv_lora_rank"] == 16
+    back, cfg2 = hf.load_hf_llama(tmp_path / "out")
+    assert cfg2 == cfg
+    jax.tree.map(np.testing.assert_array_equal, back, params)
+
+
+def test_deepseek_v2_import_writes_a_config_the_trainer_runs(tmp_path):
+    """`import` writes the latent attention and the routing into config.yaml; a run from it trains and exports as
+    DeepSeek-V2 again."""
+    from mx_jax.config import load_config
+    from tests import transformers_golden as golden
+
+    want = golden.load()["deepseek_v2_q_lora"]
+    golden.write(tmp_path / "hf", want["config"], golden.case_weights(want))
+    assert hf.main(["import", str(tmp_path / "hf"), str(tmp_path / "imp")]) == 0
+    model = yaml.safe_load((tmp_path / "imp" / "config.yaml").read_text())["model"]
+    assert model["mla"] == {"kv_rank": 16, "q_rank": 12, "nope_dim": 8, "rope_dim": 8, "v_dim": 12}
+    assert {k: model["moe"][k] for k in ("routed_scale", "route_groups", "route_top_groups", "normalize_top_k")} == \
+        {"routed_scale": 2.0, "route_groups": 3, "route_top_groups": 2, "normalize_top_k": False}
+    cfg = load_config(str(tmp_path / "imp" / "config.yaml"), [
+        f"init_from={tmp_path / 'imp'}", f"run_dir={tmp_path / 'run'}", "data.source=embedded", "data.seq_len=32",
+        "data.batch_size=8", "steps=1", "optim.warmup_steps=0", "log.every_steps=1", "log.progress=false",
+        "log.tensorboard=false", "log.eval_every_steps=-1", "ckpt.async_save=false", "mesh.data=2", "mesh.fsdp=1"])
+    assert cfg.model == hf.config_from_hf(want["config"])
+    result = train(cfg, jax.devices()[:2])
+    assert np.isfinite(result.metrics["loss"])
+    assert hf.main(["export", str(tmp_path / "run"), str(tmp_path / "out"), "--dtype", "float32"]) == 0
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["topk_method"] == "group_limited_greedy"
+    back, _ = hf.load_hf_llama(tmp_path / "out")
+    jax.tree.map(lambda x, y: np.testing.assert_array_equal(x, np.asarray(y)), back, result.state["params"])
+
+
+@pytest.mark.parametrize("config", [DEEPSEEK_V2_CONFIG, DEEPSEEK_V2_Q_LORA_CONFIG], ids=["greedy_yarn", "q_lora"])
+def test_deepseek_v2_logits_match_transformers(tmp_path, config):
+    _check_against_transformers(tmp_path, "DeepseekV2", config, keep_config=True)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -1,5 +1,5 @@
-"""transformers' logits for tiny Llama, Mistral, Phi-3, Mixtral, DeepSeekMoE, Qwen2, Qwen3 and Qwen3-MoE models (and
-Llama 3.1 and YaRN RoPE scaling), kept so that CI (no torch) checks our import against them.
+"""transformers' logits for tiny Llama, Mistral, Phi-3, Mixtral, DeepSeekMoE, DeepSeek-V2, Qwen2, Qwen3 and Qwen3-MoE
+models (and Llama 3.1 and YaRN RoPE scaling), kept so that CI (no torch) checks our import against them.
 
     python tests/transformers_golden.py     # needs numpy, torch, transformers; rewrites tests/data/transformers.npz
 
@@ -47,6 +47,31 @@ DEEPSEEK_CONFIG = {
     "rope_scaling": None, "max_position_embeddings": 128, "attention_bias": False, "tie_word_embeddings": False,
     "pretraining_tp": 1, "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "float32",
 }
+# DeepSeek-V2 (deepseek-ai/DeepSeek-V2-Lite's config.json keys): multi-head latent attention, queries from x (no
+# q_lora_rank), value heads (12) narrower than the query and key heads (8 + 8); YaRN whose original context (256)
+# puts the r/2 = 4 rotated frequencies in all three bands, with mscale != mscale_all_dim, so that the rotated parts
+# are scaled (attention factor 0.957) and the softmax too (m^2 = 1.29); a dense first layer, then 6 routed experts
+# (top-3, weights times routed_scaling_factor) and 2 shared ones. The second: queries through their own latent (12),
+# no rope scaling, and group-limited routing: the top-3 experts within the 2 of 3 groups whose best expert scores
+# highest (with top_k <= topk_group it would choose as greedy does: the best k experts lie in the best k groups).
+DEEPSEEK_V2_CONFIG = {
+    "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2", "vocab_size": 256, "hidden_size": 48,
+    "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 4, "intermediate_size": 80,
+    "kv_lora_rank": 16, "q_lora_rank": None, "qk_nope_head_dim": 8, "qk_rope_head_dim": 8, "v_head_dim": 12,
+    "moe_intermediate_size": 24, "n_routed_experts": 6, "num_experts_per_tok": 3, "n_shared_experts": 2,
+    "first_k_dense_replace": 1, "moe_layer_freq": 1, "scoring_func": "softmax", "topk_method": "greedy",
+    "norm_topk_prob": False, "routed_scaling_factor": 1.5, "aux_loss_alpha": 0.001, "seq_aux": True,
+    "hidden_act": "silu", "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+    "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256, "beta_fast": 32,
+                     "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 1.0},
+    "max_position_embeddings": 1024, "attention_bias": False, "tie_word_embeddings": False, "bos_token_id": 1,
+    "eos_token_id": 2, "torch_dtype": "float32",
+}
+DEEPSEEK_V2_Q_LORA_CONFIG = {
+    **DEEPSEEK_V2_CONFIG, "q_lora_rank": 12, "rope_scaling": None, "max_position_embeddings": 128,
+    "num_experts_per_tok": 3, "topk_method": "group_limited_greedy", "n_group": 3, "topk_group": 2,
+    "routed_scaling_factor": 2.0,
+}
 # Qwen3: per-head RMSNorm of q and k (model.qk_norm), head_dim 16 != hidden / heads, tied embeddings as its small
 # models have them; Qwen3-MoE with a dense first layer (mlp_only_layers) and the top-k weights renormalized.
 QWEN3_CONFIG = {
@@ -93,6 +118,8 @@ CASES = {  # name: (transformers architecture, config.json)
     "qwen2": ("Qwen2", QWEN2_CONFIG),
     "mistral": ("Mistral", MISTRAL_CONFIG),
     "phi3": ("Phi3", PHI3_CONFIG),
+    "deepseek_v2": ("DeepseekV2", DEEPSEEK_V2_CONFIG),
+    "deepseek_v2_q_lora": ("DeepseekV2", DEEPSEEK_V2_Q_LORA_CONFIG),
     # YaRN as Qwen2.5's long-context recipe writes it (head dim 12, original context 1024: frequency 0 kept, 1-4
     # mixed, 5 divided by the factor), and with DeepSeek's mscale / mscale_all_dim attention factor and beta_fast 16
     "qwen2_yarn": ("Qwen2", {**QWEN2_CONFIG, "max_position_embeddings": 4096, "rope_scaling": {
