@@ -11,7 +11,7 @@ copies of a random prompt of P tokens, greedy. Per row of the table:
   the whole window of P + tokens positions (rounded up to 128), right-padded, the next token read at its position
   (ms per step, timed over 8 steps after a compiled one);
 - "bound": the step's bytes per device at 4.8 TB/s (H200 HBM): every GEMM weight once, plus the cache's keys and
-  values once, over the devices;
+  values (latent attention: its latents) once, over the devices;
   of a MoE model's routed experts only the share that B tokens choose under uniform routing, 1 - (1 - k/E)^B
   (an estimate: random weights route unevenly, onto fewer experts, so a MoE step can beat it);
 - tokens/s of both, B / step time, and the share of the first 9 greedy tokens both paths drew alike (random
@@ -120,7 +120,8 @@ def main() -> None:
             drawn = decoder.run([prompt] * b, args.tokens, stats=stats)
             step_ms = 1e3 * stats["decode_s"] / stats["steps"]
             length = -(-(len(prompt) + args.tokens) // 128) * 128
-            cache_bytes = 2 * m.n_layers * b * length * m.n_kv_heads * m.d_head * 2
+            per_position = m.mla.kv_rank + m.mla.rope_dim if m.mla.kv_rank else 2 * m.n_kv_heads * m.d_head
+            cache_bytes = m.n_layers * b * length * per_position * 2
             if expert_bytes:  # the routed experts B tokens choose on average, if they chose uniformly
                 e, k = m.moe.n_experts, m.moe.top_k
                 read = weight_bytes - expert_bytes * (1 - k / e) ** b

@@ -268,6 +268,26 @@ class KVCache(NamedTuple):
     v: jax.Array
 
 
+class LatentCache(NamedTuple):
+    """Latent attention's decode cache (LatentAttention.decode), laid out as KVCache with one head: the normalized
+    key-value latent (..., B, S, 1, kv_rank) and the rotated key (..., B, S, 1, rope_dim), what every head's key
+    and value are made from."""
+
+    c: jax.Array
+    k_rope: jax.Array
+
+
+def cache_write_read(cache, new: tuple[jax.Array, ...], at: jax.Array, layer: tuple[jax.Array, ...], dtype):
+    """Write `new` (B,T,...) into the stacked cache's arrays at `layer` (its leading indices) and position `at`, in
+    place; return (the cache, this layer's whole arrays (B,S,...) in `dtype`)."""
+    n = len(layer)
+    cache = type(cache)(*(jax.lax.dynamic_update_slice(c, x.astype(c.dtype).reshape((1,) * n + x.shape),
+                                                       (*layer, 0, at) + (0,) * (x.ndim - 2))
+                          for c, x in zip(cache, new)))
+    return cache, tuple(jax.lax.dynamic_slice(c, (*layer,) + (0,) * (c.ndim - n), (1,) * n + c.shape[n:])
+                        .reshape(c.shape[n:]).astype(dtype) for c in cache)
+
+
 def document_segments(tokens: jax.Array, eos_id: int, max_documents: int) -> jax.Array:
     """tokens (B,T) -> (B,T) int32: the number of `eos_id` tokens before each position (a document's end-of-text
     token belongs to it), capped at max_documents - 1: the later documents of a row share the last segment."""
@@ -391,11 +411,7 @@ class Attention(nnx.Module):
         and read them again (a token of the 8B on an H200: 9.6 ms fused, 5.9 unfused; benchmarks/RESULTS.md,
         session 63)."""
         q, k, v = self._qkv(x, pos, inv_freq, fused=False)
-        at = (*layer, 0, pos.rope[0], 0, 0)
-        cache = KVCache(*(jax.lax.dynamic_update_slice(c, new.astype(c.dtype).reshape((1,) * len(layer) + new.shape),
-                                                       at) for c, new in zip(cache, (k, v))))
-        k, v = (jax.lax.dynamic_slice(c, (*layer, 0, 0, 0, 0), (1,) * len(layer) + c.shape[len(layer):])
-                .reshape(c.shape[len(layer):]).astype(q.dtype) for c in cache)
+        cache, (k, v) = cache_write_read(cache, (k, v), pos.rope[0], layer, q.dtype)
         o = attend_padded(functools.partial(jax.nn.dot_product_attention, mask=pos.visible[:, None],
                                             implementation="xla"), q, k, v)
         return self._out(o), cache
@@ -450,9 +466,8 @@ class LatentAttention(Attention):
     YaRN's attention factor a multiplies the rotated parts of q and k (transformers scales cos and sin), here q_r
     by a^2. x W_q (or x W_qa) and x W_kva are one GEMM over the concatenated weights, as `fused_linear` fuses q, k,
     v. Attention itself runs as grouped-query attention with G = H (`attend_heads`: cuDNN's causal kernels take v's
-    own dims; elsewhere v is zero-padded to n + r). Decoding caches each head's k and v, (n + r + v) H per token and
-    layer, not the latent c and k_r (kv_rank + r) that the matrix-absorbed form of the paper reads. The two latent
-    norms take eps LATENT_NORM_EPS whatever model.norm_eps, as DeepSeek's code (and transformers') builds them.
+    own dims; elsewhere v is zero-padded to n + r). Decoding caches the latent c and k_r, not the heads' keys and
+    values (`decode`). The two latent norms take eps LATENT_NORM_EPS whatever model.norm_eps, as DeepSeek's code (and transformers') builds them.
     """
 
     LATENT_NORM_EPS = 1e-6
@@ -482,9 +497,10 @@ class LatentAttention(Attention):
         m = 0.1 * rs.mscale_all_dim * math.log(rs.factor) + 1.0 if rs.kind == "yarn" and rs.factor > 1 else 1.0
         self.q_scale = m * m
 
-    def _qkv(self, x: jax.Array, pos: Positions, inv_freq: jax.Array,
-             fused: bool = True) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """x (B,T,D) -> q, k (B,T,H,n+r) and v (B,T,H,v) (class docstring)."""
+    def _latent(self, x: jax.Array, pos: Positions, inv_freq: jax.Array,
+                fused: bool = True) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """x (B,T,D) -> (q (B,T,H,n+r) rotated and scaled, the normalized latent c (B,T,kv_rank), the rotated key
+        k_r (B,T,1,r))."""
         b, t, _ = x.shape
         a, r, h = self.mla, self.recipes, self.n_heads
         first = "wq_a" if a.q_rank else "wq"
@@ -493,18 +509,58 @@ class LatentAttention(Attention):
         if a.q_rank:
             q = linear(self.q_a_norm(q), self.wq_b, r["wq_b"], self.impl, self.reduce)
         c, k_rope = jnp.split(kv, [a.kv_rank], axis=-1)
-        kv = linear(self.kv_norm(c), self.wkv_b, r["wkv_b"], self.impl, self.reduce)
-        k_nope, v = jnp.split(kv.reshape(b, t, h, a.nope_dim + a.v_dim), [a.nope_dim], axis=-1)
         q_nope, q_rope = jnp.split(q.reshape(b, t, h, self.head_dim), [a.nope_dim], axis=-1)
         q_rope = apply_rope(q_rope, pos.rope, inv_freq)
         if self.rope_scale != 1.0:
             q_rope = q_rope * jnp.asarray(self.rope_scale, q_rope.dtype)
-        k_rope = apply_rope(k_rope[:, :, None, :], pos.rope, inv_freq)
         q = jnp.concatenate([q_nope, q_rope], axis=-1)
         if self.q_scale != 1.0:
             q = q * jnp.asarray(self.q_scale, q.dtype)
-        k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rope, (b, t, h, a.rope_dim))], axis=-1)
-        return q, k, v
+        return q, self.kv_norm(c), apply_rope(k_rope[:, :, None, :], pos.rope, inv_freq)
+
+    def _expand(self, c: jax.Array, k_rope: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """The latent c (B,S,kv_rank) and rotated key (B,S,1,r) -> every head's k (B,S,H,n+r) and v (B,S,H,v)."""
+        b, s, _ = c.shape
+        a, h = self.mla, self.n_heads
+        kv = linear(c, self.wkv_b, self.recipes["wkv_b"], self.impl, self.reduce)
+        k_nope, v = jnp.split(kv.reshape(b, s, h, a.nope_dim + a.v_dim), [a.nope_dim], axis=-1)
+        return jnp.concatenate([k_nope, jnp.broadcast_to(k_rope, (b, s, h, a.rope_dim))], axis=-1), v
+
+    def _qkv(self, x: jax.Array, pos: Positions, inv_freq: jax.Array,
+             fused: bool = True) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """x (B,T,D) -> q, k (B,T,H,n+r) and v (B,T,H,v) (class docstring)."""
+        q, c, k_rope = self._latent(x, pos, inv_freq, fused)
+        return (q, *self._expand(c, k_rope))
+
+    def decode(self, x: jax.Array, pos: Positions, inv_freq: jax.Array, cache: LatentCache,
+               layer: tuple[jax.Array, ...]) -> tuple[jax.Array, LatentCache]:
+        """`Attention.decode` over a cache of the latents (`LatentCache`, kv_rank + r values per position and layer
+        where the heads' keys and values would take H (n + r + v): 1,152 bytes against 10,240 per token and layer
+        for DeepSeek-V2-Lite in bf16). One new token a row (T = 1) attends in the latent, the paper's absorbed
+        form: with W_kvb's columns of head h split into W_k,h (kv_rank, n) and W_v,h (kv_rank, v),
+            q_n,h k_n,h(s)^T = (q_n,h W_k,h^T) c(s)^T,      o_h = sum_s p_h(s) v_h(s) = (sum_s p_h(s) c(s)) W_v,h,
+        so a step reads each cached position's c and k_r once for all heads and expands nothing. Several tokens
+        (a prompt's prefill, mx_jax.choices' continuations) expand the cached latents into keys and values and
+        attend as `Attention.decode`: there the absorbed scores' kv_rank + r dims per query would cost
+        (2 kv_rank + r) / (n + r + v) times the expanded form's FLOPs (3.4x at DeepSeek's dims)."""
+        q, c, k_rope = self._latent(x, pos, inv_freq, fused=False)
+        cache, (c, k_rope) = cache_write_read(cache, (c[:, :, None, :], k_rope), pos.rope[0], layer, q.dtype)
+        c = c[:, :, 0, :]  # (B,S,kv_rank)
+        if x.shape[1] > 1:
+            k, v = self._expand(c, k_rope)
+            o = attend_padded(functools.partial(jax.nn.dot_product_attention, mask=pos.visible[:, None],
+                                                implementation="xla"), q, k, v)
+            return self._out(o), cache
+        a, h = self.mla, self.n_heads
+        w = weight_and_operands(self.wkv_b)[0].astype(q.dtype).reshape(a.kv_rank, h, a.nope_dim + a.v_dim)
+        q_nope, q_rope = jnp.split(q, [a.nope_dim], axis=-1)
+        q_latent = jnp.einsum("bthn,chn->bthc", q_nope, w[..., :a.nope_dim])
+        scores = (jnp.einsum("bthc,bsc->bhts", q_latent, c, preferred_element_type=jnp.float32)
+                  + jnp.einsum("bthr,bsr->bhts", q_rope, k_rope[:, :, 0, :], preferred_element_type=jnp.float32))
+        scores = jnp.where(pos.visible[:, None], scores / math.sqrt(self.head_dim), -jnp.inf)
+        p = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
+        o = jnp.einsum("bthc,chv->bthv", jnp.einsum("bhts,bsc->bthc", p, c), w[..., a.nope_dim:])
+        return self._out(o), cache
 
     def _out(self, o: jax.Array) -> jax.Array:
         b, t = o.shape[:2]

@@ -66,8 +66,8 @@ from jax.ad_checkpoint import checkpoint_name
 from mx_jax import compat, dispatch, grouped_linear, quant, sharding
 from mx_jax.config import ModelConfig, QuantConfig
 from mx_jax.context_parallel import from_zigzag, to_zigzag
-from mx_jax.layers import (Attention, KVCache, LatentAttention, Positions, RMSNorm, SwiGLU, _param, context_shards,
-                           document_segments, linear, rope_inv_freq)
+from mx_jax.layers import (Attention, KVCache, LatentAttention, LatentCache, Positions, RMSNorm, SwiGLU, _param,
+                           context_shards, document_segments, linear, rope_inv_freq)
 from mx_jax.moe import MoE, RouterBias, update_bias
 
 compat.uninitialize_scan_outputs()  # the scanned layers' residual buffers are allocated, not zero-filled
@@ -278,9 +278,13 @@ def _decode_stack(stack: nnx.Module, x, pos, inv_freq, cache, outer: tuple[jax.A
 def init_cache(cfg: ModelConfig, batch: int, length: int, dtype=jnp.bfloat16) -> dict:
     """A zero KV cache of `length` positions for `batch` rows, shaped like the model's stacks (Llama.decode)."""
 
-    def kv(*layers: int) -> KVCache:
+    def kv(*layers: int) -> KVCache | LatentCache:
+        if cfg.mla.kv_rank:  # the latents, one "head" (layers.LatentAttention.decode)
+            shape = (*layers, batch, length, 1)
+            return LatentCache(jnp.zeros((*shape, cfg.mla.kv_rank), dtype),
+                               jnp.zeros((*shape, cfg.mla.rope_dim), dtype))
         shape = (*layers, batch, length, cfg.n_kv_heads)
-        return KVCache(jnp.zeros((*shape, cfg.d_head), dtype), jnp.zeros((*shape, cfg.v_dim), dtype))
+        return KVCache(jnp.zeros((*shape, cfg.d_head), dtype), jnp.zeros((*shape, cfg.d_head), dtype))
 
     n_first, n_groups, per_group = layer_kinds(cfg)
     cache = {"dense_blocks": kv(n_first)} if n_first else {}

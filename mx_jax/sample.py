@@ -208,8 +208,8 @@ class Split(NamedTuple):
 def tensor_parallel(setup: train.Setup, devices: list) -> Split:
     """The layout that splits a model over `devices` for decoding: each weight along its first dimension named in
     TENSOR_SPLIT that the devices divide (W_q, W_k, W_v, W_gate, W_up by output column, W_o and W_down by input
-    row, the routed experts' likewise along their hidden width, the head by vocabulary), the cache by key/value head;
-    the embedding, norms, routers and router biases whole on each. (Split by vocabulary, the embedding's one-row
+    row, the routed experts' likewise along their hidden width, the head by vocabulary), the cache by key/value head
+    (latent attention's cache of latents whole); the embedding, norms, routers and router biases whole on each. (Split by vocabulary, the embedding's one-row
     lookups made XLA all-gather the table every step on the GPU: 3.6 of the 8B's 11.3 ms per token on 2 H200s,
     benchmarks/RESULTS.md, session 67.) XLA's partitioner makes of the dense layers Megatron's layout: each device
     attends with its own heads and runs its own part of the hidden layer, then one all-reduce sums the attention
@@ -237,7 +237,7 @@ def tensor_parallel(setup: train.Setup, devices: list) -> Split:
 
     params = jax.tree.map(lambda v, a: split(v.shape, a), setup.abstract["params"], axes)
     buffers = jax.tree.map(lambda v: NamedSharding(mesh, P()), setup.abstract["buffers"])
-    heads = "tensor" if cfg.n_kv_heads % n == 0 else None
+    heads = "tensor" if cfg.n_kv_heads % n == 0 and not cfg.mla.kv_rank else None  # latents: one for all heads
     cache = jax.tree.map(lambda c: NamedSharding(mesh, P(*([None] * (c.ndim - 2)), heads, None)),
                          jax.eval_shape(lambda: init_cache(cfg, 1, 1)))
     return Split(params, buffers, cache, mesh)

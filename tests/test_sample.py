@@ -280,6 +280,29 @@ def test_several_devices_split_the_weights_and_draw_what_one_does(two_steps, n):
     assert cache["blocks"].k.sharding.spec[-2] == ("tensor" if n == 2 else None)
 
 
+def test_several_devices_split_a_latent_attention_model(tmp_path):
+    """--devices 2 on a model with model.mla (a query latent, values wider than the query heads): the latent
+    attention's head-wise matrices split along their heads' outputs, its latent projections and its cache of
+    latents whole; the same greedy tokens as one device."""
+    need_devices(2)
+    train.train(tiny_config(tmp_path, "steps=2", "mesh.data=1", "mesh.fsdp=1", NO_EVAL, *MLA), devices=jax.devices()[:1])
+    mesh, setup, params, buffers = _setup_and_state(tmp_path)
+    prompts = [list(b"import os\n"), list(b"def")]
+    with jax.set_mesh(mesh):
+        want = sample.Decoder(setup, params, buffers, temperature=0).run(prompts, 12)
+    split = sample.tensor_parallel(setup, jax.devices()[:2])
+    params, buffers = sample.load_model_state(setup.cfg, setup, tmp_path, None, split[:2])
+    attn = params["blocks"]["attn"]
+    assert tuple(attn["wkv_b"].sharding.spec) == (None, None, "tensor")
+    assert tuple(attn["wq_b"].sharding.spec) == (None, None, "tensor")
+    assert tuple(attn["wkv_a"].sharding.spec) in ((), (None, None, None))  # the latent stays whole
+    decoder = sample.Decoder(setup, params, buffers, temperature=0, cache_sharding=split.cache)
+    np.testing.assert_array_equal(decoder.run(prompts, 12), want)
+    cache = decoder._cache(2, 64)["blocks"]  # the latents (16) and the rotated key (8), whole on each device
+    assert (cache.c.shape[-2:], cache.k_rope.shape[-2:]) == ((1, 16), (1, 8))
+    assert cache.c.sharding.spec[-2] is None
+
+
 @pytest.fixture(scope="module")
 def moe_two_steps(tmp_path_factory):
     """A run of the tiny model with routed and shared experts, trained two steps on one device."""
