@@ -8,6 +8,7 @@ import yaml
 
 from mx_jax import hf, llama, train
 from mx_jax.config import ConfigError, load_config, to_yaml
+from mx_jax.moe import group_score_experts
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -212,7 +213,7 @@ def test_resolved_config_round_trips(tmp_path):
 
 @pytest.mark.parametrize("name", ["llama3_debug", "llama3_1b", "llama3_8b", "llama3_70b", "llama3_140m", "moe_debug",
                                   "mixtral_8x7b", "deepseek_moe_16b", "qwen3_30b_a3b", "mistral_7b",
-                                  "qwen2_5_7b", "deepseek_v2_lite"])
+                                  "qwen2_5_7b", "deepseek_v2_lite", "deepseek_v3"])
 def test_shipped_configs_load(name):
     cfg = load_config(str(ROOT / f"configs/{name}.yaml"))
     m = cfg.model
@@ -247,9 +248,20 @@ def test_shipped_configs_load(name):
         # by hand, per layer: W_q (D, H (n + r)), W_kva (D, c + r), the latent's norm (c,), W_kvb (c, H (n + v)),
         # W_o (H v, D) and two norms; one dense layer (d_ff 10944), 26 of router + 64 routed + 2 shared experts
         attn = 2048 * 16 * 192 + 2048 * 576 + 512 + 512 * 16 * 256 + 16 * 128 * 2048 + 2 * 2048
-        moe = 64 * 2048 + 3 * 2048 * 1408 * 66
-        by_hand = 27 * attn + 3 * 2048 * 10944 + 26 * moe + 2 * 102400 * 2048 + 2048
+        routed = 64 * 2048 + 3 * 2048 * 1408 * 66
+        by_hand = 27 * attn + 3 * 2048 * 10944 + 26 * routed + 2 * 102400 * 2048 + 2048
         assert llama.param_count(m) == by_hand == 15_706_484_224
+    if name == "deepseek_v3":  # deepseek-ai/DeepSeek-V3: 671 B parameters (without its multi-token prediction)
+        a, e = m.mla, m.moe
+        assert (a.q_rank, a.kv_rank, m.n_heads, e.n_experts, e.top_k, e.route_groups, e.route_top_groups) == \
+            (1536, 512, 128, 256, 8, 8, 4)
+        assert (e.score, e.routed_scale, e.normalize_top_k, e.n_dense_first) == ("sigmoid", 2.5, True, 3)
+        assert group_score_experts(e.top_k, e.n_experts, e.route_groups, e.route_top_groups) == 2  # V3's top-2
+        d = 7168  # per layer: W_qa, its norm, W_qb, W_kva, its norm, W_kvb, W_o, two norms
+        attn = d * 1536 + 1536 + 1536 * 128 * 192 + d * 576 + 512 + 512 * 128 * 256 + 128 * 128 * d + 2 * d
+        by_hand = 61 * attn + 3 * 3 * d * 18432 + 58 * (256 * d + 3 * d * 2048 * 257) + 2 * 129280 * d + d
+        assert llama.param_count(m) == by_hand == 671_026_404_352
+        assert cfg.data.batch_size % cfg.data.grad_accum_steps == 0
     first, groups, per_group = llama.layer_kinds(m)
     assert first + groups * per_group == m.n_layers
 
