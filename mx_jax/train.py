@@ -765,6 +765,10 @@ def train(cfg: TrainConfig, devices: list[jax.Device] | None = None) -> TrainRes
             and not (saved.is_dir() and any(d.name.isdigit() for d in saved.iterdir()))):  # (a resume never reads it)
         raise ConfigError(f"config key 'init_from': {cfg.init_from} does not exist (an HF Llama directory or an mx_jax "
                           f"run/step directory)")
+    if cfg.ckpt.resume not in ("latest", "never") and not (saved / str(int(cfg.ckpt.resume))).is_dir():
+        have = sorted(int(d.name) for d in saved.iterdir() if d.name.isdigit()) if saved.is_dir() else []
+        raise ConfigError(f"config key 'ckpt.resume': no checkpoint for step {int(cfg.ckpt.resume)} in {saved} (have "
+                          f"{have or 'none'})")  # before prepare_run_dir makes the run directory
     run_dir = prepare_run_dir(cfg)
     ckpt = None
     # From here until the last save is committed, a SIGTERM waits for the step in flight and its checkpoint.

@@ -71,6 +71,19 @@ def test_resume_never_refuses_to_overwrite(tmp_path):
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["2"]  # nothing touched
 
 
+def test_resume_of_a_missing_step_writes_nothing(tmp_path, capsys):
+    """ckpt.resume=N without a checkpoint of step N: exit 2 naming the key, and no run directory made (a new one) or
+    touched (one holding other steps)."""
+    rc = train.main([*TINY, f"run_dir={tmp_path / 'new'}", "steps=4", "ckpt.resume=3"])
+    assert rc == 2 and not (tmp_path / "new").exists()
+    assert "config key 'ckpt.resume': no checkpoint for step 3" in capsys.readouterr().err
+    train.train(tiny_config(tmp_path / "old", "steps=2", "mesh.fsdp=1", NO_EVAL), devices=jax.devices()[:1])
+    before = sorted(p.name for p in (tmp_path / "old").rglob("*"))
+    assert train.main([*TINY, f"run_dir={tmp_path / 'old'}", "steps=4", "ckpt.resume=3"]) == 2
+    assert "(have [2])" in capsys.readouterr().err
+    assert sorted(p.name for p in (tmp_path / "old").rglob("*")) == before
+
+
 # The child process slows Orbax's final rename (the commit) so the kill lands while a save is in flight.
 _CHILD = textwrap.dedent("""
     import asyncio, sys, time
