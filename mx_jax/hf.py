@@ -1,8 +1,9 @@
-"""Hugging Face Llama, Mistral, Phi-3, Mixtral, DeepSeekMoE, DeepSeek-V2, Qwen2 and Qwen3 checkpoints in and out
-(config.json + safetensors).
+"""Hugging Face Llama, Mistral, Phi-3, Mixtral, DeepSeekMoE, DeepSeek-V2, DeepSeek-V3, Qwen2 and Qwen3 checkpoints in
+and out (config.json + safetensors).
 
     python -m mx_jax.hf import HF_DIR OUT_DIR              # -> OUT_DIR/checkpoints/0/state + OUT_DIR/config.yaml
-                                                           # (+ OUT_DIR/hf_config.json and the other SIDECARS)
+                                                           # (+ OUT_DIR/hf_config.json and the other SIDECARS);
+                                                           # the state holds "params" and, for MoE, "buffers"
     python -m mx_jax.hf export RUN_DIR HF_OUT [--step N]   # a trainer checkpoint -> config.json + safetensors,
                                                            # the data's tokenizer files (export_tokenizer) and the
                                                            # model's sidecars (export_base)
@@ -88,7 +89,7 @@ Its `MoEGate` is moe.py's router: softmax over x W_r^T, top-k, the k weights ren
 `norm_topk_prob` (false for the 16B), and the shared experts added unweighted. `aux_loss_alpha` is
 model.moe.aux_loss_coef as it is: both losses are alpha x 1 at balance (DeepSeek's `seq_aux` computes it per
 sequence, moe.py over each device's tokens). The attention, norms and RoPE are Llama's (head_dim = D / heads, no
-rope scaling). Other MoE layouts (sigmoid scores and trained router biases, which are DeepSeek-V3's; MoE layers every
+rope scaling). Other MoE layouts (sigmoid scores and trained router biases without latent attention, MoE layers every
 N-th) have no HF counterpart here and are refused naming the key.
 
 DeepSeek-V2 (DeepseekV2ForCausalLM, `model_type: deepseek_v2`: deepseek-ai/DeepSeek-V2 and -V2-Lite, in transformers
@@ -122,6 +123,38 @@ a token's `topk_group` best of `n_group` groups, a group scored by its best expe
 route_top_groups and route_group_top = 1 (DeepSeek-V2's top-6 in 3 of 8 groups; V2-Lite is greedy). A dense model
 with model.mla exports as first_k_dense_replace = L.
 
+DeepSeek-V3 (DeepseekV3ForCausalLM, `model_type: deepseek_v3`: deepseek-ai/DeepSeek-V3 and -R1, moonshotai/Moonlight-
+16B-A3B; Kimi K2's config.json names the same architecture `kimi_k2`, read as deepseek_v3 and written back so) is
+DeepSeek-V2's layout above with sigmoid routing and a trained bias per routed expert in each MoE layer:
+
+    model.layers.{i}.mlp.gate.e_score_correction_bias    (E,)         buffers: blocks.moe.bias    (L', E)   float32
+
+That bias is moe.py's RouterBias, a buffer and not a parameter (the model's `buffers` tree, llama.buffers_of; the
+train step moves it when model.moe.bias_update_rate > 0, which the import leaves at 0): `import` saves it as the
+checkpoint's "buffers" beside its "params" (`save_params`), `init_from` returns it with the parameters
+(`load_hf_buffers` from an HF directory, `load_buffers` from a checkpoint: zeros where a source holds none), and
+`export` writes it back in float32 (transformers keeps it so). Routing is transformers' `DeepseekV3TopkRouter`
+(topk_method noaux_tc, which transformers runs whatever config.json says): s = sigmoid(x W_r^T); each group of E /
+n_group experts scored by the sum of its two best s + b, a token's topk_group best groups kept, its top-k experts
+among theirs by s + b; their weights are the unbiased s, divided by their sum when norm_topk_prob, times
+routed_scaling_factor. That is model.moe.score=sigmoid, route_groups, route_top_groups, route_group_top = 2 (set,
+whatever moe.py's default gives), normalize_top_k and routed_scale; n_group 1, or topk_group = n_group, is greedy
+(route_groups 0). The Hub's modeling_deepseek.py differs from transformers in two corners, where an import follows
+transformers: it renormalizes only for top-k > 1, and it fills the dropped groups' scores with 0 instead of -inf (the
+same choice while k of the kept experts have s + b > 0). RoPE: with `rope_interleave` (DeepseekV3Config's default
+true; the Hub's code always) the rotated dims are interleaved pairs as in DeepSeek-V2
+(`apply_rotary_pos_emb_interleave`), and the rotated rows are reordered as `_rope_rows` gives; false rotates halves,
+mx_jax's order, rows as stored. An export writes rope_interleave true. The `num_nextn_predict_layers`
+multi-token-prediction layers stored after the L decoder layers (DeepSeek-V3's model.layers.61.*), which transformers
+does not load either, are skipped with a warning, and an export writes num_nextn_predict_layers 0.
+
+FP8 checkpoints (config.json's quantization_config with quant_method "fp8" and weight_block_size [b0, b1]: DeepSeek-V3's
+and Kimi K2's, whatever the model_type): a weight W8 (out, in) stored in float8 with `<key>_scale_inv` beside it,
+(ceil(out / b0), ceil(in / b1)) float32, is dequantized as it is read, W[r, c] = W8[r, c] scale_inv[r // b0, c // b1]
+(DeepSeek-V3's inference/fp8_cast_bf16.py `weight_dequant`; transformers' `_dequantize_fp8_weight`), slices too. The
+parameters are then float32 masters as for any import; an export writes 16- or 32-bit weights and drops
+quantization_config. Other quantization (GPTQ, AWQ, bitsandbytes, ...) is refused naming quantization_config.
+
 Qwen3 (Qwen3ForCausalLM, `model_type: qwen3`) is Llama's layout plus each layer's per-head norms of q and k
 (model.qk_norm), applied before RoPE:
 
@@ -137,8 +170,8 @@ softmax, top-k renormalized when `norm_topk_prob`; `mlp_only_layers` (which must
 ones, and its `router_aux_loss_coef` is Mixtral's (x top_k here). `hf.model_type` picks the architecture an export
 writes; an import reads the names of config.json's own model_type, whatever routing the run's config asks for.
 
-Trainer hook: `init_from(path, model_cfg, param_shardings)` returns parameters from an HF directory or an mx_jax
-checkpoint, placed on the mesh (the config key `init_from` calls it on a fresh start).
+Trainer hook: `init_from(path, model_cfg, param_shardings, buffer_shardings)` returns (parameters, buffers) from an HF
+directory or an mx_jax checkpoint, placed on the mesh (the config key `init_from` calls it on a fresh start).
 """
 
 from __future__ import annotations
@@ -155,9 +188,10 @@ import shutil
 import sys
 import tempfile
 import warnings
-from typing import Any, Iterator
+from typing import Any, Iterator, NamedTuple
 
 import jax
+import ml_dtypes
 import numpy as np
 import yaml
 
@@ -178,8 +212,9 @@ class HFFormatError(ValueError):
 @dataclasses.dataclass(frozen=True)
 class _Tensor:
     hf: str  # HF key; "{i}" stands for the layer index of per-layer tensors
-    path: tuple[str, ...]  # path in the mx_jax params dict
+    path: tuple[str, ...]  # path in the mx_jax params dict (in the buffers dict, with buffer)
     transpose: bool  # nn.Linear (out, in) <-> (in, out)
+    buffer: bool = False  # a buffer (moe.RouterBias), not a parameter: float32, outside the optimizer
 
     @property
     def per_layer(self) -> bool:
@@ -255,6 +290,9 @@ MLA_KV: tuple[_Tensor, ...] = (
     _Tensor("model.layers.{i}.self_attn.kv_b_proj.weight", ("blocks", "attn", "wkv_b"), True),
     _Tensor("model.layers.{i}.self_attn.o_proj.weight", ("blocks", "attn", "wo"), True),
 )
+# DeepSeek-V3 (DeepseekV3ForCausalLM): DeepSeek-V2's tensors and each MoE layer's router bias, a buffer
+# (`buffer_shapes`), whose place in the buffers tree `path` gives.
+ROUTER_BIAS = _Tensor("model.layers.{i}.mlp.gate.e_score_correction_bias", ("blocks", "moe", "bias"), False, True)
 _DENSE_MLP = tuple(t for t in LAYOUT if t.path[:2] == ("blocks", "mlp"))
 _BEFORE_MLP = tuple(t for t in LAYOUT if t.per_layer and t.path[:2] != ("blocks", "mlp"))
 
@@ -269,15 +307,20 @@ def model_type(cfg: ModelConfig) -> str:
     - "qwen3_moe": with model.qk_norm, softmax routing, every layer after the dense first ones MoE, no shared
       experts;
     - "deepseek_v2": with model.mla; dense, or softmax routing without renormalization, every layer after the dense
-      first ones MoE, group-limited routing only where a group's score is its best expert's (`_deepseek_v2_moe`)."""
+      first ones MoE, group-limited routing only where a group's score is its best expert's (`_deepseek_v2_moe`);
+    - "deepseek_v3": with model.mla, MoE with sigmoid routing (or router biases that train: bias_update_rate > 0),
+      every layer after the dense first ones MoE, shared experts, group-limited routing only where a group's score
+      sums its best two (`_deepseek_v3_kind`)."""
     m = cfg.moe
     if cfg.mla.kv_rank:
+        if m.n_experts and (m.score == "sigmoid" or m.bias_update_rate > 0):
+            return _deepseek_v3_kind(cfg)
         return _deepseek_v2_kind(cfg)
-    # DeepSeek-V2's (and V3's), which HF holds beside multi-head latent attention only
+    # DeepSeek-V2's and V3's, which HF holds beside multi-head latent attention only
     for key, value, off in (("route_groups", m.route_groups, 0), ("routed_scale", m.routed_scale, 1.0)):
         if m.n_experts and value != off:
             raise ConfigError(f"config key 'model.moe.{key}': {value!r}; no HF model mapped here has it without "
-                              f"model.mla (DeepSeek-V2 has it, beside its multi-head latent attention)")
+                              f"model.mla (DeepSeek-V2 and V3 have it, beside their multi-head latent attention)")
     if cfg.attention_bias:  # Qwen2's; its MoE (Qwen2-MoE) gates its shared expert, which mx_jax does not
         for key, value in (("qk_norm", cfg.qk_norm), ("moe.n_experts", m.n_experts)):
             if value:
@@ -324,6 +367,31 @@ def _deepseek_v2_kind(cfg: ModelConfig) -> str:
     return "deepseek_v2"
 
 
+def _deepseek_v3_kind(cfg: ModelConfig) -> str:
+    """"deepseek_v3" for a MoE model with multi-head latent attention that transformers' DeepseekV3ForCausalLM holds,
+    or a ConfigError naming the key it cannot: its router scores by sigmoid with a bias per expert for the choice,
+    its MoE layers are every layer after the first dense ones and have shared experts, and a group scores by the sum
+    of its best two experts' biased scores (a group of one expert cannot)."""
+    m = cfg.moe
+    wants = [("qk_norm", cfg.qk_norm, False), ("attention_bias", cfg.attention_bias, False),
+             ("n_kv_heads", cfg.n_kv_heads, cfg.n_heads), ("moe.every_n_layers", m.every_n_layers, 1),
+             ("moe.score", m.score, "sigmoid")]
+    for key, value, want in wants:
+        if value != want:
+            raise ConfigError(f"config key 'model.{key}': {value!r}; with model.mla and trained router biases HF "
+                              f"interop covers DeepSeek-V3's architecture (DeepseekV3ForCausalLM has {key}={want!r})")
+    if m.n_shared < 1:
+        raise ConfigError("config key 'model.moe.n_shared': 0; DeepseekV3ForCausalLM always runs shared experts "
+                          "(n_shared_experts >= 1)")
+    best = group_score_experts(m.top_k, m.n_experts, m.route_groups, m.route_top_groups, m.route_group_top) \
+        if m.route_groups else 2
+    if best != 2:
+        raise ConfigError(f"config key 'model.moe.route_group_top': {m.route_group_top} scores a group by the sum of "
+                          f"its best {best} expert(s); DeepSeek-V3's noaux_tc sums its best 2 "
+                          f"(model.moe.route_group_top=2, with at least 2 experts in a group)")
+    return "deepseek_v3"
+
+
 def _n_dense_first(cfg: ModelConfig) -> int:
     return cfg.moe.n_dense_first if cfg.moe.n_experts else 0
 
@@ -342,8 +410,12 @@ def _layer_layout(cfg: ModelConfig, i: int, kind: str) -> tuple[str, int, tuple[
         return "dense_blocks", i, dense
     if not cfg.moe.n_experts:
         mlp = _DENSE_MLP
+    elif kind == "mixtral":
+        mlp = MIXTRAL_MLP
     else:
-        mlp = MIXTRAL_MLP if kind == "mixtral" else DEEPSEEK_MLP + (DEEPSEEK_SHARED if cfg.moe.n_shared else ())
+        router, *experts = DEEPSEEK_MLP
+        mlp = (router, *((ROUTER_BIAS,) if kind == "deepseek_v3" else ()), *experts,
+               *(DEEPSEEK_SHARED if cfg.moe.n_shared else ()))
     return "blocks", i - n_first, before + mlp
 
 
@@ -365,13 +437,17 @@ def _fusions(hf_model_type: str | None, cfg: ModelConfig) -> list[tuple[str, lis
     return out
 
 
-def _rope_rows(hf_model_type: str | None, cfg: ModelConfig) -> dict[str, np.ndarray]:
-    """{HF key: the row of it that each mx_jax column reads} of the tensors whose rows `hf_model_type` orders
-    otherwise. DeepSeek-V2 rotates interleaved pairs (x_2i, x_2i+1) (transformers' `apply_rotary_emb`, a complex
-    product), mx_jax the halves (x_i, x_i+r/2) (`layers.apply_rope`): in the rotated rows of each head of q_proj
-    (q_b_proj) and of kv_a_proj_with_mqa, mx_jax's order is HF's rows 0, 2, ..., r-2, 1, 3, ..., r-1. The other rows
-    keep their place, as q . k is a sum over pairs that both sides permute alike."""
-    if hf_model_type != "deepseek_v2" or not cfg.mla.kv_rank:
+def _rope_rows(hf: dict, cfg: ModelConfig) -> dict[str, np.ndarray]:
+    """{HF key: the row of it that each mx_jax column reads} of the tensors whose rows the model of config.json `hf`
+    orders otherwise. DeepSeek-V2 rotates interleaved pairs (x_2i, x_2i+1) (transformers' `apply_rotary_emb`, a
+    complex product), and so does DeepSeek-V3 with rope_interleave (`apply_rotary_pos_emb_interleave`), mx_jax the
+    halves (x_i, x_i+r/2) (`layers.apply_rope`): in the rotated rows of each head of q_proj (q_b_proj) and of
+    kv_a_proj_with_mqa, mx_jax's order is HF's rows 0, 2, ..., r-2, 1, 3, ..., r-1. The other rows keep their place,
+    as q . k is a sum over pairs that both sides permute alike."""
+    kind = _family(hf.get("model_type"))
+    # (transformers tests rope_interleave for truth: null rotates halves)
+    interleaved = kind == "deepseek_v2" or (kind == "deepseek_v3" and bool(hf.get("rope_interleave", True)))
+    if not interleaved or not cfg.mla.kv_rank:
         return {}
     a, h = cfg.mla, cfg.n_heads
     rope = np.concatenate([np.arange(0, a.rope_dim, 2), np.arange(1, a.rope_dim, 2)])
@@ -436,12 +512,21 @@ HF_CLASS_DEFAULTS = {
     # null there means none, as the Hub's modeling_deepseek.py reads it; `config_from_hf`)
     "deepseek_v2": {"kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
                     "moe_intermediate_size": 1407, "intermediate_size": 11008},
+    # (q_lora_rank 1536, n_routed_experts 256 and n_shared_experts 1 too, null meaning none as for deepseek_v2;
+    # rope_interleave true, num_nextn_predict_layers 1: `_rope_rows`, `_plan`)
+    "deepseek_v3": {"kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
+                    "moe_intermediate_size": 2048, "intermediate_size": 18432, "num_experts_per_tok": 8,
+                    "first_k_dense_replace": 3, "n_group": 8, "topk_group": 4, "norm_topk_prob": True,
+                    "routed_scaling_factor": 2.5},
 }
 
 
 def config_from_hf(hf: dict, source: str = "config.json") -> ModelConfig:
     """An HF LlamaConfig dict (config.json) -> ModelConfig; architecture fields only, the rest at their defaults (a
-    key config.json lacks: its config class's default, HF_CLASS_DEFAULTS)."""
+    key config.json lacks: its config class's default, HF_CLASS_DEFAULTS). Kimi K2's `kimi_k2` is read as
+    deepseek_v3, the architecture its config.json names (DeepseekV3ForCausalLM)."""
+    if hf.get("model_type") in _ALIASES:
+        hf = {**hf, "model_type": _ALIASES[hf["model_type"]]}
     hf = {**hf, **{k: v for k, v in HF_CLASS_DEFAULTS.get(hf.get("model_type"), {}).items() if hf.get(k) is None}}
 
     def get(key: str, default: Any = None) -> Any:
@@ -453,16 +538,16 @@ def config_from_hf(hf: dict, source: str = "config.json") -> ModelConfig:
     if "model_type" not in hf and any(a != "LlamaForCausalLM" for a in archs):
         raise HFFormatError(f"{source}: no model_type, and architectures is {archs}; only LlamaForCausalLM, "
                             f"MistralForCausalLM, Phi3ForCausalLM, MixtralForCausalLM, DeepseekForCausalLM, "
-                            f"DeepseekV2ForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM and Qwen3MoeForCausalLM map to "
-                            f"mx_jax")
+                            f"DeepseekV2ForCausalLM, DeepseekV3ForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM and "
+                            f"Qwen3MoeForCausalLM map to mx_jax")
     model_type = hf.get("model_type", "llama")
-    if model_type not in ("llama", "mistral", "phi3", "mixtral", "deepseek", "deepseek_v2", "qwen2", "qwen3",
-                          "qwen3_moe"):
+    if model_type not in ("llama", "mistral", "phi3", "mixtral", "deepseek", "deepseek_v2", "deepseek_v3", "qwen2",
+                          "qwen3", "qwen3_moe"):
         raise HFFormatError(f"{source}: model_type is {model_type!r}; only 'llama' (LlamaForCausalLM), 'mistral' "
                             f"(MistralForCausalLM), 'phi3' (Phi3ForCausalLM), 'mixtral' (MixtralForCausalLM), "
                             f"'deepseek' (DeepseekForCausalLM, DeepSeekMoE), 'deepseek_v2' (DeepseekV2ForCausalLM), "
-                            f"'qwen2' (Qwen2ForCausalLM), 'qwen3' (Qwen3ForCausalLM) and 'qwen3_moe' "
-                            f"(Qwen3MoeForCausalLM) map to mx_jax")
+                            f"'deepseek_v3' and 'kimi_k2' (DeepseekV3ForCausalLM), 'qwen2' (Qwen2ForCausalLM), "
+                            f"'qwen3' (Qwen3ForCausalLM) and 'qwen3_moe' (Qwen3MoeForCausalLM) map to mx_jax")
     if model_type in ("mistral", "phi3"):
         # A window no shorter than the model's context never applies; where config.json has no such keys, the
         # classes' defaults: MistralConfig 4096 and 131072, Phi3Config none and 4096.
@@ -480,20 +565,24 @@ def config_from_hf(hf: dict, source: str = "config.json") -> ModelConfig:
     if model_type == "deepseek":
         head_dim = d_model // n_heads  # DeepSeek's attention has no head_dim key of its own
         moe = _deepseek_moe(hf, source, int(get("num_hidden_layers")))
-    if model_type == "deepseek_v2":
-        # its head_dim key is the rotated width (DeepseekV2Config sets it so); each head has its own key and value
+    if model_type in ("deepseek_v2", "deepseek_v3"):
+        # its head_dim key is the rotated width (DeepseekV2Config and V3Config set it so); each head has its own key
+        # and value
+        name = "DeepSeek-V2" if model_type == "deepseek_v2" else "DeepSeek-V3"
         if n_kv_heads != n_heads:
-            raise HFFormatError(f"{source}: num_key_value_heads={n_kv_heads} is not supported (DeepSeek-V2's latent "
+            raise HFFormatError(f"{source}: num_key_value_heads={n_kv_heads} is not supported ({name}'s latent "
                                 f"attention makes a key and a value for each of the {n_heads} heads)")
-        q_rank = hf.get("q_lora_rank", 1536)  # DeepseekV2Config's default where absent; null: queries from x
+        q_rank = hf.get("q_lora_rank", 1536)  # the config class's default where absent; null: queries from x
         mla = MLAConfig(kv_rank=int(get("kv_lora_rank")), q_rank=int(q_rank or 0),
                         nope_dim=int(get("qk_nope_head_dim")), rope_dim=int(get("qk_rope_head_dim")),
                         v_dim=int(get("v_head_dim")))
         if mla.kv_rank <= 0 or mla.q_rank < 0:
-            raise HFFormatError(f"{source}: kv_lora_rank={mla.kv_rank}, q_lora_rank={q_rank}: DeepSeek-V2's latent "
+            raise HFFormatError(f"{source}: kv_lora_rank={mla.kv_rank}, q_lora_rank={q_rank}: {name}'s latent "
                                 f"attention needs kv_lora_rank > 0 and q_lora_rank null or > 0")
         head_dim = d_model // n_heads
-        moe = _deepseek_v2_moe(hf, source, int(get("num_hidden_layers")))
+        n_layers = int(get("num_hidden_layers"))
+        moe = _deepseek_v2_moe(hf, source, n_layers) if model_type == "deepseek_v2" else \
+            _deepseek_v3_moe(hf, source, n_layers)
     if model_type in ("qwen2", "qwen3", "qwen3_moe"):
         if hf.get("use_sliding_window"):
             raise HFFormatError(f"{source}: use_sliding_window=true is not supported (mx_jax attends to the whole "
@@ -535,7 +624,7 @@ def config_from_hf(hf: dict, source: str = "config.json") -> ModelConfig:
     else:
         raise HFFormatError(f"{source}: rope_scaling type {rope_type!r} is not supported (only 'llama3', 'yarn' and "
                             f"none)")
-    if model_type == "deepseek_v2" and rope.get("mscale_all_dim"):
+    if model_type in ("deepseek_v2", "deepseek_v3") and rope.get("mscale_all_dim"):
         # transformers' yarn_apply_mscale: the softmax scale times m^2, m from mscale_all_dim and the factor
         if rope_type != "yarn":
             raise HFFormatError(f"{source}: rope_scaling's mscale_all_dim with type {rope_type!r} is not supported "
@@ -650,6 +739,39 @@ def _deepseek_v2_moe(hf: dict, source: str, n_layers: int) -> MoEConfig:
                      aux_loss_coef=float(hf.get("aux_loss_alpha", 0.001)))  # alpha x 1 at balance in both
 
 
+def _deepseek_v3_moe(hf: dict, source: str, n_layers: int) -> MoEConfig:
+    """The MoE of a DeepseekV3Config as transformers runs it (DeepseekV3MoE, DeepseekV3TopkRouter; module docstring):
+    sigmoid scores, each expert's e_score_correction_bias added for the choice only, noaux_tc's groups scored by the
+    sum of their best two biased scores (route_group_top = 2), the top-k weights renormalized when norm_topk_prob,
+    times routed_scaling_factor, the shared experts added unweighted. Keys transformers ignores but the Hub's code
+    reads (scoring_func, topk_method, moe_layer_freq) must say what transformers does. n_group 1, or topk_group =
+    n_group, keeps every group: greedy. n_routed_experts null (the Hub's code: dense) or first_k_dense_replace >=
+    the layers: dense."""
+    first = int(hf["first_k_dense_replace"])
+    n_experts = hf.get("n_routed_experts", 256)  # DeepseekV3Config's default where absent
+    if n_experts is None or first >= n_layers:
+        return MoEConfig()
+    n_experts = int(n_experts)
+    for key, want in (("moe_layer_freq", 1), ("scoring_func", "sigmoid"), ("topk_method", "noaux_tc")):
+        if hf.get(key, want) != want:
+            raise HFFormatError(f"{source}: {key}={hf[key]!r} is not supported (transformers' DeepseekV3 runs "
+                                f"{key}={want!r} whatever the key says, and so does mx_jax)")
+    top_k, groups, top_groups = int(hf["num_experts_per_tok"]), int(hf["n_group"]), int(hf["topk_group"])
+    if not (groups > 0 and n_experts % groups == 0 and n_experts // groups >= 2 and 0 < top_groups <= groups
+            and top_k <= top_groups * (n_experts // groups)):
+        raise HFFormatError(f"{source}: n_group={groups}, topk_group={top_groups} is not supported for {n_experts} "
+                            f"experts, top-{top_k} (n_group must divide them into groups of at least 2, whose best 2 "
+                            f"score the group, and topk_group groups hold the top_k)")
+    if top_groups == groups:  # every group kept: greedy
+        groups = top_groups = 0
+    shared = hf.get("n_shared_experts", 1)  # DeepseekV3Config's default where absent; null: none (the Hub's code)
+    return MoEConfig(n_experts=n_experts, top_k=top_k, d_expert=int(hf["moe_intermediate_size"]),
+                     n_shared=int(shared or 0), n_dense_first=first, score="sigmoid",
+                     normalize_top_k=bool(hf["norm_topk_prob"]), route_groups=groups, route_top_groups=top_groups,
+                     route_group_top=2 if groups else 0, routed_scale=float(hf["routed_scaling_factor"]),
+                     aux_loss_coef=float(hf.get("aux_loss_alpha", 0.001)))  # as DeepSeek-V2's
+
+
 def _qwen3_moe(hf: dict, source: str, n_layers: int) -> MoEConfig:
     """The MoE of a Qwen3MoeConfig: its `mlp_only_layers` must be the first layers (model.moe.n_dense_first), and
     `decoder_sparse_step` 1. HF's balancing loss is top_k at balance, ours 1 (moe.py): coefficient x top_k."""
@@ -682,14 +804,20 @@ _ARCH_HF_KEYS = frozenset((
     "moe_layer_freq", "mlp_only_layers", "decoder_sparse_step", "norm_topk_prob", "scoring_func", "topk_method",
     "router_aux_loss_coef", "aux_loss_alpha", "sliding_window", "use_sliding_window", "max_window_layers",
     "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "qk_head_dim",
-    "routed_scaling_factor", "n_group", "topk_group"))
+    "routed_scaling_factor", "n_group", "topk_group", "rope_interleave", "num_nextn_predict_layers",
+    # the exported weights are 16- or 32-bit: an imported fp8 checkpoint's quantization_config would misdescribe them
+    "quantization_config"))
 # The keys of a base config.json kept whatever its architecture.
 _GENERIC_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id", "max_position_embeddings", "initializer_range",
                  "transformers_version")
 # model_types that are another's architecture, in every config key mx_jax maps: Mistral (v0.2 on, without a sliding
-# window) and Phi-3 (its q, k, v and gate, up projections stored fused: `_fusions`) are Llama's. {model_type: (the
-# model_type it maps as, its architecture)}.
-_SAME_AS = {"mistral": ("llama", "MistralForCausalLM"), "phi3": ("llama", "Phi3ForCausalLM")}
+# window) and Phi-3 (its q, k, v and gate, up projections stored fused: `_fusions`) are Llama's, Kimi K2's is
+# DeepSeek-V3's. {model_type: (the model_type it maps as, its architecture)}.
+_SAME_AS = {"mistral": ("llama", "MistralForCausalLM"), "phi3": ("llama", "Phi3ForCausalLM"),
+            "kimi_k2": ("deepseek_v3", "DeepseekV3ForCausalLM")}
+# Those whose config.json config_from_hf reads as the other's: all its keys are the other's (Mistral's and Phi-3's
+# have checks and class defaults of their own).
+_ALIASES = {"kimi_k2": "deepseek_v3"}
 
 
 def _family(hf_model_type: str | None) -> str:
@@ -715,9 +843,10 @@ def config_to_hf(cfg: ModelConfig, dtype: str, base: dict | None = None) -> dict
     other keys (token ids, max_position_embeddings, ...), or only _GENERIC_KEYS where it describes another
     model_type; the architecture keys are overwritten."""
     kind = model_type(cfg)
-    if cfg.moe.bias_update_rate > 0:
+    if cfg.moe.bias_update_rate > 0 and kind != "deepseek_v3":
         raise ConfigError("config key 'model.moe.bias_update_rate': the router biases it trains change which experts "
-                          "are chosen, and no HF MoE mapped here has a place for them")
+                          "are chosen, and no HF MoE mapped here has a place for them but DeepSeek-V3's (model.mla, "
+                          "model.moe.score=sigmoid)")
     sc = cfg.rope_scaling
     scaled = sc.factor > 1.0
     if kind == "deepseek" and scaled:
@@ -754,13 +883,13 @@ def config_to_hf(cfg: ModelConfig, dtype: str, base: dict | None = None) -> dict
     if "dtype" in out:  # transformers 5 writes `dtype` instead of `torch_dtype`
         out["dtype"] = dtype
     m = cfg.moe
-    same = base.get("model_type") if kind == "llama" and base and base.get("model_type") in _SAME_AS else None
+    same = base.get("model_type") if base and _SAME_AS.get(base.get("model_type"), ("",))[0] == kind else None
     if same == "phi3" and scaled:  # the same model under Llama's names: Phi3Config takes only LongRoPE scaling
         warnings.warn(f"model.rope_scaling is {'YaRN' if sc.kind == 'yarn' else 'Llama 3.1'}'s, which Phi3Config does "
                       f"not take: the export is written as LlamaForCausalLM (q, k, v and gate, up unfused)",
                       stacklevel=2)
         same = None
-    if same:  # MistralConfig's or Phi3Config's keys
+    if same and kind == "llama":  # MistralConfig's or Phi3Config's keys
         for key in ("attention_bias", "mlp_bias"):
             out.pop(key)
         out.update({"architectures": [_SAME_AS[same][1]], "model_type": same, "sliding_window": None})
@@ -778,8 +907,8 @@ def config_to_hf(cfg: ModelConfig, dtype: str, base: dict | None = None) -> dict
                     "first_k_dense_replace": m.n_dense_first, "moe_layer_freq": 1, "scoring_func": "softmax",
                     "norm_topk_prob": m.normalize_top_k, "aux_loss_alpha": m.aux_loss_coef, "pretraining_tp": 1})
         out.setdefault("seq_aux", True)
-    elif kind == "deepseek_v2":  # DeepseekV2Config's keys; its head_dim is the rotated width, which it sets itself
-        a = cfg.mla
+    elif kind in ("deepseek_v2", "deepseek_v3"):  # DeepseekV2Config's and V3Config's keys; their head_dim is the
+        a = cfg.mla  # rotated width, which they set themselves
         out.pop("head_dim")
         out.update({"architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2",
                     "kv_lora_rank": a.kv_rank, "q_lora_rank": a.q_rank or None, "qk_nope_head_dim": a.nope_dim,
@@ -788,12 +917,19 @@ def config_to_hf(cfg: ModelConfig, dtype: str, base: dict | None = None) -> dict
         if m.n_experts:  # (a dense model: every layer before first_k_dense_replace, the MoE keys at their defaults)
             out.update({"n_routed_experts": m.n_experts, "num_experts_per_tok": m.top_k,
                         "moe_intermediate_size": m.d_expert or cfg.d_ff, "n_shared_experts": m.n_shared,
-                        "moe_layer_freq": 1, "scoring_func": "softmax", "norm_topk_prob": False,
-                        "topk_method": "group_limited_greedy" if m.route_groups else "greedy",
-                        "routed_scaling_factor": m.routed_scale, "aux_loss_alpha": m.aux_loss_coef})
+                        "moe_layer_freq": 1, "routed_scaling_factor": m.routed_scale,
+                        "aux_loss_alpha": m.aux_loss_coef})
+            out.setdefault("seq_aux", True)
+        if kind == "deepseek_v2" and m.n_experts:
+            out.update({"scoring_func": "softmax", "norm_topk_prob": False,
+                        "topk_method": "group_limited_greedy" if m.route_groups else "greedy"})
             if m.route_groups:
                 out.update({"n_group": m.route_groups, "topk_group": m.route_top_groups})
-            out.setdefault("seq_aux", True)
+        if kind == "deepseek_v3":  # rotated rows interleaved (`_rope_rows`), no multi-token-prediction layers
+            out.update({"architectures": ["DeepseekV3ForCausalLM"], "model_type": same or "deepseek_v3",
+                        "scoring_func": "sigmoid", "topk_method": "noaux_tc", "n_group": m.route_groups or 1,
+                        "topk_group": m.route_top_groups or 1, "norm_topk_prob": m.normalize_top_k,
+                        "rope_interleave": True, "num_nextn_predict_layers": 0})
     elif kind in ("qwen2", "qwen3", "qwen3_moe"):
         out.pop("mlp_bias")
         out.update({"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "use_sliding_window": False,
@@ -886,6 +1022,14 @@ def param_shapes(cfg: ModelConfig) -> dict:
     }
 
 
+def buffer_shapes(cfg: ModelConfig) -> dict:
+    """The mx_jax buffers tree of a model `model_type` maps (what llama.buffers_of returns), as nested dicts of
+    shapes: each MoE layer's router bias (moe.RouterBias, float32); {} for a dense model."""
+    if not cfg.moe.n_experts:
+        return {}
+    return {"blocks": {"moe": {"bias": (cfg.n_layers - _n_dense_first(cfg), cfg.moe.n_experts)}}}
+
+
 def _get(tree: dict, path: tuple[str, ...]) -> Any:
     for p in path:
         tree = tree[p]
@@ -919,18 +1063,19 @@ def _hf_keys(cfg: ModelConfig, kind: str | None = None) -> Iterator[tuple[str, _
     yield from ((t.hf, t, ()) for t in LAYOUT[1:] if not t.per_layer)
 
 
-def check_params(params: dict, cfg: ModelConfig) -> None:
-    """Raise naming the path when params lack a leaf of the model of cfg, have an extra one, or a shape differs."""
-    want = param_shapes(cfg)
+def check_params(params: dict, cfg: ModelConfig, what: str = "params") -> None:
+    """Raise naming the path when params lack a leaf of the model of cfg, have an extra one, or a shape differs;
+    what="buffers": the same of its buffers (`buffer_shapes`)."""
+    want = param_shapes(cfg) if what == "params" else buffer_shapes(cfg)
     want_leaves = {"/".join(map(str, _path_keys(p))): s for p, s in
                    jax.tree_util.tree_flatten_with_path(want, is_leaf=lambda x: isinstance(x, tuple))[0]}
     have = {"/".join(map(str, _path_keys(p))): x for p, x in jax.tree_util.tree_flatten_with_path(params)[0]}
     missing, extra = sorted(set(want_leaves) - set(have)), sorted(set(have) - set(want_leaves))
     if missing or extra:
-        raise ValueError(f"params do not match a model of this config: missing {missing}, unexpected {extra}")
+        raise ValueError(f"{what} do not match a model of this config: missing {missing}, unexpected {extra}")
     for k, shape in want_leaves.items():
         if tuple(have[k].shape) != shape:
-            raise ValueError(f"params['{k}'] has shape {tuple(have[k].shape)} ({have[k].dtype}); the config wants "
+            raise ValueError(f"{what}['{k}'] has shape {tuple(have[k].shape)} ({have[k].dtype}); the config wants "
                              f"{shape}")
 
 
@@ -980,16 +1125,39 @@ def read_hf_config(path: str | pathlib.Path) -> dict:
     return read_json_object(p, HFFormatError)
 
 
+# safetensors dtypes that its numpy reader does not return (numpy has no float8): read through a memory map instead
+_FLOAT8 = {"F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2, "F8_E8M0": ml_dtypes.float8_e8m0fnu}
+_SCALE_DTYPES = ("F32", "BF16", "F16", "F8_E8M0")  # of a weight_scale_inv (F8_E8M0: bare exponents, ue8m0)
+
+
+def _fp8_block(hf: dict, source: str) -> tuple[int, int] | None:
+    """config.json's fp8 scale blocks (b0, b1) (quantization_config's weight_block_size), None where it quantizes
+    nothing; an HFFormatError naming quantization_config for any other quantization."""
+    q = hf.get("quantization_config")
+    if q is None:
+        return None
+    block = q.get("weight_block_size") if isinstance(q, dict) else None
+    if not (isinstance(q, dict) and q.get("quant_method") == "fp8" and isinstance(block, list) and len(block) == 2
+            and all(isinstance(b, int) and b > 0 for b in block)):
+        raise HFFormatError(f"{source}: quantization_config {q!r} is not supported (mx_jax reads 16- and 32-bit "
+                            f"weights, and block-scaled fp8 ones: quant_method 'fp8' with a weight_block_size)")
+    return block[0], block[1]
+
+
 class _Weights:
     """The safetensors of an HF directory, read a tensor or a slice of one at a time (memory-mapped), each error
-    naming the file and the key. Use inside the ExitStack given, which closes the files."""
+    naming the file and the key; an fp8 weight with its `<key>_scale_inv` beside it comes dequantized (module
+    docstring, FP8 checkpoints). Use inside the ExitStack given, which closes the files."""
 
     def __init__(self, path: pathlib.Path, files: dict[str, pathlib.Path], stack: contextlib.ExitStack,
-                 parts: dict[str, tuple[str, int, int, int]] | None = None, rows: dict[str, np.ndarray] | None = None):
+                 parts: dict[str, tuple[str, int, int, int]] | None = None, rows: dict[str, np.ndarray] | None = None,
+                 block: tuple[int, int] | None = None):
         self.st, self.path, self.files, self.stack = _safetensors(), path, files, stack
         self.parts = parts or {}  # keys read as row ranges of a fused tensor (`_part_rows`)
         self.rows = rows or {}  # keys whose rows are read in another order (`_rope_rows`)
+        self.block = block  # the fp8 scale blocks (`_fp8_block`)
         self.handles: dict[pathlib.Path, Any] = {}
+        self.headers: dict[pathlib.Path, tuple[int, dict]] = {}
         self.used: set[str] = set()
 
     def _handle(self, key: str):
@@ -1008,9 +1176,27 @@ class _Weights:
             key, _, _, rows = self.parts[key]
             want = (rows, *want[1:])
         f, file = self._handle(key)
-        got = tuple(f.get_slice(key).get_shape())
+        got, dtype = tuple(f.get_slice(key).get_shape()), f.get_slice(key).get_dtype()
         if got != want:
             raise HFFormatError(f"{file}: tensor '{key}' has shape {got}; config.json implies {want}")
+        scale = key + "_scale_inv"
+        if scale in self.files:
+            if self.block is None:
+                raise HFFormatError(f"{file}: tensor '{scale}' scales '{key}', but config.json has no "
+                                    f"quantization_config with a weight_block_size")
+            if dtype not in ("F8_E4M3", "F8_E5M2") or len(got) != 2:
+                raise HFFormatError(f"{file}: tensor '{key}' ({dtype}, {got}) beside '{scale}' is not supported "
+                                    f"(only fp8 matrices, F8_E4M3 or F8_E5M2, are dequantized)")
+            sf, sfile = self._handle(scale)
+            s_got, s_dtype = tuple(sf.get_slice(scale).get_shape()), sf.get_slice(scale).get_dtype()
+            s_want = tuple(-(-n // b) for n, b in zip(got, self.block))
+            if s_got != s_want or s_dtype not in _SCALE_DTYPES:
+                raise HFFormatError(f"{sfile}: tensor '{scale}' is {s_dtype} {s_got}; '{key}' {got} in blocks of "
+                                    f"{self.block} (quantization_config's weight_block_size) implies {s_want}, in "
+                                    f"one of {_SCALE_DTYPES}")
+            self.used.add(scale)
+        elif dtype in _FLOAT8:
+            raise HFFormatError(f"{file}: tensor '{key}' is {dtype} without '{scale}' to scale it")
         self.used.add(key)
 
     def read(self, key: str, index: tuple[slice, ...] | None = None) -> np.ndarray:
@@ -1030,47 +1216,118 @@ class _Weights:
             if step != 1:
                 raise ValueError(f"_Weights.read: a fused tensor's part is read in row ranges of step 1, got {rows}")
             index = (slice(start + first, max(start + first, start + stop)), *rest)
+        if key + "_scale_inv" in self.files:
+            return self._dequantized(key, index)
+        return self._stored(key, index)
+
+    def _stored(self, key: str, index: tuple[slice, ...] | None) -> np.ndarray:
+        """The tensor as stored (a float8 one through a memory map of its bytes, viewed as its ml_dtypes type)."""
         f, file = self._handle(key)
         try:
-            return f.get_tensor(key) if index is None else f.get_slice(key)[index]
-        except (self.st.SafetensorError, OSError) as e:
+            dtype = f.get_slice(key).get_dtype()
+            if dtype not in _FLOAT8:
+                return f.get_tensor(key) if index is None else f.get_slice(key)[index]
+            if file not in self.headers:  # safetensors: 8 bytes of header length, the JSON header, the data
+                with open(file, "rb") as fh:
+                    n = int.from_bytes(fh.read(8), "little")
+                    self.headers[file] = (8 + n, json.loads(fh.read(n)))
+            start, header = self.headers[file]
+            begin, end = header[key]["data_offsets"]
+            x = np.memmap(file, np.uint8, "r", offset=start + begin, shape=(end - begin,)).view(_FLOAT8[dtype])
+            x = x.reshape(header[key]["shape"])
+            return np.array(x if index is None else x[index])
+        except (self.st.SafetensorError, OSError, ValueError, KeyError) as e:
             raise HFFormatError(f"{file}: cannot read tensor '{key}' ({type(e).__name__}: {e}); is the download "
                                 f"whole?") from None
 
-    def check_plan(self, entries: dict, shapes: dict, ignored: set[str]) -> None:
-        """Every key of `_plan`'s entries there with the shape its leaf implies, and no tensor left without a place
-        (but `ignored` ones): headers only, before anything is read."""
-        for leaf, items in entries.items():
-            one = _get(shapes, leaf)[len(items[0][2]):]
-            for key, transpose, _ in items:
-                self.check(key, one[::-1] if transpose else one)
-        unused = sorted(k for k in set(self.files) - self.used - ignored if not _IGNORED_KEYS.fullmatch(k))
+    def _dequantized(self, key: str, index: tuple[slice, ...] | None) -> np.ndarray:
+        """W8[rows, cols] * scale_inv of their blocks, float32; the scale rows one block row at a time, so that no
+        scale array as large as the slice is made."""
+        f, _ = self._handle(key)
+        shape = f.get_slice(key).get_shape()
+        (b0, b1), spans = self.block, []
+        index = (*(index or ()), slice(None), slice(None))[:2]  # (rows,) or none: the rest whole
+        for sl, n in zip(index, shape):
+            first, stop, step = sl.indices(n)
+            if step != 1:
+                raise ValueError(f"_Weights.read: an fp8 tensor is read in slices of step 1, got {sl}")
+            spans.append((first, max(first, stop)))
+        (r0, r1), (c0, c1) = spans
+        w = self._stored(key, (slice(r0, r1), slice(c0, c1)))
+        scale = self._stored(key + "_scale_inv", (slice(r0 // b0, -(-r1 // b0)), slice(c0 // b1, -(-c1 // b1))))
+        scale = np.repeat(scale.astype(np.float32), b1, axis=1)[:, c0 % b1:c0 % b1 + c1 - c0]  # (row blocks, cols)
+        out = np.empty(w.shape, np.float32)
+        for j, s in enumerate(scale):
+            a, b = max(r0, (r0 // b0 + j) * b0) - r0, min(r1, (r0 // b0 + j + 1) * b0) - r0
+            out[a:b] = w[a:b].astype(np.float32) * s
+        return out
+
+    def check_plan(self, plan: _Plan) -> None:
+        """Every key of the plan's entries there with the shape its leaf implies, and no tensor left without a place
+        (but the ignored ones, and the skipped multi-token-prediction layers, said in a warning): headers only,
+        before anything is read."""
+        for entries, shapes in ((plan.entries, plan.shapes), (plan.buffers, buffer_shapes(plan.cfg))):
+            for leaf, items in entries.items():
+                one = _get(shapes, leaf)[len(items[0][2]):]
+                for key, transpose, _ in items:
+                    self.check(key, one[::-1] if transpose else one)
+        unused = sorted(k for k in set(self.files) - self.used - plan.ignored - set(plan.skipped)
+                        if not _IGNORED_KEYS.fullmatch(k))
         if unused:
             raise HFFormatError(f"{self.path}: {len(unused)} tensor(s) have no place in a model of this config, e.g. "
                                 f"{unused[:5]}")
+        if plan.skipped:
+            layers = sorted({int(k.split(".")[2]) for k in plan.skipped})
+            warnings.warn(f"{self.path}: skipped the {len(plan.skipped)} tensors of the multi-token-prediction "
+                          f"layer(s) {', '.join(f'model.layers.{i}' for i in layers)} (num_nextn_predict_layers): "
+                          f"mx_jax trains the next-token model, and an export writes num_nextn_predict_layers 0",
+                          stacklevel=3)
 
 
-def _plan(path: pathlib.Path, cfg: ModelConfig | None
-          ) -> tuple[ModelConfig, dict, dict[tuple[str, ...], list[tuple[str, bool, tuple[int, ...]]]], dict, set,
-                     dict, dict]:
-    """(the model's config, its param shapes, {param path: [(HF key, transposed, index in the stacked leading
-    axes)]}, {HF key: file}, keys to ignore, the keys stored fused as `_part_rows` gives them, the keys whose rows
-    are ordered otherwise as `_rope_rows` gives them) of an HF directory,
-    its keys named as config.json's model_type names them. A tied head is read from the embedding, transposed, unless
-    the checkpoint stores an lm_head, which transformers 5 then reads (it unties a stored head that differs from the
-    embedding, with a warning)."""
+class _Plan(NamedTuple):
+    """What an HF directory holds for a model of `cfg`, named as its config.json's model_type names it."""
+
+    cfg: ModelConfig  # the model's config (`_merge_config`)
+    shapes: dict  # its param_shapes
+    entries: dict[tuple[str, ...], list[tuple[str, bool, tuple[int, ...]]]]  # {param path: [(HF key, transposed,
+    # index in the stacked leading axes)]}
+    buffers: dict[tuple[str, ...], list[tuple[str, bool, tuple[int, ...]]]]  # the same of its buffers
+    files: dict[str, pathlib.Path]  # {HF key: file}
+    ignored: set[str]  # keys without a place that are not an error: a tied head's stored lm_head
+    skipped: list[str]  # the keys of the multi-token-prediction layers after the L decoder layers
+    parts: dict  # the keys stored fused (`_part_rows`)
+    rows: dict  # the keys whose rows are ordered otherwise (`_rope_rows`)
+    block: tuple[int, int] | None  # fp8 scale blocks (`_fp8_block`)
+
+    def weights(self, path: pathlib.Path, stack: contextlib.ExitStack) -> _Weights:
+        return _Weights(path, self.files, stack, self.parts, self.rows, self.block)
+
+
+def _plan(path: pathlib.Path, cfg: ModelConfig | None) -> _Plan:
+    """The `_Plan` of an HF directory. A tied head is read from the embedding, transposed, unless the checkpoint
+    stores an lm_head, which transformers 5 then reads (it unties a stored head that differs from the embedding, with
+    a warning). DeepSeek-V3's num_nextn_predict_layers layers after the L decoder layers are multi-token prediction
+    (transformers' default 1 where the key is absent)."""
     hf = read_hf_config(path)
-    out_cfg = _merge_config(config_from_hf(hf, str(path / "config.json")), cfg, str(path / "config.json"))
-    kind = hf.get("model_type", "llama")  # the checkpoint's names, whatever cfg's routing (_merge_config warns)
+    source = str(path / "config.json")
+    out_cfg = _merge_config(config_from_hf(hf, source), cfg, source)
+    kind = _family(hf.get("model_type"))  # the checkpoint's names, whatever cfg's routing (_merge_config warns)
     files = _weight_files(path)
     tied = bool(hf.get("tie_word_embeddings", False)) and "lm_head.weight" not in files
     entries: dict[tuple[str, ...], list] = {}
+    buffers: dict[tuple[str, ...], list] = {}
     for key, t, i in _hf_keys(out_cfg, kind):
         if key == "lm_head.weight" and tied:  # (V, D) as lm_head's
             key = "model.embed_tokens.weight"
-        entries.setdefault(t.path, []).append((key, t.transpose, i))
-    return (out_cfg, param_shapes(out_cfg), entries, files, {"lm_head.weight"} if tied else set(),
-            _part_rows(_fusions(hf.get("model_type"), out_cfg)), _rope_rows(hf.get("model_type"), out_cfg))
+        (buffers if t.buffer else entries).setdefault(t.path, []).append((key, t.transpose, i))
+    skipped = []
+    if kind == "deepseek_v3":
+        n, extra = out_cfg.n_layers, int(hf.get("num_nextn_predict_layers", 1) or 0)
+        skipped = sorted(k for k in files if (m := re.match(r"model\.layers\.(\d+)\.", k))
+                         and n <= int(m.group(1)) < n + extra)
+    return _Plan(out_cfg, param_shapes(out_cfg), entries, buffers, files, {"lm_head.weight"} if tied else set(),
+                 skipped, _part_rows(_fusions(hf.get("model_type"), out_cfg)), _rope_rows(hf, out_cfg),
+                 _fp8_block(hf, source))
 
 
 def load_hf_llama(path: str | pathlib.Path, cfg: ModelConfig | None = None) -> tuple[dict, ModelConfig]:
@@ -1079,40 +1336,59 @@ def load_hf_llama(path: str | pathlib.Path, cfg: ModelConfig | None = None) -> t
     cfg None: the architecture comes from config.json, every other field at its ModelConfig default. cfg given:
     it is returned as is, after checking that its shape fields match config.json (ConfigError otherwise); a
     different rope_theta / rope_scaling / norm_eps only warns (e.g. long-context fine-tuning). Arrays come out
-    in cfg.param_dtype, laid out as `llama.params_of` gives them.
+    in cfg.param_dtype, laid out as `llama.params_of` gives them. DeepSeek-V3's router biases are buffers, not
+    parameters: `load_hf_buffers` reads them.
     """
     path = pathlib.Path(path)
-    out_cfg, shapes, entries, files, ignored, parts, rows = _plan(path, cfg)
-    dtype = np.dtype(jax.numpy.dtype(out_cfg.param_dtype))
+    plan = _plan(path, cfg)
+    dtype = np.dtype(jax.numpy.dtype(plan.cfg.param_dtype))
     params: dict = {}
     with contextlib.ExitStack() as stack:
-        weights = _Weights(path, files, stack, parts, rows)
-        weights.check_plan(entries, shapes, ignored)
-        for leaf, items in entries.items():
-            dst = np.empty(_get(shapes, leaf), dtype)
+        weights = plan.weights(path, stack)
+        weights.check_plan(plan)
+        for leaf, items in plan.entries.items():
+            dst = np.empty(_get(plan.shapes, leaf), dtype)
             _set(params, leaf, dst)
             for key, transpose, i in items:
                 x = weights.read(key)
                 dst[i] = x.T if transpose else x  # casts to param_dtype in place
                 del x
-    return params, out_cfg
+    return params, plan.cfg
+
+
+def load_hf_buffers(path: str | pathlib.Path, cfg: ModelConfig) -> dict:
+    """The buffers (llama.buffers_of) of the model in an HF directory, float32 numpy arrays shaped as
+    `buffer_shapes(cfg)`: each MoE layer's router bias, DeepSeek-V3's e_score_correction_bias, and zeros where the
+    checkpoint's architecture has none (every other MoE model here routes without one); {} for a dense model. cfg:
+    the model's (load_hf_llama's, or one it accepts), whose shapes the bias tensors must have."""
+    path = pathlib.Path(path)
+    out = jax.tree.map(lambda s: np.zeros(s, np.float32), buffer_shapes(cfg), is_leaf=lambda x: isinstance(x, tuple))
+    kind = _family(read_hf_config(path).get("model_type"))
+    with contextlib.ExitStack() as stack:
+        weights = _Weights(path, _weight_files(path), stack)
+        for key, t, i in _hf_keys(cfg, kind):
+            if t.buffer:
+                dst = _get(out, t.path)
+                weights.check(key, dst.shape[len(i):])
+                dst[i] = weights.read(key)
+    return out
 
 
 def load_hf_sharded(path: str | pathlib.Path, cfg: ModelConfig, shardings: dict) -> dict:
     """load_hf_llama's parameters placed per `shardings` (a params-shaped tree of jax.sharding.Sharding), each
     process reading only the slices its own devices hold: jax.make_array_from_callback asks for each local shard,
     and the safetensors are memory-mapped, so a process holds its devices' shards, not the model (a replicated
-    parameter is read whole, a transposed slice touches the rows it spans). Every key and shape is checked before
-    anything is read."""
+    parameter is read whole, a transposed slice touches the rows it spans, an fp8 one the scale blocks it spans).
+    Every key and shape is checked before anything is read."""
     path = pathlib.Path(path)
-    out_cfg, shapes, entries, files, ignored, parts, rows = _plan(path, cfg)
-    dtype = np.dtype(jax.numpy.dtype(out_cfg.param_dtype))
+    plan = _plan(path, cfg)
+    dtype = np.dtype(jax.numpy.dtype(plan.cfg.param_dtype))
     with contextlib.ExitStack() as stack:
-        weights = _Weights(path, files, stack, parts, rows)
-        weights.check_plan(entries, shapes, ignored)
+        weights = plan.weights(path, stack)
+        weights.check_plan(plan)
 
         def place(leaf: tuple[str, ...], shape: tuple[int, ...], sharding) -> jax.Array:
-            items = entries[leaf]
+            items = plan.entries[leaf]
             lead = len(items[0][2])
 
             def shard(index: tuple[slice, ...]) -> np.ndarray:
@@ -1128,7 +1404,7 @@ def load_hf_sharded(path: str | pathlib.Path, cfg: ModelConfig, shardings: dict)
             return jax.make_array_from_callback(shape, sharding, shard)
 
         flat = {tuple(_path_keys(p)): s for p, s in
-                jax.tree_util.tree_flatten_with_path(shapes, is_leaf=lambda x: isinstance(x, tuple))[0]}
+                jax.tree_util.tree_flatten_with_path(plan.shapes, is_leaf=lambda x: isinstance(x, tuple))[0]}
         out: dict = {}
         for leaf, shape in flat.items():
             _set(out, leaf, place(leaf, shape, _get(shardings, leaf)))
@@ -1146,10 +1422,10 @@ def _host(x: Any, dtype: np.dtype) -> np.ndarray:
     return np.asarray(x).astype(dtype, copy=False)
 
 
-def export_hf_llama(params: dict, cfg: ModelConfig, path: str | pathlib.Path, *, dtype: str = "bfloat16",
-                    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, hf_config: dict | None = None,
-                    overwrite: bool = False, extra_files: dict[str, pathlib.Path] | None = None
-                    ) -> list[pathlib.Path]:
+def export_hf_llama(params: dict, cfg: ModelConfig, path: str | pathlib.Path, *, buffers: dict | None = None,
+                    dtype: str = "bfloat16", max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+                    hf_config: dict | None = None, overwrite: bool = False,
+                    extra_files: dict[str, pathlib.Path] | None = None) -> list[pathlib.Path]:
     """Write params (numpy or addressable jax arrays) as an HF Llama directory; returns the files written.
 
     One `model.safetensors` when the weights fit in max_shard_bytes, else `model-0000k-of-0000n.safetensors` shards
@@ -1158,7 +1434,9 @@ def export_hf_llama(params: dict, cfg: ModelConfig, path: str | pathlib.Path, *,
     moved in with the weights (generation_config.json, a model's own code). An existing checkpoint in `path` is an
     error unless overwrite=True, which replaces its safetensors files, and removes its sidecars, code and tokenizer
     files, once the new ones are whole (they are written beside `path` first: an export that stops leaves `path` as
-    it was).
+    it was). buffers: the model's (llama.buffers_of, `load_buffers`), which DeepSeek-V3 needs: it stores each MoE
+    layer's router bias, written in float32 whatever dtype; no other MoE here has a place for router biases, and
+    nonzero ones (which model.moe.bias_update_rate > 0 trains) are refused there.
     """
     _safetensors()
     import safetensors.numpy as stnp
@@ -1169,6 +1447,16 @@ def export_hf_llama(params: dict, cfg: ModelConfig, path: str | pathlib.Path, *,
         raise ValueError(f"export_hf_llama: max_shard_bytes must be positive, got {max_shard_bytes}")
     config = config_to_hf(cfg, dtype, hf_config)  # refuses what HF cannot hold before anything is written
     check_params(params, cfg)
+    kind = model_type(cfg)
+    if kind == "deepseek_v3":
+        if buffers is None:
+            raise ValueError("export_hf_llama: DeepSeek-V3 stores each MoE layer's router bias "
+                             "(e_score_correction_bias): pass buffers= (llama.buffers_of(model), hf.load_buffers)")
+        check_params(buffers, cfg, "buffers")
+    elif buffers and any(np.any(np.asarray(b) != 0) for b in jax.tree.leaves(buffers)):
+        raise ValueError(f"export_hf_llama: the router biases are not zero (model.moe.bias_update_rate trained "
+                         f"them), and {kind}'s router has no place for them: they change which experts are chosen "
+                         f"(DeepSeek-V3 holds them: model.mla with model.moe.score=sigmoid)")
     np_dtype = np.dtype(jax.numpy.dtype(dtype))
     path = pathlib.Path(path)
     if path.exists() and not path.is_dir():
@@ -1188,12 +1476,14 @@ def export_hf_llama(params: dict, cfg: ModelConfig, path: str | pathlib.Path, *,
     # and the parts of a fused tensor (`_fusions`, consecutive in that order) stay in one.
     shapes = param_shapes(cfg)
     parts = _part_rows(_fusions(config["model_type"], cfg))
-    orders = _rope_rows(config["model_type"], cfg)
+    orders = _rope_rows(config, cfg)
     shards: list[list[tuple[str, _Tensor, tuple[int, ...]]]] = [[]]
     size = 0
     total = 0
+    bias_shapes = buffer_shapes(cfg)
     for key, t, i in _hf_keys(cfg):
-        nbytes = math.prod(_hf_shape(t, _get(shapes, t.path))) * np_dtype.itemsize
+        nbytes = math.prod(_hf_shape(t, _get(bias_shapes if t.buffer else shapes, t.path))) * (
+            4 if t.buffer else np_dtype.itemsize)
         _, start, end, rows = parts.get(key, (key, 0, 1, 1))
         whole = nbytes * rows // (end - start)  # a fused tensor's bytes, at its first part
         if shards[-1] and start == 0 and size + whole > max_shard_bytes:
@@ -1215,7 +1505,8 @@ def export_hf_llama(params: dict, cfg: ModelConfig, path: str | pathlib.Path, *,
         for name, shard in zip(names, shards):
             tensors, fused = {}, {}
             for key, t, i in shard:
-                x = _host(_get(params, t.path)[i], np_dtype)
+                x = _host(_get(buffers, t.path)[i], np.dtype(np.float32)) if t.buffer else \
+                    _host(_get(params, t.path)[i], np_dtype)
                 x = x.T if t.transpose else x
                 if key in orders:  # HF row orders[key][r] is mx_jax's column r
                     x = x[np.argsort(orders[key])]
@@ -1297,8 +1588,10 @@ def reading_step(sdir: pathlib.Path, what: str = "parameters"):
                                          f"({checkpoint.read_failure(e)}); {hint}") from e
 
 
-def save_params(params: dict, out_dir: str | pathlib.Path, step: int = 0) -> pathlib.Path:
-    """Write {"params": params} as `<out_dir>/checkpoints/<step>/state` (the trainer's layout); returns that dir."""
+def save_params(params: dict, out_dir: str | pathlib.Path, step: int = 0, buffers: dict | None = None
+                ) -> pathlib.Path:
+    """Write {"params": params} (and "buffers", given: a MoE model's router biases) as
+    `<out_dir>/checkpoints/<step>/state` (the trainer's layout and names); returns that dir."""
     import orbax.checkpoint as ocp
 
     target = pathlib.Path(out_dir).absolute() / "checkpoints" / str(step) / "state"
@@ -1306,10 +1599,38 @@ def save_params(params: dict, out_dir: str | pathlib.Path, step: int = 0) -> pat
         raise FileExistsError(f"{target} already exists")
     target.parent.mkdir(parents=True, exist_ok=True)
     ckpt = ocp.StandardCheckpointer()
-    ckpt.save(target, {"params": params})
+    ckpt.save(target, {"params": params, **({"buffers": buffers} if buffers else {})})
     ckpt.wait_until_finished()
     ckpt.close()
     return target
+
+
+def _restore(sdir: pathlib.Path, name: str, shapes: dict, dtype, shardings: dict | None) -> dict:
+    """The subtree `name` of the Orbax state in sdir, as `shapes` (nested dicts of shape tuples) in `dtype`:
+    numpy arrays (shardings None) or jax arrays placed per shardings (any mesh: Orbax reshards)."""
+    import orbax.checkpoint as ocp
+
+    is_shape = lambda x: isinstance(x, tuple)  # noqa: E731
+    if shardings is None:
+        item = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, dtype), shapes, is_leaf=is_shape)
+        restore_args = jax.tree.map(lambda s: ocp.RestoreArgs(restore_type=np.ndarray, dtype=dtype), item)
+    else:
+        item = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s, dtype, sharding=sh), shapes, shardings,
+                            is_leaf=is_shape)
+        restore_args = ocp.checkpoint_utils.construct_restore_args(item)
+    with reading_step(sdir), ocp.PyTreeCheckpointer() as ckpt:
+        out = ckpt.restore(sdir, args=ocp.args.PyTreeRestore(
+            item={name: item}, restore_args={name: restore_args}, partial_restore=True))
+    return out[name]
+
+
+def _on_disk(sdir: pathlib.Path) -> dict:
+    """The Orbax state's tree of array metadata (shape, dtype), read from its metadata alone."""
+    import orbax.checkpoint as ocp
+
+    with reading_step(sdir):
+        on_disk = ocp.PyTreeCheckpointHandler().metadata(sdir)
+    return getattr(on_disk, "tree", on_disk)
 
 
 def load_params(path: str | pathlib.Path, cfg: ModelConfig, *, step: int | None = None,
@@ -1319,29 +1640,39 @@ def load_params(path: str | pathlib.Path, cfg: ModelConfig, *, step: int | None 
     shardings: a params-shaped tree of jax.sharding.Sharding -> jax arrays placed so (any mesh: Orbax reshards);
     None -> numpy arrays on the host. dtype: cast on read (default: cfg.param_dtype).
     """
-    import orbax.checkpoint as ocp
-
     sdir = state_dir(path, step)
-    with reading_step(sdir):
-        on_disk = ocp.PyTreeCheckpointHandler().metadata(sdir)
-    on_disk = getattr(on_disk, "tree", on_disk)
+    on_disk = _on_disk(sdir)
     if "params" not in on_disk:
         raise HFFormatError(f"{sdir}: the checkpoint has no 'params' subtree (has {sorted(on_disk)})")
     check_params(jax.tree.map(lambda m: jax.ShapeDtypeStruct(tuple(m.shape), m.dtype), on_disk["params"]), cfg)
-    dt = jax.numpy.dtype(dtype or cfg.param_dtype)
-    shapes = param_shapes(cfg)
-    is_shape = lambda x: isinstance(x, tuple)  # noqa: E731
+    return _restore(sdir, "params", param_shapes(cfg), jax.numpy.dtype(dtype or cfg.param_dtype), shardings)
+
+
+def load_buffers(path: str | pathlib.Path, cfg: ModelConfig, *, step: int | None = None,
+                 shardings: dict | None = None) -> dict:
+    """The "buffers" subtree of an mx_jax checkpoint (a MoE model's router biases: a trainer's step, or an `import`),
+    float32, checked against cfg's shapes (`buffer_shapes`); zeros where the checkpoint holds none (an import made
+    before imports kept them: the biases every run started from then). shardings: a buffers-shaped tree of
+    jax.sharding.Sharding -> jax arrays placed so; None -> numpy arrays."""
+    shapes = buffer_shapes(cfg)
+    if not shapes:
+        return {}
+    sdir = state_dir(path, step)
+    on_disk = _on_disk(sdir).get("buffers")
+    if not on_disk:
+        return _placed(jax.tree.map(lambda s: np.zeros(s, np.float32), shapes,
+                                    is_leaf=lambda x: isinstance(x, tuple)), shardings)
+    check_params(jax.tree.map(lambda m: jax.ShapeDtypeStruct(tuple(m.shape), m.dtype), on_disk), cfg, "buffers")
+    return _restore(sdir, "buffers", shapes, np.dtype(np.float32), shardings)
+
+
+def _placed(tree: dict, shardings: dict | None) -> dict:
+    """numpy arrays (the same in every process) placed per shardings, each process giving its own devices' slices;
+    as they are without shardings."""
     if shardings is None:
-        item = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, dt), shapes, is_leaf=is_shape)
-        restore_args = jax.tree.map(lambda s: ocp.RestoreArgs(restore_type=np.ndarray, dtype=dt), item)
-    else:
-        item = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s, dt, sharding=sh), shapes, shardings,
-                            is_leaf=is_shape)
-        restore_args = ocp.checkpoint_utils.construct_restore_args(item)
-    with reading_step(sdir), ocp.PyTreeCheckpointer() as ckpt:
-        out = ckpt.restore(sdir, args=ocp.args.PyTreeRestore(
-            item={"params": item}, restore_args={"params": restore_args}, partial_restore=True))
-    return out["params"]
+        return tree
+    return jax.tree.map(lambda x, sh: jax.make_array_from_callback(x.shape, sh, lambda index: x[index]), tree,
+                        shardings)
 
 
 def is_hf_dir(path: str | pathlib.Path) -> bool:
@@ -1349,14 +1680,18 @@ def is_hf_dir(path: str | pathlib.Path) -> bool:
     return (p / "config.json").is_file() and ((p / SINGLE_FILE).is_file() or (p / INDEX_FILE).is_file())
 
 
-def init_from(path: str | pathlib.Path, model_cfg: ModelConfig, param_shardings: dict | None = None) -> dict:
-    """Parameters to start a run from: an HF Llama directory, or an mx_jax checkpoint (run dir / step dir).
+def init_from(path: str | pathlib.Path, model_cfg: ModelConfig, param_shardings: dict | None = None,
+              buffer_shardings: dict | None = None) -> tuple[dict, dict]:
+    """(parameters, buffers) to start a run from: an HF Llama directory, or an mx_jax checkpoint (run dir / step
+    dir). The buffers are a MoE model's router biases (DeepSeek-V3's from an HF directory, `load_hf_buffers`; a
+    checkpoint's own, `load_buffers`), zeros where the source holds none; {} for a dense model.
 
-    Shape fields of model_cfg must match the checkpoint. With param_shardings (`Setup.param_shardings`) the arrays
-    are placed on the mesh (each process reads only the slices of the HF safetensors that its own devices hold,
-    `load_hf_sharded`; Orbax checkpoints are read shard by shard and resharded to any mesh). The trainer calls
-    this for the config key `init_from` on a fresh start (never on resume, where the checkpoint holds the params).
-    The optimizer state stays as initialized (AdamW's moments start at zero whatever the parameters).
+    Shape fields of model_cfg must match the checkpoint. With param_shardings and buffer_shardings
+    (`Setup.param_shardings`, `Setup.state_shardings["buffers"]`) the arrays are placed on the mesh (each process
+    reads only the slices of the HF safetensors that its own devices hold, `load_hf_sharded`; Orbax checkpoints are
+    read shard by shard and resharded to any mesh). The trainer calls this for the config key `init_from` on a fresh
+    start (never on resume, where the checkpoint holds the params). The optimizer state stays as initialized
+    (AdamW's moments start at zero whatever the parameters).
     """
     p = pathlib.Path(path)
     if not p.exists():
@@ -1365,8 +1700,10 @@ def init_from(path: str | pathlib.Path, model_cfg: ModelConfig, param_shardings:
         raise HFFormatError(f"{path} has safetensors but no config.json; an HF checkpoint needs both")
     if is_hf_dir(path):
         if param_shardings is None:
-            return load_hf_llama(path, model_cfg)[0]
-        return load_hf_sharded(path, model_cfg, param_shardings)
+            params, cfg = load_hf_llama(path, model_cfg)
+        else:
+            params, cfg = load_hf_sharded(path, model_cfg, param_shardings), model_cfg
+        return params, _placed(load_hf_buffers(path, cfg), buffer_shardings)
     kept = _source_config(p)  # an imported run: the HF model's routing and rope settings against model_cfg's
     if kept is not None and kept.name == "hf_config.json":
         try:
@@ -1375,7 +1712,8 @@ def init_from(path: str | pathlib.Path, model_cfg: ModelConfig, param_shardings:
             hf_cfg = None
         if hf_cfg is not None:
             _merge_config(hf_cfg, model_cfg, str(kept))  # warns where they differ; load_params checks the shapes
-    return load_params(path, model_cfg, shardings=param_shardings)
+    return (load_params(path, model_cfg, shardings=param_shardings),
+            load_buffers(path, model_cfg, shardings=buffer_shardings))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -1553,8 +1891,8 @@ def _run_dir_of(path: pathlib.Path) -> pathlib.Path:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m mx_jax.hf", description="Convert between HF checkpoints (Llama, "
-                                 "Mistral, Phi-3, Mixtral, DeepSeekMoE, DeepSeek-V2, Qwen2, Qwen3, Qwen3-MoE) and "
-                                 "mx_jax.")
+                                 "Mistral, Phi-3, Mixtral, DeepSeekMoE, DeepSeek-V2, DeepSeek-V3, Qwen2, Qwen3, "
+                                 "Qwen3-MoE) and mx_jax.")
     sub = ap.add_subparsers(dest="cmd", required=True)
     imp = sub.add_parser("import", help="HF directory -> OUT/checkpoints/<step>/state + OUT/config.yaml")
     imp.add_argument("hf_dir")
@@ -1581,6 +1919,7 @@ def main(argv: list[str] | None = None) -> int:
                 raise FileExistsError(f"{out} already holds {taken} (a run or an earlier import); import into a new "
                                       f"directory")
             params, cfg = load_hf_llama(src)
+            buffers = load_hf_buffers(src, cfg)
             arch = {k: v for k, v in to_dict(cfg).items() if k in _ARCH_KEYS}
             if not cfg.mla.kv_rank:
                 arch.pop("mla")
@@ -1588,12 +1927,14 @@ def main(argv: list[str] | None = None) -> int:
                 keys = ("n_experts", "top_k", "aux_loss_coef")
                 if model_type(cfg) != "mixtral":
                     keys += ("d_expert", "n_shared", "n_dense_first", "normalize_top_k")
-                if model_type(cfg) == "deepseek_v2":
+                if model_type(cfg) in ("deepseek_v2", "deepseek_v3"):
                     keys += ("routed_scale", "route_groups", "route_top_groups", "route_group_top")
+                if model_type(cfg) == "deepseek_v3":
+                    keys += ("score",)
                 arch["moe"] = {k: getattr(cfg.moe, k) for k in keys}
             made = not out.exists()
             try:
-                target = save_params(params, out, args.step)
+                target = save_params(params, out, args.step, buffers)
                 (out / "config.yaml").write_text(yaml.safe_dump({"model": arch}, sort_keys=False))
                 keep_model_files(src, out)  # what an export puts back beside the weights
             except BaseException:  # nothing half-written stays: the directory, or what this import added to it
@@ -1613,7 +1954,8 @@ def main(argv: list[str] | None = None) -> int:
             cfg_file = pathlib.Path(args.config) if args.config else run_dir / "config.yaml"
             base, extra, said = export_base(run_dir, cfg_file, args.hf_config, model_type(cfg))
             params = load_params(ckpt, cfg, step=args.step, dtype=args.dtype)
-            files = export_hf_llama(params, cfg, args.hf_dir, dtype=args.dtype,
+            buffers = load_buffers(ckpt, cfg, step=args.step)
+            files = export_hf_llama(params, cfg, args.hf_dir, buffers=buffers, dtype=args.dtype,
                                     max_shard_bytes=int(args.max_shard_bytes), hf_config=base,
                                     overwrite=args.overwrite, extra_files=extra)
             print(f"exported {state_dir(ckpt, args.step)} -> {', '.join(f.name for f in files)} in {args.hf_dir}")

@@ -172,7 +172,8 @@ def load_model_state(cfg: TrainConfig, setup: train.Setup, path: pathlib.Path, s
         on_disk = ocp.PyTreeCheckpointHandler().metadata(sdir)
     on_disk = getattr(on_disk, "tree", on_disk)
     fresh = {}
-    if "buffers" in wanted and "buffers" not in on_disk:  # parameters alone (`hf import`): the biases a run starts with
+    if "buffers" in wanted and "buffers" not in on_disk:  # parameters alone (an `hf import` made before imports kept
+        # the router biases): the biases a run starts with
         fresh = jax.tree.map(lambda s, sh: jax.device_put(jnp.zeros(s.shape, s.dtype), sh), wanted.pop("buffers"),
                              shardings["buffers"])
     saved = checkpoint.array_shapes({k: on_disk.get(k, {}) for k in wanted})

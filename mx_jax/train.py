@@ -690,11 +690,13 @@ def prepare_run_dir(cfg: TrainConfig) -> pathlib.Path:
     return run_dir
 
 
-def _init_params(cfg: TrainConfig, setup: Setup) -> dict:
+def _init_params(cfg: TrainConfig, setup: Setup) -> tuple[dict, dict]:
+    """(params, buffers) from the config key init_from, placed as the train state's: a MoE model's router biases come
+    with the parameters (DeepSeek-V3's trained ones; zeros where the source holds none)."""
     from mx_jax import hf  # needs safetensors, only for this path
 
     try:
-        return hf.init_from(cfg.init_from, cfg.model, setup.param_shardings)
+        return hf.init_from(cfg.init_from, cfg.model, setup.param_shardings, setup.state_shardings["buffers"])
     except ConfigError:
         raise
     except (hf.HFFormatError, OSError, ValueError) as e:
@@ -821,7 +823,7 @@ def train(cfg: TrainConfig, devices: list[jax.Device] | None = None) -> TrainRes
                     state = init_state(setup)
                     step = 0
                     if cfg.init_from:
-                        state["params"] = _init_params(cfg, setup)
+                        state["params"], state["buffers"] = _init_params(cfg, setup)
                         state = with_fresh_compute(setup, state)
                         log(f"init   | parameters from {cfg.init_from}")
                         if jax.process_index() == 0:

@@ -1,7 +1,7 @@
-"""HF Llama, Mixtral, DeepSeekMoE, DeepSeek-V2 and Qwen3 interop: exact round trips of checkpoints the test writes in HF
-layout, the key/shape errors, Orbax import/export, and logits against transformers' Llama, Mixtral, DeepSeek-V2, Qwen3
-and Qwen3-MoE models and DeepSeekMoE's published model (kept in tests/data; live where torch and transformers are
-installed)."""
+"""HF Llama, Mixtral, DeepSeekMoE, DeepSeek-V2, DeepSeek-V3 and Qwen3 interop: exact round trips of checkpoints the test
+writes in HF layout, the key/shape errors, Orbax import/export, fp8 checkpoints, and logits against transformers' Llama,
+Mixtral, DeepSeek-V2, DeepSeek-V3, Qwen3 and Qwen3-MoE models and DeepSeekMoE's published model (kept in tests/data;
+live where torch and transformers are installed)."""
 
 from __future__ import annotations
 
@@ -31,8 +31,8 @@ from mx_jax.train import train  # noqa: E402
 from tests.helpers import NO_IO, tiny_config  # noqa: E402
 
 from tests.transformers_golden import (DEEPSEEK_CONFIG, DEEPSEEK_V2_CONFIG, DEEPSEEK_V2_Q_LORA_CONFIG,  # noqa: E402
-                                       HF_CONFIG, MISTRAL_CONFIG, MIXTRAL_CONFIG, PHI3_CONFIG, QWEN2_CONFIG,
-                                       QWEN3_CONFIG, QWEN3_MOE_CONFIG)
+                                       DEEPSEEK_V3_CONFIG, DEEPSEEK_V3_HALVES_CONFIG, HF_CONFIG, MISTRAL_CONFIG,
+                                       MIXTRAL_CONFIG, PHI3_CONFIG, QWEN2_CONFIG, QWEN3_CONFIG, QWEN3_MOE_CONFIG)
 
 
 def _hf_tensors(c: dict, dtype, seed: int = 0, tied: bool = False) -> dict[str, np.ndarray]:
@@ -417,10 +417,11 @@ def test_init_from_places_hf_and_orbax_params_on_a_mesh(tmp_path):
     shardings = jax.tree.map(spec_for, hf.param_shapes(cfg), is_leaf=lambda x: isinstance(x, tuple))
     hf.save_params(want, tmp_path / "ckpt")
     for src in (tmp_path / "src", tmp_path / "ckpt", tmp_path / "ckpt" / "checkpoints" / "0"):
-        got = hf.init_from(src, cfg, shardings)
+        got, buffers = hf.init_from(src, cfg, shardings, {})
         jax.tree.map(lambda g, s: g.sharding == s or pytest.fail(f"{src}: sharding {g.sharding}"), got, shardings)
         jax.tree.map(lambda g, w: np.testing.assert_array_equal(np.asarray(g), w), got, want)
-    host = hf.init_from(tmp_path / "ckpt", cfg)
+        assert buffers == {}  # a dense model's
+    host, _ = hf.init_from(tmp_path / "ckpt", cfg)
     assert isinstance(host["embed"], np.ndarray)
     with pytest.raises(ValueError, match=r"params\['embed'\] has shape \(96, 48\).*\(100, 48\)"):
         hf.load_params(tmp_path / "ckpt", dataclasses.replace(cfg, vocab_size=100))
@@ -428,11 +429,12 @@ def test_init_from_places_hf_and_orbax_params_on_a_mesh(tmp_path):
         hf.init_from(tmp_path, cfg)
 
 
-@pytest.mark.parametrize("case", ["deepseek", "qwen3", "mixtral", "phi3", "deepseek_v2_q_lora"])
+@pytest.mark.parametrize("case", ["deepseek", "qwen3", "mixtral", "phi3", "deepseek_v2_q_lora", "deepseek_v3"])
 def test_init_from_an_hf_directory_reads_only_each_devices_slices(tmp_path, case, monkeypatch):
     """init_from on a mesh (hf.load_hf_sharded): the same values as the whole read, placed as asked, over the
     stacked layer and expert axes and the transposed matrices alike, a tied head from the embedding, DeepSeek-V2's
-    reordered rotary rows; and no tensor read whole, only the slices of the shards."""
+    and V3's reordered rotary rows; and no tensor read whole, only the slices of the shards (but DeepSeek-V3's router
+    biases, E floats each, which come as the buffers, placed as asked too)."""
     from tests import transformers_golden as golden
 
     want_case = golden.load()[case]
@@ -453,11 +455,20 @@ def test_init_from_an_hf_directory_reads_only_each_devices_slices(tmp_path, case
     whole_read = hf._Weights.read
     monkeypatch.setattr(hf._Weights, "read", lambda self, key, index=None: reads.append((key, index)) or
                         whole_read(self, key, index))
-    got = hf.init_from(tmp_path / "hf", cfg, shardings)
+    buffer_shardings = jax.tree.map(lambda s: NamedSharding(mesh, P(None, "a")), hf.buffer_shapes(cfg),
+                                    is_leaf=lambda x: isinstance(x, tuple))
+    got, buffers = hf.init_from(tmp_path / "hf", cfg, shardings, buffer_shardings)
+    n_reads = len(reads)
     jax.tree.map(lambda g, s: g.sharding == s or pytest.fail(f"sharding {g.sharding}"), got, shardings)
     jax.tree.map(lambda g, w: np.testing.assert_array_equal(np.asarray(g), w), got, want)
-    assert reads and all(index is not None for _, index in reads)
-    embed = [index for key, index in reads if key == "model.embed_tokens.weight"]
+    jax.tree.map(lambda g, s: g.sharding == s or pytest.fail(f"sharding {g.sharding}"), buffers, buffer_shardings)
+    jax.tree.map(lambda g, w: np.testing.assert_array_equal(np.asarray(g), w), buffers,
+                 hf.load_hf_buffers(tmp_path / "hf", cfg))
+    biases = [key for key, _ in reads[:n_reads] if key.endswith("e_score_correction_bias")]
+    assert len(biases) == (2 if case == "deepseek_v3" else 0)  # read whole, once each
+    slices = [(key, index) for key, index in reads[:n_reads] if key not in biases]
+    assert slices and all(index is not None for _, index in slices)
+    embed = [index for key, index in slices if key == "model.embed_tokens.weight"]
     assert len(embed) == (8 if case == "qwen3" else 4)  # 4 shards of the embedding, and of a tied head
     assert all(i[0].stop - i[0].start == 128 and i[1].stop - i[1].start == 24 for i in embed)
 
@@ -466,12 +477,14 @@ def test_init_from_an_hf_directory_reads_only_each_devices_slices(tmp_path, case
 # Against transformers: its logits kept in tests/data (every run), and a live model (where torch is installed)
 
 
-def _our_logits(params: dict, cfg: ModelConfig, tokens: np.ndarray) -> np.ndarray:
+def _our_logits(params: dict, cfg: ModelConfig, tokens: np.ndarray, buffers: dict | None = None) -> np.ndarray:
+    """Float32 logits of the model; buffers: its MoE router biases (DeepSeek-V3's, hf.load_hf_buffers), default 0."""
     cfg = dataclasses.replace(cfg, compute_dtype="float32")
     abstract = nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0)))
     graphdef, _, _ = nnx.split(abstract, nnx.Param, ...)
-    buffers = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), buffers_of(abstract))  # MoE router biases: 0
-    model = nnx.merge(graphdef, jax.tree.map(jnp.asarray, params), buffers)
+    if buffers is None:
+        buffers = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), buffers_of(abstract))
+    model = nnx.merge(graphdef, jax.tree.map(jnp.asarray, params), jax.tree.map(jnp.asarray, buffers))
     return np.asarray(model(jnp.asarray(tokens))[0])
 
 
@@ -486,10 +499,13 @@ def _check_against_transformers(tmp_path, arch: str, hf_config: dict, keep_confi
     c = {k: v for k, v in hf_config.items() if k not in ("architectures", "model_type", "torch_dtype")}
     # initializer_range 0.15 gives logits of size ~4, so a wrong rope band or q/k layout moves them by ~5, not 5e-3.
     ref = model_cls(config_cls(**c, initializer_range=0.15))
-    with torch.no_grad():  # HF initializes norms to ones; make them random too
+    with torch.no_grad():  # HF initializes norms to ones and DeepSeek-V3's router biases to zeros; make them random
         for name, p in ref.named_parameters():
             if name.endswith("norm.weight"):
                 p.copy_(1 + 0.5 * torch.randn_like(p))
+        for name, b in ref.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.15 * torch.randn_like(b))
     ref = ref.float().eval()
     ref.config._attn_implementation = "eager"
     ref.save_pretrained(tmp_path / "hf", safe_serialization=True)
@@ -498,8 +514,10 @@ def _check_against_transformers(tmp_path, arch: str, hf_config: dict, keep_confi
         want = ref(torch.as_tensor(tokens)).logits.numpy()
 
     params, cfg = hf.load_hf_llama(tmp_path / "hf")
-    np.testing.assert_allclose(_our_logits(params, cfg, tokens), want, atol=1e-4, rtol=0)  # float32
-    hf.export_hf_llama(params, cfg, tmp_path / "ours", dtype="float32", hf_config=hf_config if keep_config else None)
+    buffers = hf.load_hf_buffers(tmp_path / "hf", cfg)
+    np.testing.assert_allclose(_our_logits(params, cfg, tokens, buffers), want, atol=1e-4, rtol=0)  # float32
+    hf.export_hf_llama(params, cfg, tmp_path / "ours", buffers=buffers, dtype="float32",
+                       hf_config=hf_config if keep_config else None)
     if keep_config:
         assert json.loads((tmp_path / "ours" / "config.json").read_text())["architectures"] == [f"{arch}ForCausalLM"]
     back = model_cls.from_pretrained(tmp_path / "ours", attn_implementation="eager").float()
@@ -509,18 +527,19 @@ def _check_against_transformers(tmp_path, arch: str, hf_config: dict, keep_confi
 
 @pytest.mark.parametrize("case", ["llama", "llama_tied", "mixtral", "deepseek", "deepseek_top_k_normalized", "qwen3",
                                   "qwen3_moe", "qwen2", "mistral", "phi3", "qwen2_yarn", "llama_yarn", "deepseek_v2",
-                                  "deepseek_v2_q_lora"])
+                                  "deepseek_v2_q_lora", "deepseek_v3", "deepseek_v3_halves"])
 def test_logits_match_those_transformers_computed(tmp_path, case):
     """The checkpoint tests/transformers_golden.py gave transformers (config.json and safetensors in the Hub's
-    layout, weights drawn again here from their recorded names and shapes), imported: our float32 logits are the
-    ones transformers computed from it (eager attention; the file says which versions)."""
+    layout, weights drawn again here from their recorded names and shapes), imported with its router biases: our
+    float32 logits are the ones transformers computed from it (eager attention; the file says which versions)."""
     from tests import transformers_golden as golden
 
     want = golden.load()[case]
     golden.write(tmp_path / "hf", want["config"], golden.case_weights(want))
     params, cfg = hf.load_hf_llama(tmp_path / "hf")
     assert cfg.vocab_size == want["logits"].shape[-1] and 3 < np.abs(want["logits"]).max() < 10
-    np.testing.assert_allclose(_our_logits(params, cfg, want["tokens"]), want["logits"], atol=1e-4, rtol=0)
+    buffers = hf.load_hf_buffers(tmp_path / "hf", cfg)
+    np.testing.assert_allclose(_our_logits(params, cfg, want["tokens"], buffers), want["logits"], atol=1e-4, rtol=0)
 
 
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
@@ -712,8 +731,9 @@ def test_deepseek_import_train_and_export_keep_the_model_files(tmp_path, capsys)
     params, cfg = hf.load_hf_llama(tmp_path / "out")
     np.testing.assert_allclose(_our_logits(params, cfg, want["tokens"]), want["logits"], atol=1e-4, rtol=0)
 
-    # the sampler reads the imported parameters, which come without router biases, and decodes greedily what the
-    # forward's argmax gives (it stopped at 'buffers.blocks.moe.bias: in this model, not in the checkpoint')
+    # the sampler reads the imported parameters and router biases (zeros: DeepSeekMoE has none), and decodes greedily
+    # what the forward's argmax gives (it stopped at 'buffers.blocks.moe.bias: in this model, not in the checkpoint'
+    # when imports saved no buffers)
     from mx_jax import sample, sharding, train as train_mod
 
     scfg = sample.load_config(str(tmp_path / "imported" / "config.yaml"), ["mesh.data=1", "mesh.fsdp=1"])
@@ -870,9 +890,12 @@ def test_deepseek_v2_group_limited_routing_scores_a_group_by_its_best_expert():
     four = dataclasses.replace(three, moe=dataclasses.replace(three.moe, top_k=4, route_group_top=0))
     with pytest.raises(ConfigError, match=r"model\.moe\.route_group_top.*sum of its best 2 experts"):
         hf.config_to_hf(four, "float32")
-    for key, value in (("normalize_top_k", True), ("score", "sigmoid"), ("every_n_layers", 2)):
+    for key, value in (("normalize_top_k", True), ("every_n_layers", 2)):
         with pytest.raises(ConfigError, match=rf"model\.moe\.{key}.*DeepseekV2ForCausalLM has"):
             hf.config_to_hf(dataclasses.replace(three, moe=dataclasses.replace(three.moe, **{key: value})), "float32")
+    # sigmoid scores are DeepSeek-V3's, whose groups score by their best two experts
+    with pytest.raises(ConfigError, match=r"model\.moe\.route_group_top.*noaux_tc sums its best 2"):
+        hf.config_to_hf(dataclasses.replace(three, moe=dataclasses.replace(three.moe, score="sigmoid")), "float32")
 
 
 @pytest.mark.parametrize("case", ["deepseek_v2", "deepseek_v2_q_lora"])
@@ -944,6 +967,384 @@ def test_deepseek_v2_import_writes_a_config_the_trainer_runs(tmp_path):
 @pytest.mark.parametrize("config", [DEEPSEEK_V2_CONFIG, DEEPSEEK_V2_Q_LORA_CONFIG], ids=["greedy_yarn", "q_lora"])
 def test_deepseek_v2_logits_match_transformers(tmp_path, config):
     _check_against_transformers(tmp_path, "DeepseekV2", config, keep_config=True)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# DeepSeek-V3 (DeepseekV3ForCausalLM): DeepSeek-V2's latent attention, sigmoid routing with a trained bias per expert
+# (a buffer), noaux_tc's groups, multi-token-prediction layers, fp8 checkpoints
+
+
+def test_deepseek_v3_configs_map_both_ways():
+    from mx_jax.moe import group_score_experts
+
+    cfg = hf.config_from_hf(DEEPSEEK_V3_CONFIG)
+    a, m = cfg.mla, cfg.moe
+    assert (a.kv_rank, a.q_rank, a.nope_dim, a.rope_dim, a.v_dim) == (16, 12, 8, 4, 12)
+    assert (m.n_experts, m.top_k, m.d_expert, m.n_shared, m.n_dense_first, m.score, m.normalize_top_k,
+            m.routed_scale, m.route_groups, m.route_top_groups, m.route_group_top, m.aux_loss_coef,
+            m.bias_update_rate) == (8, 2, 24, 1, 1, "sigmoid", True, 2.5, 4, 2, 2, 0.001, 0.0)
+    assert group_score_experts(2, 8, 4, 2) == 1  # moe.py's default would score a group by its best expert here
+    sc = cfg.rope_scaling  # mscale = mscale_all_dim: an attention factor of exactly 1 (not YaRN's own), m^2 apart
+    assert (sc.kind, sc.factor, sc.original_max_len, sc.attention_factor, sc.mscale_all_dim) == \
+        ("yarn", 4.0, 1024, 1.0, 1.0)
+    assert hf.model_type(cfg) == "deepseek_v3"
+    written = hf.config_to_hf(cfg, "float32", DEEPSEEK_V3_CONFIG)
+    assert written == {**DEEPSEEK_V3_CONFIG, "mlp_bias": False, "rope_interleave": True, "num_nextn_predict_layers": 0,
+                       "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024,
+                                        "beta_fast": 32.0, "beta_slow": 1.0, "attention_factor": 1.0,
+                                        "mscale_all_dim": 1.0}}
+    assert hf.config_from_hf(written) == cfg
+    halves = hf.config_from_hf(DEEPSEEK_V3_HALVES_CONFIG)  # one group: greedy; queries from x; not renormalized
+    assert (halves.mla.q_rank, halves.moe.route_groups, halves.moe.route_group_top, halves.moe.normalize_top_k,
+            halves.moe.top_k, halves.moe.n_shared) == (0, 0, 0, False, 3, 2)
+    assert hf.config_to_hf(halves, "float32", DEEPSEEK_V3_HALVES_CONFIG) == {
+        **DEEPSEEK_V3_HALVES_CONFIG, "mlp_bias": False, "rope_interleave": True}  # written interleaved: _rope_rows
+    for c in (cfg, halves):
+        fresh = hf.config_to_hf(c, "float32")  # without a base: every key DeepseekV3Config reads
+        assert hf.config_from_hf(fresh) == c and "head_dim" not in fresh and fresh["model_type"] == "deepseek_v3"
+        abstract = nnx.eval_shape(lambda c=c: Llama(c, rngs=nnx.Rngs(0)))  # the shapes the model builds
+        assert jax.tree.map(lambda x: tuple(x.shape), params_of(abstract)) == hf.param_shapes(c)
+        assert jax.tree.map(lambda x: tuple(x.shape), buffers_of(abstract)) == hf.buffer_shapes(c)
+    assert hf.buffer_shapes(cfg) == {"blocks": {"moe": {"bias": (2, 8)}}}
+    # every group kept is greedy; a dense model with latent attention is DeepSeek-V2's
+    assert hf.config_from_hf({**DEEPSEEK_V3_CONFIG, "topk_group": 4}).moe.route_groups == 0
+    assert hf.config_from_hf({**DEEPSEEK_V3_CONFIG, "n_routed_experts": None}).moe.n_experts == 0
+    assert hf.model_type(dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, n_experts=0))) == "deepseek_v2"
+    # keys the config lacks: DeepseekV3Config's defaults (q_lora_rank 1536 where absent; null is none)
+    absent = ("q_lora_rank", "kv_lora_rank", "n_shared_experts", "n_routed_experts", "n_group", "topk_group",
+              "num_experts_per_tok", "norm_topk_prob", "routed_scaling_factor", "first_k_dense_replace")
+    t = hf.config_from_hf({**{k: v for k, v in DEEPSEEK_V3_CONFIG.items() if k not in absent},
+                           "num_hidden_layers": 5})
+    assert (t.mla.q_rank, t.mla.kv_rank, t.moe.n_shared, t.moe.n_experts, t.moe.route_groups, t.moe.route_top_groups,
+            t.moe.top_k, t.moe.normalize_top_k, t.moe.routed_scale, t.moe.n_dense_first) == \
+        (1536, 512, 1, 256, 8, 4, 8, True, 2.5, 3)
+    try:
+        import transformers
+    except ImportError:
+        return
+    d = transformers.DeepseekV3Config().to_dict()
+    assert {k: d[k] for k in hf.HF_CLASS_DEFAULTS["deepseek_v3"]} == hf.HF_CLASS_DEFAULTS["deepseek_v3"]
+    assert (d["q_lora_rank"], d["n_routed_experts"], d["n_shared_experts"], d["rope_interleave"],
+            d["num_nextn_predict_layers"]) == (1536, 256, 1, True, 1)
+
+
+@pytest.mark.parametrize("change, match", [
+    ({"scoring_func": "softmax"}, "scoring_func='softmax' is not supported"),
+    ({"topk_method": "group_limited_greedy"}, "topk_method='group_limited_greedy' is not supported"),
+    ({"moe_layer_freq": 2}, "moe_layer_freq=2"),
+    ({"n_group": 3}, "n_group=3, topk_group=2"),  # does not divide 8
+    ({"n_group": 8, "topk_group": 4}, "n_group=8, topk_group=4"),  # groups of one expert: no best two
+    ({"topk_group": 0}, "n_group=4, topk_group=0"),
+    ({"num_key_value_heads": 2}, "num_key_value_heads=2"),
+    ({"attention_bias": True}, "attention_bias=True"),
+    ({"quantization_config": {"quant_method": "gptq", "bits": 4}}, "quantization_config"),
+])
+def test_unsupported_deepseek_v3_configs_are_refused(tmp_path, change, match):
+    _golden_dir(tmp_path, "deepseek_v3", change)
+    with pytest.raises(hf.HFFormatError, match=match):
+        hf.load_hf_llama(tmp_path)
+
+
+def _golden_dir(path: pathlib.Path, case: str, change: dict | None = None) -> tuple[dict, dict]:
+    """The golden case's checkpoint written in `path` (its config.json changed by `change`): (its case, tensors)."""
+    from tests import transformers_golden as golden
+
+    want = golden.load()[case]
+    values = golden.case_weights(want)
+    golden.write(path, {**want["config"], **(change or {})}, values)
+    return want, values
+
+
+def test_deepseek_v3_exports_refuse_what_it_cannot_hold():
+    """A model with latent attention and sigmoid routing (or router biases that train) is DeepSeek-V3's, and what
+    DeepseekV3ForCausalLM cannot hold is named."""
+    cfg = hf.config_from_hf(DEEPSEEK_V3_CONFIG)
+    for key, value, match in (("route_group_top", 1, r"route_group_top.*best 1 expert\(s\).*sums its best 2"),
+                              ("route_group_top", 0, r"route_group_top.*best 1 expert\(s\)"),
+                              ("every_n_layers", 2, r"model\.moe\.every_n_layers.*DeepseekV3ForCausalLM has"),
+                              ("n_shared", 0, r"model\.moe\.n_shared.*always runs shared experts")):
+        with pytest.raises(ConfigError, match=match):
+            hf.config_to_hf(dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, **{key: value})), "float32")
+    with pytest.raises(ConfigError, match=r"model\.qk_norm.*DeepseekV3ForCausalLM has"):
+        hf.config_to_hf(dataclasses.replace(cfg, qk_norm=True), "float32")
+    softmax = dataclasses.replace(cfg.moe, score="softmax", normalize_top_k=False, route_group_top=1)
+    assert hf.model_type(dataclasses.replace(cfg, moe=softmax)) == "deepseek_v2"
+    trained = dataclasses.replace(softmax, bias_update_rate=0.01)  # router biases that train: only V3 holds them
+    with pytest.raises(ConfigError, match=r"model\.moe\.score.*'softmax'.*DeepseekV3ForCausalLM has moe.score"):
+        hf.config_to_hf(dataclasses.replace(cfg, moe=trained), "float32")
+    rated = dataclasses.replace(cfg.moe, bias_update_rate=0.01)  # a fine-tuning run that moves them: exported
+    assert hf.config_to_hf(dataclasses.replace(cfg, moe=rated), "float32")["model_type"] == "deepseek_v3"
+
+
+def test_deepseek_v3_router_biases_and_group_scores_move_the_logits(tmp_path):
+    """The golden checkpoint's biases are read (as buffers, not parameters): without them, or with each group scored
+    by its best expert alone (moe.py's default here, DeepSeek-V2's rule), our logits leave transformers' by ~1-4."""
+    want, values = _golden_dir(tmp_path, "deepseek_v3")
+    params, cfg = hf.load_hf_llama(tmp_path)
+    buffers = hf.load_hf_buffers(tmp_path, cfg)
+    assert "bias" not in params["blocks"]["moe"]
+    bias = buffers["blocks"]["moe"]["bias"]
+    assert bias.dtype == np.float32 and bias.shape == (2, 8)
+    np.testing.assert_array_equal(bias[1], values["model.layers.2.mlp.gate.e_score_correction_bias"])
+    logits = _our_logits(params, cfg, want["tokens"], buffers)
+    np.testing.assert_allclose(logits, want["logits"], atol=1e-4, rtol=0)
+    assert np.abs(_our_logits(params, cfg, want["tokens"]) - want["logits"]).max() > 1  # zero biases
+    best_one = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, route_group_top=1))
+    assert np.abs(_our_logits(params, best_one, want["tokens"], buffers) - want["logits"]).max() > 0.5
+    greedy = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, route_groups=0, route_top_groups=0,
+                                                              route_group_top=0))
+    assert np.abs(_our_logits(params, greedy, want["tokens"], buffers) - want["logits"]).max() > 0.5
+    # a dense model's buffers are none; V2's MoE has zeros, where the checkpoint has no bias
+    assert hf.load_hf_buffers(tmp_path, dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, n_experts=0))) == {}
+    _golden_dir(tmp_path / "v2", "deepseek_v2")
+    v2 = hf.load_hf_buffers(tmp_path / "v2", hf.config_from_hf(DEEPSEEK_V2_CONFIG))
+    assert v2["blocks"]["moe"]["bias"].shape == (2, 6) and not v2["blocks"]["moe"]["bias"].any()
+
+
+def test_deepseek_v3_export_writes_the_router_biases_back(tmp_path):
+    """The golden checkpoint, imported and exported: every tensor as it was (bitwise), the biases from the buffers,
+    in float32 whatever the dtype (transformers keeps them so), in shards too; the biases are needed, and nonzero
+    ones are refused where another model would drop them. rope_interleave false reads the rotated rows as stored
+    and writes them interleaved, with rope_interleave true."""
+    want, values = _golden_dir(tmp_path / "hf", "deepseek_v3")
+    params, cfg = hf.load_hf_llama(tmp_path / "hf")
+    buffers = hf.load_hf_buffers(tmp_path / "hf", cfg)
+    hf.export_hf_llama(params, cfg, tmp_path / "out", buffers=buffers, dtype="float32", hf_config=want["config"],
+                       max_shard_bytes=sum(v.nbytes for v in values.values()) // 4)
+    assert len(list((tmp_path / "out").glob("model-*.safetensors"))) > 1
+    _assert_same_tensors(_read_all(tmp_path / "out"), values)
+    hf.export_hf_llama(params, cfg, tmp_path / "bf16", buffers=buffers)
+    written = _read_all(tmp_path / "bf16")
+    bias = "model.layers.1.mlp.gate.e_score_correction_bias"
+    assert written[bias].dtype == np.float32 and written["model.layers.1.mlp.gate.weight"].dtype == ml_dtypes.bfloat16
+    np.testing.assert_array_equal(written[bias], values[bias])
+    with pytest.raises(ValueError, match="pass buffers="):
+        hf.export_hf_llama(params, cfg, tmp_path / "none")
+    with pytest.raises(ValueError, match=r"buffers\['blocks/moe/bias'\] has shape \(2, 6\)"):
+        hf.export_hf_llama(params, cfg, tmp_path / "none", buffers={"blocks": {"moe": {"bias": np.zeros((2, 6))}}})
+    assert not (tmp_path / "none").exists()
+    _golden_dir(tmp_path / "v2", "deepseek_v2")
+    v2_params, v2 = hf.load_hf_llama(tmp_path / "v2")
+    zeros = hf.load_hf_buffers(tmp_path / "v2", v2)
+    hf.export_hf_llama(v2_params, v2, tmp_path / "v2_out", buffers=zeros, dtype="float32")
+    with pytest.raises(ValueError, match="router biases are not zero.*deepseek_v2's router has no place"):
+        hf.export_hf_llama(v2_params, v2, tmp_path / "v2_bad", buffers=jax.tree.map(lambda b: b + 0.1, zeros))
+
+    halves, halves_values = _golden_dir(tmp_path / "halves", "deepseek_v3_halves")
+    params, cfg = hf.load_hf_llama(tmp_path / "halves")
+    np.testing.assert_array_equal(params["blocks"]["attn"]["wkv_a"][0].T,  # rope_interleave false: rows as stored
+                                  halves_values["model.layers.1.self_attn.kv_a_proj_with_mqa.weight"])
+    hf.export_hf_llama(params, cfg, tmp_path / "halves_out", buffers=hf.load_hf_buffers(tmp_path / "halves", cfg),
+                       dtype="float32", hf_config=halves["config"])
+    assert json.loads((tmp_path / "halves_out" / "config.json").read_text())["rope_interleave"] is True
+    kv = _read_all(tmp_path / "halves_out")["model.layers.1.self_attn.kv_a_proj_with_mqa.weight"]
+    stored = halves_values["model.layers.1.self_attn.kv_a_proj_with_mqa.weight"]  # kv_rank 16, rope 4: 16 18 17 19
+    np.testing.assert_array_equal(kv[[16, 18, 17, 19]], stored[16:])
+    back, cfg2 = hf.load_hf_llama(tmp_path / "halves_out")
+    assert cfg2 == cfg
+    jax.tree.map(np.testing.assert_array_equal, back, params)
+
+
+def test_deepseek_v3_import_train_and_export_keep_the_router_biases(tmp_path):
+    """`import` saves the biases as the checkpoint's buffers beside its params and writes the routing into
+    config.yaml; a run from it starts from those biases (init_from), moves them by the sign of each expert's load
+    error when asked (model.moe.bias_update_rate), and exports them; a run from the HF directory itself starts from
+    them too, its buffers on an expert axis."""
+    from mx_jax.config import load_config
+
+    want, _ = _golden_dir(tmp_path / "hf", "deepseek_v3")
+    assert hf.main(["import", str(tmp_path / "hf"), str(tmp_path / "imp")]) == 0
+    model = yaml.safe_load((tmp_path / "imp" / "config.yaml").read_text())["model"]
+    assert {k: model["moe"][k] for k in ("score", "routed_scale", "route_groups", "route_top_groups",
+                                         "route_group_top", "normalize_top_k")} == \
+        {"score": "sigmoid", "routed_scale": 2.5, "route_groups": 4, "route_top_groups": 2, "route_group_top": 2,
+         "normalize_top_k": True}
+    cfg0 = hf.config_from_hf(want["config"])
+    imported = hf.load_buffers(tmp_path / "imp", cfg0)["blocks"]["moe"]["bias"]
+    np.testing.assert_array_equal(imported, hf.load_hf_buffers(tmp_path / "hf", cfg0)["blocks"]["moe"]["bias"])
+    from mx_jax import sample, sharding, train as train_mod  # the sampler decodes with them
+
+    scfg = sample.load_config(str(tmp_path / "imp" / "config.yaml"), ["mesh.data=1", "mesh.fsdp=1"])
+    setup = train_mod.build(scfg, sharding.make_mesh(scfg.mesh, jax.devices()[:1]))
+    _, sampled = sample.load_model_state(scfg, setup, tmp_path / "imp", None)
+    np.testing.assert_array_equal(np.asarray(sampled["blocks"]["moe"]["bias"]), imported)
+    common = ["data.source=embedded", "data.seq_len=32", "data.batch_size=8", "steps=1", "optim.warmup_steps=0",
+              "log.every_steps=1", "log.progress=false", "log.tensorboard=false", "log.eval_every_steps=-1",
+              "ckpt.async_save=false", "mesh.fsdp=1"]
+    rate = 0.01
+    cfg = load_config(str(tmp_path / "imp" / "config.yaml"), [
+        f"init_from={tmp_path / 'imp'}", f"run_dir={tmp_path / 'run'}", f"model.moe.bias_update_rate={rate}",
+        "mesh.data=2", *common])
+    assert dataclasses.replace(cfg.model, moe=dataclasses.replace(cfg.model.moe, bias_update_rate=0)) == cfg0
+    result = train(cfg, jax.devices()[:2])
+    assert np.isfinite(result.metrics["loss"])
+    moved = np.asarray(result.state["buffers"]["blocks"]["moe"]["bias"]) - imported
+    assert np.allclose(np.abs(moved)[np.abs(moved) > 1e-6], rate) and np.abs(moved).max() > 0  # one step of sign
+    assert hf.main(["export", str(tmp_path / "run"), str(tmp_path / "out"), "--dtype", "float32"]) == 0
+    out = _read_all(tmp_path / "out")
+    for i in (1, 2):
+        np.testing.assert_array_equal(out[f"model.layers.{i}.mlp.gate.e_score_correction_bias"],
+                                      np.asarray(result.state["buffers"]["blocks"]["moe"]["bias"][i - 1]))
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["topk_method"] == "noaux_tc"
+    back, _ = hf.load_hf_llama(tmp_path / "out")
+    jax.tree.map(lambda x, y: np.testing.assert_array_equal(x, np.asarray(y)), back, result.state["params"])
+
+    direct = load_config(str(tmp_path / "imp" / "config.yaml"), [
+        f"init_from={tmp_path / 'hf'}", f"run_dir={tmp_path / 'direct'}", "mesh.data=2", "mesh.expert=2", *common])
+    result = train(direct, jax.devices()[:4])
+    np.testing.assert_array_equal(np.asarray(result.state["buffers"]["blocks"]["moe"]["bias"]), imported)
+
+
+def test_deepseek_v3_multi_token_prediction_layers_are_skipped(tmp_path):
+    """DeepSeek-V3 stores num_nextn_predict_layers MTP layers after the L decoder layers (its model.layers.61.*):
+    skipped with a warning naming them (transformers does not load them either); a layer beyond those has no
+    place, nor an MTP layer that config.json does not announce."""
+    from tests import transformers_golden as golden
+
+    want = golden.load()["deepseek_v3"]
+    values = golden.case_weights(want)
+    plain, _ = hf.load_hf_llama(_written(tmp_path / "plain", want["config"], values))
+    rng = np.random.default_rng(0)
+    mtp = {f"model.layers.3.{k}": rng.standard_normal(s).astype(np.float32) for k, s in (
+        ("enorm.weight", (48,)), ("hnorm.weight", (48,)), ("eh_proj.weight", (48, 96)),
+        ("self_attn.q_a_proj.weight", (12, 48)), ("mlp.gate.e_score_correction_bias", (8,)),
+        ("shared_head.norm.weight", (48,)), ("shared_head.head.weight", (256, 48)))}
+    path = _written(tmp_path / "mtp", want["config"], {**values, **mtp})
+    with pytest.warns(UserWarning, match=r"skipped the 7 tensors of the multi-token-prediction layer\(s\) "
+                                         r"model\.layers\.3 \(num_nextn_predict_layers\)"):
+        params, _ = hf.load_hf_llama(path)
+    jax.tree.map(np.testing.assert_array_equal, params, plain)
+    no_key = _written(tmp_path / "no_key", {k: v for k, v in want["config"].items()
+                                            if k != "num_nextn_predict_layers"}, {**values, **mtp})
+    with pytest.warns(UserWarning, match="multi-token-prediction"):  # DeepseekV3Config's default: 1
+        hf.load_hf_llama(no_key)
+    beyond = _written(tmp_path / "beyond", want["config"],
+                      {**values, **{k.replace("layers.3", "layers.4"): v for k, v in mtp.items()}})
+    with pytest.raises(hf.HFFormatError, match=r"7 tensor\(s\) have no place.*model\.layers\.4\."):
+        hf.load_hf_llama(beyond)
+    unannounced = _written(tmp_path / "none", {**want["config"], "num_nextn_predict_layers": 0}, {**values, **mtp})
+    with pytest.raises(hf.HFFormatError, match=r"have no place.*model\.layers\.3\."):
+        hf.load_hf_llama(unannounced)
+
+
+def _written(path: pathlib.Path, config: dict, values: dict) -> pathlib.Path:
+    from tests import transformers_golden as golden
+
+    golden.write(path, config, values)
+    return path
+
+
+def _fp8(values: dict[str, np.ndarray], block: tuple[int, int]) -> tuple[dict, dict]:
+    """(the tensors as DeepSeek-V3's fp8 checkpoints store them: every matrix but the embedding, head and routers
+    in float8_e4m3fn with a float32 `weight_scale_inv` per block (amax / 448, the blocks at the edges partial), the
+    float32 values those dequantize to: each block's W8 times its scale, written out block by block)."""
+    stored, exact = {}, {}
+    b0, b1 = block
+    for k, v in values.items():
+        if v.ndim != 2 or k in ("model.embed_tokens.weight", "lm_head.weight") or k.endswith("gate.weight"):
+            stored[k] = exact[k] = v
+            continue
+        rows, cols = -(-v.shape[0] // b0), -(-v.shape[1] // b1)
+        scale = np.empty((rows, cols), np.float32)
+        w8, deq = np.empty(v.shape, ml_dtypes.float8_e4m3fn), np.empty(v.shape, np.float32)
+        for i in range(rows):
+            for j in range(cols):
+                blk = (slice(i * b0, (i + 1) * b0), slice(j * b1, (j + 1) * b1))
+                scale[i, j] = np.abs(v[blk]).max() / 448
+                w8[blk] = (v[blk] / scale[i, j]).astype(ml_dtypes.float8_e4m3fn)
+                deq[blk] = w8[blk].astype(np.float32) * scale[i, j]
+        stored[k], stored[k + "_scale_inv"], exact[k] = w8, scale, deq
+    return stored, exact
+
+
+FP8_CONFIG = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [8, 32]}
+
+
+def test_fp8_checkpoints_are_dequantized(tmp_path, monkeypatch):
+    """A block-scaled fp8 checkpoint (quantization_config quant_method fp8; DeepSeek-V3's and Kimi K2's form) reads
+    as the float32 values its blocks dequantize to, W8 * scale_inv, whole and in each device's slices (which cut
+    through blocks: 8 x 32 here, partial at the edges of 12, 20, 48 and 80); its scales have their places, and what
+    does not fit is named. An export of it is 16- or 32-bit, without quantization_config."""
+    from tests import transformers_golden as golden
+
+    want = golden.load()["deepseek_v3"]
+    stored, exact = _fp8(golden.case_weights(want), (8, 32))
+    fp8 = _written(tmp_path / "fp8", {**want["config"], "quantization_config": FP8_CONFIG}, stored)
+    with safe_open(str(fp8 / hf.SINGLE_FILE), framework="np") as f:
+        assert f.get_slice("model.layers.1.self_attn.q_b_proj.weight").get_dtype() == "F8_E4M3"
+    want_params, cfg = hf.load_hf_llama(_written(tmp_path / "exact", want["config"], exact))
+    params, cfg2 = hf.load_hf_llama(fp8)
+    assert cfg2 == cfg
+    jax.tree.map(np.testing.assert_array_equal, params, want_params)
+    mesh = jax.make_mesh((2, 2), ("a", "b"), devices=jax.devices()[:4])
+
+    def spec_for(shape):  # as test_init_from_an_hf_directory_reads_only_each_devices_slices
+        spec = [None] * len(shape)
+        if len(shape) > 1 and shape[0] % 2 == 0:
+            spec[0] = "b"
+        if shape[-1] % 2 == 0:
+            spec[-1] = "a"
+        return NamedSharding(mesh, P(*spec))
+
+    shardings = jax.tree.map(spec_for, hf.param_shapes(cfg), is_leaf=lambda x: isinstance(x, tuple))
+    got, buffers = hf.init_from(fp8, cfg, shardings)  # (its router biases are float32, as DeepSeek-V3's)
+    jax.tree.map(lambda g, w: np.testing.assert_array_equal(np.asarray(g), w), got, want_params)
+    jax.tree.map(np.testing.assert_array_equal, buffers, hf.load_hf_buffers(tmp_path / "exact", cfg))
+    assert "quantization_config" not in hf.config_to_hf(cfg, "bfloat16", {**want["config"],
+                                                                         "quantization_config": FP8_CONFIG})
+    try:  # transformers' own dequantization, where it is installed
+        import torch
+        from transformers.integrations.finegrained_fp8 import _dequantize_fp8_weight
+    except ImportError:
+        pass
+    else:
+        for k in ("model.layers.1.self_attn.kv_a_proj_with_mqa.weight",
+                  "model.layers.2.mlp.experts.3.down_proj.weight"):
+            w = torch.from_numpy(stored[k].view(np.uint8)).view(torch.float8_e4m3fn)
+            theirs = _dequantize_fp8_weight(w, torch.from_numpy(stored[k + "_scale_inv"]), [8, 32], torch.float32)
+            np.testing.assert_array_equal(theirs.numpy(), exact[k])
+
+    scale = "model.layers.1.self_attn.q_a_proj.weight_scale_inv"
+    for name, config, tensors, match in (
+            ("no_config", want["config"], stored, r"q_a_proj.weight_scale_inv' scales .* no quantization_config"),
+            ("block", {**want["config"], "quantization_config": {**FP8_CONFIG, "weight_block_size": [16, 32]}},
+             stored, r"weight_scale_inv' is F32 \(2, 2\); .*\(12, 48\) in blocks of \(16, 32\).* implies \(1, 2\)"),
+            ("unscaled", {**want["config"], "quantization_config": FP8_CONFIG},
+             {k: v for k, v in stored.items() if k != scale}, r"q_a_proj.weight' is F8_E4M3 without"),
+            ("method", {**want["config"], "quantization_config": {"quant_method": "awq", "bits": 4}}, stored,
+             "quantization_config .*'awq'.* is not supported")):
+        with pytest.raises(hf.HFFormatError, match=match):
+            hf.load_hf_llama(_written(tmp_path / name, config, tensors))
+
+
+def test_kimi_k2_reads_and_writes_as_deepseek_v3(tmp_path):
+    """Kimi K2's config.json names DeepSeek-V3's architecture (DeepseekV3ForCausalLM) model_type kimi_k2: read as
+    deepseek_v3 (its rotated rows interleaved, as the Hub's code rotates them), written back as kimi_k2 with its
+    other keys (its own code, auto_map)."""
+    from tests import transformers_golden as golden
+
+    kimi = {**DEEPSEEK_V3_CONFIG, "model_type": "kimi_k2", "auto_map": {
+        "AutoConfig": "configuration_deepseek.DeepseekV3Config",
+        "AutoModelForCausalLM": "modeling_deepseek.DeepseekV3ForCausalLM"}}
+    cfg = hf.config_from_hf(kimi)
+    assert cfg == hf.config_from_hf(DEEPSEEK_V3_CONFIG)
+    written = hf.config_to_hf(cfg, "float32", kimi)
+    assert (written["model_type"], written["architectures"], written["auto_map"]) == \
+        ("kimi_k2", ["DeepseekV3ForCausalLM"], kimi["auto_map"])
+    assert hf.config_from_hf(written) == cfg
+    want = golden.load()["deepseek_v3"]
+    values = golden.case_weights(want)
+    params, _ = hf.load_hf_llama(_written(tmp_path / "kimi", kimi, values))
+    same, _ = hf.load_hf_llama(_written(tmp_path / "v3", want["config"], values))
+    jax.tree.map(np.testing.assert_array_equal, params, same)
+    hf.export_hf_llama(params, cfg, tmp_path / "out", buffers=hf.load_hf_buffers(tmp_path / "kimi", cfg),
+                       dtype="float32", hf_config=kimi)
+    _assert_same_tensors(_read_all(tmp_path / "out"), values)
+
+
+@pytest.mark.parametrize("config", [DEEPSEEK_V3_CONFIG, DEEPSEEK_V3_HALVES_CONFIG], ids=["groups_yarn", "halves"])
+def test_deepseek_v3_logits_match_transformers(tmp_path, config):
+    _check_against_transformers(tmp_path, "DeepseekV3", config, keep_config=True)
 
 
 # ---------------------------------------------------------------------------------------------------------------

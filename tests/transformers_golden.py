@@ -1,5 +1,5 @@
-"""transformers' logits for tiny Llama, Mistral, Phi-3, Mixtral, DeepSeekMoE, DeepSeek-V2, Qwen2, Qwen3 and Qwen3-MoE
-models (and Llama 3.1 and YaRN RoPE scaling), kept so that CI (no torch) checks our import against them.
+"""transformers' logits for tiny Llama, Mistral, Phi-3, Mixtral, DeepSeekMoE, DeepSeek-V2, DeepSeek-V3, Qwen2, Qwen3 and
+Qwen3-MoE models (and Llama 3.1 and YaRN RoPE scaling), kept so that CI (no torch) checks our import against them.
 
     python tests/transformers_golden.py     # needs numpy, torch, transformers; rewrites tests/data/transformers.npz
 
@@ -72,6 +72,34 @@ DEEPSEEK_V2_Q_LORA_CONFIG = {
     "num_experts_per_tok": 3, "topk_method": "group_limited_greedy", "n_group": 3, "topk_group": 2,
     "routed_scaling_factor": 2.0,
 }
+# DeepSeek-V3 (deepseek-ai/DeepSeek-V3's config.json keys): latent attention with a query latent (12) and a rotated
+# width of 4; YaRN as V3 writes it (mscale = mscale_all_dim = 1: an attention factor of exactly 1, the softmax scaled
+# by m^2 = 1.30) over an original context (1024) that keeps the first of the r/2 = 2 frequencies and ramps the other;
+# a dense first layer, then sigmoid routing (noaux_tc) over 8 experts in 4 groups of 2: a group scored by the sum of
+# its top-2 biased scores, the best 2 groups kept, the top-2 experts in them (moe.py's own default would score a
+# group by its best expert here), their unbiased scores renormalized and times 2.5, and 1 shared expert. The weights
+# give every e_score_correction_bias 0.15 N(0, 1), which changes the choice of many tokens (test_hf checks that
+# dropping them moves the logits). The second: queries from x and one group (greedy) as Moonlight-16B-A3B has them,
+# rope_interleave false (the rotated rows in halves), top-3 weights not renormalized, 2 shared experts, no rope scaling.
+DEEPSEEK_V3_CONFIG = {
+    "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "vocab_size": 256, "hidden_size": 48,
+    "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 4, "intermediate_size": 80,
+    "kv_lora_rank": 16, "q_lora_rank": 12, "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 12,
+    "moe_intermediate_size": 24, "n_routed_experts": 8, "num_experts_per_tok": 2, "n_shared_experts": 1,
+    "first_k_dense_replace": 1, "moe_layer_freq": 1, "scoring_func": "sigmoid", "topk_method": "noaux_tc",
+    "n_group": 4, "topk_group": 2, "norm_topk_prob": True, "routed_scaling_factor": 2.5,
+    "num_nextn_predict_layers": 1, "aux_loss_alpha": 0.001, "seq_aux": True, "hidden_act": "silu",
+    "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+    "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024, "beta_fast": 32,
+                     "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
+    "max_position_embeddings": 4096, "attention_bias": False, "tie_word_embeddings": False, "bos_token_id": 0,
+    "eos_token_id": 1, "torch_dtype": "float32",
+}
+DEEPSEEK_V3_HALVES_CONFIG = {
+    **DEEPSEEK_V3_CONFIG, "q_lora_rank": None, "n_group": 1, "topk_group": 1, "num_experts_per_tok": 3,
+    "norm_topk_prob": False, "routed_scaling_factor": 1.5, "n_shared_experts": 2, "rope_interleave": False,
+    "num_nextn_predict_layers": 0, "rope_scaling": None, "max_position_embeddings": 128,
+}
 # Qwen3: per-head RMSNorm of q and k (model.qk_norm), head_dim 16 != hidden / heads, tied embeddings as its small
 # models have them; Qwen3-MoE with a dense first layer (mlp_only_layers) and the top-k weights renormalized.
 QWEN3_CONFIG = {
@@ -120,6 +148,8 @@ CASES = {  # name: (transformers architecture, config.json)
     "phi3": ("Phi3", PHI3_CONFIG),
     "deepseek_v2": ("DeepseekV2", DEEPSEEK_V2_CONFIG),
     "deepseek_v2_q_lora": ("DeepseekV2", DEEPSEEK_V2_Q_LORA_CONFIG),
+    "deepseek_v3": ("DeepseekV3", DEEPSEEK_V3_CONFIG),
+    "deepseek_v3_halves": ("DeepseekV3", DEEPSEEK_V3_HALVES_CONFIG),
     # YaRN as Qwen2.5's long-context recipe writes it (head dim 12, original context 1024: frequency 0 kept, 1-4
     # mixed, 5 divided by the factor), and with DeepSeek's mscale / mscale_all_dim attention factor and beta_fast 16
     "qwen2_yarn": ("Qwen2", {**QWEN2_CONFIG, "max_position_embeddings": 4096, "rope_scaling": {
