@@ -422,12 +422,14 @@ def attend_heads(q: jax.Array, k: jax.Array, v: jax.Array, segments: jax.Array |
     """q (B,T,H,K), k (B,T,G,K), v (B,T,G,K_v) -> (B,T,H,K_v): causal, or within documents where `segments` (B,T)
     are given and max_documents > 1. A value head dim K_v != K (latent attention) goes to cuDNN's causal kernels as
     it is (cuDNN >= 9.10 on Hopper: 2.96 ms fwd+bwd for DeepSeek-V2-Lite's 16 heads of 192 / 128 at 4 x 4096 tokens
-    against 4.31 padded, one H200, benchmarks/RESULTS.md session 71) and is zero-padded to K everywhere else
-    (`attend_padded`): XLA's and the context-parallel paths take one head dim, and cuDNN 9.19's packed-layout
+    against 4.31 padded, one H200, benchmarks/RESULTS.md session 71) where both K and K_v are multiples of 8, and is
+    zero-padded to the larger everywhere else (`attend_padded`): XLA's and the context-parallel paths take one head
+    dim, cuDNN refuses a head dim that is not a multiple of 8 (`attention_impl` checks only the larger, the padded
+    one; "hidden_dim should be multiple of 8" for K = 192, K_v = 100 on an H200), and cuDNN 9.19's packed-layout
     backward (documents) with K_v != K failed with a misaligned address on an H200."""
     if segments is None or max_documents == 1:  # one segment: the row is one causal sequence
         attend = functools.partial(causal_attention, impl=impl)
-        if impl == "cudnn" and context_shards() == 1:
+        if impl == "cudnn" and context_shards() == 1 and q.shape[-1] % 8 == 0 and v.shape[-1] % 8 == 0:
             return attend(q, k, v)
     else:
         attend = functools.partial(document_attention, segments=segments, impl=impl, max_documents=max_documents)

@@ -99,6 +99,33 @@ def test_attend_padded_keeps_the_softmax_scale():
         np.testing.assert_allclose(np.asarray(got), np.asarray(plain(q, k, v)), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("dims", [(24, 16), (20, 32), (24, 12)], ids=["both_multiples", "k_20", "v_12"])
+def test_cudnn_gets_head_dims_it_takes(monkeypatch, dims):
+    """`attention_impl` picks cuDNN by the larger head dim (model.attention_dim); `attend_heads` hands its causal
+    kernels q, k and v at their own dims only where both are multiples of 8 (cuDNN refuses any other), else all three
+    zero-padded to the larger: the kernel (faked here by softmax(q k^T / sqrt(its K)) v) sees dims it takes, and the
+    output is XLA's."""
+    from mx_jax import context_parallel
+    from mx_jax.layers import attend_heads
+
+    seen = []
+
+    def cudnn(q, k, v):
+        seen.append((q.shape[-1], v.shape[-1]))
+        s = jnp.einsum("bthk,bshk->bhts", q, k) / np.sqrt(q.shape[-1])
+        s = jnp.where(jnp.tril(jnp.ones(s.shape[-2:], bool)), s, -jnp.inf)
+        return jnp.einsum("bhts,bshv->bthv", jax.nn.softmax(s, -1), v)
+
+    monkeypatch.setattr(context_parallel, "cudnn_causal_attention", cudnn)
+    rng = np.random.default_rng(2)
+    q, k = (jnp.asarray(rng.standard_normal((1, 6, 2, dims[0])), jnp.float32) for _ in range(2))
+    v = jnp.asarray(rng.standard_normal((1, 6, 2, dims[1])), jnp.float32)
+    got = attend_heads(q, k, v, None, "cudnn", 1)
+    assert seen and all(d % 8 == 0 for d in seen[0]), seen
+    np.testing.assert_allclose(np.asarray(got), np.asarray(attend_heads(q, k, v, None, "xla", 1)), rtol=1e-5,
+                               atol=1e-6)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("documents", [False, True], ids=["causal", "documents"])
 def test_gpu_cudnn_attention_of_a_narrower_value_head(documents):
