@@ -511,10 +511,12 @@ def validate(cfg: TrainConfig) -> None:
         _check(getattr(m, k) > 0, f"model.{k}", f"must be positive, got {getattr(m, k)}")
     _check(m.n_heads % m.n_kv_heads == 0, "model.n_kv_heads",
            f"must divide model.n_heads ({m.n_heads}), got {m.n_kv_heads}")
-    _check(m.head_dim > 0 or m.d_model % m.n_heads == 0, "model.n_heads",
-           f"must divide model.d_model ({m.d_model}) when model.head_dim is 0, got {m.n_heads}")
-    _check(m.d_head % 2 == 0, "model.head_dim", f"the head dimension must be even for RoPE, got {m.d_head}")
     a = m.mla
+    # under model.mla the head dims are model.mla's, checked below: RoPE rotates rope_dim of them only
+    _check(a.kv_rank > 0 or m.head_dim > 0 or m.d_model % m.n_heads == 0, "model.n_heads",
+           f"must divide model.d_model ({m.d_model}) when model.head_dim is 0, got {m.n_heads}")
+    _check(a.kv_rank > 0 or m.d_head % 2 == 0, "model.head_dim",
+           f"the head dimension must be even for RoPE, got {m.d_head}")
     for k in ("kv_rank", "q_rank"):
         _check(getattr(a, k) >= 0, f"model.mla.{k}", f"must be >= 0 (0 = off), got {getattr(a, k)}")
     if a.kv_rank:

@@ -98,6 +98,34 @@ def test_saving_the_experts_gate_and_up_needs_the_compact_buffer():
     assert load_config(None, ["model.moe.n_experts=4", "model.moe.ep_save_gate_up=true"]).model.moe.ep_save_gate_up
 
 
+MLA = ["model.n_kv_heads=8", "model.mla.kv_rank=16", "model.mla.nope_dim=16", "model.mla.rope_dim=8"]
+
+
+@pytest.mark.parametrize("overrides, key", [
+    (["model.mla.rope_dim=7"], "model.mla.rope_dim"),  # odd nope_dim + rope_dim: not reported as model.head_dim
+    (["model.mla.v_dim=0"], "model.mla.v_dim"),
+    (["model.mla.q_rank=-1"], "model.mla.q_rank"),
+    (["model.n_kv_heads=4"], "model.n_kv_heads"),
+    (["model.head_dim=24"], "model.head_dim"),
+    (["model.qk_norm=true"], "model.qk_norm"),
+    (["model.attention_bias=true"], "model.attention_bias"),
+    (["model.rope_scaling.mscale_all_dim=1"], "model.rope_scaling.mscale_all_dim"),  # without yarn
+])
+def test_latent_attention_is_checked(overrides, key):
+    with pytest.raises(ConfigError, match=f"'{key}'"):
+        load_config(None, [*MLA, *overrides])
+
+
+def test_latent_attention_takes_its_head_dims_from_model_mla():
+    """Under model.mla, n_heads need not divide d_model (no head dim comes from it), and nope_dim + rope_dim may be
+    odd (RoPE turns rope_dim only)."""
+    m = load_config(None, [*MLA, "model.n_heads=6", "model.n_kv_heads=6", "model.d_model=64",
+                           "model.mla.nope_dim=7"]).model
+    assert (m.d_head, m.rope_dim, m.v_dim) == (15, 8, 128)
+    with pytest.raises(ConfigError, match="'model.mla.q_rank'.*needs model.mla.kv_rank"):
+        load_config(None, ["model.mla.q_rank=8"])
+
+
 def test_integral_floats_are_ints():
     assert load_config(None, ["steps=1e3", "data.seq_len=64.0"]).steps == 1000
 
