@@ -717,13 +717,8 @@ def _deepseek_v2_moe(hf: dict, source: str, n_layers: int) -> MoEConfig:
         except (KeyError, TypeError):
             raise HFFormatError(f"{source}: topk_method='group_limited_greedy' needs n_group and topk_group (got "
                                 f"{hf.get('n_group')!r} and {hf.get('topk_group')!r})") from None
-        if not (groups > 0 and n_experts % groups == 0 and 0 < top_groups <= groups
-                and top_k <= top_groups * (n_experts // groups)):
-            raise HFFormatError(f"{source}: topk_method='group_limited_greedy' with n_group={groups}, topk_group="
-                                f"{top_groups} is not supported for {n_experts} experts, top-{top_k} (n_group must "
-                                f"divide them, and topk_group groups hold the top_k)")
-        if top_groups == groups:  # every group kept: greedy
-            groups = top_groups = 0
+        groups, top_groups = _route_groups(source, "topk_method='group_limited_greedy' with ", n_experts, top_k,
+                                           groups, top_groups, 1)
     elif method != "greedy":
         raise HFFormatError(f"{source}: topk_method={method!r} is not supported (only 'greedy' and "
                             f"'group_limited_greedy')")
@@ -737,6 +732,19 @@ def _deepseek_v2_moe(hf: dict, source: str, n_layers: int) -> MoEConfig:
                      route_groups=groups, route_top_groups=top_groups, route_group_top=1 if groups else 0,
                      routed_scale=float(hf.get("routed_scaling_factor") or 1.0),
                      aux_loss_coef=float(hf.get("aux_loss_alpha", 0.001)))  # alpha x 1 at balance in both
+
+
+def _route_groups(source: str, what: str, n_experts: int, top_k: int, groups: int, top_groups: int,
+                  best: int) -> tuple[int, int]:
+    """(route_groups, route_top_groups) of DeepSeek's n_group and topk_group, each group scored by its `best` best
+    experts; (0, 0) where every group is kept (greedy). An HFFormatError, after `what`, for groups that cannot be."""
+    if not (groups > 0 and n_experts % groups == 0 and n_experts // groups >= best and 0 < top_groups <= groups
+            and top_k <= top_groups * (n_experts // groups)):
+        into = f" into groups of at least {best}, whose best {best} score the group," if best > 1 else ","
+        raise HFFormatError(f"{source}: {what}n_group={groups}, topk_group={top_groups} is not supported for "
+                            f"{n_experts} experts, top-{top_k} (n_group must divide them{into} and topk_group groups "
+                            f"hold the top_k)")
+    return (0, 0) if top_groups == groups else (groups, top_groups)
 
 
 def _deepseek_v3_moe(hf: dict, source: str, n_layers: int) -> MoEConfig:
@@ -757,13 +765,7 @@ def _deepseek_v3_moe(hf: dict, source: str, n_layers: int) -> MoEConfig:
             raise HFFormatError(f"{source}: {key}={hf[key]!r} is not supported (transformers' DeepseekV3 runs "
                                 f"{key}={want!r} whatever the key says, and so does mx_jax)")
     top_k, groups, top_groups = int(hf["num_experts_per_tok"]), int(hf["n_group"]), int(hf["topk_group"])
-    if not (groups > 0 and n_experts % groups == 0 and n_experts // groups >= 2 and 0 < top_groups <= groups
-            and top_k <= top_groups * (n_experts // groups)):
-        raise HFFormatError(f"{source}: n_group={groups}, topk_group={top_groups} is not supported for {n_experts} "
-                            f"experts, top-{top_k} (n_group must divide them into groups of at least 2, whose best 2 "
-                            f"score the group, and topk_group groups hold the top_k)")
-    if top_groups == groups:  # every group kept: greedy
-        groups = top_groups = 0
+    groups, top_groups = _route_groups(source, "", n_experts, top_k, groups, top_groups, 2)
     shared = hf.get("n_shared_experts", 1)  # DeepseekV3Config's default where absent; null: none (the Hub's code)
     return MoEConfig(n_experts=n_experts, top_k=top_k, d_expert=int(hf["moe_intermediate_size"]),
                      n_shared=int(shared or 0), n_dense_first=first, score="sigmoid",

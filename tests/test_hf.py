@@ -429,6 +429,22 @@ def test_init_from_places_hf_and_orbax_params_on_a_mesh(tmp_path):
         hf.init_from(tmp_path, cfg)
 
 
+def _corner_shardings(cfg):
+    """A (2, 2) mesh of axes a and b, and `cfg`'s parameters over it: the first dim over b and the last over a,
+    where they divide (so that slices cut each tensor at both ends)."""
+    mesh = jax.make_mesh((2, 2), ("a", "b"), devices=jax.devices()[:4])
+
+    def spec_for(shape):
+        spec = [None] * len(shape)
+        if len(shape) > 1 and shape[0] % 2 == 0:
+            spec[0] = "b"
+        if shape[-1] % 2 == 0:
+            spec[-1] = "a"
+        return NamedSharding(mesh, P(*spec))
+
+    return mesh, jax.tree.map(spec_for, hf.param_shapes(cfg), is_leaf=lambda x: isinstance(x, tuple))
+
+
 @pytest.mark.parametrize("case", ["deepseek", "qwen3", "mixtral", "phi3", "deepseek_v2_q_lora", "deepseek_v3"])
 def test_init_from_an_hf_directory_reads_only_each_devices_slices(tmp_path, case, monkeypatch):
     """init_from on a mesh (hf.load_hf_sharded): the same values as the whole read, placed as asked, over the
@@ -440,17 +456,7 @@ def test_init_from_an_hf_directory_reads_only_each_devices_slices(tmp_path, case
     want_case = golden.load()[case]
     golden.write(tmp_path / "hf", want_case["config"], golden.case_weights(want_case))
     want, cfg = hf.load_hf_llama(tmp_path / "hf")
-    mesh = jax.make_mesh((2, 2), ("a", "b"), devices=jax.devices()[:4])
-
-    def spec_for(shape):  # the first dim over b and the last over a, where they divide
-        spec = [None] * len(shape)
-        if len(shape) > 1 and shape[0] % 2 == 0:
-            spec[0] = "b"
-        if shape[-1] % 2 == 0:
-            spec[-1] = "a"
-        return NamedSharding(mesh, P(*spec))
-
-    shardings = jax.tree.map(spec_for, hf.param_shapes(cfg), is_leaf=lambda x: isinstance(x, tuple))
+    mesh, shardings = _corner_shardings(cfg)
     reads = []
     whole_read = hf._Weights.read
     monkeypatch.setattr(hf._Weights, "read", lambda self, key, index=None: reads.append((key, index)) or
@@ -1276,17 +1282,7 @@ def test_fp8_checkpoints_are_dequantized(tmp_path, monkeypatch):
     params, cfg2 = hf.load_hf_llama(fp8)
     assert cfg2 == cfg
     jax.tree.map(np.testing.assert_array_equal, params, want_params)
-    mesh = jax.make_mesh((2, 2), ("a", "b"), devices=jax.devices()[:4])
-
-    def spec_for(shape):  # as test_init_from_an_hf_directory_reads_only_each_devices_slices
-        spec = [None] * len(shape)
-        if len(shape) > 1 and shape[0] % 2 == 0:
-            spec[0] = "b"
-        if shape[-1] % 2 == 0:
-            spec[-1] = "a"
-        return NamedSharding(mesh, P(*spec))
-
-    shardings = jax.tree.map(spec_for, hf.param_shapes(cfg), is_leaf=lambda x: isinstance(x, tuple))
+    mesh, shardings = _corner_shardings(cfg)
     got, buffers = hf.init_from(fp8, cfg, shardings)  # (its router biases are float32, as DeepSeek-V3's)
     jax.tree.map(lambda g, w: np.testing.assert_array_equal(np.asarray(g), w), got, want_params)
     jax.tree.map(np.testing.assert_array_equal, buffers, hf.load_hf_buffers(tmp_path / "exact", cfg))
