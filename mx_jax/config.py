@@ -83,6 +83,9 @@ class MoEConfig:
     routed_scale: float = 1.0  # the routed experts' weights g times this (DeepSeek-V3's routed_scaling_factor, 2.5)
     normalize_top_k: bool = True
     aux_loss_coef: float = 0.01  # Switch/Mixtral load-balancing loss
+    # "batch": over all the tokens of a micro-batch (Switch, Mixtral); "sequence": per sequence on scores normalized
+    # to sum 1, averaged over the sequences (DeepSeek-V3's complementary sequence-wise loss). moe.py has both.
+    aux_loss_scope: Literal["batch", "sequence"] = "batch"
     bias_update_rate: float = 0.0  # DeepSeek-V3 auxiliary-loss-free balancing (0 = off)
     z_loss_coef: float = 0.0  # router z-loss (ST-MoE)
     capacity_factor: float = 0.0  # 0 = dropless

@@ -22,6 +22,10 @@ Balancing, each optional:
                (Switch Transformer eq. 4; Mixtral); f carries no gradient and counts choices before any capacity
                drop. With softmax scores it is 1 at perfect balance (Hugging Face's Mixtral loss is k there: its
                coefficient acts k times stronger); sigmoid scores do not sum to 1, so there it is sum_e P_e.
+               aux_loss_scope=sequence (DeepSeek-V3's sequence-wise loss, eqs. 17-20): for each sequence j of T
+               tokens, E sum_e f_je P_je with f_je the share of its T k assignments that chose e and P_je the mean
+               over its tokens of s'[t,e] = s[t,e] / sum_e' s[t,e'], then the mean over the sequences; 1 at
+               balance whatever the scores. Under context parallelism a sequence's sums run over the context axis.
     bias       after each step b_e += rate * sign(mean load - load_e)  (DeepSeek-V3 auxiliary-loss-free balancing),
                applied by the train step outside the gradient; b is a RouterBias variable, not a parameter.
     z-loss     coef * mean_n logsumexp(logits_n)^2                       (ST-MoE eq. 5)
@@ -245,6 +249,26 @@ class MoE(nnx.Module):
             keep = capacity_keep(idx, m.n_experts, capacity)
         return logits, s, idx, jnp.where(keep, g, 0.0), keep, capacity
 
+    def _sequence_aux(self, idx: jax.Array, s: jax.Array, b: int, t: int, axes: tuple[str, ...]) -> jax.Array:
+        """The sequence-wise balance loss (module docstring) of this device's b rows of t tokens (idx (b t, k),
+        scores s (b t, E)); a row's sums are summed over the context axis, which splits its tokens."""
+        m = self.cfg
+        ctx = ("context",) if "context" in axes else ()
+
+        def over_context(v):
+            return jax.lax.psum(v, ctx) if ctx else v
+
+        chosen = over_context(jnp.sum(jax.nn.one_hot(idx, m.n_experts, dtype=jnp.float32).reshape(b, -1, m.n_experts),
+                                      axis=1))  # (b, E): the row's choices
+        shares = over_context(jnp.sum((s / jnp.sum(s, axis=-1, keepdims=True)).reshape(b, t, -1), axis=1))
+        tokens = over_context(jnp.float32(t))
+        per_row = m.n_experts * jnp.sum(jax.lax.stop_gradient(chosen) / (tokens * m.top_k) * shares / tokens, axis=-1)
+        # every context device of a row holds its loss: the ratio of the two sums counts each row once
+        total, rows = jnp.sum(per_row), jnp.float32(b)
+        if axes:
+            total, rows = jax.lax.psum(total, axes), jax.lax.psum(rows, axes)
+        return total / rows
+
     def _by_index(self, xt, w_router, bias, w_gate, w_up, w_down, impl: str, dtype) -> jax.Array:
         """The routed experts of tokens xt (n,D) in `dtype`, each assignment's weights read by its expert id
         (pallas_kernels.indexed_matmul with `impl`)."""
@@ -287,9 +311,11 @@ class MoE(nnx.Module):
         # The router's choices before any capacity drop (Switch, GShard): an over-full expert must look over-full to
         # the balancing loss and the bias update, not balanced by the drops.
         load = psum(jnp.sum(jax.nn.one_hot(idx, m.n_experts, dtype=jnp.float32), axis=(0, 1)))
-        f = jax.lax.stop_gradient(load) / (n_global * m.top_k)
-        p_mean = psum(jnp.sum(s, axis=0)) / n_global
-        aux = m.n_experts * jnp.sum(f * p_mean)
+        if m.aux_loss_scope == "sequence":
+            aux = self._sequence_aux(idx, s, b, t, axes)
+        else:
+            f = jax.lax.stop_gradient(load) / (n_global * m.top_k)
+            aux = m.n_experts * jnp.sum(f * psum(jnp.sum(s, axis=0)) / n_global)
         z = psum(jnp.sum(jax.nn.logsumexp(logits, axis=-1) ** 2)) / n_global
         dropped = psum(jnp.sum(~keep).astype(jnp.float32)) / (n_global * m.top_k)
 

@@ -283,7 +283,8 @@ def test_shipped_configs_load(name):
         a, e = m.mla, m.moe
         assert (a.q_rank, a.kv_rank, m.n_heads, e.n_experts, e.top_k, e.route_groups, e.route_top_groups) == \
             (1536, 512, 128, 256, 8, 8, 4)
-        assert (e.score, e.routed_scale, e.normalize_top_k, e.n_dense_first) == ("sigmoid", 2.5, True, 3)
+        assert (e.score, e.routed_scale, e.normalize_top_k, e.n_dense_first, e.aux_loss_scope) == \
+            ("sigmoid", 2.5, True, 3, "sequence")
         assert group_score_experts(e.top_k, e.n_experts, e.route_groups, e.route_top_groups) == 2  # V3's top-2
         d = 7168  # per layer: W_qa, its norm, W_qb, W_kva, its norm, W_kvb, W_o, two norms
         attn = d * 1536 + 1536 + 1536 * 128 * 192 + d * 576 + 512 + 512 * 128 * 256 + 128 * 128 * d + 2 * d

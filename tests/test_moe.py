@@ -108,6 +108,24 @@ def moe_setup():
     return cfg, params, buffers, tokens, ref
 
 
+@pytest.mark.parametrize("mesh_cfg", [MeshConfig(data=1, fsdp=2, expert=2, context=2),
+                                      MeshConfig(data=2, fsdp=1, expert=1, context=4)],
+                         ids=["fsdp_expert_context", "context4"])
+def test_sequence_wise_balance_loss_matches_single_device(moe_setup, mesh_cfg):
+    """model.moe.aux_loss_scope=sequence (DeepSeek-V3's): each row's statistics are summed over the context devices
+    that split it, so expert, fsdp and context layouts give one device's loss and gradients (aux coefficient 1)."""
+    cfg, params, buffers, tokens, (batch_loss, _, _) = moe_setup
+    extra = ("model.moe.aux_loss_scope=sequence",)
+    one = sharding.make_mesh(MeshConfig(fsdp=1), jax.devices()[:1])
+    ref_loss, _, ref_grads = _loss_and_grads(cfg, params, buffers, tokens, one, extra)
+    assert abs(ref_loss - batch_loss) > 1e-4  # the scope changes the loss
+    loss, _, grads = _loss_and_grads(cfg, params, buffers, tokens, sharding.make_mesh(mesh_cfg), extra)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+    for (path, g), (_, r) in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree_util.tree_leaves_with_path(
+            ref_grads), strict=True):
+        np.testing.assert_allclose(g, r, rtol=2e-4, atol=1e-6, err_msg=jax.tree_util.keystr(path))
+
+
 @pytest.mark.parametrize("mesh_cfg, extra", [
     (MeshConfig(fsdp=1, expert=8), ()),
     (MeshConfig(data=2, fsdp=1, expert=4), ()),
@@ -528,6 +546,20 @@ def test_balancing_statistics_on_a_known_routing(capacity_factor):
     np.testing.assert_allclose(y, want_y, rtol=1e-4, atol=1e-4 * np.abs(want_y).max())
     if capacity_factor:
         assert not y[7].any(), "a token whose every assignment was dropped gets no expert output"
+    # aux_loss_scope=sequence: per row of 4 tokens, E sum_e (its share of the row's choices) x (mean normalized score)
+    seq_cfg = load_config(None, MOE + ["model.moe.n_experts=4", f"model.moe.capacity_factor={capacity_factor}",
+                                       "model.moe.aux_loss_scope=sequence"]).model
+    seq_layer = MoE(seq_cfg, "bf16", "xla", {}, rngs=nnx.Rngs(0))
+    for name, v in (("router", w_router), ("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down)):
+        getattr(seq_layer, name).value = jnp.asarray(v)
+    seq_aux = float(jax.jit(lambda x: seq_layer(x)[1]["aux_loss"])(jnp.asarray(x).reshape(2, 4, d)))
+    rows = []
+    for r in (slice(0, 4), slice(4, 8)):
+        chosen = np.zeros(e)
+        np.add.at(chosen, choices[r].reshape(-1), 1.0)
+        rows.append(e * np.sum(chosen / (4 * k) * s[r].mean(0)))  # softmax scores already sum to 1
+    np.testing.assert_allclose(seq_aux, np.mean(rows), rtol=1e-5)
+    assert abs(np.mean(rows) - aux) > 1e-3  # the two scopes differ on this routing
 
 
 def test_save_matmuls_keeps_the_expert_gemm_outputs_under_scan():
