@@ -87,8 +87,8 @@ its S shared experts as one MLP S F wide, and so does moe.py: the sum of S SwiGL
 concatenated columns, sum_s (silu(x G_s) * x U_s) D_s = (silu(x [G_1..G_S]) * x [U_1..U_S]) [D_1; ..; D_S].
 Its `MoEGate` is moe.py's router: softmax over x W_r^T, top-k, the k weights renormalized only when
 `norm_topk_prob` (false for the 16B), and the shared experts added unweighted. `aux_loss_alpha` is
-model.moe.aux_loss_coef as it is: both losses are alpha x 1 at balance (DeepSeek's `seq_aux` computes it per
-sequence, moe.py over each device's tokens). The attention, norms and RoPE are Llama's (head_dim = D / heads, no
+model.moe.aux_loss_coef as it is: both losses are alpha x 1 at balance; `seq_aux` (true in DeepSeek's configs, its
+default) is model.moe.aux_loss_scope=sequence, the loss per sequence, and an export writes it back. The attention, norms and RoPE are Llama's (head_dim = D / heads, no
 rope scaling). Other MoE layouts (sigmoid scores and trained router biases without latent attention, MoE layers every
 N-th) have no HF counterpart here and are refused naming the key.
 
@@ -687,7 +687,8 @@ def _deepseek_moe(hf: dict, source: str, n_layers: int) -> MoEConfig:
     return MoEConfig(n_experts=int(hf["n_routed_experts"]), top_k=int(hf["num_experts_per_tok"]),
                      d_expert=int(hf["moe_intermediate_size"]), n_shared=int(hf.get("n_shared_experts") or 0),
                      n_dense_first=first, score="softmax", normalize_top_k=bool(hf.get("norm_topk_prob", False)),
-                     aux_loss_coef=float(hf.get("aux_loss_alpha", 0.001)))  # alpha x 1 at balance in both
+                     aux_loss_coef=float(hf.get("aux_loss_alpha", 0.001)),  # alpha x 1 at balance in both
+                     aux_loss_scope="sequence" if hf.get("seq_aux", True) else "batch")
 
 
 def _deepseek_v2_moe(hf: dict, source: str, n_layers: int) -> MoEConfig:
@@ -731,7 +732,8 @@ def _deepseek_v2_moe(hf: dict, source: str, n_layers: int) -> MoEConfig:
                      n_shared=int(shared or 0), n_dense_first=first, score="softmax", normalize_top_k=False,
                      route_groups=groups, route_top_groups=top_groups, route_group_top=1 if groups else 0,
                      routed_scale=float(hf.get("routed_scaling_factor") or 1.0),
-                     aux_loss_coef=float(hf.get("aux_loss_alpha", 0.001)))  # alpha x 1 at balance in both
+                     aux_loss_coef=float(hf.get("aux_loss_alpha", 0.001)),  # alpha x 1 at balance in both
+                     aux_loss_scope="sequence" if hf.get("seq_aux", True) else "batch")
 
 
 def _route_groups(source: str, what: str, n_experts: int, top_k: int, groups: int, top_groups: int,
@@ -771,7 +773,8 @@ def _deepseek_v3_moe(hf: dict, source: str, n_layers: int) -> MoEConfig:
                      n_shared=int(shared or 0), n_dense_first=first, score="sigmoid",
                      normalize_top_k=bool(hf["norm_topk_prob"]), route_groups=groups, route_top_groups=top_groups,
                      route_group_top=2 if groups else 0, routed_scale=float(hf["routed_scaling_factor"]),
-                     aux_loss_coef=float(hf.get("aux_loss_alpha", 0.001)))  # as DeepSeek-V2's
+                     aux_loss_coef=float(hf.get("aux_loss_alpha", 0.001)),  # as DeepSeek-V2's
+                     aux_loss_scope="sequence" if hf.get("seq_aux", True) else "batch")
 
 
 def _qwen3_moe(hf: dict, source: str, n_layers: int) -> MoEConfig:
@@ -908,7 +911,7 @@ def config_to_hf(cfg: ModelConfig, dtype: str, base: dict | None = None) -> dict
                     "moe_intermediate_size": m.d_expert or cfg.d_ff, "n_shared_experts": m.n_shared or None,
                     "first_k_dense_replace": m.n_dense_first, "moe_layer_freq": 1, "scoring_func": "softmax",
                     "norm_topk_prob": m.normalize_top_k, "aux_loss_alpha": m.aux_loss_coef, "pretraining_tp": 1})
-        out.setdefault("seq_aux", True)
+        out["seq_aux"] = m.aux_loss_scope == "sequence"
     elif kind in ("deepseek_v2", "deepseek_v3"):  # DeepseekV2Config's and V3Config's keys; their head_dim is the
         a = cfg.mla  # rotated width, which they set themselves
         out.pop("head_dim")
@@ -921,7 +924,7 @@ def config_to_hf(cfg: ModelConfig, dtype: str, base: dict | None = None) -> dict
                         "moe_intermediate_size": m.d_expert or cfg.d_ff, "n_shared_experts": m.n_shared,
                         "moe_layer_freq": 1, "routed_scaling_factor": m.routed_scale,
                         "aux_loss_alpha": m.aux_loss_coef})
-            out.setdefault("seq_aux", True)
+            out["seq_aux"] = m.aux_loss_scope == "sequence"
         if kind == "deepseek_v2" and m.n_experts:
             out.update({"scoring_func": "softmax", "norm_topk_prob": False,
                         "topk_method": "group_limited_greedy" if m.route_groups else "greedy"})
@@ -1929,6 +1932,8 @@ def main(argv: list[str] | None = None) -> int:
                 keys = ("n_experts", "top_k", "aux_loss_coef")
                 if model_type(cfg) != "mixtral":
                     keys += ("d_expert", "n_shared", "n_dense_first", "normalize_top_k")
+                if model_type(cfg) in ("deepseek", "deepseek_v2", "deepseek_v3"):
+                    keys += ("aux_loss_scope",)
                 if model_type(cfg) in ("deepseek_v2", "deepseek_v3"):
                     keys += ("routed_scale", "route_groups", "route_top_groups", "route_group_top")
                 if model_type(cfg) == "deepseek_v3":

@@ -721,7 +721,7 @@ def test_deepseek_import_train_and_export_keep_the_model_files(tmp_path, capsys)
     assert hf.main(["import", str(tmp_path / "hf"), str(tmp_path / "imported")]) == 0
     model = yaml.safe_load((tmp_path / "imported" / "config.yaml").read_text())["model"]
     assert model["moe"] == {"n_experts": 6, "top_k": 3, "aux_loss_coef": 0.001, "d_expert": 24, "n_shared": 2,
-                            "n_dense_first": 1, "normalize_top_k": False}
+                            "n_dense_first": 1, "normalize_top_k": False, "aux_loss_scope": "sequence"}
     assert sorted(f.name for f in (tmp_path / "imported").glob("hf_*")) == [
         "hf_config.json", "hf_configuration_deepseek.py", "hf_generation_config.json", "hf_modeling_deepseek.py"]
     kept = hf.config_from_hf(want["config"])  # a run from the import that routes otherwise is told, as from HF
@@ -1653,3 +1653,16 @@ def test_attention_biases_are_added_to_q_k_v_and_not_decayed():
     assert (mask["bq"], mask["bk"], mask["bv"], mask["wq"]) == (False, False, False, True)
     grads = nnx.grad(lambda m: jnp.sum(m(jnp.asarray(rng.integers(0, 64, (2, 8))))[0] ** 2))(model)
     assert float(jnp.abs(grads.blocks.attn.bk[...]).sum()) > 0
+
+
+@pytest.mark.parametrize("config", [DEEPSEEK_CONFIG, DEEPSEEK_V2_CONFIG, DEEPSEEK_V3_CONFIG],
+                         ids=["deepseek", "deepseek_v2", "deepseek_v3"])
+def test_deepseek_seq_aux_is_the_sequence_wise_balance_loss(config):
+    """DeepSeek's seq_aux (its configs' default, true) is model.moe.aux_loss_scope=sequence, and an export writes
+    the scope back; seq_aux false is the batch-wise loss."""
+    cfg = hf.config_from_hf({k: v for k, v in config.items() if k != "seq_aux"})
+    assert cfg.moe.aux_loss_scope == "sequence" and hf.config_from_hf(config) == cfg
+    assert hf.config_from_hf({**config, "seq_aux": False}).moe.aux_loss_scope == "batch"
+    assert hf.config_to_hf(cfg, "float32")["seq_aux"] is True
+    batch = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, aux_loss_scope="batch"))
+    assert hf.config_to_hf(batch, "float32")["seq_aux"] is False
