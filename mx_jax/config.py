@@ -61,6 +61,18 @@ class MLAConfig:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class MTPConfig:
+    """Multi-token prediction (DeepSeek-V3's MTP; llama.MTPLayer): `depth` more modules after the model, the k-th
+    predicting the token k + 1 ahead of each position from the (k-1)-th's hidden state and the token k ahead's
+    embedding, through one more transformer block and the shared output head. Training adds their cross-entropy,
+    times loss_scale / depth, to the loss (metric mtp_loss: their mean); the held-out loss, sampling and export to a
+    format without MTP layers use the main model only."""
+
+    depth: int = 0  # MTP modules (DeepSeek-V3's num_nextn_predict_layers: 1); 0 = off
+    loss_scale: float = 0.3  # lambda: DeepSeek-V3's 0.3 for its first 10T tokens, 0.1 for the last 4.8T
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class MoEConfig:
     """Sparse mixture-of-experts feed-forward (n_experts 0 = dense model). See moe.py."""
 
@@ -153,6 +165,7 @@ class ModelConfig:
     max_documents: int = 0
     mla: MLAConfig = MLAConfig()
     moe: MoEConfig = MoEConfig()
+    mtp: MTPConfig = MTPConfig()
 
     @property
     def d_head(self) -> int:
@@ -228,7 +241,8 @@ class QuantConfig:
     """Low-precision recipe for the block linears. See quant.py for what each recipe does."""
 
     recipe: str = "bf16"
-    # Which linears convert: any of attn (q/k/v/o), mlp (gate/up/down), experts (MoE), head (the output head).
+    # Which linears convert: any of attn (q/k/v/o), mlp (gate/up/down; model.mtp's eh_proj), experts (MoE), head
+    # (the output head).
     modules: tuple[str, ...] = ("attn", "mlp", "experts")
     impl: Literal["auto", "pallas", "xla", "reference"] = "auto"
     # MoE: the routed experts run an fp8 recipe only where each of a device's experts gets at least this many rows
@@ -559,6 +573,8 @@ def validate(cfg: TrainConfig) -> None:
     _check(m.max_documents >= 0, "model.max_documents", f"must be >= 0 (0 = from the data), got {m.max_documents}")
     _check(-1 <= m.eos_id < m.vocab_size, "model.eos_id",
            f"must be a token id below model.vocab_size ({m.vocab_size}), or -1 (the data's), got {m.eos_id}")
+    _check(m.mtp.depth >= 0, "model.mtp.depth", f"must be >= 0 (0 = off), got {m.mtp.depth}")
+    _check(m.mtp.loss_scale >= 0, "model.mtp.loss_scale", f"must be >= 0, got {m.mtp.loss_scale}")
     e = m.moe
     _check(e.n_experts >= 0, "model.moe.n_experts", f"must be >= 0 (0 = dense model), got {e.n_experts}")
     if e.n_experts:
@@ -597,6 +613,9 @@ def validate(cfg: TrainConfig) -> None:
         _check(not e.ep_save_gate_up or e.ep_buffer_factor > 0, "model.moe.ep_save_gate_up",
                "saves the compact expert buffer's outputs: it needs model.moe.ep_buffer_factor > 0")
     _check(d.seq_len > 0, "data.seq_len", f"must be positive, got {d.seq_len}")
+    _check(m.mtp.depth < d.seq_len, "model.mtp.depth",
+           f"must be below data.seq_len ({d.seq_len}): the module of depth k predicts k + 1 tokens ahead, got "
+           f"{m.mtp.depth}")
     _check(d.batch_size > 0, "data.batch_size", f"must be positive, got {d.batch_size}")
     _check(d.grad_accum_steps > 0 and d.batch_size % d.grad_accum_steps == 0, "data.grad_accum_steps",
            f"must divide data.batch_size ({d.batch_size}), got {d.grad_accum_steps}")

@@ -145,8 +145,19 @@ same choice while k of the kept experts have s + b > 0). RoPE: with `rope_interl
 true; the Hub's code always) the rotated dims are interleaved pairs as in DeepSeek-V2
 (`apply_rotary_pos_emb_interleave`), and the rotated rows are reordered as `_rope_rows` gives; false rotates halves,
 mx_jax's order, rows as stored. An export writes rope_interleave true. The `num_nextn_predict_layers`
-multi-token-prediction layers stored after the L decoder layers (DeepSeek-V3's model.layers.61.*), which transformers
-does not load either, are skipped with a warning, and an export writes num_nextn_predict_layers 0.
+multi-token prediction layers stored after the L decoder layers (DeepSeek-V3's model.layers.61.*; transformers
+does not load them) are model.mtp (llama.MTPLayer), each a MoE decoder layer's tensors under their usual names plus
+
+    model.layers.{L+k}.enorm.weight / hnorm.weight    (D,)        mtp.enorm.scale / hnorm.scale    (depth, D)
+    model.layers.{L+k}.eh_proj.weight                 (D, 2D)     mtp.eh_proj                      (depth, 2D, D)
+    model.layers.{L+k}.shared_head.norm.weight        (D,)        mtp.norm.scale                   (depth, D)
+    model.layers.{L+k}.embed_tokens.weight, shared_head.head.weight: copies of the embedding and the head
+
+An import reads the first model.mtp.depth of them (config_from_hf sets it to num_nextn_predict_layers) and skips
+the rest with a warning; the copies stay unread (the model shares its own, as DeepSeek-V3 does). transformers saves
+V3 without those layers while its config.json keeps num_nextn_predict_layers 1: read as none, with a warning. An
+export writes model.mtp's layers with the copies (vLLM's and SGLang's MTP loaders read them) and
+num_nextn_predict_layers = model.mtp.depth; every other format here has no MTP layers and leaves them out.
 
 FP8 checkpoints (config.json's quantization_config with quant_method "fp8" and weight_block_size [b0, b1]: DeepSeek-V3's
 and Kimi K2's, whatever the model_type): a weight W8 (out, in) stored in float8 with `<key>_scale_inv` beside it,
@@ -195,7 +206,7 @@ import ml_dtypes
 import numpy as np
 import yaml
 
-from mx_jax.config import (ConfigError, MLAConfig, ModelConfig, MoEConfig, RopeScaling, load_config, read_json_object,
+from mx_jax.config import (ConfigError, MLAConfig, ModelConfig, MoEConfig, MTPConfig, RopeScaling, load_config, read_json_object,
                            to_dict)
 from mx_jax.moe import group_score_experts
 
@@ -293,6 +304,20 @@ MLA_KV: tuple[_Tensor, ...] = (
 # DeepSeek-V3 (DeepseekV3ForCausalLM): DeepSeek-V2's tensors and each MoE layer's router bias, a buffer
 # (`buffer_shapes`), whose place in the buffers tree `path` gives.
 ROUTER_BIAS = _Tensor("model.layers.{i}.mlp.gate.e_score_correction_bias", ("blocks", "moe", "bias"), False, True)
+# DeepSeek-V3's multi-token prediction layers (model.mtp, llama.MTPLayer), stored as layers L, L + 1, ... after the
+# decoder's: each holds its RMSNorms of the embedding and the hidden state, their projection W_eh (D, 2D), the norm
+# before the head, and a decoder layer's tensors under the same names (a MoE layer in a MoE model). Each also stores
+# copies of the embedding and of the head it shares (MTP_SHARED), which an import leaves unread and an export writes.
+MTP_LAYER: tuple[_Tensor, ...] = (
+    _Tensor("model.layers.{i}.enorm.weight", ("mtp", "enorm", "scale"), False),
+    _Tensor("model.layers.{i}.hnorm.weight", ("mtp", "hnorm", "scale"), False),
+    _Tensor("model.layers.{i}.eh_proj.weight", ("mtp", "eh_proj"), True),
+    _Tensor("model.layers.{i}.shared_head.norm.weight", ("mtp", "norm", "scale"), False),
+)
+MTP_SHARED: tuple[_Tensor, ...] = (
+    _Tensor("model.layers.{i}.embed_tokens.weight", ("embed",), False),
+    _Tensor("model.layers.{i}.shared_head.head.weight", ("head",), True),
+)
 _DENSE_MLP = tuple(t for t in LAYOUT if t.path[:2] == ("blocks", "mlp"))
 _BEFORE_MLP = tuple(t for t in LAYOUT if t.per_layer and t.path[:2] != ("blocks", "mlp"))
 
@@ -398,7 +423,12 @@ def _n_dense_first(cfg: ModelConfig) -> int:
 
 def _layer_layout(cfg: ModelConfig, i: int, kind: str) -> tuple[str, int, tuple[_Tensor, ...]]:
     """(stack, index in it, tensors) of HF layer i, named as `kind` names them: the first model.moe.n_dense_first
-    layers are the `dense_blocks` stack of dense MLPs, the rest the `blocks` stack."""
+    layers are the `dense_blocks` stack of dense MLPs, the rest the `blocks` stack; from layer L on, the `mtp`
+    stack's layers (DeepSeek-V3's MTP_LAYER and a block laid out as a MoE layer's)."""
+    if i >= cfg.n_layers:
+        _, _, block = _layer_layout(cfg, cfg.n_layers - 1 if cfg.moe.n_experts else 0, kind)
+        block = tuple(dataclasses.replace(t, path=("mtp", "block", *t.path[1:])) for t in block)
+        return "mtp", i - cfg.n_layers, MTP_LAYER + block
     n_first = _n_dense_first(cfg)
     if cfg.mla.kv_rank:
         attn_norm, *_, mlp_norm = _BEFORE_MLP
@@ -645,6 +675,10 @@ def config_from_hf(hf: dict, source: str = "config.json") -> ModelConfig:
         attention_bias=model_type == "qwen2",  # Qwen2's q, k and v projections always have biases
         mla=mla,
         moe=moe,
+        # DeepSeek-V3's multi-token prediction layers (transformers' default 1 where the key is absent); `_plan`
+        # reads none where config.json announces them but the safetensors lack them
+        mtp=MTPConfig(depth=int(hf.get("num_nextn_predict_layers", 1) or 0)) if model_type == "deepseek_v3" else
+        MTPConfig(),
     )
 
 
@@ -930,11 +964,11 @@ def config_to_hf(cfg: ModelConfig, dtype: str, base: dict | None = None) -> dict
                         "topk_method": "group_limited_greedy" if m.route_groups else "greedy"})
             if m.route_groups:
                 out.update({"n_group": m.route_groups, "topk_group": m.route_top_groups})
-        if kind == "deepseek_v3":  # rotated rows interleaved (`_rope_rows`), no multi-token-prediction layers
+        if kind == "deepseek_v3":  # rotated rows interleaved (`_rope_rows`), model.mtp's layers after the L
             out.update({"architectures": ["DeepseekV3ForCausalLM"], "model_type": same or "deepseek_v3",
                         "scoring_func": "sigmoid", "topk_method": "noaux_tc", "n_group": m.route_groups or 1,
                         "topk_group": m.route_top_groups or 1, "norm_topk_prob": m.normalize_top_k,
-                        "rope_interleave": True, "num_nextn_predict_layers": 0})
+                        "rope_interleave": True, "num_nextn_predict_layers": cfg.mtp.depth})
     elif kind in ("qwen2", "qwen3", "qwen3_moe"):
         out.pop("mlp_bias")
         out.update({"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "use_sliding_window": False,
@@ -969,6 +1003,9 @@ def _merge_config(hf_cfg: ModelConfig, cfg: ModelConfig | None, source: str) -> 
         if getattr(cfg, f) != getattr(hf_cfg, f):
             raise ConfigError(f"config key 'model.{f}': {getattr(cfg, f)} does not match the checkpoint's "
                               f"{getattr(hf_cfg, f)} ({source})")
+    if cfg.mtp.depth > hf_cfg.mtp.depth:
+        raise ConfigError(f"config key 'model.mtp.depth': {cfg.mtp.depth}, but the checkpoint holds "
+                          f"{hf_cfg.mtp.depth} multi-token prediction layer(s) (num_nextn_predict_layers, {source})")
     for f in _MOE_SHAPE_FIELDS:
         if _moe_field(cfg, f) != _moe_field(hf_cfg, f):
             raise ConfigError(f"config key 'model.moe.{f}': {_moe_field(cfg, f)} does not match the checkpoint's "
@@ -1017,13 +1054,16 @@ def param_shapes(cfg: ModelConfig) -> dict:
             attn.update({"bq": (n, HK), "bk": (n, GK), "bv": (n, GK)})
         return {"attn_norm": {"scale": (n, D)}, "mlp_norm": {"scale": (n, D)}, "attn": attn, **mlp}
 
-    n_first = _n_dense_first(cfg)
+    n_first, n_mtp = _n_dense_first(cfg), cfg.mtp.depth
+    mtp = {"mtp": {"enorm": {"scale": (n_mtp, D)}, "hnorm": {"scale": (n_mtp, D)}, "eh_proj": (n_mtp, 2 * D, D),
+                   "block": stack(n_mtp, m.n_experts > 0), "norm": {"scale": (n_mtp, D)}}} if n_mtp else {}
     return {
         "embed": (V, D),
         **({"dense_blocks": stack(n_first, False)} if n_first else {}),
         "blocks": stack(cfg.n_layers - n_first, m.n_experts > 0),
         "final_norm": {"scale": (D,)},
         "head": (D, V),
+        **mtp,
     }
 
 
@@ -1032,7 +1072,8 @@ def buffer_shapes(cfg: ModelConfig) -> dict:
     shapes: each MoE layer's router bias (moe.RouterBias, float32); {} for a dense model."""
     if not cfg.moe.n_experts:
         return {}
-    return {"blocks": {"moe": {"bias": (cfg.n_layers - _n_dense_first(cfg), cfg.moe.n_experts)}}}
+    mtp = {"mtp": {"block": {"moe": {"bias": (cfg.mtp.depth, cfg.moe.n_experts)}}}} if cfg.mtp.depth else {}
+    return {"blocks": {"moe": {"bias": (cfg.n_layers - _n_dense_first(cfg), cfg.moe.n_experts)}}, **mtp}
 
 
 def _get(tree: dict, path: tuple[str, ...]) -> Any:
@@ -1052,19 +1093,30 @@ def _hf_shape(t: _Tensor, shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(one)) if t.transpose else tuple(one)
 
 
-def _hf_keys(cfg: ModelConfig, kind: str | None = None) -> Iterator[tuple[str, _Tensor, tuple[int, ...]]]:
+def _mtp_layers(cfg: ModelConfig, kind: str) -> int:
+    """The multi-token prediction layers (model.mtp) an HF checkpoint of `kind` holds: DeepSeek-V3's; 0 for every
+    other architecture here (an export leaves them out, with a warning)."""
+    return cfg.mtp.depth if kind == "deepseek_v3" else 0
+
+
+def _hf_keys(cfg: ModelConfig, kind: str | None = None, copies: bool = False
+             ) -> Iterator[tuple[str, _Tensor, tuple[int, ...]]]:
     """(HF key, layout entry, index into the stacked array: () or (layer,) or (layer, expert), the layer counted in
-    its stack) in HF's order: embedding, layer 0's tensors (expert by expert), layer 1's, ..., final norm, head;
-    named as `kind` names them (default: model_type(cfg))."""
+    its stack) in HF's order: embedding, layer 0's tensors (expert by expert), layer 1's, ..., then the multi-token
+    prediction layers L, L + 1, ... (`_mtp_layers`), final norm, head; named as `kind` names them (default:
+    model_type(cfg)). copies: also each MTP layer's copies of the embedding and the head (MTP_SHARED), which an
+    export writes and an import does not read."""
     kind = kind or model_type(cfg)
     yield LAYOUT[0].hf, LAYOUT[0], ()
-    for i in range(cfg.n_layers):
+    for i in range(cfg.n_layers + _mtp_layers(cfg, kind)):
         _, k, tensors = _layer_layout(cfg, i, kind)
         for t in tensors:
             if t.per_expert:
                 yield from ((t.hf.format(i=i, j=j), t, (k, j)) for j in range(cfg.moe.n_experts))
             else:
                 yield t.hf.format(i=i), t, (k,)
+        if copies and i >= cfg.n_layers:
+            yield from ((t.hf.format(i=i), t, ()) for t in MTP_SHARED)
     yield from ((t.hf, t, ()) for t in LAYOUT[1:] if not t.per_layer)
 
 
@@ -1285,8 +1337,8 @@ class _Weights:
             layers = sorted({int(k.split(".")[2]) for k in plan.skipped})
             warnings.warn(f"{self.path}: skipped the {len(plan.skipped)} tensors of the multi-token-prediction "
                           f"layer(s) {', '.join(f'model.layers.{i}' for i in layers)} (num_nextn_predict_layers): "
-                          f"mx_jax trains the next-token model, and an export writes num_nextn_predict_layers 0",
-                          stacklevel=3)
+                          f"the model's config has model.mtp.depth={plan.cfg.mtp.depth}, and an export writes "
+                          f"num_nextn_predict_layers {plan.cfg.mtp.depth}", stacklevel=3)
 
 
 class _Plan(NamedTuple):
@@ -1298,8 +1350,9 @@ class _Plan(NamedTuple):
     # index in the stacked leading axes)]}
     buffers: dict[tuple[str, ...], list[tuple[str, bool, tuple[int, ...]]]]  # the same of its buffers
     files: dict[str, pathlib.Path]  # {HF key: file}
-    ignored: set[str]  # keys without a place that are not an error: a tied head's stored lm_head
-    skipped: list[str]  # the keys of the multi-token-prediction layers after the L decoder layers
+    ignored: set[str]  # keys without a place that are not an error: a tied head's stored lm_head, the MTP layers'
+    # copies of the embedding and head
+    skipped: list[str]  # the keys of the multi-token-prediction layers beyond model.mtp.depth
     parts: dict  # the keys stored fused (`_part_rows`)
     rows: dict  # the keys whose rows are ordered otherwise (`_rope_rows`)
     block: tuple[int, int] | None  # fp8 scale blocks (`_fp8_block`)
@@ -1312,12 +1365,19 @@ def _plan(path: pathlib.Path, cfg: ModelConfig | None) -> _Plan:
     """The `_Plan` of an HF directory. A tied head is read from the embedding, transposed, unless the checkpoint
     stores an lm_head, which transformers 5 then reads (it unties a stored head that differs from the embedding, with
     a warning). DeepSeek-V3's num_nextn_predict_layers layers after the L decoder layers are multi-token prediction
-    (transformers' default 1 where the key is absent)."""
+    (transformers' default 1 where the key is absent): the first model.mtp.depth of them are read (config_from_hf
+    takes them all), the rest skipped."""
     hf = read_hf_config(path)
     source = str(path / "config.json")
-    out_cfg = _merge_config(config_from_hf(hf, source), cfg, source)
+    hf_cfg = config_from_hf(hf, source)
     kind = _family(hf.get("model_type"))  # the checkpoint's names, whatever cfg's routing (_merge_config warns)
     files = _weight_files(path)
+    n, extra = hf_cfg.n_layers, hf_cfg.mtp.depth
+    if extra and not any(k.startswith(f"model.layers.{n}.") for k in files):
+        warnings.warn(f"{source}: num_nextn_predict_layers is {extra}, but the safetensors hold no model.layers.{n}.*: "
+                      f"the checkpoint has no multi-token prediction layers (read as model.mtp.depth=0)", stacklevel=3)
+        hf_cfg, extra = dataclasses.replace(hf_cfg, mtp=MTPConfig()), 0
+    out_cfg = _merge_config(hf_cfg, cfg, source)
     tied = bool(hf.get("tie_word_embeddings", False)) and "lm_head.weight" not in files
     entries: dict[tuple[str, ...], list] = {}
     buffers: dict[tuple[str, ...], list] = {}
@@ -1325,13 +1385,13 @@ def _plan(path: pathlib.Path, cfg: ModelConfig | None) -> _Plan:
         if key == "lm_head.weight" and tied:  # (V, D) as lm_head's
             key = "model.embed_tokens.weight"
         (buffers if t.buffer else entries).setdefault(t.path, []).append((key, t.transpose, i))
-    skipped = []
-    if kind == "deepseek_v3":
-        n, extra = out_cfg.n_layers, int(hf.get("num_nextn_predict_layers", 1) or 0)
-        skipped = sorted(k for k in files if (m := re.match(r"model\.layers\.(\d+)\.", k))
-                         and n <= int(m.group(1)) < n + extra)
-    return _Plan(out_cfg, param_shapes(out_cfg), entries, buffers, files, {"lm_head.weight"} if tied else set(),
-                 skipped, _part_rows(_fusions(hf.get("model_type"), out_cfg)), _rope_rows(hf, out_cfg),
+    # the MTP layers read share the model's embedding and head: their stored copies stay unread; the MTP layers
+    # beyond model.mtp.depth are skipped (a warning)
+    ignored = {"lm_head.weight"} if tied else set()
+    ignored |= {t.hf.format(i=i) for i in range(n, n + out_cfg.mtp.depth) for t in MTP_SHARED}
+    skipped = sorted(k for k in files if (m := re.match(r"model\.layers\.(\d+)\.", k))
+                     and n + out_cfg.mtp.depth <= int(m.group(1)) < n + extra)
+    return _Plan(out_cfg, param_shapes(out_cfg), entries, buffers, files, ignored, skipped, _part_rows(_fusions(hf.get("model_type"), out_cfg)), _rope_rows(hf, out_cfg),
                  _fp8_block(hf, source))
 
 
@@ -1486,7 +1546,10 @@ def export_hf_llama(params: dict, cfg: ModelConfig, path: str | pathlib.Path, *,
     size = 0
     total = 0
     bias_shapes = buffer_shapes(cfg)
-    for key, t, i in _hf_keys(cfg):
+    if cfg.mtp.depth and not _mtp_layers(cfg, kind):
+        warnings.warn(f"export_hf_llama: {kind} has no multi-token prediction layers: model.mtp's {cfg.mtp.depth} "
+                      f"layer(s) are not written (DeepSeek-V3's format holds them)", stacklevel=2)
+    for key, t, i in _hf_keys(cfg, copies=True):
         nbytes = math.prod(_hf_shape(t, _get(bias_shapes if t.buffer else shapes, t.path))) * (
             4 if t.buffer else np_dtype.itemsize)
         _, start, end, rows = parts.get(key, (key, 0, 1, 1))
@@ -1928,6 +1991,8 @@ def main(argv: list[str] | None = None) -> int:
             arch = {k: v for k, v in to_dict(cfg).items() if k in _ARCH_KEYS}
             if not cfg.mla.kv_rank:
                 arch.pop("mla")
+            if cfg.mtp.depth:  # DeepSeek-V3's multi-token prediction layers, read into model.mtp
+                arch["mtp"] = {"depth": cfg.mtp.depth}
             if cfg.moe.n_experts:
                 keys = ("n_experts", "top_k", "aux_loss_coef")
                 if model_type(cfg) != "mixtral":

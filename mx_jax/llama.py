@@ -36,6 +36,18 @@ unless y_t = -1 (a prompt token of a fine-tuning example, data.IGNORED), with N 
 `cross_entropy` is a custom_vjp that writes exactly that gradient in the logits' dtype in one pass, where autodiff
 of the plain expression would materialize float32 softmax and one-hot scatter buffers of the logits' size.
 
+Multi-token prediction (model.mtp, DeepSeek-V3 section 2.2; `MTPLayer`): D modules after the model, sharing its
+embedding E and head W. With h_0 = RMSNorm(x_L) (the head's input) and t_i the token at position i,
+
+    h_k,i = RMSNorm_k( Block_k( [RMSNorm_e,k(E t_{i+k}); RMSNorm_h,k(h_{k-1},i)] W_eh,k ) ),   z_k,i = h_k,i W
+    loss  = CE(z_0, t_{i+1}) + (lambda / D) sum_k CE(z_k, t_{i+k+1})
+
+each CE over the targets that count, divided by the same N (the paper's 1/T; a position whose target k + 1 ahead is
+past the sequence or masked counts for nothing). [e; h] is in the order of DeepSeek-V3's checkpoint (its eh_proj),
+and h_k is the normed output, the input of the head and of the next depth, as in Megatron-LM's MTP layers. Block_k
+is a MoE block in a MoE model; its statistics join the model's (balancing loss, router-bias update). The modules
+run only in training (`__call__(mtp=True)`): held-out loss, sampling and scoring read z_0.
+
 Where the batch is split over data devices, which hold the same shard of the head (fsdp, expert and context split its
 D), its gradient is a sum of the devices' partials: a ring all-reduce of the (D, V) head, in f32 by default. When a
 microbatch has fewer tokens than about two vocabularies (sharding.head_vocab_axes), the head runs vocab-parallel
@@ -104,15 +116,16 @@ class LinearPlan:
 def plan_linears(cfg: ModelConfig, qcfg: QuantConfig) -> LinearPlan:
     """Pick each linear's recipe from quant.modules; linears the kernels cannot take stay bf16, with a note.
 
-    Keys: the attention and MLP weight names, "shared.<name>" for MoE shared experts, "head", and "experts" (the
-    grouped GEMMs of the routed experts, which take the recipes in grouped_linear.RECIPES).
+    Keys: the attention and MLP weight names, "shared.<name>" for MoE shared experts, "head", "experts" (the
+    grouped GEMMs of the routed experts, which take the recipes in grouped_linear.RECIPES) and, with model.mtp, the
+    MTP modules' "eh_proj" (an "mlp" kind for quant.modules).
     """
     d, f = cfg.d_model, cfg.d_ff
     fs = cfg.moe.n_shared * (cfg.moe.d_expert or cfg.d_ff)
     attn = attention_shapes(cfg)
     shapes = {**attn, "w_gate": (d, f), "w_up": (d, f), "w_down": (f, d),
               "shared.w_gate": (d, fs), "shared.w_up": (d, fs), "shared.w_down": (fs, d),
-              "head": (d, cfg.vocab_size)}
+              "head": (d, cfg.vocab_size), **({"eh_proj": (2 * d, d)} if cfg.mtp.depth else {})}
     kinds = {**{n: "attn" for n in attn}, "head": "head"}
     recipes, notes = {}, []
     for name, (k, n) in shapes.items():
@@ -192,6 +205,29 @@ class MoEGroup(nnx.Module):
         x, dense = _decode_stack(self.dense, x, pos, inv_freq, cache["dense"], layer)
         x, moe = self.moe_block.decode(x, pos, inv_freq, cache["moe_block"], layer)
         return x, {"dense": dense, "moe_block": moe}
+
+
+class MTPLayer(nnx.Module):
+    """Depth k of multi-token prediction (model.mtp; module docstring): x (B,T,2D) = [e; h], the embedded tokens k
+    ahead and the (k-1)-th depth's hidden state, -> (RMSNorm(Block([RMSNorm(e); RMSNorm(h)] W_eh)), the block's MoE
+    statistics). The block is a MoE block in a MoE model (DeepSeek-V3's MTP layer is), else a dense one. One input
+    array lets `layer_body` run it (and memory_estimate trace it) like any layer."""
+
+    def __init__(self, cfg: ModelConfig, plan: LinearPlan, impl: str, *, rngs: nnx.Rngs):
+        pd = jnp.dtype(cfg.param_dtype)
+        self.enorm = RMSNorm(cfg.d_model, cfg.norm_eps, pd)
+        self.hnorm = RMSNorm(cfg.d_model, cfg.norm_eps, pd)
+        self.eh_proj = _param(rngs, (2 * cfg.d_model, cfg.d_model), cfg.init_std, ("embed", "mlp"), pd)
+        self.block = Block(cfg, plan, impl, moe=cfg.moe.n_experts > 0, rngs=rngs)
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps, pd)
+        self.recipe, self.impl, self.reduce_dtype = plan.recipes["eh_proj"], impl, cfg.grad_reduce_dtype
+
+    def __call__(self, x: jax.Array, pos: Positions, inv_freq: jax.Array) -> tuple[jax.Array, dict]:
+        e, h = jnp.split(x, 2, axis=-1)
+        u = jnp.concatenate([self.enorm(e), self.hnorm(h)], axis=-1)
+        u = linear(u, self.eh_proj, self.recipe, self.impl, self.reduce_dtype)
+        u, stats = self.block(sharding.constrain(u, ("batch", "seq", "act_embed")), pos, inv_freq)
+        return self.norm(u), stats
 
 
 _REMAT_POLICIES = {
@@ -318,15 +354,22 @@ class Llama(nnx.Module):
             self.blocks = _stack(n_groups, lambda r: Block(cfg, self.plan, impl, moe=moe, rngs=r), rngs)
         self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, pd)
         self.head = _param(rngs, (cfg.d_model, cfg.vocab_size), cfg.init_std, ("embed", "vocab"), pd)
+        if cfg.mtp.depth:
+            self.mtp = _stack(cfg.mtp.depth, lambda r: MTPLayer(cfg, self.plan, impl, rngs=r), rngs)
         self.head_recipe, self.quant_impl = self.plan.recipes["head"], impl
 
-    def __call__(self, tokens: jax.Array, logits_dtype=jnp.float32) -> tuple[jax.Array, dict]:
+    def __call__(self, tokens: jax.Array, logits_dtype=jnp.float32, *, mtp: bool = False) -> tuple:
         """tokens (B,T) int32 -> (logits (B,T,V) in logits_dtype, MoE statistics per MoE layer; {} for dense).
 
-        Training asks for the compute dtype (module docstring); float32 is the default for inspection.
+        Training asks for the compute dtype (module docstring); float32 is the default for inspection. mtp=True
+        (a model with model.mtp.depth D > 0) adds a third element, the D multi-token prediction modules' logits, a
+        tuple of (B,T,V): the k-th's position t predicts token t + k + 1 (`mtp_targets`; its last k positions,
+        whose token k ahead is not in `tokens`, read token 0 and have no target); the MoE statistics then also
+        hold the MTP modules' MoE layers, after the model's.
         """
         cfg = self.cfg
         cdt = jnp.dtype(cfg.compute_dtype)
+        ids = tokens
         positions = jnp.arange(tokens.shape[1])
         segments = None
         n_ctx = context_shards()
@@ -345,16 +388,39 @@ class Llama(nnx.Module):
         if hasattr(self, "dense_blocks"):
             x, _ = _scan(self.dense_blocks, x, pos, inv_freq, cfg.remat, cfg.scan_layers)
         x, stats = _scan(self.blocks, x, pos, inv_freq, cfg.remat, cfg.scan_layers)  # leaves (n_groups, ...)
+        h = self.final_norm(x)  # per token: the same before or after undoing the zigzag
+        logits = self._logits(h, n_ctx).astype(logits_dtype)
+        if not mtp:
+            return logits, stats
+        if not cfg.mtp.depth:
+            raise ValueError("Llama(mtp=True) needs a model with model.mtp.depth > 0")
+        graphdef, state = nnx.split(self.mtp)
+        body = layer_body(graphdef, pos, inv_freq, cfg.remat)
+        mtp_logits, mtp_stats = [], []
+        for k, layer in enumerate(unstack(state, cfg.mtp.depth), 1):
+            ahead = jnp.concatenate([ids[:, k:], jnp.zeros_like(ids[:, :k])], axis=1)  # token t + k at t
+            if n_ctx > 1:
+                ahead = to_zigzag(ahead, n_ctx)
+            e = sharding.embed_lookup(self.embed[...], ahead, cdt)
+            h, s = body(jnp.concatenate([e, h], axis=-1), layer)
+            mtp_logits.append(self._logits(h, n_ctx).astype(logits_dtype))
+            mtp_stats.append(s)
+        if stats:  # per MoE layer: the model's, then the MTP modules'
+            stats = jax.tree.map(lambda a, *b: jnp.concatenate([a, jnp.stack(b)]), stats, *mtp_stats)
+        return logits, stats, tuple(mtp_logits)
+
+    def _logits(self, h: jax.Array, n_ctx: int) -> jax.Array:
+        """The head over the normed hidden states h (B,T,D) (in zigzag order under context parallelism: undone)."""
+        cfg = self.cfg
         if n_ctx > 1:
-            x = sharding.constrain(from_zigzag(x, n_ctx), ("batch", "seq", "act_embed"))
-        x = self.final_norm(x)
-        vocab_parallel = bool(head_vocab_axes(cfg, self.head_recipe, tokens.size))
+            h = sharding.constrain(from_zigzag(h, n_ctx), ("batch", "seq", "act_embed"))
+        vocab_parallel = bool(head_vocab_axes(cfg, self.head_recipe, h.shape[0] * h.shape[1]))
         if vocab_parallel:  # the group's rows on every device of it; each computes its own vocabulary's logits
-            x = sharding.constrain(x, ("head_batch", "seq", "act_embed"))
-        logits = linear(x, self.head, self.head_recipe, self.quant_impl, cfg.grad_reduce_dtype, fence=True)
+            h = sharding.constrain(h, ("head_batch", "seq", "act_embed"))
+        logits = linear(h, self.head, self.head_recipe, self.quant_impl, cfg.grad_reduce_dtype, fence=True)
         if vocab_parallel:
             logits = sharding.constrain(logits, ("head_batch", "seq", "head_vocab"))
-        return logits.astype(logits_dtype), stats
+        return logits
 
     def decode(self, tokens: jax.Array, cache: dict, index: jax.Array, first: jax.Array, *,
                every_position: bool = False) -> tuple[jax.Array, dict]:
@@ -399,12 +465,15 @@ def update_buffers(cfg: ModelConfig, buffers: dict, stats: dict) -> dict:
     rate = cfg.moe.bias_update_rate
     if not buffers or rate == 0:
         return buffers
-    blocks = buffers["blocks"]
-    if "moe_block" in blocks:  # grouped layers
-        bias = blocks["moe_block"]["moe"]["bias"]
-        return {**buffers, "blocks": {**blocks, "moe_block": {"moe": {"bias": update_bias(bias, stats["load"], rate)}}}}
-    bias = blocks["moe"]["bias"]
-    return {**buffers, "blocks": {**blocks, "moe": {"bias": update_bias(bias, stats["load"], rate)}}}
+    blocks, load = buffers["blocks"], stats["load"]  # load (MoE layers, E): the model's, then the MTP modules'
+    grouped = "moe_block" in blocks  # grouped layers
+    bias = (blocks["moe_block"] if grouped else blocks)["moe"]["bias"]
+    n = bias.shape[0]
+    new = {"moe": {"bias": update_bias(bias, load[:n], rate)}}
+    out = {**buffers, "blocks": {**blocks, "moe_block": new} if grouped else {**blocks, **new}}
+    if "mtp" in buffers:
+        out["mtp"] = {"block": {"moe": {"bias": update_bias(buffers["mtp"]["block"]["moe"]["bias"], load[n:], rate)}}}
+    return out
 
 
 def head_vocab_axes(cfg: ModelConfig, head_recipe: str, n_tokens: int, mesh_shape: dict[str, int] | None = None
@@ -416,6 +485,12 @@ def head_vocab_axes(cfg: ModelConfig, head_recipe: str, n_tokens: int, mesh_shap
         return ()
     return sharding.head_vocab_axes(n_tokens, cfg.vocab_size, cfg.d_model, jnp.dtype(cfg.grad_reduce_dtype).itemsize,
                                     mesh_shape)
+
+
+def mtp_targets(targets: jax.Array, k: int) -> jax.Array:
+    """targets (B,T) -> the k-th multi-token prediction module's: at position t the target of t + k (the token
+    t + k + 1), -1 at the last k positions (Llama.__call__ with mtp=True)."""
+    return jnp.concatenate([targets[:, k:], jnp.full_like(targets[:, :k], -1)], axis=1)
 
 
 def cross_entropy(logits: jax.Array, targets: jax.Array, vocab_parallel: bool = False,
@@ -459,13 +534,13 @@ def _cross_entropy_bwd(vocab_parallel, res, g):
 _cross_entropy.defvjp(_cross_entropy_fwd, _cross_entropy_bwd)
 
 
-COMPUTE_CAST = frozenset((*ATTN_LINEARS, *MLA_LINEARS, *MLP_LINEARS, "head"))  # the matrices every GEMM reads
+COMPUTE_CAST = frozenset((*ATTN_LINEARS, *MLA_LINEARS, *MLP_LINEARS, "head", "eh_proj"))  # the matrices every GEMM reads
 
 
 # The linears whose fp8 operands the train step makes at the update, by the parameter dict that holds them
-# (Block.attn, Block.mlp, MoE.shared) and grouped as layers.fused_linear fuses them.
+# (Block.attn, Block.mlp, MoE.shared, the MTPLayer stack) and grouped as layers.fused_linear fuses them.
 LINEAR_GROUPS = {"attn": (("wq", "wk", "wv"), ("wo",)), "mlp": (("w_gate", "w_up"), ("w_down",)),
-                 "shared": (("w_gate", "w_up"), ("w_down",))}
+                 "shared": (("w_gate", "w_up"), ("w_down",)), "mtp": (("eh_proj",),)}
 # LatentAttention's (with or without a query latent, wq_a): x W_q (or x W_qa) and x W_kva are one GEMM
 MLA_GROUPS = {False: (("wq", "wkv_a"), ("wkv_b",), ("wo",)), True: (("wq_a", "wkv_a"), ("wq_b",), ("wkv_b",), ("wo",))}
 
@@ -641,7 +716,7 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
 
     6N counts the forward (2N) and backward (4N) FLOPs (a multiply-add is 2) of every weight matrix except the
     embedding lookup; a MoE layer counts its router, its top-k routed experts and its shared experts (the active
-    parameters). Attention scores and values add 2 T H (K + K_v) per layer forward (K_v the value head dim: K, or
+    parameters); each multi-token prediction module (model.mtp) its block, W_eh and the head. Attention scores and values add 2 T H (K + K_v) per layer forward (K_v the value head dim: K, or
     model.mla.v_dim), halved by the causal mask, times 3 for fwd+bwd. PaLM's convention, which TorchTitan reports,
     counts the whole T x T scores (12 L T H K): this counts the causal half the kernels compute, so at long
     sequences its TFLOP/s and MFU read lower than TorchTitan's for the same tokens/s (compare tokens/s across stacks).
@@ -659,4 +734,7 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     else:
         moe_ffn, n_moe, n_dense = 0, 0, cfg.n_layers
     matmul_params = cfg.n_layers * attn + n_dense * dense_ffn + n_moe * moe_ffn + d * cfg.vocab_size
-    return 6.0 * matmul_params + 3 * cfg.n_layers * seq_len * cfg.n_heads * (cfg.d_head + cfg.v_dim)
+    # each MTP module: W_eh, a block (MoE in a MoE model) and the head once more
+    n_mtp = cfg.mtp.depth
+    matmul_params += n_mtp * (2 * d * d + attn + (moe_ffn if cfg.moe.n_experts else dense_ffn) + d * cfg.vocab_size)
+    return 6.0 * matmul_params + 3 * (cfg.n_layers + n_mtp) * seq_len * cfg.n_heads * (cfg.d_head + cfg.v_dim)

@@ -49,7 +49,7 @@ figures of 8B, Mixtral and DeepSeekMoE steps on 1 to 4 H200s the total reads -6%
 steps measured after the head's weight gradient was fenced (mx_jax/llama.py), the 8-layer 8B (+11% before the
 fence) and the 4-layer DeepSeekMoE at expert=2 (`benchmarks/estimate_check.py`; benchmarks/RESULTS.md, session 60).
 The logits add tokens x V x 2 bytes twice (values and gradient, in the compute dtype: bf16 unless compute is
-f32). XLA's own workspace and fragmentation are not counted, and XLA may fuse away a residual jax lists (remat=none
+f32), and as much again for each multi-token prediction module (model.mtp), whose layers count as one more stack. XLA's own workspace and fragmentation are not counted, and XLA may fuse away a residual jax lists (remat=none
 unrolled, mostly); `train.py --dry-run` also compiles the step for the mesh and prints XLA's figure beside this one.
 """
 
@@ -176,9 +176,11 @@ def layer_residuals(cfg: TrainConfig, abstract_model: Llama,
             no_save = dataclasses.replace(m, moe=dataclasses.replace(m.moe, ep_save_gate_up=False))
             plain = nnx.eval_shape(lambda: Llama(no_save, cfg.quant, rngs=nnx.Rngs(0)))
     out = {}
-    for name in ("dense_blocks", "blocks"):
+    for name in ("dense_blocks", "blocks", "mtp"):
         if not hasattr(abstract_model, name):
             continue
+        # an MTP module (llama.MTPLayer) takes [embedded tokens ahead; hidden state], 2D wide, and keeps it
+        x_in = x if name != "mtp" else jax.ShapeDtypeStruct((*x.shape[:2], 2 * m.d_model), cdt)
         graphdef, state = nnx.split(getattr(abstract_model, name))
         whole_graphdef = nnx.split(getattr(whole, name))[0]
         # One layer's weights as the train step feeds them: compute-dtype copies, or slots with fp8 operands.
@@ -190,7 +192,8 @@ def layer_residuals(cfg: TrainConfig, abstract_model: Llama,
         if plain is not abstract_model:
             traces.append((nnx.split(getattr(plain, name))[0], m.remat))
         f_expert = m.moe.d_expert or m.d_ff
-        widths = {f_expert, m.moe.n_shared * f_expert} - {0} if name == "blocks" and m.moe.n_experts else {m.d_ff}
+        moe_stack = name == "mtp" or name == "blocks"
+        widths = {f_expert, m.moe.n_shared * f_expert} - {0} if moe_stack and m.moe.n_experts else {m.d_ff}
         kept, gradients = [], 0.0
         for g, remat in traces:
             if len(kept) == 1 and whole is abstract_model and remat == m.remat:
@@ -198,7 +201,7 @@ def layer_residuals(cfg: TrainConfig, abstract_model: Llama,
                 continue
             body = layer_body(g, positions, inv_freq, remat)
             with jax.sharding.use_abstract_mesh(mesh), compat.cudnn_shapes_only():
-                residuals = compat.saved_residuals(body, x, layer)
+                residuals = compat.saved_residuals(body, x_in, layer)
             kept.append(per_device(residuals))
             if len(kept) <= 2:
                 gradients = max(gradients, swiglu_gradients(residuals, widths))  # remat=none: the widest
@@ -261,7 +264,8 @@ def estimate(cfg: TrainConfig) -> dict:
         workspace = (rows * (m.max_documents or DOCUMENTS_ASSUMED) * m.n_heads * cfg.data.seq_len
                      * (8 * m.attention_dim + 4))
     transient += workspace
-    act = kept_all + transient + tokens_dev * 2 * logit_bytes * m.vocab_size
+    # the model's logits and each MTP module's (model.mtp), values and gradients
+    act = kept_all + transient + tokens_dev * 2 * logit_bytes * m.vocab_size * (1 + m.mtp.depth)
     gb = 1e9
     report = {
         "n_params": n_params,

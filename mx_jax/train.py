@@ -47,7 +47,7 @@ from mx_jax.config import ConfigError, ModelConfig, TrainConfig, load_config, mi
 from mx_jax.data import (MIXTURE_ROUND, Batches, Dataset, Mixture, Prefetch, Windows, documents_per_window,
                          mixture_quota, open_dataset, read_meta)
 from mx_jax.llama import (LinearPlan, Llama, buffers_of, compute_axes, compute_copies, cross_entropy, flops_per_token,
-                          head_vocab_axes, moe_loss, param_axes, params_of, plan_for_run, update_buffers, with_compute,
+                          head_vocab_axes, moe_loss, mtp_targets, param_axes, params_of, plan_for_run, update_buffers, with_compute,
                           with_operands)
 from mx_jax.moe import RouterBias
 from mx_jax.optim import global_norm, make_optimizer, schedule
@@ -184,17 +184,30 @@ def init_state(setup: Setup) -> dict:
 # Steps
 
 
-def make_loss_fn(setup: Setup):
-    """loss_fn(params, buffers, inputs, targets, count, micro=1) -> (cross-entropy + MoE balancing terms / micro,
-    (cross-entropy, stats)): the cross-entropy is summed over the counted targets (not -1) and divided by `count`
-    (llama.cross_entropy); with `micro` microbatches the step adds their losses."""
+def make_loss_fn(setup: Setup, mtp: bool = True):
+    """loss_fn(params, buffers, inputs, targets, count, micro=1) -> (cross-entropy + MTP term + MoE balancing terms
+    / micro, (cross-entropy, stats, MTP cross-entropy)): each cross-entropy is summed over the counted targets (not
+    -1) and divided by `count` (llama.cross_entropy); with `micro` microbatches the step adds their losses.
+
+    With model.mtp.depth D > 0 (and `mtp`; the held-out loss leaves it out) the MTP term is DeepSeek-V3's
+    loss_scale / D x sum_k CE_k, CE_k the k-th module's cross-entropy against the targets k ahead
+    (llama.mtp_targets) over the same `count`, the paper's 1/T; the third element is mean_k CE_k (0 without MTP)."""
     graphdef, model_cfg = setup.graphdef, setup.cfg.model
+    depth = model_cfg.mtp.depth if mtp else 0
 
     def loss_fn(params, buffers, inputs, targets, count, micro=1):
-        logits, stats = nnx.merge(graphdef, params, buffers)(inputs, logits_dtype=model_cfg.compute_dtype)
-        ce = cross_entropy(logits, targets, bool(head_vocab_axes(model_cfg, setup.plan.recipes["head"], targets.size)),
-                           count)
-        return ce + moe_loss(model_cfg, stats) / micro, (ce, stats)
+        model = nnx.merge(graphdef, params, buffers)
+        vocab_parallel = bool(head_vocab_axes(model_cfg, setup.plan.recipes["head"], targets.size))
+        if depth:
+            logits, stats, ahead = model(inputs, logits_dtype=model_cfg.compute_dtype, mtp=True)
+            mtp_ce = sum(cross_entropy(z, mtp_targets(targets, k), vocab_parallel, count)
+                         for k, z in enumerate(ahead, 1)) / depth
+        else:
+            logits, stats = model(inputs, logits_dtype=model_cfg.compute_dtype)
+            mtp_ce = jnp.zeros((), jnp.float32)
+        ce = cross_entropy(logits, targets, vocab_parallel, count)
+        loss = ce + model_cfg.mtp.loss_scale * mtp_ce + moe_loss(model_cfg, stats) / micro
+        return loss, (ce, stats, mtp_ce)
 
     return loss_fn
 
@@ -274,18 +287,17 @@ def make_train_step(setup: Setup):
 
         def one(inputs, targets):
             # Differentiated in the compute dtype (llama.with_compute); summed and clipped in float32.
-            (_, (ce, stats)), grads = grad_fn(compute, buffers, inputs, targets, count)
-            return ce, stats, jax.tree.map(lambda g: g.astype(jnp.float32), grads)
+            (_, (ce, stats, mtp_ce)), grads = grad_fn(compute, buffers, inputs, targets, count)
+            return ce, stats, mtp_ce, jax.tree.map(lambda g: g.astype(jnp.float32), grads)
 
         if accum == 1:
-            ce, stats, grads = one(batch["inputs"][0], batch["targets"][0])
+            ce, stats, mtp_ce, grads = one(batch["inputs"][0], batch["targets"][0])
         else:
             def micro(carry, mb):
-                ce, stats, grads = one(*mb)
-                return jax.tree.map(jnp.add, carry, (ce, stats, grads)), None
+                return jax.tree.map(jnp.add, carry, one(*mb)), None
 
             zeros = jax.tree.map(jnp.zeros_like, jax.eval_shape(one, batch["inputs"][0], batch["targets"][0]))
-            (ce, stats, grads), _ = jax.lax.scan(micro, zeros, (batch["inputs"], batch["targets"]))
+            (ce, stats, mtp_ce, grads), _ = jax.lax.scan(micro, zeros, (batch["inputs"], batch["targets"]))
             # The cross-entropy and gradients are sums already (see count; the balancing terms enter each
             # microbatch's loss divided by accum). The stats become means over microbatches, but the counts (expert
             # loads, dispatched rows) stay summed. The MoE balancing losses are built from per-microbatch averages,
@@ -298,7 +310,8 @@ def make_train_step(setup: Setup):
         new_state = {"step": state["step"] + 1, "params": new_params,
                      "compute": compute_copies(cfg.model, new_params, setup.plan),
                      "buffers": update_buffers(cfg.model, buffers, stats), "opt_state": opt_state}
-        out = {"loss": ce, "grad_norm": global_norm(grads), "lr": lr_at(state["step"]),
+        out = {"loss": ce, **({"mtp_loss": mtp_ce} if cfg.model.mtp.depth else {}),
+               "grad_norm": global_norm(grads), "lr": lr_at(state["step"]),
                **_moe_metrics(stats, setup.mesh.shape["expert"], cfg.model.moe.top_k),
                **_document_metrics(cfg.model, batch["inputs"], document_chunks(setup.mesh.shape["context"])),
                "target_frac": targets_counted / batch["targets"].size}
@@ -309,7 +322,7 @@ def make_train_step(setup: Setup):
 
 
 def make_eval_step(setup: Setup):
-    loss_fn = make_loss_fn(setup)
+    loss_fn = make_loss_fn(setup, mtp=False)
 
     def eval_step(params, buffers, batch):
         """(mean cross-entropy over the batch's counted targets, their number)."""
@@ -525,6 +538,8 @@ def _write_atomic(path: pathlib.Path, text: str) -> None:
 
 def _fmt_log(step: int, m: dict) -> str:
     parts = [f"step {step:>6}", f"loss {m['loss']:.4f}"]
+    if "mtp_loss" in m:
+        parts.append(f"mtp {m['mtp_loss']:.4f}")
     if "eval_loss" in m:
         per = [f"{k.split('/', 1)[1]} {v:.4f}" for k, v in m.items() if k.startswith("eval_loss/")]
         parts.append(f"eval {m['eval_loss']:.4f}" + (f" ({', '.join(per)})" if per else ""))
@@ -575,7 +590,8 @@ _MODEL_KEYS_FREE_ON_RESUME = frozenset({
     "remat", "scan_layers", "attention", "compute_dtype", "param_dtype", "grad_reduce_dtype", "max_documents",
     "moe.impl",
     "moe.all_to_all", "moe.dispatch", "moe.gpus_per_node", "moe.capacity_factor", "moe.aux_loss_coef",
-    "moe.z_loss_coef", "moe.bias_update_rate", "moe.ep_buffer_factor", "moe.exchange", "moe.ep_save_gate_up"})
+    "moe.z_loss_coef", "moe.bias_update_rate", "moe.ep_buffer_factor", "moe.exchange", "moe.ep_save_gate_up",
+    "mtp.loss_scale"})  # DeepSeek-V3 lowered its MTP weight from 0.3 to 0.1 for its last 4.8 T tokens
 
 
 def _flat(d: dict, prefix: str = "") -> dict:
@@ -813,7 +829,9 @@ def train(cfg: TrainConfig, devices: list[jax.Device] | None = None) -> TrainRes
                     log(f"data   | note: data.path={cfg.data.path} is not read (data.source=embedded; set "
                         f"data.source=bin)")
                 n_params = sum(x.size for x in jax.tree.leaves(setup.abstract["params"]))
-                log(f"model  | {n_params / 1e6:,.1f} M parameters | quant recipe {cfg.quant.recipe} | remat "
+                n_mtp = sum(x.size for x in jax.tree.leaves(setup.abstract["params"].get("mtp", {})))
+                mtp = f" ({n_mtp / 1e6:,.1f} M of them in {cfg.model.mtp.depth} MTP module(s))" if n_mtp else ""
+                log(f"model  | {n_params / 1e6:,.1f} M parameters{mtp} | quant recipe {cfg.quant.recipe} | remat "
                     f"{cfg.model.remat}")
                 for note in setup.notes:
                     log(f"quant  | {note}")

@@ -1,5 +1,6 @@
 """Config: YAML tree = dataclass tree = dotted overrides; errors name the key; nothing written on error."""
 
+import dataclasses
 import pathlib
 
 import jax
@@ -7,7 +8,7 @@ import pytest
 import yaml
 
 from mx_jax import hf, llama, train
-from mx_jax.config import ConfigError, load_config, to_yaml
+from mx_jax.config import ConfigError, MTPConfig, load_config, to_yaml
 from mx_jax.moe import group_score_experts
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -60,6 +61,9 @@ def test_unknown_key_names_it_and_suggests(tmp_path):
     ("seed=18446744073709551616", "seed"),
     ("compile_cache=false", "compile_cache"),  # would be a directory named "false"
     ("log.wandb=[a]", "log.wandb"),
+    ("model.mtp.depth=-1", "model.mtp.depth"),
+    ("model.mtp.depth=512", "model.mtp.depth"),  # not below data.seq_len: no position would have a target
+    ("model.mtp.loss_scale=-0.3", "model.mtp.loss_scale"),
 ])
 def test_bad_values_name_the_key(override, key):
     with pytest.raises(ConfigError, match=f"'{key}'"):
@@ -279,7 +283,7 @@ def test_shipped_configs_load(name):
         routed = 64 * 2048 + 3 * 2048 * 1408 * 66
         by_hand = 27 * attn + 3 * 2048 * 10944 + 26 * routed + 2 * 102400 * 2048 + 2048
         assert llama.param_count(m) == by_hand == 15_706_484_224
-    if name == "deepseek_v3":  # deepseek-ai/DeepSeek-V3: 671 B parameters (without its multi-token prediction)
+    if name == "deepseek_v3":  # deepseek-ai/DeepSeek-V3: 671 B parameters, and 685 B with its MTP module
         a, e = m.mla, m.moe
         assert (a.q_rank, a.kv_rank, m.n_heads, e.n_experts, e.top_k, e.route_groups, e.route_top_groups) == \
             (1536, 512, 128, 256, 8, 8, 4)
@@ -288,8 +292,14 @@ def test_shipped_configs_load(name):
         assert group_score_experts(e.top_k, e.n_experts, e.route_groups, e.route_top_groups) == 2  # V3's top-2
         d = 7168  # per layer: W_qa, its norm, W_qb, W_kva, its norm, W_kvb, W_o, two norms
         attn = d * 1536 + 1536 + 1536 * 128 * 192 + d * 576 + 512 + 512 * 128 * 256 + 128 * 128 * d + 2 * d
-        by_hand = 61 * attn + 3 * 3 * d * 18432 + 58 * (256 * d + 3 * d * 2048 * 257) + 2 * 129280 * d + d
-        assert llama.param_count(m) == by_hand == 671_026_404_352
+        moe = 256 * d + 3 * d * 2048 * 257
+        by_hand = 61 * attn + 3 * 3 * d * 18432 + 58 * moe + 2 * 129280 * d + d
+        assert llama.param_count(dataclasses.replace(m, mtp=MTPConfig())) == by_hand == 671_026_404_352
+        # the MTP module: W_eh (2D, D), a MoE layer and three norms; it shares the embedding and the head, of which
+        # the checkpoint stores copies: 684.5 B in all, published as 685 B
+        mtp = 2 * d * d + attn + moe + 3 * d
+        assert m.mtp.depth == 1 and llama.param_count(m) == by_hand + mtp == 682_636_472_320
+        assert abs(by_hand + mtp + 2 * 129280 * d - 685e9) < 1e9
         assert cfg.data.batch_size % cfg.data.grad_accum_steps == 0
     first, groups, per_group = llama.layer_kinds(m)
     assert first + groups * per_group == m.n_layers

@@ -134,6 +134,22 @@ def test_moe_models_estimate_every_stack():
     assert 0 < full["transient_gb"] < report["activations_gb"] / 4
 
 
+def test_mtp_modules_add_a_layer_each_and_their_logits():
+    """model.mtp: each module is one more layer of the MoE kind (traced with its 2D-wide input) and one more set of
+    logits (values and gradient, bf16)."""
+    over = ["mesh.fsdp=8", "data.batch_size=8"]
+    base = memory_estimate.estimate(load_config(str(ROOT / "configs/deepseek_moe_16b.yaml"), over))
+    mtp = memory_estimate.estimate(load_config(str(ROOT / "configs/deepseek_moe_16b.yaml"),
+                                               [*over, "model.mtp.depth=2"]))
+    n, kept = mtp["layer_gb"]["mtp"]
+    assert n == 2 and kept > base["layer_gb"]["blocks"][1]  # a MoE layer's residuals and its 2D-wide input
+    logits = mtp["tokens_per_device"] * 2 * 2 * 102400 * 2 / 1e9
+    # the running layer's transient: the largest over the stacks, the MTP module's with its wider input
+    assert mtp["transient_gb"] >= base["transient_gb"]
+    assert mtp["activations_gb"] == pytest.approx(
+        base["activations_gb"] + 2 * kept + logits + mtp["transient_gb"] - base["transient_gb"], rel=1e-6)
+
+
 def test_a_cuda_plugin_that_cannot_start_compiles_on_named_cpu_devices():
     """Where the CUDA plugin is installed but cannot start (no driver), jax falls back to its CPU backend: the dry run
     must still compile for the mesh's device count and say that it compiled for CPU devices, not a GPU topology."""

@@ -25,7 +25,7 @@ from safetensors import safe_open  # noqa: E402
 from safetensors.numpy import save_file  # noqa: E402
 
 from mx_jax import hf  # noqa: E402
-from mx_jax.config import ConfigError, ModelConfig, RopeScaling  # noqa: E402
+from mx_jax.config import ConfigError, ModelConfig, MTPConfig, RopeScaling  # noqa: E402
 from mx_jax.llama import Llama, buffers_of, params_of  # noqa: E402
 from mx_jax.train import train  # noqa: E402
 from tests.helpers import NO_IO, tiny_config  # noqa: E402
@@ -995,7 +995,8 @@ def test_deepseek_v3_configs_map_both_ways():
         ("yarn", 4.0, 1024, 1.0, 1.0)
     assert hf.model_type(cfg) == "deepseek_v3"
     written = hf.config_to_hf(cfg, "float32", DEEPSEEK_V3_CONFIG)
-    assert written == {**DEEPSEEK_V3_CONFIG, "mlp_bias": False, "rope_interleave": True, "num_nextn_predict_layers": 0,
+    assert cfg.mtp.depth == DEEPSEEK_V3_CONFIG["num_nextn_predict_layers"] == 1
+    assert written == {**DEEPSEEK_V3_CONFIG, "mlp_bias": False, "rope_interleave": True,
                        "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024,
                                         "beta_fast": 32.0, "beta_slow": 1.0, "attention_factor": 1.0,
                                         "mscale_all_dim": 1.0}}
@@ -1011,7 +1012,8 @@ def test_deepseek_v3_configs_map_both_ways():
         abstract = nnx.eval_shape(lambda c=c: Llama(c, rngs=nnx.Rngs(0)))  # the shapes the model builds
         assert jax.tree.map(lambda x: tuple(x.shape), params_of(abstract)) == hf.param_shapes(c)
         assert jax.tree.map(lambda x: tuple(x.shape), buffers_of(abstract)) == hf.buffer_shapes(c)
-    assert hf.buffer_shapes(cfg) == {"blocks": {"moe": {"bias": (2, 8)}}}
+    assert hf.buffer_shapes(cfg) == {"blocks": {"moe": {"bias": (2, 8)}}, "mtp": {"block": {"moe": {"bias": (1, 8)}}}}
+    assert halves.mtp.depth == 0 and hf.buffer_shapes(halves) == {"blocks": {"moe": {"bias": (2, 8)}}}
     # every group kept is greedy; a dense model with latent attention is DeepSeek-V2's
     assert hf.config_from_hf({**DEEPSEEK_V3_CONFIG, "topk_group": 4}).moe.route_groups == 0
     assert hf.config_from_hf({**DEEPSEEK_V3_CONFIG, "n_routed_experts": None}).moe.n_experts == 0
@@ -1165,7 +1167,9 @@ def test_deepseek_v3_import_train_and_export_keep_the_router_biases(tmp_path):
                                          "route_group_top", "normalize_top_k")} == \
         {"score": "sigmoid", "routed_scale": 2.5, "route_groups": 4, "route_top_groups": 2, "route_group_top": 2,
          "normalize_top_k": True}
-    cfg0 = hf.config_from_hf(want["config"])
+    # transformers saves DeepSeek-V3 without its multi-token prediction layer: the import has none
+    cfg0 = dataclasses.replace(hf.config_from_hf(want["config"]), mtp=MTPConfig())
+    assert "mtp" not in model
     imported = hf.load_buffers(tmp_path / "imp", cfg0)["blocks"]["moe"]["bias"]
     np.testing.assert_array_equal(imported, hf.load_hf_buffers(tmp_path / "hf", cfg0)["blocks"]["moe"]["bias"])
     from mx_jax import sample, sharding, train as train_mod  # the sampler decodes with them
@@ -1201,36 +1205,85 @@ def test_deepseek_v3_import_train_and_export_keep_the_router_biases(tmp_path):
     np.testing.assert_array_equal(np.asarray(result.state["buffers"]["blocks"]["moe"]["bias"]), imported)
 
 
-def test_deepseek_v3_multi_token_prediction_layers_are_skipped(tmp_path):
+def test_deepseek_v3_multi_token_prediction_layers_map_both_ways(tmp_path):
     """DeepSeek-V3 stores num_nextn_predict_layers MTP layers after the L decoder layers (its model.layers.61.*):
-    skipped with a warning naming them (transformers does not load them either); a layer beyond those has no
-    place, nor an MTP layer that config.json does not announce."""
+    each a MoE decoder layer's tensors under their names plus enorm, hnorm, eh_proj (D, 2D), shared_head.norm and
+    copies of the embedding and head (vLLM's and SGLang's DeepSeek MTP loaders read all of them). An export writes
+    them from model.mtp, an import reads them back (not the copies); a config with fewer MTP layers skips the rest
+    with a warning, one with more is refused, and a layer beyond those announced has no place. transformers saves V3
+    without them while its config keeps num_nextn_predict_layers 1: read as none, with a warning."""
     from tests import transformers_golden as golden
 
     want = golden.load()["deepseek_v3"]
-    values = golden.case_weights(want)
-    plain, _ = hf.load_hf_llama(_written(tmp_path / "plain", want["config"], values))
+    cfg = hf.config_from_hf(want["config"])
+    assert cfg.mtp.depth == 1 and cfg.n_layers == 3
     rng = np.random.default_rng(0)
-    mtp = {f"model.layers.3.{k}": rng.standard_normal(s).astype(np.float32) for k, s in (
-        ("enorm.weight", (48,)), ("hnorm.weight", (48,)), ("eh_proj.weight", (48, 96)),
-        ("self_attn.q_a_proj.weight", (12, 48)), ("mlp.gate.e_score_correction_bias", (8,)),
-        ("shared_head.norm.weight", (48,)), ("shared_head.head.weight", (256, 48)))}
-    path = _written(tmp_path / "mtp", want["config"], {**values, **mtp})
-    with pytest.warns(UserWarning, match=r"skipped the 7 tensors of the multi-token-prediction layer\(s\) "
+    params = jax.tree.map(lambda s: rng.standard_normal(s).astype(np.float32), hf.param_shapes(cfg),
+                          is_leaf=lambda x: isinstance(x, tuple))
+    buffers = jax.tree.map(lambda s: rng.standard_normal(s).astype(np.float32), hf.buffer_shapes(cfg),
+                           is_leaf=lambda x: isinstance(x, tuple))
+    out = tmp_path / "out"
+    hf.export_hf_llama(params, cfg, out, buffers=buffers, dtype="float32")
+    import safetensors.numpy as stnp
+
+    stored = stnp.load_file(str(out / "model.safetensors"))
+    assert json.loads((out / "config.json").read_text())["num_nextn_predict_layers"] == 1
+    layer = {k[len("model.layers.2."):] for k in stored if k.startswith("model.layers.2.")}  # a MoE layer
+    mtp = {k[len("model.layers.3."):] for k in stored if k.startswith("model.layers.3.")}
+    assert mtp == layer | {"enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight",
+                           "shared_head.head.weight", "embed_tokens.weight"}
+    assert "mlp.gate.e_score_correction_bias" in mtp and "mlp.experts.7.down_proj.weight" in mtp
+    np.testing.assert_array_equal(stored["model.layers.3.eh_proj.weight"], params["mtp"]["eh_proj"][0].T)
+    np.testing.assert_array_equal(stored["model.layers.3.shared_head.head.weight"], params["head"].T)
+    np.testing.assert_array_equal(stored["model.layers.3.embed_tokens.weight"], params["embed"])
+    np.testing.assert_array_equal(stored["model.layers.3.mlp.gate.e_score_correction_bias"],
+                                  buffers["mtp"]["block"]["moe"]["bias"][0])
+    np.testing.assert_array_equal(stored["model.layers.3.self_attn.kv_a_layernorm.weight"],
+                                  params["mtp"]["block"]["attn"]["kv_norm"]["scale"][0])
+    back, back_cfg = hf.load_hf_llama(out)
+    assert back_cfg == cfg
+    jax.tree.map(np.testing.assert_array_equal, back, params)
+    jax.tree.map(np.testing.assert_array_equal, hf.load_hf_buffers(out, cfg), buffers)
+    assert hf.main(["import", str(out), str(tmp_path / "imp")]) == 0  # config.yaml names the MTP layers
+    assert yaml.safe_load((tmp_path / "imp" / "config.yaml").read_text())["model"]["mtp"] == {"depth": 1}
+    jax.tree.map(lambda x, y: np.testing.assert_array_equal(np.asarray(x), y), hf.load_params(tmp_path / "imp", cfg),
+                 params)
+
+    # the copies are not read: a copy that differs changes nothing
+    values = {**stored, "model.layers.3.embed_tokens.weight": np.zeros_like(stored["model.layers.3.embed_tokens.weight"])}
+    jax.tree.map(np.testing.assert_array_equal, hf.load_hf_llama(_written(tmp_path / "copy", want["config"], values))[0],
+                 params)
+    # a config without MTP skips the layer, naming it; one with more MTP layers than the checkpoint is refused
+    none = dataclasses.replace(cfg, mtp=dataclasses.replace(cfg.mtp, depth=0))
+    with pytest.warns(UserWarning, match=r"skipped the \d+ tensors of the multi-token-prediction layer\(s\) "
                                          r"model\.layers\.3 \(num_nextn_predict_layers\)"):
-        params, _ = hf.load_hf_llama(path)
-    jax.tree.map(np.testing.assert_array_equal, params, plain)
-    no_key = _written(tmp_path / "no_key", {k: v for k, v in want["config"].items()
-                                            if k != "num_nextn_predict_layers"}, {**values, **mtp})
-    with pytest.warns(UserWarning, match="multi-token-prediction"):  # DeepseekV3Config's default: 1
-        hf.load_hf_llama(no_key)
+        plain, _ = hf.load_hf_llama(out, none)
+    jax.tree.map(np.testing.assert_array_equal, plain, {k: v for k, v in params.items() if k != "mtp"})
+    assert hf.load_hf_buffers(out, none).keys() == {"blocks"}
+    with pytest.raises(ConfigError, match=r"model\.mtp\.depth': 2, but the checkpoint holds 1"):
+        hf.load_hf_llama(out, dataclasses.replace(cfg, mtp=dataclasses.replace(cfg.mtp, depth=2)))
+    # a layer beyond those announced, and an MTP layer config.json does not announce, have no place
+    mtp_keys = {k: v for k, v in stored.items() if k.startswith("model.layers.3.")}
+    main = {k: v for k, v in stored.items() if k not in mtp_keys}
     beyond = _written(tmp_path / "beyond", want["config"],
-                      {**values, **{k.replace("layers.3", "layers.4"): v for k, v in mtp.items()}})
-    with pytest.raises(hf.HFFormatError, match=r"7 tensor\(s\) have no place.*model\.layers\.4\."):
+                      {**stored, **{k.replace("layers.3", "layers.4"): v for k, v in mtp_keys.items()}})
+    with pytest.raises(hf.HFFormatError, match=r"tensor\(s\) have no place.*model\.layers\.4\."):
         hf.load_hf_llama(beyond)
-    unannounced = _written(tmp_path / "none", {**want["config"], "num_nextn_predict_layers": 0}, {**values, **mtp})
+    unannounced = _written(tmp_path / "none", {**want["config"], "num_nextn_predict_layers": 0}, stored)
     with pytest.raises(hf.HFFormatError, match=r"have no place.*model\.layers\.3\."):
         hf.load_hf_llama(unannounced)
+    # announced without its tensors (transformers' save): read as no MTP layers
+    with pytest.warns(UserWarning, match=r"num_nextn_predict_layers is 1, but the safetensors hold no "
+                                         r"model\.layers\.3\.\*"):
+        bare, bare_cfg = hf.load_hf_llama(_written(tmp_path / "bare", want["config"], main))
+    assert bare_cfg.mtp.depth == 0 and "mtp" not in bare
+    # a format without MTP layers: the export leaves them out, with a warning
+    llama_cfg = dataclasses.replace(hf.config_from_hf(golden.load()["llama"]["config"]), mtp=cfg.mtp)
+    llama_params = jax.tree.map(lambda s: rng.standard_normal(s).astype(np.float32), hf.param_shapes(llama_cfg),
+                                is_leaf=lambda x: isinstance(x, tuple))
+    with pytest.warns(UserWarning, match=r"llama has no multi-token prediction layers: model\.mtp's 1 layer"):
+        hf.export_hf_llama(llama_params, llama_cfg, tmp_path / "llama", dtype="float32")
+    assert not any(".layers.3." in k for k in stnp.load_file(str(tmp_path / "llama" / "model.safetensors")))
 
 
 def _written(path: pathlib.Path, config: dict, values: dict) -> pathlib.Path:
@@ -1330,10 +1383,11 @@ def test_kimi_k2_reads_and_writes_as_deepseek_v3(tmp_path):
     assert hf.config_from_hf(written) == cfg
     want = golden.load()["deepseek_v3"]
     values = golden.case_weights(want)
-    params, _ = hf.load_hf_llama(_written(tmp_path / "kimi", kimi, values))
-    same, _ = hf.load_hf_llama(_written(tmp_path / "v3", want["config"], values))
+    with pytest.warns(UserWarning, match="no multi-token prediction layers"):  # transformers saved none
+        params, read = hf.load_hf_llama(_written(tmp_path / "kimi", kimi, values))
+        same, _ = hf.load_hf_llama(_written(tmp_path / "v3", want["config"], values))
     jax.tree.map(np.testing.assert_array_equal, params, same)
-    hf.export_hf_llama(params, cfg, tmp_path / "out", buffers=hf.load_hf_buffers(tmp_path / "kimi", cfg),
+    hf.export_hf_llama(params, read, tmp_path / "out", buffers=hf.load_hf_buffers(tmp_path / "kimi", read),
                        dtype="float32", hf_config=kimi)
     _assert_same_tensors(_read_all(tmp_path / "out"), values)
 

@@ -1,0 +1,179 @@
+"""Multi-token prediction (model.mtp; DeepSeek-V3's MTP, llama.MTPLayer): each depth's hidden states against the
+definition written out in NumPy, the loss against per-depth cross-entropies computed here, the MTP MoE layer's
+router bias, the same step on a mesh, fp8 operands, and the FLOP count against the parameters it touches."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from mx_jax import quant, sharding, train
+from mx_jax.config import ModelConfig, MTPConfig
+from mx_jax.layers import Positions, rope_inv_freq
+from mx_jax.llama import Block, Llama, flops_per_token, mtp_targets, params_of
+from tests.helpers import NO_IO, tiny_config
+
+MOE = ("model.moe.n_experts=4", "model.moe.top_k=2", "model.moe.d_expert=32", "model.moe.n_shared=1",
+       "model.moe.bias_update_rate=0.01")
+
+
+def _rms(x: np.ndarray, scale: np.ndarray, eps: float) -> np.ndarray:
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * scale
+
+
+def test_each_depth_is_the_definition():
+    """h_0 = RMSNorm(x_L), the main model's last hidden states; depth k: h_k = RMSNorm_k(Block_k(u)) with
+    u = [RMSNorm_e(E[t_{i+k}]); RMSNorm_h(h_{k-1})] W_eh (token 0 where i + k is past the end). With the head
+    [I | 0] (V >= D) the first D logits of each output are the h the head read, so the model's own outputs give
+    every h; norms with random scales so that a swapped or missing norm shows."""
+    D, V, T = 32, 64, 12
+    cfg = ModelConfig(vocab_size=V, d_model=D, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64, compute_dtype="float32",
+                      mtp=MTPConfig(depth=2))
+    model = Llama(cfg, rngs=nnx.Rngs(0))
+    rng = np.random.default_rng(0)
+    params = jax.tree.map(np.asarray, params_of(model))
+    params["head"] = np.eye(D, V, dtype=np.float32)
+    for name in ("enorm", "hnorm", "norm"):
+        params["mtp"][name]["scale"] = rng.uniform(0.5, 2.0, (2, D)).astype(np.float32)
+    params["final_norm"]["scale"] = rng.uniform(0.5, 2.0, D).astype(np.float32)
+    state = nnx.state(model, nnx.Param)
+    nnx.replace_by_pure_dict(state, params)
+    nnx.update(model, state)
+    tokens = jnp.asarray(rng.integers(0, V, (2, T)), jnp.int32)
+    with jax.default_matmul_precision("highest"):
+        logits, _, ahead = model(tokens, mtp=True)
+    assert len(ahead) == 2 and all(z.shape == (2, T, V) for z in ahead)
+    np.testing.assert_array_equal(model(tokens)[0], logits)  # the main logits do not depend on mtp
+    h = np.asarray(logits[..., :D])
+    assert np.all(np.asarray(logits[..., D:]) == 0)
+    block = Block(cfg, model.plan, "auto", rngs=nnx.Rngs(1))
+    pos, inv_freq = Positions(jnp.arange(T)), rope_inv_freq(cfg.rope_dim, cfg.rope_theta, cfg.rope_scaling)
+    embed = params["embed"]
+    for k in (1, 2):
+        layer = jax.tree.map(lambda a, k=k: a[k - 1], params["mtp"])
+        ahead_ids = np.concatenate([np.asarray(tokens)[:, k:], np.zeros((2, k), np.int32)], axis=1)
+        u = np.concatenate([_rms(embed[ahead_ids], layer["enorm"]["scale"], cfg.norm_eps),
+                            _rms(h, layer["hnorm"]["scale"], cfg.norm_eps)], axis=-1) @ layer["eh_proj"]
+        block_state = nnx.state(block, nnx.Param)
+        nnx.replace_by_pure_dict(block_state, layer["block"])
+        nnx.update(block, block_state)
+        with jax.default_matmul_precision("highest"):
+            y, _ = block(jnp.asarray(u), pos, inv_freq)
+        want = _rms(np.asarray(y), layer["norm"]["scale"], cfg.norm_eps)
+        got = np.asarray(ahead[k - 1][..., :D])
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+        h = got
+    with pytest.raises(ValueError, match=r"model\.mtp\.depth > 0"):
+        Llama(dataclasses.replace(cfg, mtp=MTPConfig()), rngs=nnx.Rngs(0))(tokens, mtp=True)
+
+
+def test_mtp_targets_look_k_ahead():
+    targets = jnp.asarray([[1, 2, -1, 4, 5]])
+    np.testing.assert_array_equal(mtp_targets(targets, 1), [[2, -1, 4, 5, -1]])
+    np.testing.assert_array_equal(mtp_targets(targets, 3), [[4, 5, -1, -1, -1]])
+
+
+def _setup(tmp_path, *extra: str):
+    cfg = tiny_config(tmp_path, "mesh.fsdp=1", *extra, *NO_IO)
+    mesh = sharding.make_mesh(cfg.mesh, jax.devices()[:1])
+    return cfg, mesh
+
+
+def test_the_loss_adds_loss_scale_times_the_mean_of_each_depths_cross_entropy(tmp_path):
+    """loss = CE + lambda / D sum_k CE_k, CE_k over the targets k ahead that count (loss masks carry over), each sum
+    divided by the step's count of main targets; the held-out loss (mtp=False) is CE alone. The model's MoE
+    statistics hold its MTP layers after the main ones, and the step's router-bias update moves each one's bias by
+    the sign of its own load error."""
+    cfg, mesh = _setup(tmp_path, "model.mtp.depth=2", "model.mtp.loss_scale=0.5", *MOE)
+    rng = np.random.default_rng(0)
+    b, t = cfg.data.batch_size, cfg.data.seq_len
+    inputs = rng.integers(0, 256, (b, t)).astype(np.int32)
+    targets = np.where(rng.random((b, t)) < 0.8, rng.integers(0, 256, (b, t)), -1).astype(np.int32)
+    count = float(np.sum(targets >= 0))
+    with jax.set_mesh(mesh):
+        setup = train.build(cfg, mesh)
+        state = train.init_state(setup)
+        params, buffers = state["params"], state["buffers"]
+        loss, (ce, stats, mtp_ce) = jax.jit(train.make_loss_fn(setup))(params, buffers, inputs, targets, count)
+        logits, stats2, ahead = jax.jit(
+            lambda p, bu, x: nnx.merge(setup.graphdef, p, bu)(x, logits_dtype=jnp.float32, mtp=True))(
+            params, buffers, inputs)
+        held_out = jax.jit(train.make_loss_fn(setup, mtp=False))(params, buffers, inputs, targets, count)
+
+    def ce_of(z, y):
+        z = np.asarray(z, np.float64)
+        logz = np.log(np.sum(np.exp(z - z.max(-1, keepdims=True)), -1)) + z.max(-1)
+        picked = np.take_along_axis(z, np.maximum(y, 0)[..., None], -1)[..., 0]
+        return np.sum(np.where(y >= 0, logz - picked, 0.0)) / count
+
+    per_depth = []
+    for k, z in enumerate(ahead, 1):
+        y = np.full_like(targets, -1)
+        y[:, :t - k] = targets[:, k:]
+        per_depth.append(ce_of(z, y))
+    np.testing.assert_allclose(ce, ce_of(logits, targets), rtol=1e-5)
+    np.testing.assert_allclose(mtp_ce, np.mean(per_depth), rtol=1e-5)
+    moe = cfg.model.moe.aux_loss_coef * np.sum(stats["aux_loss"])
+    np.testing.assert_allclose(loss, ce + 0.5 * np.mean(per_depth) + moe, rtol=1e-5)
+    assert 4.0 < min(per_depth) and abs(per_depth[0] - per_depth[1]) > 1e-6  # real, distinct cross-entropies
+    # without the MTP module its MoE layer's balancing term goes too
+    np.testing.assert_allclose(held_out[0], ce + cfg.model.moe.aux_loss_coef * np.sum(stats["aux_loss"][:2]),
+                               rtol=1e-5)
+    assert held_out[1][2] == 0  # no MTP term
+    assert stats["load"].shape == (4, 4)  # 2 main MoE layers, then the 2 MTP modules'
+    np.testing.assert_array_equal(stats["load"], stats2["load"])
+
+    with jax.set_mesh(mesh):
+        step = train.make_train_step(setup)
+        batch = {"inputs": inputs[None], "targets": targets[None]}
+        new, out = step(jax.tree.map(jnp.copy, state), jax.device_put(batch, setup.batch_shardings))
+    load = np.asarray(stats["load"])
+    want = 0.01 * np.sign(load.mean(-1, keepdims=True) - load)
+    assert np.any(want[2:] != 0)
+    np.testing.assert_allclose(new["buffers"]["blocks"]["moe"]["bias"], want[:2], rtol=1e-6)
+    np.testing.assert_allclose(new["buffers"]["mtp"]["block"]["moe"]["bias"], want[2:], rtol=1e-6)
+    np.testing.assert_allclose(out["mtp_loss"], mtp_ce, rtol=1e-5)
+    grads_moved = jax.tree.map(lambda a, b: float(np.abs(np.asarray(a) - np.asarray(b)).max()),
+                               new["params"]["mtp"], state["params"]["mtp"])
+    assert min(jax.tree.leaves(grads_moved)) > 0  # every MTP parameter is trained
+
+
+def test_an_mtp_moe_model_trains_alike_on_an_expert_fsdp_and_context_mesh(tmp_path):
+    """The MTP module's shifted tokens (a global shift of the sequence, split over context in zigzag chunks), its
+    MoE layer (experts split over expert) and its router bias give one device's loss, MTP loss, gradient norm and
+    biases after 3 steps (fp32)."""
+    over = ("steps=3", "model.mtp.depth=1", *MOE, *NO_IO)
+    one = train.train(tiny_config(tmp_path / "one", *over, "mesh.fsdp=1"), devices=jax.devices()[:1])
+    many = train.train(tiny_config(tmp_path / "mesh", *over, "mesh.expert=2", "mesh.fsdp=2", "mesh.context=2"))
+    for k in ("loss", "mtp_loss"):
+        np.testing.assert_allclose(many.metrics[k], one.metrics[k], rtol=1e-5)
+    np.testing.assert_allclose(many.metrics["grad_norm"], one.metrics["grad_norm"], rtol=1e-4)
+    bias = [np.asarray(r.state["buffers"]["mtp"]["block"]["moe"]["bias"]) for r in (one, many)]
+    assert np.abs(bias[0]).max() > 0
+    np.testing.assert_allclose(bias[1], bias[0], atol=1e-6)
+
+
+def test_fp8_recipes_prequantize_the_mtp_projection(tmp_path):
+    """Under fp8_rowwise W_eh (2D, D) is an "mlp" linear: its fp8 operands are made at the update with the block's,
+    and the step trains (CPU: the reference GEMMs)."""
+    cfg = tiny_config(tmp_path, "steps=2", "mesh.fsdp=1", "model.mtp.depth=1", "quant.recipe=fp8_rowwise",
+                      "quant.impl=reference", "model.compute_dtype=bfloat16", *NO_IO)
+    result = train.train(cfg, devices=jax.devices()[:1])
+    compute = result.state["compute"]["mtp"]
+    assert isinstance(compute["eh_proj"], quant.Operands)
+    assert compute["eh_proj"].out[0].shape == (1, 64, 128) and compute["eh_proj"].out[0].dtype == jnp.float8_e4m3fn
+    assert isinstance(compute["block"]["mlp"]["w_gate|w_up"], quant.Operands)
+    assert np.isfinite(result.metrics["loss"]) and np.isfinite(result.metrics["mtp_loss"])
+
+
+def test_flops_per_token_count_each_depths_matrices_and_head():
+    """Each MTP depth adds 6 x (its matrices: W_eh, the block's, the head) + its causal attention, 3 T H (K + K)."""
+    cfg = ModelConfig(vocab_size=96, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64)
+    with_mtp = dataclasses.replace(cfg, mtp=MTPConfig(depth=2))
+    mtp = params_of(nnx.eval_shape(lambda: Llama(with_mtp, rngs=nnx.Rngs(0))))["mtp"]
+    matrices = sum(a.size for a in jax.tree.leaves(mtp) if a.ndim == 3) // 2  # per depth, norms left out
+    per_depth = 6 * (matrices + 32 * 96) + 3 * 128 * 4 * (8 + 8)
+    assert flops_per_token(with_mtp, 128) - flops_per_token(cfg, 128) == pytest.approx(2 * per_depth)
