@@ -43,10 +43,10 @@ def test_each_depth_is_the_definition():
     nnx.replace_by_pure_dict(state, params)
     nnx.update(model, state)
     tokens = jnp.asarray(rng.integers(0, V, (2, T)), jnp.int32)
-    with jax.default_matmul_precision("highest"):
+    with jax.default_matmul_precision("highest"):  # float32 GEMMs on a GPU too
         logits, _, ahead = model(tokens, mtp=True)
+        np.testing.assert_array_equal(model(tokens)[0], logits)  # the main logits do not depend on mtp
     assert len(ahead) == 2 and all(z.shape == (2, T, V) for z in ahead)
-    np.testing.assert_array_equal(model(tokens)[0], logits)  # the main logits do not depend on mtp
     h = np.asarray(logits[..., :D])
     assert np.all(np.asarray(logits[..., D:]) == 0)
     block = Block(cfg, model.plan, "auto", rngs=nnx.Rngs(1))
