@@ -223,11 +223,19 @@ class MTPLayer(nnx.Module):
         self.recipe, self.impl, self.reduce_dtype = plan.recipes["eh_proj"], impl, cfg.grad_reduce_dtype
 
     def __call__(self, x: jax.Array, pos: Positions, inv_freq: jax.Array) -> tuple[jax.Array, dict]:
+        u, stats = self.block(sharding.constrain(self._joined(x), ("batch", "seq", "act_embed")), pos, inv_freq)
+        return self.norm(u), stats
+
+    def _joined(self, x: jax.Array) -> jax.Array:
         e, h = jnp.split(x, 2, axis=-1)
         u = jnp.concatenate([self.enorm(e), self.hnorm(h)], axis=-1)
-        u = linear(u, self.eh_proj, self.recipe, self.impl, self.reduce_dtype)
-        u, stats = self.block(sharding.constrain(u, ("batch", "seq", "act_embed")), pos, inv_freq)
-        return self.norm(u), stats
+        return linear(u, self.eh_proj, self.recipe, self.impl, self.reduce_dtype)
+
+    def decode(self, x: jax.Array, pos: Positions, inv_freq: jax.Array, cache: KVCache,
+               layer: tuple[jax.Array, ...]) -> tuple[jax.Array, KVCache]:
+        """The module over T new positions, its block's keys and values at `layer` of its cache (Llama.decode_mtp)."""
+        u, cache = self.block.decode(self._joined(x), pos, inv_freq, cache, layer)
+        return self.norm(u), cache
 
 
 _REMAT_POLICIES = {
@@ -311,8 +319,9 @@ def _decode_stack(stack: nnx.Module, x, pos, inv_freq, cache, outer: tuple[jax.A
     return jax.lax.scan(body, (x, cache), (jnp.arange(n), state))[0]
 
 
-def init_cache(cfg: ModelConfig, batch: int, length: int, dtype=jnp.bfloat16) -> dict:
-    """A zero KV cache of `length` positions for `batch` rows, shaped like the model's stacks (Llama.decode)."""
+def init_cache(cfg: ModelConfig, batch: int, length: int, dtype=jnp.bfloat16, mtp: bool = False) -> dict:
+    """A zero KV cache of `length` positions for `batch` rows, shaped like the model's stacks (Llama.decode); mtp:
+    also the first multi-token prediction module's, "mtp" (Llama.decode_mtp)."""
 
     def kv(*layers: int) -> KVCache | LatentCache:
         if cfg.mla.kv_rank:  # the latents, one "head" (layers.LatentAttention.decode)
@@ -326,6 +335,8 @@ def init_cache(cfg: ModelConfig, batch: int, length: int, dtype=jnp.bfloat16) ->
     cache = {"dense_blocks": kv(n_first)} if n_first else {}
     cache["blocks"] = kv(n_groups) if per_group == 1 else {"dense": kv(n_groups, per_group - 1),
                                                            "moe_block": kv(n_groups)}
+    if mtp:
+        cache["mtp"] = kv(1)
     return cache
 
 
@@ -430,21 +441,58 @@ class Llama(nnx.Module):
         themselves only). RoPE scores depend on position differences only, so a left-padded row decodes as it would
         alone. every_position: the logits after each of the T tokens, (B,T,V) in the compute dtype (mx_jax.choices
         scores continuations so). One device or tensor-parallel, no context parallelism; mx_jax/sample.py runs it."""
+        x, new = self._decode_trunk(tokens, cache, index, first)
+        x = self.final_norm(x if every_position else x[:, -1:])
+        logits = self.head_logits(x)
+        return (logits if every_position else logits[:, 0].astype(jnp.float32)), {**cache, **new}
+
+    def _positions(self, t: int, cache: dict, index: jax.Array, first: jax.Array) -> tuple[Positions, jax.Array]:
+        """The Positions of T new tokens at cache positions index .. index+T-1 (`decode`), and RoPE's inverse
+        frequencies."""
         cfg = self.cfg
-        t, length = tokens.shape[1], jax.tree.leaves(cache)[0].shape[-3]
+        length = jax.tree.leaves(cache)[0].shape[-3]
         here = index + jnp.arange(t)  # (T,)
         keys = jnp.arange(length)
         visible = ((keys >= first[:, None, None]) & (keys <= here[:, None])) | (keys == here[:, None])
-        pos = Positions(here, visible=visible)
-        inv_freq = rope_inv_freq(cfg.rope_dim, cfg.rope_theta, cfg.rope_scaling)
-        x = sharding.embed_lookup(self.embed[...], tokens, jnp.dtype(cfg.compute_dtype))
+        return Positions(here, visible=visible), rope_inv_freq(cfg.rope_dim, cfg.rope_theta, cfg.rope_scaling)
+
+    def _decode_trunk(self, tokens: jax.Array, cache: dict, index: jax.Array, first: jax.Array
+                      ) -> tuple[jax.Array, dict]:
+        """The layers over T new tokens -> (the last layer's output (B,T,D), the stacks' caches)."""
+        pos, inv_freq = self._positions(tokens.shape[1], cache, index, first)
+        x = sharding.embed_lookup(self.embed[...], tokens, jnp.dtype(self.cfg.compute_dtype))
         new = {}
         if hasattr(self, "dense_blocks"):
             x, new["dense_blocks"] = _decode_stack(self.dense_blocks, x, pos, inv_freq, cache["dense_blocks"])
         x, new["blocks"] = _decode_stack(self.blocks, x, pos, inv_freq, cache["blocks"])
-        x = self.final_norm(x if every_position else x[:, -1:])
-        logits = linear(x, self.head, self.head_recipe, self.quant_impl, cfg.grad_reduce_dtype)
-        return (logits if every_position else logits[:, 0].astype(jnp.float32)), new
+        return x, new
+
+    def head_logits(self, h: jax.Array) -> jax.Array:
+        """The head over final-normed hidden states h (B,T,D) -> logits (B,T,V) in the compute dtype."""
+        return linear(h, self.head, self.head_recipe, self.quant_impl, self.cfg.grad_reduce_dtype)
+
+    def decode_hidden(self, tokens: jax.Array, cache: dict, index: jax.Array, first: jax.Array
+                      ) -> tuple[jax.Array, dict]:
+        """`decode`'s layers, returning the final-normed hidden states of all T tokens (B,T,D), the head's input and
+        the first MTP module's h_0 (speculative decoding, mx_jax/sample.py), with the cache."""
+        x, new = self._decode_trunk(tokens, cache, index, first)
+        return self.final_norm(x), {**cache, **new}
+
+    def decode_mtp(self, ahead: jax.Array, h: jax.Array, cache: dict, index: jax.Array, first: jax.Array
+                   ) -> tuple[jax.Array, dict]:
+        """The first multi-token prediction module over T positions index .. index+T-1: ahead (B,T) the token after
+        each position, h (B,T,D) the model's final-normed hidden states there (`decode_hidden`) -> (its normed
+        output h_1 (B,T,D), whose head logits predict the token two ahead, the cache with its keys and values at
+        cache["mtp"], init_cache(mtp=True))."""
+        if not self.cfg.mtp.depth:
+            raise ValueError("Llama.decode_mtp needs a model with model.mtp.depth > 0")
+        pos, inv_freq = self._positions(ahead.shape[1], cache, index, first)
+        graphdef, state = nnx.split(self.mtp)
+        module = nnx.merge(graphdef, jax.tree.map(lambda a: a[0], state))
+        e = sharding.embed_lookup(self.embed[...], ahead, h.dtype)
+        h, mtp_cache = module.decode(jnp.concatenate([e, h], axis=-1), pos, inv_freq, cache["mtp"],
+                                     (jnp.int32(0),))
+        return h, {**cache, "mtp": mtp_cache}
 
 
 def moe_loss(cfg: ModelConfig, stats: dict) -> jax.Array:

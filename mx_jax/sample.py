@@ -273,8 +273,35 @@ class Decoder:
             return _draw(logits, jax.random.fold_in(key, step), limit, temperature, top_k), cache
 
         self._advance = jax.jit(advance, donate_argnums=3)
-        self._cache = jax.jit(functools.partial(init_cache, cfg, dtype=jnp.dtype(cfg.compute_dtype)),
-                              static_argnums=(0, 1), out_shardings=cache_sharding)
+        def make_cache(batch, length, mtp):
+            return init_cache(cfg, batch, length, jnp.dtype(cfg.compute_dtype), mtp)
+
+        self._cache = jax.jit(make_cache, static_argnums=(0, 1, 2), out_shardings=cache_sharding)
+
+        def greedy(logits):  # (..., V) in the compute dtype -> (...,) int32
+            flat = logits.reshape(-1, logits.shape[-1]).astype(jnp.float32)
+            return _draw(flat, None, limit, 0.0, 0).reshape(logits.shape[:-1])
+
+        def draft_prefill(params, buffers, tokens, cache, first):
+            model = nnx.merge(setup.graphdef, params, buffers)
+            h, cache = model.decode_hidden(tokens, cache, jnp.int32(0), first)
+            y = greedy(model.head_logits(h[:, -1:]))  # (B, 1): the first token drawn
+            g, cache = model.decode_mtp(jnp.concatenate([tokens[:, 1:], y], axis=1), h, cache, jnp.int32(0), first)
+            return y[:, 0], greedy(model.head_logits(g[:, -1:]))[:, 0], cache
+
+        def draft_step(params, buffers, x, d, cache, index, first):
+            model = nnx.merge(setup.graphdef, params, buffers)
+            h, cache = model.decode_hidden(jnp.stack([x, d], axis=1), cache, index, first)
+            y = greedy(model.head_logits(h))  # (B, 2): after x, and after the draft d
+            accept = (y[:, 0] == d).astype(jnp.int32)
+            g, cache = model.decode_mtp(y, h, cache, index, first)
+            drafts = greedy(model.head_logits(g))  # (B, 2): two ahead of x's position, and of d's
+            pick = accept[:, None]
+            return (y, accept, jnp.take_along_axis(y, pick, 1)[:, 0], jnp.take_along_axis(drafts, pick, 1)[:, 0],
+                    cache, index + 1 + accept[0])
+
+        self._draft_prefill = jax.jit(draft_prefill, donate_argnums=3)
+        self._draft_step = jax.jit(draft_step, donate_argnums=4)
 
     def run(self, prompts: list[list[int]], n_tokens: int, *, seed: int = 0, stop_id: int | None = None,
             stats: dict | None = None) -> np.ndarray:
@@ -294,7 +321,7 @@ class Decoder:
         first = jnp.asarray([width - len(p) for p in prompts], jnp.int32)
         key = jax.random.key(seed)
         t0 = time.perf_counter()
-        nxt, cache = self._advance(self.params, self.buffers, jnp.asarray(tokens), self._cache(b, length),
+        nxt, cache = self._advance(self.params, self.buffers, jnp.asarray(tokens), self._cache(b, length, False),
                                    np.int32(0), first, key, np.int32(0))
         drawn = [nxt]
         nxt.block_until_ready()
@@ -320,6 +347,50 @@ class Decoder:
             hit = out == stop_id
             if hit.any(axis=1).all():
                 out = out[:, :int(hit.argmax(axis=1).max()) + 1]
+        return out
+
+
+    def run_speculative(self, prompt: list[int], n_tokens: int, *, stop_id: int | None = None,
+                        stats: dict | None = None) -> np.ndarray:
+        """`run`'s greedy tokens for one prompt, (1, n), drafted by the model's first multi-token prediction module
+        (model.mtp; DeepSeek-V3's speculative decoding) and verified by the model: a step runs the model over the
+        last token x and the draft d (positions p, p + 1), keeps d where the model's own greedy token after x is d,
+        then also the model's token after d (two tokens for one step), else that token alone; the MTP module then
+        drafts the next one from the model's hidden states and the tokens it kept (a rejected draft's keys and
+        values are overwritten at the next step). The tokens are the model's greedy ones whatever the drafts, up
+        to ties the different GEMM shapes may break otherwise. `stats` as `run`'s, with "accepted" drafts."""
+        if not prompt:
+            raise ConfigError("an empty prompt has no last token to continue from")
+        width = -(-len(prompt) // WINDOW_MULTIPLE) * WINDOW_MULTIPLE
+        # a step writes two positions, and up to STOP_CHECK steps run past the last token kept
+        length = -(-(width + n_tokens + 2 * STOP_CHECK + 2) // WINDOW_MULTIPLE) * WINDOW_MULTIPLE
+        tokens = np.zeros((1, width), np.int32)
+        tokens[0, width - len(prompt):] = prompt
+        first = jnp.asarray([width - len(prompt)], jnp.int32)
+        t0 = time.perf_counter()
+        x, d, cache = self._draft_prefill(self.params, self.buffers, jnp.asarray(tokens), self._cache(1, length, True),
+                                          first)
+        x.block_until_ready()
+        t1 = t2 = time.perf_counter()
+        index, kept, pending, n_steps = jnp.int32(width), [int(x[0])], [], 0
+        while len(kept) < n_tokens and not (stop_id is not None and stop_id in kept):
+            y, accept, x, d, cache, index = self._draft_step(self.params, self.buffers, x, d, cache, index, first)
+            pending.append((y, accept))
+            n_steps += 1
+            if n_steps == 1:  # the step's compile, where this shape is new, is not a step's time
+                x.block_until_ready()
+                t2 = time.perf_counter()
+            if len(pending) == STOP_CHECK or len(kept) + 2 * len(pending) >= n_tokens:
+                for y, a in jax.device_get(pending):
+                    kept += [int(y[0, 0])] + ([int(y[0, 1])] if a[0] else [])
+                pending = []
+        out = np.asarray(kept[:n_tokens], np.int32)[None]
+        if stats is not None:
+            stats.update(prefill_s=t1 - t0, first_step_s=t2 - t1, decode_s=time.perf_counter() - t2,
+                         steps=max(n_steps - 1, 0), tokens_after_first_step=max(len(kept) - 1, 0),
+                         accepted=len(kept) - 1 - n_steps)
+        if stop_id is not None and stop_id in kept:
+            out = out[:, :kept.index(stop_id) + 1]
         return out
 
 
@@ -451,6 +522,9 @@ def main(argv: list[str] | None = None) -> int:
                     "weight along its heads, hidden or vocabulary dimension; MoE experts along their hidden width)")
     ap.add_argument("--tokens", type=int, default=200, help="tokens to draw per sample")
     ap.add_argument("--num", type=int, default=1, help="samples per prompt, drawn in one batch")
+    ap.add_argument("--speculative", action="store_true", help="draft with the model's multi-token prediction "
+                    "module (model.mtp) and verify with the model: up to two tokens a step, greedy (--temperature "
+                    "0), one sample of --prompt")
     ap.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
     ap.add_argument("--top-k", type=int, default=0, help="draw from the k likeliest tokens only (0 = all)")
     ap.add_argument("--seed", type=int, default=0)
@@ -482,6 +556,16 @@ def main(argv: list[str] | None = None) -> int:
                 raise ConfigError(f"{flag}: must be >= {low}, got {value}")
         if not args.temperature >= 0:
             raise ConfigError(f"--temperature: must be >= 0, got {args.temperature}")
+        if args.speculative:
+            for flag, bad in (("--prompts", args.prompts is not None), ("--choices", args.choices is not None),
+                              ("--loss", args.loss is not None), ("--num", args.num != 1),
+                              ("--devices", args.devices != 1)):
+                if bad:
+                    raise ConfigError(f"--speculative draws one sample of --prompt on one device; it does not go "
+                                      f"with {flag}")
+            if args.temperature != 0:
+                raise ConfigError(f"--speculative decodes greedily (a draft is kept where it is the model's argmax): "
+                                  f"add --temperature 0 (got {args.temperature})")
         if args.choices is not None and (args.prompts is not None or args.prompt is not None or args.chat):
             raise ConfigError("--choices scores a file of choices; it does not go with --prompt, --prompts or --chat")
         if args.loss is not None and (args.choices is not None or args.prompts is not None or args.prompt is not None
@@ -542,6 +626,9 @@ def main(argv: list[str] | None = None) -> int:
                                   f"(model.vocab_size={cfg.model.vocab_size}); is --tokenizer the run's?")
         if not 1 <= args.devices <= jax.local_device_count():
             raise ConfigError(f"--devices: {args.devices}, but this process has {jax.local_device_count()}")
+        if args.speculative and not cfg.model.mtp.depth:
+            raise ConfigError("--speculative drafts with the model's multi-token prediction module, and this run's "
+                              "model has none (model.mtp.depth=0)")
         mesh = sharding.make_mesh(cfg.mesh, jax.devices()[:1])
         with jax.set_mesh(mesh):
             setup = train.build(cfg, mesh)
@@ -594,7 +681,10 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"note: {total} positions exceed the run's data.seq_len={cfg.data.seq_len}; the model "
                           f"never trained on positions that far", file=sys.stderr)
                 stats: dict = {}
-                out = decoder.run([prompt] * args.num, args.tokens, seed=args.seed, stop_id=stop_id, stats=stats)
+                if args.speculative:
+                    out = decoder.run_speculative(prompt, args.tokens, stop_id=stop_id, stats=stats)
+                else:
+                    out = decoder.run([prompt] * args.num, args.tokens, seed=args.seed, stop_id=stop_id, stats=stats)
     except (ConfigError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -619,6 +709,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"----- sample {i}")
         print(tok.decode(prompt + ids[:end]) + ("\n[end of text]" if end is not None else ""))
     rest = (f", then {stats['steps'] / stats['decode_s']:.1f} draws/s" if stats["steps"] else "")
+    if args.speculative and stats["steps"]:
+        per_step = stats["tokens_after_first_step"] / (stats["steps"] + 1)
+        rest = (f", then {stats['steps'] / stats['decode_s']:.1f} steps/s of {per_step:.2f} tokens each (drafts kept: "
+                f"{stats['accepted']} of {stats['steps'] + 1}), {per_step * stats['steps'] / stats['decode_s']:.1f} "
+                f"tokens/s")
     where = f", split over {args.devices} devices" if args.devices > 1 else ""
     print(f"----- {args.num} x {out.shape[1]} tokens, {tok.spec} tokenizer, quant.recipe={cfg.quant.recipe}{where}: "
           f"prompt of {len(prompt)} tokens and first two draws {stats['prefill_s'] + stats['first_step_s']:.1f} s "

@@ -11,7 +11,7 @@ import pytest
 from flax import nnx
 
 from mx_jax import quant, sharding, train
-from mx_jax.config import ModelConfig, MTPConfig
+from mx_jax.config import ModelConfig, MoEConfig, MTPConfig
 from mx_jax.layers import Positions, rope_inv_freq
 from mx_jax.llama import Block, Llama, flops_per_token, mtp_targets, params_of
 from tests.helpers import NO_IO, tiny_config
@@ -177,3 +177,70 @@ def test_flops_per_token_count_each_depths_matrices_and_head():
     matrices = sum(a.size for a in jax.tree.leaves(mtp) if a.ndim == 3) // 2  # per depth, norms left out
     per_depth = 6 * (matrices + 32 * 96) + 3 * 128 * 4 * (8 + 8)
     assert flops_per_token(with_mtp, 128) - flops_per_token(cfg, 128) == pytest.approx(2 * per_depth)
+
+
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_the_decoding_path_of_the_mtp_module_is_the_training_forwards(moe):
+    """decode_hidden then decode_mtp over a whole sequence (teacher-forced: the token after each position) give the
+    training forward's MTP logits, the keys and values going through the MTP module's own cache."""
+    from mx_jax.llama import init_cache
+
+    cfg = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64, compute_dtype="float32",
+                      mtp=MTPConfig(depth=1), **({"moe": MoEConfig(n_experts=4, top_k=2, d_expert=16)} if moe else {}))
+    model = Llama(cfg, rngs=nnx.Rngs(0))
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 64, (2, 12)), jnp.int32)
+    with jax.default_matmul_precision("highest"):
+        logits, _, (want,) = model(tokens, mtp=True)
+        cache = init_cache(cfg, 2, 16, jnp.float32, mtp=True)
+        first = jnp.zeros(2, jnp.int32)
+        h, cache = model.decode_hidden(tokens, cache, jnp.int32(0), first)
+        ahead = jnp.concatenate([tokens[:, 1:], jnp.zeros((2, 1), jnp.int32)], axis=1)  # as the forward pads
+        g, cache = model.decode_mtp(ahead, h, cache, jnp.int32(0), first)
+        np.testing.assert_allclose(model.head_logits(h), logits, rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(model.head_logits(g), want, rtol=1e-4, atol=1e-5)
+    assert np.abs(np.asarray(cache["mtp"].k[0, :, :12])).max() > 0 and not np.any(cache["mtp"].k[0, :, 12:])
+
+
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_speculative_decoding_draws_the_models_greedy_tokens(tmp_path, moe):
+    """`Decoder.run_speculative` keeps a draft only where the model would have drawn it: its tokens are `run`'s
+    greedy ones. The head is zero but for tokens 1-3, so that the model's and the MTP module's argmax agree often
+    and not always: drafts are kept and rejected within one run, through the caches of both."""
+    from mx_jax import sample
+
+    cfg, mesh = _setup(tmp_path, "model.mtp.depth=1", *(MOE if moe else ()))
+    with jax.set_mesh(mesh):
+        setup = train.build(cfg, mesh)
+        state = train.init_state(setup)
+        head = np.zeros(state["params"]["head"].shape, np.float32)
+        head[:, 1:4] = np.random.default_rng(0).standard_normal((head.shape[0], 3))
+        params = {**state["params"], "head": jnp.asarray(head)}
+        decoder = sample.Decoder(setup, params, state["buffers"], temperature=0.0)
+        kept = rejected = 0
+        for seed in range(3):
+            prompt = np.random.default_rng(seed).integers(0, 256, 12).tolist()
+            stats: dict = {}
+            got = decoder.run_speculative(prompt, 40, stats=stats)
+            np.testing.assert_array_equal(got, decoder.run([prompt], 40))
+            assert 0 <= stats["accepted"] <= stats["steps"] + 1
+            kept += stats["accepted"]
+            rejected += stats["steps"] + 1 - stats["accepted"]
+        assert kept > 0 and rejected > 0
+
+
+def test_cli_speculative_decoding(tmp_path, capsys):
+    """`sample --speculative` prints the sample and how many drafts were kept; what it cannot do is named."""
+    from mx_jax import sample
+    from tests.helpers import NO_EVAL
+
+    run = tmp_path / "run"
+    train.train(tiny_config(run, "steps=2", "mesh.fsdp=1", "model.mtp.depth=1", NO_EVAL), devices=jax.devices()[:1])
+    assert sample.main([str(run), "--speculative", "--temperature", "0", "--tokens", "12", "--prompt", "x = "]) == 0
+    out = capsys.readouterr()
+    assert out.out.count("----- sample") == 1 and "1 x 12 tokens" in out.err and "drafts kept:" in out.err
+    for flags, message in ((["--speculative"], "--speculative decodes greedily"),
+                           (["--speculative", "--temperature", "0", "--num", "2"], "it does not go with --num"),
+                           (["--speculative", "--temperature", "0", "model.mtp.depth=0"],
+                            "this run's model has none (model.mtp.depth=0)")):
+        assert sample.main([str(run), *flags]) == 2, flags
+        assert message in capsys.readouterr().err, flags
