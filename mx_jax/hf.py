@@ -206,8 +206,8 @@ import ml_dtypes
 import numpy as np
 import yaml
 
-from mx_jax.config import (ConfigError, MLAConfig, ModelConfig, MoEConfig, MTPConfig, RopeScaling, load_config, read_json_object,
-                           to_dict)
+from mx_jax.config import (ConfigError, MLAConfig, ModelConfig, MoEConfig, MTPConfig, RopeScaling, load_config,
+                           read_json_object, to_dict)
 from mx_jax.moe import group_score_experts
 
 SINGLE_FILE = "model.safetensors"
@@ -1391,8 +1391,8 @@ def _plan(path: pathlib.Path, cfg: ModelConfig | None) -> _Plan:
     ignored |= {t.hf.format(i=i) for i in range(n, n + out_cfg.mtp.depth) for t in MTP_SHARED}
     skipped = sorted(k for k in files if (m := re.match(r"model\.layers\.(\d+)\.", k))
                      and n + out_cfg.mtp.depth <= int(m.group(1)) < n + extra)
-    return _Plan(out_cfg, param_shapes(out_cfg), entries, buffers, files, ignored, skipped, _part_rows(_fusions(hf.get("model_type"), out_cfg)), _rope_rows(hf, out_cfg),
-                 _fp8_block(hf, source))
+    return _Plan(out_cfg, param_shapes(out_cfg), entries, buffers, files, ignored, skipped,
+                 _part_rows(_fusions(hf.get("model_type"), out_cfg)), _rope_rows(hf, out_cfg), _fp8_block(hf, source))
 
 
 def load_hf_llama(path: str | pathlib.Path, cfg: ModelConfig | None = None) -> tuple[dict, ModelConfig]:

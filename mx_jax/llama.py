@@ -582,7 +582,8 @@ def _cross_entropy_bwd(vocab_parallel, res, g):
 _cross_entropy.defvjp(_cross_entropy_fwd, _cross_entropy_bwd)
 
 
-COMPUTE_CAST = frozenset((*ATTN_LINEARS, *MLA_LINEARS, *MLP_LINEARS, "head", "eh_proj"))  # the matrices every GEMM reads
+# the matrices every GEMM reads
+COMPUTE_CAST = frozenset((*ATTN_LINEARS, *MLA_LINEARS, *MLP_LINEARS, "head", "eh_proj"))
 
 
 # The linears whose fp8 operands the train step makes at the update, by the parameter dict that holds them
@@ -764,7 +765,8 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
 
     6N counts the forward (2N) and backward (4N) FLOPs (a multiply-add is 2) of every weight matrix except the
     embedding lookup; a MoE layer counts its router, its top-k routed experts and its shared experts (the active
-    parameters); each multi-token prediction module (model.mtp) its block, W_eh and the head. Attention scores and values add 2 T H (K + K_v) per layer forward (K_v the value head dim: K, or
+    parameters); each multi-token prediction module (model.mtp) its block, W_eh and the head, and its attention as
+    a layer's. Attention scores and values add 2 T H (K + K_v) per layer forward (K_v the value head dim: K, or
     model.mla.v_dim), halved by the causal mask, times 3 for fwd+bwd. PaLM's convention, which TorchTitan reports,
     counts the whole T x T scores (12 L T H K): this counts the causal half the kernels compute, so at long
     sequences its TFLOP/s and MFU read lower than TorchTitan's for the same tokens/s (compare tokens/s across stacks).

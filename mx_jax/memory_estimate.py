@@ -49,7 +49,8 @@ figures of 8B, Mixtral and DeepSeekMoE steps on 1 to 4 H200s the total reads -6%
 steps measured after the head's weight gradient was fenced (mx_jax/llama.py), the 8-layer 8B (+11% before the
 fence) and the 4-layer DeepSeekMoE at expert=2 (`benchmarks/estimate_check.py`; benchmarks/RESULTS.md, session 60).
 The logits add tokens x V x 2 bytes twice (values and gradient, in the compute dtype: bf16 unless compute is
-f32), and as much again for each multi-token prediction module (model.mtp), whose layers count as one more stack. XLA's own workspace and fragmentation are not counted, and XLA may fuse away a residual jax lists (remat=none
+f32), and as much again for each multi-token prediction module (model.mtp), whose layers count as one more stack.
+XLA's own workspace and fragmentation are not counted, and XLA may fuse away a residual jax lists (remat=none
 unrolled, mostly); `train.py --dry-run` also compiles the step for the mesh and prints XLA's figure beside this one.
 """
 

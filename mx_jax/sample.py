@@ -30,12 +30,14 @@ for expert capacity like real ones; dropless MoE, the default, is exact) and `qu
 batch's rows share the per-tensor scales; the default bf16 and the rowwise recipes scale each row alone).
 
 `--speculative` (a model with multi-token prediction modules, model.mtp: DeepSeek-V3's, or one trained with them)
-decodes greedily with drafts: the first MTP module proposes the token after next from the model's hidden states,
-and each step runs the model over its last token and that draft, keeping the draft where it is the model's own
-argmax, and then the model's token after it as well: up to two tokens for one step of the model over two positions
-(`Decoder.run_speculative`). The tokens are plain greedy decoding's (tests/test_mtp.py); one sample of --prompt.
-The 142M byte-level model trained 1,000 steps with model.mtp.depth=1 drew 1,024 tokens on an H200 at 704 tokens/s
-against 447 (96% of its drafts kept on its repetitive greedy text; benchmarks/RESULTS.md, session 72).
+decodes with drafts: the first MTP module proposes the token after next from the model's hidden states, and each
+step runs the model over its last token and that draft, keeps the draft with speculative sampling's probability
+(`speculative_choice`: where it is the model's argmax, greedily) and then a token after it as well: up to two
+tokens for one step of the model over two positions (`Decoder.run_speculative`). The tokens are distributed as
+plain sampling's at the same temperature and top-k, and at temperature 0 they are plain greedy decoding's
+(tests/test_mtp.py); one sample of --prompt. The 142M byte-level model trained 1,000 steps with model.mtp.depth=1
+drew 1,024 greedy tokens on an H200 at 704 tokens/s against 447 (96% of its drafts kept on its repetitive greedy
+text), and at temperature 0.8 906 against 548 (89% kept; benchmarks/RESULTS.md, session 72).
 
 Sampling, per sequence: logits over the tokenizer's vocabulary (ids the model has beyond it are never drawn),
 divided by the temperature, restricted to the top k, then drawn; temperature 0 is greedy (argmax). A sample ends at
@@ -252,17 +254,58 @@ def tensor_parallel(setup: train.Setup, devices: list) -> Split:
     return Split(params, buffers, cache, mesh)
 
 
-def _draw(logits: jax.Array, key: jax.Array, vocab_limit: int, temperature: float, top_k: int) -> jax.Array:
-    """(B, V) float32 logits -> (B,) int32 tokens: ids < vocab_limit only, greedy at temperature 0, else a draw
-    from softmax(logits / temperature) over the top_k likeliest (0: all)."""
+def _scaled(logits: jax.Array, vocab_limit: int, temperature: float, top_k: int) -> jax.Array:
+    """(B, V) float32 logits with the ids >= vocab_limit at -inf and, at temperature > 0, divided by it and
+    restricted to the top_k likeliest (0: all)."""
     logits = jnp.where(jnp.arange(logits.shape[-1]) < vocab_limit, logits, -jnp.inf)
     if temperature == 0:
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        return logits
     logits = logits / temperature
     if top_k and top_k < vocab_limit:
         kth = jax.lax.top_k(logits, top_k)[0][:, -1:]
         logits = jnp.where(logits < kth, -jnp.inf, logits)
+    return logits
+
+
+def _draw(logits: jax.Array, key: jax.Array, vocab_limit: int, temperature: float, top_k: int) -> jax.Array:
+    """(B, V) float32 logits -> (B,) int32 tokens: ids < vocab_limit only, greedy at temperature 0, else a draw
+    from softmax(logits / temperature) over the top_k likeliest (0: all)."""
+    logits = _scaled(logits, vocab_limit, temperature, top_k)
+    if temperature == 0:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
     return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+
+
+def _probs(logits: jax.Array, vocab_limit: int, temperature: float, top_k: int) -> jax.Array:
+    """(B, V) float32 logits -> (B, V) the distribution `_draw` draws from: one-hot on the argmax at temperature 0,
+    else the softmax of `_scaled`'s logits."""
+    logits = _scaled(logits, vocab_limit, temperature, top_k)
+    if temperature == 0:
+        return jax.nn.one_hot(jnp.argmax(logits, axis=-1), logits.shape[-1], dtype=jnp.float32)
+    return jax.nn.softmax(logits, axis=-1)
+
+
+def _sample(key: jax.Array, p: jax.Array) -> jax.Array:
+    """(B,) int32 ids drawn from the rows of p (B, V); a one-hot row gives its id."""
+    return jax.random.categorical(key, jnp.log(p), axis=-1).astype(jnp.int32)
+
+
+def speculative_choice(key: jax.Array, p: jax.Array, q: jax.Array, d: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Speculative sampling's verification (Leviathan et al. 2023; Chen et al. 2023): the model's distribution p
+    (B, V) at a position, the draft d (B,) drawn from q (B, V) -> (the token kept there, whether it is d). d is kept
+    with probability min(1, p(d) / q(d)); otherwise a token is drawn from max(p - q, 0), normalized. The kept token
+    is then distributed as p whatever q is:
+
+        P(v) = q(v) min(1, p(v) / q(v)) + (1 - sum_u min(q(u), p(u))) (p(v) - q(v))+ / sum_u (p(u) - q(u))+ = p(v)
+
+    since min(q, p) + (p - q)+ = p and sum_u (p(u) - q(u))+ = 1 - sum_u min(q(u), p(u)). With one-hot p and q
+    (temperature 0) d is kept where it is p's argmax, else that argmax is taken: greedy decoding."""
+    rows = jnp.arange(d.shape[0])
+    u = jax.random.uniform(jax.random.fold_in(key, 0), d.shape)
+    accept = u * q[rows, d] < p[rows, d]  # u < p(d) / q(d), without dividing by q(d)
+    rest = jnp.maximum(p - q, 0.0)
+    rest = jnp.where(jnp.sum(rest, axis=-1, keepdims=True) > 0, rest, p)  # p = q: nothing left (never drawn then)
+    return jnp.where(accept, d, _sample(jax.random.fold_in(key, 1), rest)), accept
 
 
 class Decoder:
@@ -286,30 +329,34 @@ class Decoder:
 
         self._cache = jax.jit(make_cache, static_argnums=(0, 1, 2), out_shardings=cache_sharding)
 
-        def greedy(logits):  # (..., V) in the compute dtype -> (...,) int32
-            flat = logits.reshape(-1, logits.shape[-1]).astype(jnp.float32)
-            return _draw(flat, None, limit, 0.0, 0).reshape(logits.shape[:-1])
+        def dist(logits):  # (B, V) -> the distribution a token is drawn from (`_probs`)
+            return _probs(logits.astype(jnp.float32), limit, temperature, top_k)
 
-        def draft_prefill(params, buffers, tokens, cache, first):
+        def draft_prefill(params, buffers, tokens, cache, first, key):
             model = nnx.merge(setup.graphdef, params, buffers)
             h, cache = model.decode_hidden(tokens, cache, jnp.int32(0), first)
-            y = greedy(model.head_logits(h[:, -1:]))  # (B, 1): the first token drawn
-            g, cache = model.decode_mtp(jnp.concatenate([tokens[:, 1:], y], axis=1), h, cache, jnp.int32(0), first)
-            return y[:, 0], greedy(model.head_logits(g[:, -1:]))[:, 0], cache
+            keys = jax.random.split(key, 2)
+            y = _sample(keys[0], dist(model.head_logits(h[:, -1])))  # (B,): the first token drawn
+            g, cache = model.decode_mtp(jnp.concatenate([tokens[:, 1:], y[:, None]], axis=1), h, cache, jnp.int32(0),
+                                        first)
+            q = dist(model.head_logits(g[:, -1]))
+            return y, _sample(keys[1], q), q, cache
 
-        def draft_step(params, buffers, x, d, cache, index, first):
+        def draft_step(params, buffers, x, d, q, cache, index, first, key, step):
             model = nnx.merge(setup.graphdef, params, buffers)
             h, cache = model.decode_hidden(jnp.stack([x, d], axis=1), cache, index, first)
-            y = greedy(model.head_logits(h))  # (B, 2): after x, and after the draft d
-            accept = (y[:, 0] == d).astype(jnp.int32)
+            z = model.head_logits(h)  # (B, 2, V): after x, and after the draft d
+            keys = jax.random.split(jax.random.fold_in(key, step), 3)
+            t, accept = speculative_choice(keys[0], dist(z[:, 0]), q, d)
+            y = jnp.stack([t, _sample(keys[1], dist(z[:, 1]))], axis=1)  # (B, 2): the second kept with the draft
             g, cache = model.decode_mtp(y, h, cache, index, first)
-            drafts = greedy(model.head_logits(g))  # (B, 2): two ahead of x's position, and of d's
-            pick = accept[:, None]
-            return (y, accept, jnp.take_along_axis(y, pick, 1)[:, 0], jnp.take_along_axis(drafts, pick, 1)[:, 0],
-                    cache, index + 1 + accept[0])
+            pick = accept.astype(jnp.int32)
+            q = dist(jnp.take_along_axis(model.head_logits(g), pick[:, None, None], 1)[:, 0])  # the next draft's
+            return (y, pick, jnp.take_along_axis(y, pick[:, None], 1)[:, 0], _sample(keys[2], q), q, cache,
+                    index + 1 + pick[0])
 
         self._draft_prefill = jax.jit(draft_prefill, donate_argnums=3)
-        self._draft_step = jax.jit(draft_step, donate_argnums=4)
+        self._draft_step = jax.jit(draft_step, donate_argnums=5)
 
     def run(self, prompts: list[list[int]], n_tokens: int, *, seed: int = 0, stop_id: int | None = None,
             stats: dict | None = None) -> np.ndarray:
@@ -358,15 +405,17 @@ class Decoder:
         return out
 
 
-    def run_speculative(self, prompt: list[int], n_tokens: int, *, stop_id: int | None = None,
+    def run_speculative(self, prompt: list[int], n_tokens: int, *, seed: int = 0, stop_id: int | None = None,
                         stats: dict | None = None) -> np.ndarray:
-        """`run`'s greedy tokens for one prompt, (1, n), drafted by the model's first multi-token prediction module
+        """`run`'s tokens for one prompt, (1, n), drafted by the model's first multi-token prediction module
         (model.mtp; DeepSeek-V3's speculative decoding) and verified by the model: a step runs the model over the
-        last token x and the draft d (positions p, p + 1), keeps d where the model's own greedy token after x is d,
-        then also the model's token after d (two tokens for one step), else that token alone; the MTP module then
-        drafts the next one from the model's hidden states and the tokens it kept (a rejected draft's keys and
-        values are overwritten at the next step). The tokens are the model's greedy ones whatever the drafts, up
-        to ties the different GEMM shapes may break otherwise. `stats` as `run`'s, with "accepted" drafts."""
+        last token x and the draft d (positions p, p + 1) and keeps a token at p + 1 by `speculative_choice`: d,
+        with the probability that keeps the model's distribution, and then also a token drawn after d (two tokens
+        for one step), else one drawn from what the draft left out; the MTP module then drafts the next one from
+        the model's hidden states and the tokens kept (a rejected draft's keys and values are overwritten at the
+        next step). The tokens are distributed as the model's at this temperature and top-k, whatever the drafts;
+        at temperature 0 they are its greedy tokens, up to ties the different GEMM shapes may break otherwise.
+        `stats` as `run`'s, with "accepted" drafts."""
         if not prompt:
             raise ConfigError("an empty prompt has no last token to continue from")
         width = -(-len(prompt) // WINDOW_MULTIPLE) * WINDOW_MULTIPLE
@@ -376,13 +425,15 @@ class Decoder:
         tokens[0, width - len(prompt):] = prompt
         first = jnp.asarray([width - len(prompt)], jnp.int32)
         t0 = time.perf_counter()
-        x, d, cache = self._draft_prefill(self.params, self.buffers, jnp.asarray(tokens), self._cache(1, length, True),
-                                          first)
+        key = jax.random.key(seed)
+        x, d, q, cache = self._draft_prefill(self.params, self.buffers, jnp.asarray(tokens),
+                                             self._cache(1, length, True), first, key)
         x.block_until_ready()
         t1 = t2 = time.perf_counter()
         index, kept, pending, n_steps = jnp.int32(width), [int(x[0])], [], 0
         while len(kept) < n_tokens and not (stop_id is not None and stop_id in kept):
-            y, accept, x, d, cache, index = self._draft_step(self.params, self.buffers, x, d, cache, index, first)
+            y, accept, x, d, q, cache, index = self._draft_step(self.params, self.buffers, x, d, q, cache, index, first,
+                                                                key, np.int32(n_steps))
             pending.append((y, accept))
             n_steps += 1
             if n_steps == 1:  # the step's compile, where this shape is new, is not a step's time
@@ -531,8 +582,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=200, help="tokens to draw per sample")
     ap.add_argument("--num", type=int, default=1, help="samples per prompt, drawn in one batch")
     ap.add_argument("--speculative", action="store_true", help="draft with the model's multi-token prediction "
-                    "module (model.mtp) and verify with the model: up to two tokens a step, greedy (--temperature "
-                    "0), one sample of --prompt")
+                    "module (model.mtp) and verify with the model: up to two tokens a step, one sample of --prompt")
     ap.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
     ap.add_argument("--top-k", type=int, default=0, help="draw from the k likeliest tokens only (0 = all)")
     ap.add_argument("--seed", type=int, default=0)
@@ -571,9 +621,6 @@ def main(argv: list[str] | None = None) -> int:
                 if bad:
                     raise ConfigError(f"--speculative draws one sample of --prompt on one device; it does not go "
                                       f"with {flag}")
-            if args.temperature != 0:
-                raise ConfigError(f"--speculative decodes greedily (a draft is kept where it is the model's argmax): "
-                                  f"add --temperature 0 (got {args.temperature})")
         if args.choices is not None and (args.prompts is not None or args.prompt is not None or args.chat):
             raise ConfigError("--choices scores a file of choices; it does not go with --prompt, --prompts or --chat")
         if args.loss is not None and (args.choices is not None or args.prompts is not None or args.prompt is not None
@@ -690,7 +737,7 @@ def main(argv: list[str] | None = None) -> int:
                           f"never trained on positions that far", file=sys.stderr)
                 stats: dict = {}
                 if args.speculative:
-                    out = decoder.run_speculative(prompt, args.tokens, stop_id=stop_id, stats=stats)
+                    out = decoder.run_speculative(prompt, args.tokens, seed=args.seed, stop_id=stop_id, stats=stats)
                 else:
                     out = decoder.run([prompt] * args.num, args.tokens, seed=args.seed, stop_id=stop_id, stats=stats)
     except (ConfigError, FileNotFoundError) as e:

@@ -47,8 +47,8 @@ from mx_jax.config import ConfigError, ModelConfig, TrainConfig, load_config, mi
 from mx_jax.data import (MIXTURE_ROUND, Batches, Dataset, Mixture, Prefetch, Windows, documents_per_window,
                          mixture_quota, open_dataset, read_meta)
 from mx_jax.llama import (LinearPlan, Llama, buffers_of, compute_axes, compute_copies, cross_entropy, flops_per_token,
-                          head_vocab_axes, moe_loss, mtp_targets, param_axes, params_of, plan_for_run, update_buffers, with_compute,
-                          with_operands)
+                          head_vocab_axes, moe_loss, mtp_targets, param_axes, params_of, plan_for_run, update_buffers,
+                          with_compute, with_operands)
 from mx_jax.moe import RouterBias
 from mx_jax.optim import global_norm, make_optimizer, schedule
 

@@ -1250,9 +1250,10 @@ def test_deepseek_v3_multi_token_prediction_layers_map_both_ways(tmp_path):
                  params)
 
     # the copies are not read: a copy that differs changes nothing
-    values = {**stored, "model.layers.3.embed_tokens.weight": np.zeros_like(stored["model.layers.3.embed_tokens.weight"])}
-    jax.tree.map(np.testing.assert_array_equal, hf.load_hf_llama(_written(tmp_path / "copy", want["config"], values))[0],
-                 params)
+    copy = "model.layers.3.embed_tokens.weight"
+    values = {**stored, copy: np.zeros_like(stored[copy])}
+    jax.tree.map(np.testing.assert_array_equal,
+                 hf.load_hf_llama(_written(tmp_path / "copy", want["config"], values))[0], params)
     # a config without MTP skips the layer, naming it; one with more MTP layers than the checkpoint is refused
     none = dataclasses.replace(cfg, mtp=dataclasses.replace(cfg.mtp, depth=0))
     with pytest.warns(UserWarning, match=r"skipped the \d+ tensors of the multi-token-prediction layer\(s\) "

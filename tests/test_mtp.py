@@ -238,9 +238,49 @@ def test_cli_speculative_decoding(tmp_path, capsys):
     assert sample.main([str(run), "--speculative", "--temperature", "0", "--tokens", "12", "--prompt", "x = "]) == 0
     out = capsys.readouterr()
     assert out.out.count("----- sample") == 1 and "1 x 12 tokens" in out.err and "drafts kept:" in out.err
-    for flags, message in ((["--speculative"], "--speculative decodes greedily"),
-                           (["--speculative", "--temperature", "0", "--num", "2"], "it does not go with --num"),
+    assert sample.main([str(run), "--speculative", "--tokens", "12", "--top-k", "5", "--seed", "3"]) == 0  # sampled
+    assert "drafts kept:" in capsys.readouterr().err
+    for flags, message in ((["--speculative", "--temperature", "0", "--num", "2"], "it does not go with --num"),
                            (["--speculative", "--temperature", "0", "model.mtp.depth=0"],
                             "this run's model has none (model.mtp.depth=0)")):
         assert sample.main([str(run), *flags]) == 2, flags
         assert message in capsys.readouterr().err, flags
+
+
+def test_speculative_choice_keeps_the_models_distribution():
+    """The kept token is distributed as p whatever the draft distribution q: 200,000 rows, each a draft drawn from
+    its q, against p (a chi-square bound far in the tail), for q far from p, q = p and one-hot (greedy) p and q."""
+    from mx_jax.sample import speculative_choice
+
+    rng = np.random.default_rng(0)
+    n, v = 200_000, 6
+    p = rng.dirichlet(np.ones(v))
+    for q in (rng.dirichlet(np.ones(v) * 0.3), p, np.eye(v)[2]):
+        d = rng.choice(v, size=n, p=q)
+        tok, kept = speculative_choice(jax.random.key(1), jnp.tile(jnp.asarray(p, jnp.float32), (n, 1)),
+                                       jnp.tile(jnp.asarray(q, jnp.float32), (n, 1)), jnp.asarray(d, jnp.int32))
+        counts = np.bincount(np.asarray(tok), minlength=v)
+        chi2 = np.sum((counts - n * p) ** 2 / (n * p))
+        assert chi2 < 40, (q, counts / n, p)  # 5 degrees of freedom: P(chi2 > 40) < 1e-6
+        np.testing.assert_allclose(np.mean(np.asarray(kept)), np.sum(np.minimum(p, q)), atol=0.005)
+    hot = np.eye(v, dtype=np.float32)
+    tok, kept = speculative_choice(jax.random.key(2), jnp.asarray(hot[[1, 4]]), jnp.asarray(hot[[1, 2]]),
+                                   jnp.asarray([1, 2], jnp.int32))
+    assert tok.tolist() == [1, 4] and kept.tolist() == [True, False]  # greedy: the draft where it is the argmax
+
+
+def test_speculative_sampling_repeats_with_its_seed(tmp_path):
+    """At a temperature the drafts are verified by `speculative_choice`: the same seed draws the same tokens, another
+    seed others, all below the tokenizer's vocabulary limit."""
+    from mx_jax import sample
+
+    cfg, mesh = _setup(tmp_path, "model.mtp.depth=1")
+    with jax.set_mesh(mesh):
+        setup = train.build(cfg, mesh)
+        state = train.init_state(setup)
+        decoder = sample.Decoder(setup, state["params"], state["buffers"], temperature=1.0, top_k=20, vocab_limit=100)
+        prompt = [5, 6, 7]
+        one, two = (decoder.run_speculative(prompt, 30, seed=s) for s in (0, 1))
+        np.testing.assert_array_equal(decoder.run_speculative(prompt, 30, seed=0), one)
+    assert one.shape == two.shape == (1, 30) and not np.array_equal(one, two)
+    assert one.max() < 100 and two.max() < 100
