@@ -232,9 +232,10 @@ def rope_attention_factor(scaling: RopeScaling) -> float:
 
 
 def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
-    """x (B,T,N,K), positions (T,) -> x rotated, half-split layout."""
-    angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # (T, K/2)
-    cos, sin = jnp.cos(angles)[None, :, None, :], jnp.sin(angles)[None, :, None, :]
+    """x (B,T,N,K), positions (T,) or, each row its own, (B,T) -> x rotated, half-split layout."""
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # (T, K/2) or (B, T, K/2)
+    angles = angles if angles.ndim == 3 else angles[None]
+    cos, sin = jnp.cos(angles)[:, :, None, :], jnp.sin(angles)[:, :, None, :]
     x32 = x.astype(jnp.float32)
     x1, x2 = jnp.split(x32, 2, axis=-1)
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
@@ -253,7 +254,8 @@ def attention_impl(requested: str, dtype, head_dim: int, platform: str | None = 
 class Positions(NamedTuple):
     """Where each token sits: RoPE positions (T,) and, under model.attention_mask=documents, the document of each
     token within its row (B, T) int32 (`document_segments`; None: the row is one causal sequence). Decoding with a
-    KV cache (`Attention.decode`), `visible` (B, T, S) bool says which of the cache's S positions each token sees."""
+    KV cache (`Attention.decode`), `visible` (B, T, S) bool says which of the cache's S positions each token sees,
+    and the positions may be each row's own, (B, T) (speculative decoding, whose rows advance apart)."""
 
     rope: jax.Array
     segments: jax.Array | None = None
@@ -278,12 +280,17 @@ class LatentCache(NamedTuple):
 
 
 def cache_write_read(cache, new: tuple[jax.Array, ...], at: jax.Array, layer: tuple[jax.Array, ...], dtype):
-    """Write `new` (B,T,...) into the stacked cache's arrays at `layer` (its leading indices) and position `at`, in
-    place; return (the cache, this layer's whole arrays (B,S,...) in `dtype`)."""
+    """Write `new` (B,T,...) into the stacked cache's arrays at `layer` (its leading indices) and position `at` (a
+    scalar, or each row's (B,)), in place; return (the cache, this layer's whole arrays (B,S,...) in `dtype`)."""
     n = len(layer)
-    cache = type(cache)(*(jax.lax.dynamic_update_slice(c, x.astype(c.dtype).reshape((1,) * n + x.shape),
-                                                       (*layer, 0, at) + (0,) * (x.ndim - 2))
-                          for c, x in zip(cache, new)))
+    if jnp.ndim(at):  # row b's T tokens at at[b] ..
+        b, t = new[0].shape[:2]
+        rows, cols = jnp.arange(b)[:, None], at[:, None] + jnp.arange(t)
+        cache = type(cache)(*(c.at[(*layer, rows, cols)].set(x.astype(c.dtype)) for c, x in zip(cache, new)))
+    else:
+        cache = type(cache)(*(jax.lax.dynamic_update_slice(c, x.astype(c.dtype).reshape((1,) * n + x.shape),
+                                                           (*layer, 0, at) + (0,) * (x.ndim - 2))
+                              for c, x in zip(cache, new)))
     return cache, tuple(jax.lax.dynamic_slice(c, (*layer,) + (0,) * (c.ndim - n), (1,) * n + c.shape[n:])
                         .reshape(c.shape[n:]).astype(dtype) for c in cache)
 
@@ -411,7 +418,7 @@ class Attention(nnx.Module):
         and read them again (a token of the 8B on an H200: 9.6 ms fused, 5.9 unfused; benchmarks/RESULTS.md,
         session 63)."""
         q, k, v = self._qkv(x, pos, inv_freq, fused=False)
-        cache, (k, v) = cache_write_read(cache, (k, v), pos.rope[0], layer, q.dtype)
+        cache, (k, v) = cache_write_read(cache, (k, v), pos.rope[..., 0], layer, q.dtype)
         o = attend_padded(functools.partial(jax.nn.dot_product_attention, mask=pos.visible[:, None],
                                             implementation="xla"), q, k, v)
         return self._out(o), cache
@@ -546,7 +553,7 @@ class LatentAttention(Attention):
         attend as `Attention.decode`: there the absorbed scores' kv_rank + r dims per query would cost
         (2 kv_rank + r) / (n + r + v) times the expanded form's FLOPs (3.4x at DeepSeek's dims)."""
         q, c, k_rope = self._latent(x, pos, inv_freq, fused=False)
-        cache, (c, k_rope) = cache_write_read(cache, (c[:, :, None, :], k_rope), pos.rope[0], layer, q.dtype)
+        cache, (c, k_rope) = cache_write_read(cache, (c[:, :, None, :], k_rope), pos.rope[..., 0], layer, q.dtype)
         c = c[:, :, 0, :]  # (B,S,kv_rank)
         if x.shape[1] > 1:
             k, v = self._expand(c, k_rope)

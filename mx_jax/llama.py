@@ -447,13 +447,14 @@ class Llama(nnx.Module):
         return (logits if every_position else logits[:, 0].astype(jnp.float32)), {**cache, **new}
 
     def _positions(self, t: int, cache: dict, index: jax.Array, first: jax.Array) -> tuple[Positions, jax.Array]:
-        """The Positions of T new tokens at cache positions index .. index+T-1 (`decode`), and RoPE's inverse
-        frequencies."""
+        """The Positions of T new tokens at cache positions index .. index+T-1 (`decode`; index a scalar, or each
+        row's (B,)), and RoPE's inverse frequencies."""
         cfg = self.cfg
         length = jax.tree.leaves(cache)[0].shape[-3]
-        here = index + jnp.arange(t)  # (T,)
+        here = jnp.asarray(index)[..., None] + jnp.arange(t)  # (T,), or (B, T)
+        at = jnp.broadcast_to(here, (first.shape[0], t))[..., None]  # (B, T, 1)
         keys = jnp.arange(length)
-        visible = ((keys >= first[:, None, None]) & (keys <= here[:, None])) | (keys == here[:, None])
+        visible = ((keys >= first[:, None, None]) & (keys <= at)) | (keys == at)
         return Positions(here, visible=visible), rope_inv_freq(cfg.rope_dim, cfg.rope_theta, cfg.rope_scaling)
 
     def _decode_trunk(self, tokens: jax.Array, cache: dict, index: jax.Array, first: jax.Array

@@ -31,11 +31,11 @@ batch's rows share the per-tensor scales; the default bf16 and the rowwise recip
 
 `--speculative` (a model with multi-token prediction modules, model.mtp: DeepSeek-V3's, or one trained with them)
 decodes with drafts: the first MTP module proposes the token after next from the model's hidden states, and each
-step runs the model over its last token and that draft, keeps the draft with speculative sampling's probability
+step runs the model over a row's last token and that draft, keeps the draft with speculative sampling's probability
 (`speculative_choice`: where it is the model's argmax, greedily) and then a token after it as well: up to two
-tokens for one step of the model over two positions (`Decoder.run_speculative`). The tokens are distributed as
-plain sampling's at the same temperature and top-k, and at temperature 0 they are plain greedy decoding's
-(tests/test_mtp.py); one sample of --prompt. The 142M byte-level model trained 1,000 steps with model.mtp.depth=1
+tokens for one step of the model over two positions (`Decoder._run_speculative`; the rows of a batch advance apart,
+each at its own cache positions). The tokens are distributed as plain sampling's at the same temperature and top-k,
+and at temperature 0 they are plain greedy decoding's (tests/test_mtp.py), for --prompt, --num and --prompts alike. The 142M byte-level model trained 1,000 steps with model.mtp.depth=1
 drew 1,024 greedy tokens on an H200 at 704 tokens/s against 447 (96% of its drafts kept on its repetitive greedy
 text), and at temperature 0.8 906 against 548 (89% kept; benchmarks/RESULTS.md, session 72).
 
@@ -313,8 +313,12 @@ class Decoder:
     serves every token of every batch of the same shape."""
 
     def __init__(self, setup: train.Setup, params: dict, buffers: dict, *, vocab_limit: int | None = None,
-                 temperature: float = 0.8, top_k: int = 0, cache_sharding=None):
-        """cache_sharding: the KV cache's (`tensor_parallel`); None: where jax puts it (one device)."""
+                 temperature: float = 0.8, top_k: int = 0, cache_sharding=None, speculative: bool = False):
+        """cache_sharding: the KV cache's (`tensor_parallel`); None: where jax puts it (one device). speculative:
+        `run` drafts with the model's first multi-token prediction module (`_run_speculative`; model.mtp)."""
+        if speculative and not setup.cfg.model.mtp.depth:
+            raise ConfigError("speculative decoding drafts with the model's multi-token prediction module, and this "
+                              "model has none (model.mtp.depth=0)")
         self.setup, self.params, self.buffers = setup, params, buffers
         cfg = setup.cfg.model
         limit = vocab_limit or cfg.vocab_size
@@ -324,7 +328,7 @@ class Decoder:
             return _draw(logits, jax.random.fold_in(key, step), limit, temperature, top_k), cache
 
         self._advance = jax.jit(advance, donate_argnums=3)
-        def make_cache(batch, length, mtp):
+        def make_cache(batch, length, mtp=False):
             return init_cache(cfg, batch, length, jnp.dtype(cfg.compute_dtype), mtp)
 
         self._cache = jax.jit(make_cache, static_argnums=(0, 1, 2), out_shardings=cache_sharding)
@@ -342,7 +346,7 @@ class Decoder:
             q = dist(model.head_logits(g[:, -1]))
             return y, _sample(keys[1], q), q, cache
 
-        def draft_step(params, buffers, x, d, q, cache, index, first, key, step):
+        def draft_step(params, buffers, x, d, q, cache, index, count, limit, first, key, step):
             model = nnx.merge(setup.graphdef, params, buffers)
             h, cache = model.decode_hidden(jnp.stack([x, d], axis=1), cache, index, first)
             z = model.head_logits(h)  # (B, 2, V): after x, and after the draft d
@@ -351,12 +355,16 @@ class Decoder:
             y = jnp.stack([t, _sample(keys[1], dist(z[:, 1]))], axis=1)  # (B, 2): the second kept with the draft
             g, cache = model.decode_mtp(y, h, cache, index, first)
             pick = accept.astype(jnp.int32)
-            q = dist(jnp.take_along_axis(model.head_logits(g), pick[:, None, None], 1)[:, 0])  # the next draft's
-            return (y, pick, jnp.take_along_axis(y, pick[:, None], 1)[:, 0], _sample(keys[2], q), q, cache,
-                    index + 1 + pick[0])
+            q_next = dist(jnp.take_along_axis(model.head_logits(g), pick[:, None, None], 1)[:, 0])  # the next draft's
+            live = count < limit  # a row with its tokens stays where it is
+            advance = jnp.where(live, 1 + pick, 0)
+            return (y, advance, jnp.where(live, jnp.take_along_axis(y, pick[:, None], 1)[:, 0], x),
+                    jnp.where(live, _sample(keys[2], q_next), d), jnp.where(live[:, None], q_next, q), cache,
+                    index + advance, count + advance)
 
         self._draft_prefill = jax.jit(draft_prefill, donate_argnums=3)
         self._draft_step = jax.jit(draft_step, donate_argnums=5)
+        self.speculative = speculative
 
     def run(self, prompts: list[list[int]], n_tokens: int, *, seed: int = 0, stop_id: int | None = None,
             stats: dict | None = None) -> np.ndarray:
@@ -365,15 +373,11 @@ class Decoder:
         `stats` gets wall seconds: "prefill_s" (the first token's, with the prefill's compile where its shape is
         new), "first_step_s" (the second token's, with the step's compile) and "decode_s" (the rest, "steps"
         tokens)."""
-        if any(not p for p in prompts):
-            raise ConfigError("an empty prompt has no last token to continue from")
+        if self.speculative:
+            return self._run_speculative(prompts, n_tokens, seed=seed, stop_id=stop_id, stats=stats)
         b = len(prompts)
-        width = -(-max(map(len, prompts)) // WINDOW_MULTIPLE) * WINDOW_MULTIPLE
+        tokens, first, width = _left_padded(prompts)
         length = -(-(width + n_tokens) // WINDOW_MULTIPLE) * WINDOW_MULTIPLE
-        tokens = np.zeros((b, width), np.int32)
-        for i, p in enumerate(prompts):
-            tokens[i, width - len(p):] = p
-        first = jnp.asarray([width - len(p) for p in prompts], jnp.int32)
         key = jax.random.key(seed)
         t0 = time.perf_counter()
         nxt, cache = self._advance(self.params, self.buffers, jnp.asarray(tokens), self._cache(b, length, False),
@@ -398,59 +402,80 @@ class Decoder:
         if stats is not None:
             stats.update(prefill_s=t1 - t0, first_step_s=t2 - t1, decode_s=time.perf_counter() - t2,
                          steps=max(len(drawn) - 2, 0))
-        if stop_id is not None:  # cut after the last row's stop_id
-            hit = out == stop_id
-            if hit.any(axis=1).all():
-                out = out[:, :int(hit.argmax(axis=1).max()) + 1]
-        return out
+        return _cut_at_stop(out, stop_id)
 
 
-    def run_speculative(self, prompt: list[int], n_tokens: int, *, seed: int = 0, stop_id: int | None = None,
-                        stats: dict | None = None) -> np.ndarray:
-        """`run`'s tokens for one prompt, (1, n), drafted by the model's first multi-token prediction module
-        (model.mtp; DeepSeek-V3's speculative decoding) and verified by the model: a step runs the model over the
-        last token x and the draft d (positions p, p + 1) and keeps a token at p + 1 by `speculative_choice`: d,
-        with the probability that keeps the model's distribution, and then also a token drawn after d (two tokens
-        for one step), else one drawn from what the draft left out; the MTP module then drafts the next one from
-        the model's hidden states and the tokens kept (a rejected draft's keys and values are overwritten at the
-        next step). The tokens are distributed as the model's at this temperature and top-k, whatever the drafts;
-        at temperature 0 they are its greedy tokens, up to ties the different GEMM shapes may break otherwise.
-        `stats` as `run`'s, with "accepted" drafts."""
-        if not prompt:
-            raise ConfigError("an empty prompt has no last token to continue from")
-        width = -(-len(prompt) // WINDOW_MULTIPLE) * WINDOW_MULTIPLE
-        # a step writes two positions, and up to STOP_CHECK steps run past the last token kept
-        length = -(-(width + n_tokens + 2 * STOP_CHECK + 2) // WINDOW_MULTIPLE) * WINDOW_MULTIPLE
-        tokens = np.zeros((1, width), np.int32)
-        tokens[0, width - len(prompt):] = prompt
-        first = jnp.asarray([width - len(prompt)], jnp.int32)
+    def _run_speculative(self, prompts: list[list[int]], n_tokens: int, *, seed: int = 0,
+                         stop_id: int | None = None, stats: dict | None = None) -> np.ndarray:
+        """`run` with drafts from the model's first multi-token prediction module (model.mtp; DeepSeek-V3's
+        speculative decoding), verified by the model: a step runs the model over each row's last token x and its
+        draft d (positions p, p + 1) and keeps a token at p + 1 by `speculative_choice`: d, with the probability
+        that keeps the model's distribution, and then also a token drawn after d (two tokens for one step), else one
+        drawn from what the draft left out; the MTP module then drafts the next one from the model's hidden states
+        and the tokens kept (a rejected draft's keys and values are overwritten at the next step). The rows advance
+        apart, each at its own cache positions, and stop advancing at n_tokens. The tokens are distributed as the
+        model's at this temperature and top-k, whatever the drafts; at temperature 0 they are its greedy tokens, up
+        to ties the different GEMM shapes may break otherwise. `stats` as `run`'s, with "proposals" (drafts made for
+        rows still drawing), "accepted" (those kept) and "tokens" (drawn by the steps)."""
+        b = len(prompts)
+        tokens, first, width = _left_padded(prompts)
+        # a step writes two positions; a row stops advancing at n_tokens
+        length = -(-(width + n_tokens + 2) // WINDOW_MULTIPLE) * WINDOW_MULTIPLE
         t0 = time.perf_counter()
         key = jax.random.key(seed)
         x, d, q, cache = self._draft_prefill(self.params, self.buffers, jnp.asarray(tokens),
-                                             self._cache(1, length, True), first, key)
-        x.block_until_ready()
+                                             self._cache(b, length, True), first, key)
+        kept = [[int(t)] for t in jax.device_get(x)]
         t1 = t2 = time.perf_counter()
-        index, kept, pending, n_steps = jnp.int32(width), [int(x[0])], [], 0
-        while len(kept) < n_tokens and not (stop_id is not None and stop_id in kept):
-            y, accept, x, d, q, cache, index = self._draft_step(self.params, self.buffers, x, d, q, cache, index, first,
-                                                                key, np.int32(n_steps))
-            pending.append((y, accept))
+        index, count, limit = jnp.full((b,), width, jnp.int32), jnp.ones((b,), jnp.int32), np.int32(n_tokens)
+        pending, n_steps, accepted, proposals = [], 0, 0, 0
+
+        def done(row: list[int]) -> bool:
+            return len(row) >= n_tokens or (stop_id is not None and stop_id in row)
+
+        while not all(map(done, kept)):
+            y, advance, x, d, q, cache, index, count = self._draft_step(
+                self.params, self.buffers, x, d, q, cache, index, count, limit, first, key, np.int32(n_steps))
+            pending.append((y, advance))
             n_steps += 1
             if n_steps == 1:  # the step's compile, where this shape is new, is not a step's time
                 x.block_until_ready()
                 t2 = time.perf_counter()
-            if len(pending) == STOP_CHECK or len(kept) + 2 * len(pending) >= n_tokens:
-                for y, a in jax.device_get(pending):
-                    kept += [int(y[0, 0])] + ([int(y[0, 1])] if a[0] else [])
+            if len(pending) == STOP_CHECK or min(map(len, kept)) + 2 * len(pending) >= n_tokens:
+                for y, adv in jax.device_get(pending):
+                    for row, ys, a in zip(kept, y, adv):
+                        row += ys[:a].tolist()
+                        accepted, proposals = accepted + int(a == 2), proposals + int(a > 0)
                 pending = []
-        out = np.asarray(kept[:n_tokens], np.int32)[None]
+        width_out = min(n_tokens, max(map(len, kept)))
+        fill = stop_id if stop_id is not None else 0  # after a row's stop_id: whatever (as `run`'s rows)
+        out = np.asarray([row[:width_out] + [fill] * (width_out - len(row)) for row in kept], np.int32)
         if stats is not None:
             stats.update(prefill_s=t1 - t0, first_step_s=t2 - t1, decode_s=time.perf_counter() - t2,
-                         steps=max(n_steps - 1, 0), tokens_after_first_step=max(len(kept) - 1, 0),
-                         accepted=len(kept) - 1 - n_steps)
-        if stop_id is not None and stop_id in kept:
-            out = out[:, :kept.index(stop_id) + 1]
-        return out
+                         steps=max(n_steps - 1, 0), proposals=proposals, accepted=accepted,
+                         tokens=sum(map(len, kept)) - b)
+        return _cut_at_stop(out, stop_id)
+
+
+def _left_padded(prompts: list[list[int]]) -> tuple[np.ndarray, jax.Array, int]:
+    """(tokens (B, P) with each prompt at the end of its row, first (B,): where each starts, P): P is the longest
+    prompt rounded up to a multiple of WINDOW_MULTIPLE."""
+    if any(not p for p in prompts):
+        raise ConfigError("an empty prompt has no last token to continue from")
+    width = -(-max(map(len, prompts)) // WINDOW_MULTIPLE) * WINDOW_MULTIPLE
+    tokens = np.zeros((len(prompts), width), np.int32)
+    for i, p in enumerate(prompts):
+        tokens[i, width - len(p):] = p
+    return tokens, jnp.asarray([width - len(p) for p in prompts], jnp.int32), width
+
+
+def _cut_at_stop(out: np.ndarray, stop_id: int | None) -> np.ndarray:
+    """`out` (B, n) cut after the last row's stop_id, where every row has drawn it."""
+    if stop_id is not None:
+        hit = out == stop_id
+        if hit.any(axis=1).all():
+            out = out[:, :int(hit.argmax(axis=1).max()) + 1]
+    return out
 
 
 def generate(setup: train.Setup, params: dict, buffers: dict, prompt: list[int], n_tokens: int, *, num: int = 1,
@@ -582,7 +607,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=200, help="tokens to draw per sample")
     ap.add_argument("--num", type=int, default=1, help="samples per prompt, drawn in one batch")
     ap.add_argument("--speculative", action="store_true", help="draft with the model's multi-token prediction "
-                    "module (model.mtp) and verify with the model: up to two tokens a step, one sample of --prompt")
+                    "module (model.mtp) and verify with the model: up to two tokens a step")
     ap.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
     ap.add_argument("--top-k", type=int, default=0, help="draw from the k likeliest tokens only (0 = all)")
     ap.add_argument("--seed", type=int, default=0)
@@ -615,12 +640,10 @@ def main(argv: list[str] | None = None) -> int:
         if not args.temperature >= 0:
             raise ConfigError(f"--temperature: must be >= 0, got {args.temperature}")
         if args.speculative:
-            for flag, bad in (("--prompts", args.prompts is not None), ("--choices", args.choices is not None),
-                              ("--loss", args.loss is not None), ("--num", args.num != 1),
+            for flag, bad in (("--choices", args.choices is not None), ("--loss", args.loss is not None),
                               ("--devices", args.devices != 1)):
                 if bad:
-                    raise ConfigError(f"--speculative draws one sample of --prompt on one device; it does not go "
-                                      f"with {flag}")
+                    raise ConfigError(f"--speculative draws samples on one device; it does not go with {flag}")
         if args.choices is not None and (args.prompts is not None or args.prompt is not None or args.chat):
             raise ConfigError("--choices scores a file of choices; it does not go with --prompt, --prompts or --chat")
         if args.loss is not None and (args.choices is not None or args.prompts is not None or args.prompt is not None
@@ -681,7 +704,7 @@ def main(argv: list[str] | None = None) -> int:
                                   f"(model.vocab_size={cfg.model.vocab_size}); is --tokenizer the run's?")
         if not 1 <= args.devices <= jax.local_device_count():
             raise ConfigError(f"--devices: {args.devices}, but this process has {jax.local_device_count()}")
-        if args.speculative and not cfg.model.mtp.depth:
+        if args.speculative and not cfg.model.mtp.depth:  # before the checkpoint is read
             raise ConfigError("--speculative drafts with the model's multi-token prediction module, and this run's "
                               "model has none (model.mtp.depth=0)")
         mesh = sharding.make_mesh(cfg.mesh, jax.devices()[:1])
@@ -693,7 +716,7 @@ def main(argv: list[str] | None = None) -> int:
         with jax.set_mesh(mesh) if split is None else moe.hidden_split(split.mesh):
             params, buffers = load_model_state(cfg, setup, path, args.step, split and (split.params, split.buffers))
             decoder = Decoder(setup, params, buffers, vocab_limit=vocab_limit, temperature=args.temperature,
-                              top_k=args.top_k, cache_sharding=split and split.cache)
+                              top_k=args.top_k, cache_sharding=split and split.cache, speculative=args.speculative)
             if args.choices is not None:
                 scorer = choices.CachedScorer(setup.graphdef, cfg.model, split and split.cache)
                 records = []
@@ -736,10 +759,7 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"note: {total} positions exceed the run's data.seq_len={cfg.data.seq_len}; the model "
                           f"never trained on positions that far", file=sys.stderr)
                 stats: dict = {}
-                if args.speculative:
-                    out = decoder.run_speculative(prompt, args.tokens, seed=args.seed, stop_id=stop_id, stats=stats)
-                else:
-                    out = decoder.run([prompt] * args.num, args.tokens, seed=args.seed, stop_id=stop_id, stats=stats)
+                out = decoder.run([prompt] * args.num, args.tokens, seed=args.seed, stop_id=stop_id, stats=stats)
     except (ConfigError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -765,10 +785,9 @@ def main(argv: list[str] | None = None) -> int:
         print(tok.decode(prompt + ids[:end]) + ("\n[end of text]" if end is not None else ""))
     rest = (f", then {stats['steps'] / stats['decode_s']:.1f} draws/s" if stats["steps"] else "")
     if args.speculative and stats["steps"]:
-        per_step = stats["tokens_after_first_step"] / (stats["steps"] + 1)
-        rest = (f", then {stats['steps'] / stats['decode_s']:.1f} steps/s of {per_step:.2f} tokens each (drafts kept: "
-                f"{stats['accepted']} of {stats['steps'] + 1}), {per_step * stats['steps'] / stats['decode_s']:.1f} "
-                f"tokens/s")
+        per_step, rate = stats["tokens"] / stats["proposals"], stats["steps"] / stats["decode_s"]
+        rest = (f", then {rate:.1f} steps/s of {per_step:.2f} tokens a row each (drafts kept: {stats['accepted']} of "
+                f"{stats['proposals']}), {per_step * rate:.1f} tokens/s a row")
     where = f", split over {args.devices} devices" if args.devices > 1 else ""
     print(f"----- {args.num} x {out.shape[1]} tokens, {tok.spec} tokenizer, quant.recipe={cfg.quant.recipe}{where}: "
           f"prompt of {len(prompt)} tokens and first two draws {stats['prefill_s'] + stats['first_step_s']:.1f} s "

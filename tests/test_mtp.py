@@ -203,9 +203,10 @@ def test_the_decoding_path_of_the_mtp_module_is_the_training_forwards(moe):
 
 @pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
 def test_speculative_decoding_draws_the_models_greedy_tokens(tmp_path, moe):
-    """`Decoder.run_speculative` keeps a draft only where the model would have drawn it: its tokens are `run`'s
-    greedy ones. The head is zero but for tokens 1-3, so that the model's and the MTP module's argmax agree often
-    and not always: drafts are kept and rejected within one run, through the caches of both."""
+    """A speculative Decoder keeps a draft only where the model would have drawn it: its tokens are the plain
+    Decoder's greedy ones, for a batch of prompts of different lengths whose rows keep different numbers of drafts
+    and so advance apart. The head is zero but for tokens 1-3, so that the model's and the MTP module's argmax agree
+    often and not always: drafts are kept and rejected within one run, through the caches of both."""
     from mx_jax import sample
 
     cfg, mesh = _setup(tmp_path, "model.mtp.depth=1", *(MOE if moe else ()))
@@ -215,17 +216,16 @@ def test_speculative_decoding_draws_the_models_greedy_tokens(tmp_path, moe):
         head = np.zeros(state["params"]["head"].shape, np.float32)
         head[:, 1:4] = np.random.default_rng(0).standard_normal((head.shape[0], 3))
         params = {**state["params"], "head": jnp.asarray(head)}
-        decoder = sample.Decoder(setup, params, state["buffers"], temperature=0.0)
-        kept = rejected = 0
-        for seed in range(3):
-            prompt = np.random.default_rng(seed).integers(0, 256, 12).tolist()
-            stats: dict = {}
-            got = decoder.run_speculative(prompt, 40, stats=stats)
-            np.testing.assert_array_equal(got, decoder.run([prompt], 40))
-            assert 0 <= stats["accepted"] <= stats["steps"] + 1
-            kept += stats["accepted"]
-            rejected += stats["steps"] + 1 - stats["accepted"]
-        assert kept > 0 and rejected > 0
+        plain = sample.Decoder(setup, params, state["buffers"], temperature=0.0)
+        speculative = sample.Decoder(setup, params, state["buffers"], temperature=0.0, speculative=True)
+        prompts = [np.random.default_rng(seed).integers(0, 256, n).tolist() for seed, n in ((0, 12), (1, 5), (2, 9))]
+        stats: dict = {}
+        got = speculative.run(prompts, 40, stats=stats)
+        np.testing.assert_array_equal(got, plain.run(prompts, 40))
+        for prompt, row in zip(prompts, got):  # and each row as it decodes alone
+            np.testing.assert_array_equal(speculative.run([prompt], 40), row[None])
+    assert 0 < stats["accepted"] < stats["proposals"]  # drafts kept and rejected
+    assert stats["tokens"] == stats["proposals"] + stats["accepted"] >= 3 * 39
 
 
 def test_cli_speculative_decoding(tmp_path, capsys):
@@ -238,9 +238,10 @@ def test_cli_speculative_decoding(tmp_path, capsys):
     assert sample.main([str(run), "--speculative", "--temperature", "0", "--tokens", "12", "--prompt", "x = "]) == 0
     out = capsys.readouterr()
     assert out.out.count("----- sample") == 1 and "1 x 12 tokens" in out.err and "drafts kept:" in out.err
-    assert sample.main([str(run), "--speculative", "--tokens", "12", "--top-k", "5", "--seed", "3"]) == 0  # sampled
-    assert "drafts kept:" in capsys.readouterr().err
-    for flags, message in ((["--speculative", "--temperature", "0", "--num", "2"], "it does not go with --num"),
+    assert sample.main([str(run), "--speculative", "--tokens", "12", "--top-k", "5", "--num", "3"]) == 0  # sampled
+    out = capsys.readouterr()
+    assert out.out.count("----- sample") == 3 and "drafts kept:" in out.err
+    for flags, message in ((["--speculative", "--devices", "2"], "it does not go with --devices"),
                            (["--speculative", "--temperature", "0", "model.mtp.depth=0"],
                             "this run's model has none (model.mtp.depth=0)")):
         assert sample.main([str(run), *flags]) == 2, flags
@@ -278,9 +279,10 @@ def test_speculative_sampling_repeats_with_its_seed(tmp_path):
     with jax.set_mesh(mesh):
         setup = train.build(cfg, mesh)
         state = train.init_state(setup)
-        decoder = sample.Decoder(setup, state["params"], state["buffers"], temperature=1.0, top_k=20, vocab_limit=100)
-        prompt = [5, 6, 7]
-        one, two = (decoder.run_speculative(prompt, 30, seed=s) for s in (0, 1))
-        np.testing.assert_array_equal(decoder.run_speculative(prompt, 30, seed=0), one)
-    assert one.shape == two.shape == (1, 30) and not np.array_equal(one, two)
+        decoder = sample.Decoder(setup, state["params"], state["buffers"], temperature=1.0, top_k=20, vocab_limit=100,
+                                 speculative=True)
+        prompts = [[5, 6, 7], [8]]
+        one, two = (decoder.run(prompts, 30, seed=s) for s in (0, 1))
+        np.testing.assert_array_equal(decoder.run(prompts, 30, seed=0), one)
+    assert one.shape == two.shape == (2, 30) and not np.array_equal(one, two)
     assert one.max() < 100 and two.max() < 100
