@@ -328,6 +328,7 @@ class Decoder:
             return _draw(logits, jax.random.fold_in(key, step), limit, temperature, top_k), cache
 
         self._advance = jax.jit(advance, donate_argnums=3)
+
         def make_cache(batch, length, mtp=False):
             return init_cache(cfg, batch, length, jnp.dtype(cfg.compute_dtype), mtp)
 
@@ -346,7 +347,7 @@ class Decoder:
             q = dist(model.head_logits(g[:, -1]))
             return y, _sample(keys[1], q), q, cache
 
-        def draft_step(params, buffers, x, d, q, cache, index, count, limit, first, key, step):
+        def draft_step(params, buffers, x, d, q, cache, index, count, n_tokens, first, key, step):
             model = nnx.merge(setup.graphdef, params, buffers)
             h, cache = model.decode_hidden(jnp.stack([x, d], axis=1), cache, index, first)
             z = model.head_logits(h)  # (B, 2, V): after x, and after the draft d
@@ -356,7 +357,7 @@ class Decoder:
             g, cache = model.decode_mtp(y, h, cache, index, first)
             pick = accept.astype(jnp.int32)
             q_next = dist(jnp.take_along_axis(model.head_logits(g), pick[:, None, None], 1)[:, 0])  # the next draft's
-            live = count < limit  # a row with its tokens stays where it is
+            live = count < n_tokens  # a row with its tokens stays where it is
             advance = jnp.where(live, 1 + pick, 0)
             return (y, advance, jnp.where(live, jnp.take_along_axis(y, pick[:, None], 1)[:, 0], x),
                     jnp.where(live, _sample(keys[2], q_next), d), jnp.where(live[:, None], q_next, q), cache,
@@ -427,7 +428,7 @@ class Decoder:
                                              self._cache(b, length, True), first, key)
         kept = [[int(t)] for t in jax.device_get(x)]
         t1 = t2 = time.perf_counter()
-        index, count, limit = jnp.full((b,), width, jnp.int32), jnp.ones((b,), jnp.int32), np.int32(n_tokens)
+        index, count = jnp.full((b,), width, jnp.int32), jnp.ones((b,), jnp.int32)
         pending, n_steps, accepted, proposals = [], 0, 0, 0
 
         def done(row: list[int]) -> bool:
@@ -435,7 +436,8 @@ class Decoder:
 
         while not all(map(done, kept)):
             y, advance, x, d, q, cache, index, count = self._draft_step(
-                self.params, self.buffers, x, d, q, cache, index, count, limit, first, key, np.int32(n_steps))
+                self.params, self.buffers, x, d, q, cache, index, count, np.int32(n_tokens), first, key,
+                np.int32(n_steps))
             pending.append((y, advance))
             n_steps += 1
             if n_steps == 1:  # the step's compile, where this shape is new, is not a step's time
