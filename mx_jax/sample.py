@@ -35,7 +35,8 @@ step runs the model over a row's last token and that draft, keeps the draft with
 (`speculative_choice`: where it is the model's argmax, greedily) and then a token after it as well: up to two
 tokens for one step of the model over two positions (`Decoder._run_speculative`; the rows of a batch advance apart,
 each at its own cache positions). The tokens are distributed as plain sampling's at the same temperature and top-k,
-and at temperature 0 they are plain greedy decoding's (tests/test_mtp.py), for --prompt, --num and --prompts alike. The 142M byte-level model trained 1,000 steps with model.mtp.depth=1
+and at temperature 0 they are plain greedy decoding's (tests/test_mtp.py), for --prompt, --num and --prompts alike,
+on one device or split over --devices (the MTP module's weights and cache split like a layer's). The 142M byte-level model trained 1,000 steps with model.mtp.depth=1
 drew 1,024 greedy tokens on an H200 at 704 tokens/s against 447 (96% of its drafts kept on its repetitive greedy
 text), and at temperature 0.8 906 against 548 (89% kept; benchmarks/RESULTS.md, session 72).
 
@@ -250,7 +251,7 @@ def tensor_parallel(setup: train.Setup, devices: list) -> Split:
     buffers = jax.tree.map(lambda v: NamedSharding(mesh, P()), setup.abstract["buffers"])
     heads = "tensor" if cfg.n_kv_heads % n == 0 and not cfg.mla.kv_rank else None  # latents: one for all heads
     cache = jax.tree.map(lambda c: NamedSharding(mesh, P(*([None] * (c.ndim - 2)), heads, None)),
-                         jax.eval_shape(lambda: init_cache(cfg, 1, 1)))
+                         jax.eval_shape(lambda: init_cache(cfg, 1, 1, mtp=cfg.mtp.depth > 0)))
     return Split(params, buffers, cache, mesh)
 
 
@@ -329,10 +330,12 @@ class Decoder:
 
         self._advance = jax.jit(advance, donate_argnums=3)
 
-        def make_cache(batch, length, mtp=False):
-            return init_cache(cfg, batch, length, jnp.dtype(cfg.compute_dtype), mtp)
-
-        self._cache = jax.jit(make_cache, static_argnums=(0, 1, 2), out_shardings=cache_sharding)
+        # the cache with the first MTP module's (speculative decoding) or without it, as cache_sharding lays it out
+        caches = {mtp: jax.jit(functools.partial(init_cache, cfg, dtype=jnp.dtype(cfg.compute_dtype), mtp=mtp),
+                               static_argnums=(0, 1), out_shardings=cache_sharding and {
+                                   k: v for k, v in cache_sharding.items() if mtp or k != "mtp"})
+                  for mtp in (False, True)}
+        self._cache = lambda batch, length, mtp=False: caches[mtp](batch, length)
 
         def dist(logits):  # (B, V) -> the distribution a token is drawn from (`_probs`)
             return _probs(logits.astype(jnp.float32), limit, temperature, top_k)
@@ -642,10 +645,9 @@ def main(argv: list[str] | None = None) -> int:
         if not args.temperature >= 0:
             raise ConfigError(f"--temperature: must be >= 0, got {args.temperature}")
         if args.speculative:
-            for flag, bad in (("--choices", args.choices is not None), ("--loss", args.loss is not None),
-                              ("--devices", args.devices != 1)):
+            for flag, bad in (("--choices", args.choices is not None), ("--loss", args.loss is not None)):
                 if bad:
-                    raise ConfigError(f"--speculative draws samples on one device; it does not go with {flag}")
+                    raise ConfigError(f"--speculative draws samples; it does not go with {flag}")
         if args.choices is not None and (args.prompts is not None or args.prompt is not None or args.chat):
             raise ConfigError("--choices scores a file of choices; it does not go with --prompt, --prompts or --chat")
         if args.loss is not None and (args.choices is not None or args.prompts is not None or args.prompt is not None

@@ -241,7 +241,7 @@ def test_cli_speculative_decoding(tmp_path, capsys):
     assert sample.main([str(run), "--speculative", "--tokens", "12", "--top-k", "5", "--num", "3"]) == 0  # sampled
     out = capsys.readouterr()
     assert out.out.count("----- sample") == 3 and "drafts kept:" in out.err
-    for flags, message in ((["--speculative", "--devices", "2"], "it does not go with --devices"),
+    for flags, message in ((["--speculative", "--choices", str(run / "config.yaml")], "it does not go with --choices"),
                            (["--speculative", "--temperature", "0", "model.mtp.depth=0"],
                             "this run's model has none (model.mtp.depth=0)")):
         assert sample.main([str(run), *flags]) == 2, flags
@@ -286,3 +286,28 @@ def test_speculative_sampling_repeats_with_its_seed(tmp_path):
         np.testing.assert_array_equal(decoder.run(prompts, 30, seed=0), one)
     assert one.shape == two.shape == (2, 30) and not np.array_equal(one, two)
     assert one.max() < 100 and two.max() < 100
+
+
+def test_speculative_decoding_split_over_devices_draws_what_one_does(tmp_path):
+    """--devices 2 --speculative: the MTP module's weights and cache split like the model's, the same greedy tokens
+    as one device (a MoE model: its experts in shard_map, the MTP module's too)."""
+    from mx_jax import sample
+    from tests.helpers import need_devices
+
+    need_devices(2)
+    cfg, mesh = _setup(tmp_path, "model.mtp.depth=1", *MOE)
+    with jax.set_mesh(mesh):
+        setup = train.build(cfg, mesh)
+        state = train.init_state(setup)
+        head = np.zeros(state["params"]["head"].shape, np.float32)
+        head[:, 1:4] = np.random.default_rng(0).standard_normal((head.shape[0], 3))
+        params = jax.tree.map(np.asarray, {**state["params"], "head": jnp.asarray(head)})
+        buffers = jax.tree.map(np.asarray, state["buffers"])
+        prompts = [[5, 6, 7, 8], [9, 10]]
+        want = sample.Decoder(setup, params, buffers, temperature=0.0, speculative=True).run(prompts, 24)
+    split = sample.tensor_parallel(setup, jax.devices()[:2])
+    with sample.moe.hidden_split(split.mesh):
+        placed = jax.tree.map(jax.device_put, params, split.params), jax.tree.map(jax.device_put, buffers, split.buffers)
+        decoder = sample.Decoder(setup, *placed, temperature=0.0, cache_sharding=split.cache, speculative=True)
+        np.testing.assert_array_equal(decoder.run(prompts, 24), want)
+        assert decoder._cache(2, 128, True)["mtp"].k.sharding.spec[-2] == "tensor"
