@@ -65,8 +65,9 @@ class MTPConfig:
     """Multi-token prediction (DeepSeek-V3's MTP; llama.MTPLayer): `depth` more modules after the model, the k-th
     predicting the token k + 1 ahead of each position from the (k-1)-th's hidden state and the token k ahead's
     embedding, through one more transformer block and the shared output head. Training adds their cross-entropy,
-    times loss_scale / depth, to the loss (metric mtp_loss: their mean); the held-out loss, sampling and export to a
-    format without MTP layers use the main model only."""
+    times loss_scale / depth, to the loss (metric mtp_loss: their mean; mtp_loss/k each one's where depth > 1);
+    the held-out loss and export to a format without MTP layers use the main model only, and sampling drafts with
+    the first module where asked (`sample --speculative`)."""
 
     depth: int = 0  # MTP modules (DeepSeek-V3's num_nextn_predict_layers: 1); 0 = off
     loss_scale: float = 0.3  # lambda: DeepSeek-V3's 0.3 for its first 10T tokens, 0.1 for the last 4.8T

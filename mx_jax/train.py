@@ -191,7 +191,8 @@ def make_loss_fn(setup: Setup, mtp: bool = True):
 
     With model.mtp.depth D > 0 (and `mtp`; the held-out loss leaves it out) the MTP term is DeepSeek-V3's
     loss_scale / D x sum_k CE_k, CE_k the k-th module's cross-entropy against the targets k ahead
-    (llama.mtp_targets) over the same `count`, the paper's 1/T; the third element is mean_k CE_k (0 without MTP)."""
+    (llama.mtp_targets) over the same `count`, the paper's 1/T; the third element is CE_k for k = 1 .. D, (D,)
+    (empty without MTP)."""
     graphdef, model_cfg = setup.graphdef, setup.cfg.model
     depth = model_cfg.mtp.depth if mtp else 0
 
@@ -200,13 +201,13 @@ def make_loss_fn(setup: Setup, mtp: bool = True):
         vocab_parallel = bool(head_vocab_axes(model_cfg, setup.plan.recipes["head"], targets.size))
         if depth:
             logits, stats, ahead = model(inputs, logits_dtype=model_cfg.compute_dtype, mtp=True)
-            mtp_ce = sum(cross_entropy(z, mtp_targets(targets, k), vocab_parallel, count)
-                         for k, z in enumerate(ahead, 1)) / depth
+            mtp_ce = jnp.stack([cross_entropy(z, mtp_targets(targets, k), vocab_parallel, count)
+                                for k, z in enumerate(ahead, 1)])
         else:
             logits, stats = model(inputs, logits_dtype=model_cfg.compute_dtype)
-            mtp_ce = jnp.zeros((), jnp.float32)
+            mtp_ce = jnp.zeros((0,), jnp.float32)
         ce = cross_entropy(logits, targets, vocab_parallel, count)
-        loss = ce + model_cfg.mtp.loss_scale * mtp_ce + moe_loss(model_cfg, stats) / micro
+        loss = ce + model_cfg.mtp.loss_scale * jnp.sum(mtp_ce) / max(depth, 1) + moe_loss(model_cfg, stats) / micro
         return loss, (ce, stats, mtp_ce)
 
     return loss_fn
@@ -310,7 +311,10 @@ def make_train_step(setup: Setup):
         new_state = {"step": state["step"] + 1, "params": new_params,
                      "compute": compute_copies(cfg.model, new_params, setup.plan),
                      "buffers": update_buffers(cfg.model, buffers, stats), "opt_state": opt_state}
-        out = {"loss": ce, **({"mtp_loss": mtp_ce} if cfg.model.mtp.depth else {}),
+        # MTP: the mean over the modules, and with several each module's
+        mtp = {"mtp_loss": jnp.mean(mtp_ce), **({f"mtp_loss/{k}": v for k, v in enumerate(mtp_ce, 1)}
+                                                if cfg.model.mtp.depth > 1 else {})} if cfg.model.mtp.depth else {}
+        out = {"loss": ce, **mtp,
                "grad_norm": global_norm(grads), "lr": lr_at(state["step"]),
                **_moe_metrics(stats, setup.mesh.shape["expert"], cfg.model.moe.top_k),
                **_document_metrics(cfg.model, batch["inputs"], document_chunks(setup.mesh.shape["context"])),
