@@ -32,13 +32,14 @@ batch's rows share the per-tensor scales; the default bf16 and the rowwise recip
 `--speculative` (a model with multi-token prediction modules, model.mtp: DeepSeek-V3's, or one trained with them)
 decodes with drafts: the first MTP module proposes the token after next from the model's hidden states, and each
 step runs the model over a row's last token and that draft, keeps the draft with speculative sampling's probability
-(`speculative_choice`: where it is the model's argmax, greedily) and then a token after it as well: up to two
-tokens for one step of the model over two positions (`Decoder._run_speculative`; the rows of a batch advance apart,
-each at its own cache positions). The tokens are distributed as plain sampling's at the same temperature and top-k,
-and at temperature 0 they are plain greedy decoding's (tests/test_mtp.py), for --prompt, --num and --prompts alike,
-on one device or split over --devices (the MTP module's weights and cache split like a layer's). The 142M byte-level model trained 1,000 steps with model.mtp.depth=1
-drew 1,024 greedy tokens on an H200 at 704 tokens/s against 447 (96% of its drafts kept on its repetitive greedy
-text), and at temperature 0.8 906 against 548 (89% kept; benchmarks/RESULTS.md, session 72).
+(`speculative_choice`: where it is the model's argmax, greedily) and then a token after it as well: up to two tokens
+for one step of the model over two positions (`Decoder._run_speculative`; the rows of a batch advance apart, each at
+its own cache positions). The tokens are distributed as plain sampling's at the same temperature and top-k, and at
+temperature 0 they are plain greedy decoding's (tests/test_mtp.py), for --prompt, --num and --prompts alike, on one
+device or split over --devices (the MTP module's weights and cache split like a layer's). The 142M byte-level model
+trained 1,000 steps with model.mtp.depth=1 drew 1,024 greedy tokens on an H200 at 704 tokens/s against 447 (96% of
+its drafts kept on its repetitive greedy text), and at temperature 0.8 906 against 548 (89% kept;
+benchmarks/RESULTS.md, session 72).
 
 Sampling, per sequence: logits over the tokenizer's vocabulary (ids the model has beyond it are never drawn),
 divided by the temperature, restricted to the top k, then drawn; temperature 0 is greedy (argmax). A sample ends at

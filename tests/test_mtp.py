@@ -308,7 +308,8 @@ def test_speculative_decoding_split_over_devices_draws_what_one_does(tmp_path):
         want = sample.Decoder(setup, params, buffers, temperature=0.0, speculative=True).run(prompts, 24)
     split = sample.tensor_parallel(setup, jax.devices()[:2])
     with sample.moe.hidden_split(split.mesh):
-        placed = jax.tree.map(jax.device_put, params, split.params), jax.tree.map(jax.device_put, buffers, split.buffers)
-        decoder = sample.Decoder(setup, *placed, temperature=0.0, cache_sharding=split.cache, speculative=True)
+        placed = jax.tree.map(jax.device_put, params, split.params)
+        decoder = sample.Decoder(setup, placed, jax.tree.map(jax.device_put, buffers, split.buffers), temperature=0.0,
+                                 cache_sharding=split.cache, speculative=True)
         np.testing.assert_array_equal(decoder.run(prompts, 24), want)
         assert decoder._cache(2, 128, True)["mtp"].k.sharding.spec[-2] == "tensor"
